@@ -1,0 +1,115 @@
+"""Megatron-lite GPT-2, written as an ordered list of layers.
+
+The list (`gpt_layers`) is the single definition of the model: `model.stack.LayerStack` runs it as a
+plain module and the pipeline builder hands the same specs to DeepSpeed's PipelineModule. So every
+layer takes one tensor and returns one tensor, initializes itself (GPT-2 init) in its constructor,
+and the LM head is the token embedding reused through a TiedLayerSpec.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from model.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding; its weight doubles as the LM head. Kept alone in its module because
+    TiedLayerSpec ties only `weight` across pipeline stages: anything else here would go stale."""
+
+    def __init__(self, padded_vocab_size: int, n_embd: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(padded_vocab_size, n_embd))
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight)
+
+
+def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """Logits over the padded vocabulary through the tied embedding weight."""
+    return F.linear(x, embedding.weight)
+
+
+class PositionEmbedding(nn.Module):
+    def __init__(self, block_size: int, n_embd: int, dropout: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(block_size, n_embd))
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x + self.weight[: x.size(1)])
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}")
+        self.n_head = n_head
+        self.dropout = dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # fused: one GEMM for q, k and v
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, n_embd: int, n_head: int, n_layer: int, dropout: float, bias: bool):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+        self._gpt2_init(n_layer)
+
+    def _gpt2_init(self, n_layer: int) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith("proj.weight"):
+                # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), one per residual add.
+                nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
+            elif p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def gpt_layers(cfg: ModelConfig) -> list:
+    """Embedding, position embedding, n_layer blocks, final LayerNorm, tied LM head."""
+    embed = dict(padded_vocab_size=cfg.padded_vocab_size, n_embd=cfg.n_embd)
+    return [
+        TiedLayerSpec("embed", TokenEmbedding, **embed),
+        LayerSpec(PositionEmbedding, cfg.block_size, cfg.n_embd, cfg.dropout),
+        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.dropout, cfg.bias)
+          for _ in range(cfg.n_layer)],
+        LayerSpec(nn.LayerNorm, cfg.n_embd, bias=cfg.bias),
+        TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),
+    ]

@@ -1,0 +1,92 @@
+"""The GPT layer list: shapes, causality, the tie, GPT-2 init, and exact parameter counts."""
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from model import build_model
+from model.config import ModelConfig
+from model.gpt import Block, TokenEmbedding
+from training.config import REPO_ROOT, RunConfig
+
+SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
+
+
+def preset(name: str) -> ModelConfig:
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(f"{REPO_ROOT}/configs/{name}.yaml"))
+    return OmegaConf.to_object(cfg).model
+
+
+def count_on_meta(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def test_logits_shape_covers_padded_vocab():
+    model = build_model(SMALL)
+    logits = model(torch.randint(0, 65, (3, 16)))
+    assert SMALL.padded_vocab_size == 128
+    assert logits.shape == (3, 16, 128)
+
+
+def test_shorter_sequences_than_block_size():
+    assert build_model(SMALL)(torch.randint(0, 65, (2, 5))).shape == (2, 5, 128)
+
+
+def test_changing_a_token_never_changes_earlier_logits():
+    model = build_model(SMALL).eval()
+    idx = torch.randint(0, 65, (1, 16))
+    for t in (0, 7, 15):
+        changed = idx.clone()
+        changed[0, t] = (idx[0, t] + 1) % 65
+        before, after = model(idx), model(changed)
+        torch.testing.assert_close(before[:, :t], after[:, :t], rtol=0, atol=0)
+        assert not torch.equal(before[:, t], after[:, t])
+
+
+def test_head_is_the_token_embedding_tensor():
+    model = build_model(SMALL)
+    embeddings = [m for m in model.modules() if isinstance(m, TokenEmbedding)]
+    assert len(embeddings) == 1  # one module, used twice: the head has no weight of its own
+    weight = embeddings[0].weight
+    with torch.no_grad():
+        weight[3].fill_(0.5)
+    hidden = torch.randn(1, 1, 32)
+    head_call = model._calls[-1]
+    assert model.layers[head_call[0]] is embeddings[0]
+    torch.testing.assert_close(head_call[1](embeddings[0], hidden)[0, 0, 3], hidden.sum() * 0.5)
+    # gradients from the embedding and the head land in the same tensor
+    model(torch.randint(0, 65, (2, 8))).sum().backward()
+    assert weight.grad is not None and weight.grad[64:].abs().sum() > 0  # padded rows only see the head
+
+
+def test_gpt2_init_scales_residual_projections():
+    torch.manual_seed(0)
+    block = Block(n_embd=768, n_head=12, n_layer=12, dropout=0.0, bias=True)
+    assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    assert block.attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(24), rel=0.02)
+    assert block.mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(24), rel=0.02)
+    assert block.attn.qkv.bias.abs().sum() == 0
+
+
+def test_same_seed_same_weights_and_different_seed_differs():
+    a, b, c = build_model(SMALL, seed=1), build_model(SMALL, seed=1), build_model(SMALL, seed=2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))
+
+
+# Unpadded counts are those of OpenAI's GPT-2 checkpoints; padding 50,257 -> 50,304 adds 47 x n_embd.
+@pytest.mark.parametrize("name,unpadded,padded", [
+    ("gpt2_124m", 124_439_808, 124_475_904),
+    ("gpt2_350m", 354_823_168, 354_871_296),
+    ("gpt2_774m", 774_030_080, 774_090_240),
+    ("gpt2_1.5b", 1_557_611_200, 1_557_686_400),
+])
+def test_gpt2_preset_parameter_counts(name, unpadded, padded):
+    cfg = preset(name)
+    assert cfg.padded_vocab_size == 50_304
+    assert count_on_meta(cfg) == padded
+    cfg.vocab_multiple = 1
+    assert count_on_meta(cfg) == unpadded
