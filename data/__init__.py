@@ -1,0 +1,1 @@
+"""Tokenized datasets: `python -m data.prepare` writes them, `data.loader` reads them."""
