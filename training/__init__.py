@@ -1,0 +1,1 @@
+"""Run plumbing around the model: configuration, parallel layout, metrics."""

@@ -1,0 +1,63 @@
+"""What a run measures: model FLOPs for MFU, the device peak, memory, and the metrics sink."""
+import json
+import os
+import resource
+import time
+
+import torch
+
+from model.config import ModelConfig
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+    """Training FLOPs per token (PaLM appendix B): 6N for the weight matmuls forward and backward,
+    plus 12 * n_layer * n_embd * block_size for the attention score and value matmuls."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, seconds: float = 0.5) -> float:
+    """FLOP/s of a large square matmul at `dtype`: the MFU denominator when none is configured."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up
+    _synchronize(device)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.matmul(a, b)
+        iters += 1
+        _synchronize(device)
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class MetricsLog:
+    """One JSON object per line in <out_dir>/metrics.jsonl, plus DeepSpeed's own monitors (wandb,
+    TensorBoard, CSV: whichever the ds_config enables). Only global rank 0 writes."""
+
+    def __init__(self, out_dir: str, monitor, is_writer: bool, append: bool = False):
+        self.is_writer = is_writer
+        self.monitor = monitor
+        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w") if is_writer else None
+
+    def log(self, step: int, **values) -> None:
+        if not self.is_writer:
+            return
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+        if self.monitor is not None and self.monitor.enabled:
+            self.monitor.write_events([(f"train/{k}", v, step) for k, v in values.items() if v is not None])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
