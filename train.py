@@ -1,0 +1,215 @@
+"""Train a GPT with the DeepSpeed engine.
+
+    python train.py                                             # one process, CPU quickstart
+    deepspeed --num_gpus 8 train.py --ds_config ds_configs/zero2.json --config configs/gpt2_124m.yaml
+    python train.py train.max_steps=100 model.n_layer=2 ds.zero_optimization.stage=1
+
+The ds_config JSON owns the engine (batch, ZeRO, precision, clipping); the run YAML owns everything else.
+"""
+import json
+import os
+import socket
+import sys
+import time
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from omegaconf import OmegaConf
+
+from data.loader import TokenData
+from data.tokenizers import tokenizer_from_meta
+from model import build_model
+from model.generate import generate
+from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
+from training.metrics import MetricsLog, flops_per_token, measure_peak_flops, peak_memory_gb
+from training.topology import Layout, resolve_layout
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run_overrides, ds_overrides = split_overrides(args.overrides)
+    cfg = load_run_config(args.config, run_overrides)
+    ds = load_ds_config(args.ds_config, ds_overrides)
+    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = data.meta["vocab_size"]
+    data.check_vocab(cfg.model.vocab_size)
+    set_single_process_env()
+    layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]))
+    dtype = check_precision(ds)
+    ds.update(optimizer_and_schedule(cfg, ds))
+
+    deepspeed.init_distributed()
+    rank, dp_rank = torch.distributed.get_rank(), torch.distributed.get_rank()  # pp=1: dp rank == rank
+    device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
+    get_accelerator().set_device(device.index or 0)
+    os.makedirs(cfg.train.out_dir, exist_ok=True)
+    if rank == 0:
+        save_effective_config(cfg, ds, layout)
+
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
+                                           config=ds)
+    torch.manual_seed(cfg.train.seed + rank)  # dropout differs between ranks, deterministically
+
+    log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0)
+    peak_flops = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else measure_peak_flops(device, dtype)
+    tokens_per_step = layout.global_batch * cfg.model.block_size
+    flops_per_step = flops_per_token(cfg.model, n_params) * tokens_per_step
+    if rank == 0:
+        print(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
+              f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
+
+    def evaluate(step: int) -> None:
+        losses = {split: estimate_loss(engine, data, split, cfg.train.eval_iters, dp_rank, layout, device)
+                  for split in ("train", "val")}
+        log.log(step, train_loss=losses["train"], val_loss=losses["val"])
+        if rank == 0:
+            print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+
+    evaluate(0)
+    t_last, steps_since_log = time.perf_counter(), 0
+    for step in range(1, cfg.train.max_steps + 1):
+        lr = engine.get_lr()[0]
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(layout.grad_accum):
+            inputs, targets = data.train_batch(cfg.train.seed, step, micro_step, dp_rank, layout, device)
+            loss = lm_loss(engine(inputs), targets)
+            engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
+            engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
+            loss_sum += loss.detach()
+        steps_since_log += 1
+        if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
+            loss = mean_over_ranks(loss_sum / layout.grad_accum)  # the host sync happens here only
+            elapsed, t_last = time.perf_counter() - t_last, time.perf_counter()
+            tokens_per_s = tokens_per_step * steps_since_log / elapsed
+            mfu = flops_per_step * steps_since_log / elapsed / layout.world_size / peak_flops
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            memory = peak_memory_gb(device)
+            log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
+                    peak_mem_gb=memory)
+            if rank == 0:
+                print(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm or float('nan'):.3f} | "
+                      f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB", flush=True)
+            steps_since_log = 0
+        if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
+            evaluate(step)
+            t_last = time.perf_counter()  # evaluation time is not training throughput
+    log.close()
+
+    text = sample(engine, cfg, data, device)
+    if rank == 0:
+        print(f"--- sample ---\n{text}\n--------------")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.clone()
+    torch.distributed.all_reduce(value)
+    return value.item() / torch.distributed.get_world_size()
+
+
+@torch.no_grad()
+def estimate_loss(engine, data: TokenData, split: str, iters: int, dp_rank: int, layout: Layout, device) -> float:
+    engine.eval()
+    total = torch.zeros((), device=device)
+    for inputs, targets in data.eval_batches(split, iters, dp_rank, layout, device):
+        total += lm_loss(engine(inputs), targets)
+    engine.train()
+    return mean_over_ranks(total / iters)
+
+
+@torch.no_grad()
+def sample(engine, cfg: RunConfig, data: TokenData, device) -> str:
+    """Every rank runs the same seeded generation (ZeRO-3 gathers weights collectively)."""
+    tokenizer = tokenizer_from_meta(data.meta)
+    prompt = torch.tensor([tokenizer.encode(cfg.sample.prompt)], dtype=torch.long, device=device)
+    generator = torch.Generator().manual_seed(cfg.sample.seed)
+    engine.eval()
+    out = generate(engine, prompt, cfg.sample.max_new_tokens, cfg.model.block_size, cfg.model.vocab_size,
+                   cfg.sample.temperature, cfg.sample.top_k, generator)
+    engine.train()
+    return tokenizer.decode(out[0].tolist())
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear weights, embeddings) only; never on biases or LayerNorm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
+    """The run config's AdamW and warmup-cosine schedule, as ds_config sections for DeepSpeed to build."""
+    opt = cfg.optim
+    params = {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps, "weight_decay": opt.weight_decay}
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if not offload:
+        # torch's AdamW (fused on GPU) instead of DeepSpeed's FusedAdam: no op to JIT-build, so the
+        # same code runs on CPU and on GPU machines without a compiler. Offload keeps DeepSpeedCPUAdam.
+        params["torch_adam"] = True
+        if get_accelerator().device_name() == "cuda":
+            params["fused"] = True
+    if not 0 < opt.min_lr <= opt.lr:
+        raise ConfigError(f"optim.min_lr={opt.min_lr} must be in (0, optim.lr={opt.lr}]")
+    if opt.warmup_steps < 1:
+        raise ConfigError(f"optim.warmup_steps={opt.warmup_steps} must be at least 1")
+    schedule = {"total_num_steps": cfg.train.max_steps, "warmup_num_steps": opt.warmup_steps,
+                "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": opt.min_lr / opt.lr}
+    return {"optimizer": {"type": "AdamW", "params": params},
+            "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
+
+
+def check_precision(ds: dict) -> torch.dtype:
+    """The compute dtype the ds_config asks for, if this machine has it."""
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    fp16 = ds.get("fp16", {}).get("enabled", False)
+    accelerator = get_accelerator()
+    if fp16 and not accelerator.is_fp16_supported():
+        raise ConfigError(f"fp16 is not supported on {accelerator.device_name()}: use a bf16 ds_config "
+                          f"(e.g. ds_configs/zero2.json) or set ds.fp16.enabled=false")
+    if bf16 and not accelerator.is_bf16_supported():
+        raise ConfigError(f"bf16 is not supported on this {accelerator.device_name()} device: use "
+                          f"ds_configs/zero2_fp16.json or set ds.bf16.enabled=false")
+    if bf16 and fp16:
+        raise ConfigError("the ds_config enables both bf16 and fp16: enable one")
+    if accelerator.device_name() == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+
+def set_single_process_env() -> None:
+    """Without the launcher, DeepSpeed looks for MPI; a one-process world needs only these variables."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
+    run_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    ds_json = json.dumps(ds, indent=2)
+    print(f"run config:\n{run_yaml}ds_config:\n{ds_json}\nlayout: {layout.describe()}", flush=True)
+    with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
+        f.write(run_yaml)
+    with open(os.path.join(cfg.train.out_dir, "ds_config.json"), "w") as f:
+        f.write(ds_json + "\n")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one copy of the message per node
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
