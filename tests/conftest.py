@@ -1,0 +1,65 @@
+"""Shared fixtures: the real Shakespeare text, prepared datasets, and runs of train.py through the
+real `deepspeed` launcher (N CPU processes over gloo)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT", os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt"))
+
+# A model small enough that a multi-process run takes seconds on 2 cores.
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+        "train.eval_iters=2", "train.eval_interval=1000", "train.log_interval=1", "sample.max_new_tokens=16"]
+FP32 = ["ds.bf16.enabled=false"]
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path() -> str:
+    if not os.path.isfile(SHAKESPEARE):
+        pytest.fail(f"tinyshakespeare not found at {SHAKESPEARE}: set SHAKESPEARE_TXT to its path")
+    return SHAKESPEARE
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory, shakespeare_path) -> str:
+    out = str(tmp_path_factory.mktemp("shakespeare_char"))
+    run([sys.executable, "-m", "data.prepare", "--tokenizer", "char", "--input", shakespeare_path, "--out_dir", out])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None = None):
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True, timeout=600):
+    """`deepspeed --num_gpus N train.py ...`, as a user types it."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "train.py",
+           "--ds_config", os.path.join(REPO, "ds_configs", ds_config),
+           f"train.out_dir={out_dir}", f"data.dir={data_dir}", *TINY, *overrides]
+    # One thread per rank: N ranks share this machine's cores.
+    return run(cmd, timeout=timeout, check=check, env={"OMP_NUM_THREADS": "1"})
+
+
+def metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out_dir) -> list[float]:
+    return [m["loss"] for m in metrics(out_dir) if "loss" in m]
