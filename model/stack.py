@@ -6,6 +6,7 @@ Built layer by layer exactly as DeepSpeed's PipelineModule builds its stages (to
 import torch
 import torch.nn as nn
 from deepspeed.pipe import TiedLayerSpec
+from deepspeed.runtime.zero import register_external_parameter
 
 
 class LayerStack(nn.Module):
@@ -18,6 +19,10 @@ class LayerStack(nn.Module):
             tie_key = spec.key if isinstance(spec, TiedLayerSpec) else None
             if tie_key is not None and tie_key in owner:
                 self._calls.append((owner[tie_key], spec.forward_fn))
+                # ZeRO-3 gathers a module's weights only around its own forward; the reuse (the LM
+                # head) reads them from outside it, so they are gathered for the whole stack instead.
+                for attr in spec.tied_weight_attr:
+                    register_external_parameter(self, getattr(self.layers[owner[tie_key]], attr))
                 continue
             torch.manual_seed(seed + i)
             self.layers.append(spec.build())
