@@ -84,3 +84,9 @@ def test_single_process_without_launcher_trains_and_samples(tmp_path, char_data)
     assert len(losses) == 30 and losses[-1] < losses[0] - 0.5
     sample = proc.stdout.split("--- sample ---\n")[1].split("\n----")[0]
     assert len(sample) == 41  # the one-character prompt plus 40 generated characters
+
+
+def test_zero_2_with_cpu_offload_matches_zero_2(zero_runs, tmp_path, char_data):
+    """Optimizer states on the CPU (DeepSpeedCPUAdam, JIT-built on first use) change nothing numerically."""
+    launch(2, "zero2_offload.json", tmp_path, char_data, [*STEPS, *FP32])
+    assert train_losses(tmp_path) == pytest.approx(train_losses(zero_runs[2]), abs=1e-5)

@@ -157,7 +157,10 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
     probe.pop("train_batch_size", None)
     try:
         DeepSpeedConfig(probe)
-    except Exception as e:  # pydantic ValidationError, AssertionError, ValueError...
+    except Exception as e:
+        if hasattr(e, "errors") and hasattr(e, "title"):  # a section's pydantic model: one line per problem
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}") from None
         raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}") from None
     unknown = sorted(set(ds) - probe.read - {"train_batch_size"})
     if unknown:
