@@ -6,6 +6,7 @@
 
 The ds_config JSON owns the engine (batch, ZeRO, precision, clipping); the run YAML owns everything else.
 """
+import contextlib
 import json
 import os
 import socket
@@ -49,13 +50,17 @@ def main(argv=None) -> None:
     if rank == 0:
         save_effective_config(cfg, ds, layout)
 
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    n_params = sum(p.numel() for p in model.parameters())
+    with zero3_partitioned_init(ds):
+        model = build_model(cfg.model, seed=cfg.train.seed)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: ZeRO-3's full size
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
                                            config=ds)
     torch.manual_seed(cfg.train.seed + rank)  # dropout differs between ranks, deterministically
 
     log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0)
+    if rank == 0 and ds.get("wandb", {}).get("enabled"):
+        import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
+        wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": ds})
     peak_flops = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else measure_peak_flops(device, dtype)
     tokens_per_step = layout.global_batch * cfg.model.block_size
     flops_per_step = flops_per_token(cfg.model, n_params) * tokens_per_step
@@ -165,6 +170,13 @@ def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
                 "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": opt.min_lr / opt.lr}
     return {"optimizer": {"type": "AdamW", "params": params},
             "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
+
+
+def zero3_partitioned_init(ds: dict):
+    """Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model."""
+    if ds.get("zero_optimization", {}).get("stage", 0) == 3:
+        return deepspeed.zero.Init(config_dict_or_path=ds)
+    return contextlib.nullcontext()
 
 
 def check_precision(ds: dict) -> torch.dtype:

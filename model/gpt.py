@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.runtime.zero import GatheredParameters
 
 from model.config import ModelConfig
 
@@ -88,14 +89,17 @@ class Block(nn.Module):
         self._gpt2_init(n_layer)
 
     def _gpt2_init(self, n_layer: int) -> None:
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif name.endswith("proj.weight"):
-                # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), one per residual add.
-                nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
-            elif p.dim() == 2:
-                nn.init.normal_(p, mean=0.0, std=INIT_STD)
+        # Under ZeRO-3's zero.Init each nn.Linear is partitioned as soon as its own constructor returns,
+        # so re-initializing it here needs the full tensors back (a no-op without ZeRO-3).
+        with GatheredParameters(list(self.parameters()), modifier_rank=0):
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                elif name.endswith("proj.weight"):
+                    # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), one per residual add.
+                    nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
+                elif p.dim() == 2:
+                    nn.init.normal_(p, mean=0.0, std=INIT_STD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

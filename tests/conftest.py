@@ -9,7 +9,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT", os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt"))
+# $SHAKESPEARE_TXT, else the shared copy beside the repo (CI), else the quickstart's download.
+SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT") or next(
+    (p for p in (os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt"),
+                 os.path.join(REPO, "data", "shakespeare_char", "input.txt")) if os.path.isfile(p)), "")
 
 # A model small enough that a multi-process run takes seconds on 2 cores.
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
@@ -20,7 +23,8 @@ FP32 = ["ds.bf16.enabled=false"]
 @pytest.fixture(scope="session")
 def shakespeare_path() -> str:
     if not os.path.isfile(SHAKESPEARE):
-        pytest.fail(f"tinyshakespeare not found at {SHAKESPEARE}: set SHAKESPEARE_TXT to its path")
+        pytest.fail("tinyshakespeare not found: set SHAKESPEARE_TXT to its path, or run "
+                    "`python -m data.prepare` once to download it")
     return SHAKESPEARE
 
 
@@ -46,14 +50,15 @@ def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None
     return proc
 
 
-def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True, timeout=600):
+def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True, timeout=600,
+           env: dict | None = None):
     """`deepspeed --num_gpus N train.py ...`, as a user types it."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "train.py",
            "--ds_config", os.path.join(REPO, "ds_configs", ds_config),
            f"train.out_dir={out_dir}", f"data.dir={data_dir}", *TINY, *overrides]
     # One thread per rank: N ranks share this machine's cores.
-    return run(cmd, timeout=timeout, check=check, env={"OMP_NUM_THREADS": "1"})
+    return run(cmd, timeout=timeout, check=check, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def metrics(out_dir) -> list[dict]:

@@ -90,3 +90,15 @@ def test_zero_2_with_cpu_offload_matches_zero_2(zero_runs, tmp_path, char_data):
     """Optimizer states on the CPU (DeepSpeedCPUAdam, JIT-built on first use) change nothing numerically."""
     launch(2, "zero2_offload.json", tmp_path, char_data, [*STEPS, *FP32])
     assert train_losses(tmp_path) == pytest.approx(train_losses(zero_runs[2]), abs=1e-5)
+
+
+def test_wandb_offline_records_one_run_from_rank_0(tmp_path, char_data):
+    wandb_dir = tmp_path / "wandb_home"
+    wandb_dir.mkdir()
+    out = tmp_path / "run"
+    launch(2, "zero1.json", out, char_data, ["train.max_steps=2", "ds.wandb.enabled=true", "ds.wandb.project=megalite-test"],
+           env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir)})
+    runs = list((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1  # rank 1 never touched wandb
+    history = list(runs[0].glob("run-*.wandb"))
+    assert len(history) == 1 and history[0].stat().st_size > 0

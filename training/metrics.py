@@ -45,10 +45,19 @@ class MetricsLog:
     """One JSON object per line in <out_dir>/metrics.jsonl, plus DeepSpeed's own monitors (wandb,
     TensorBoard, CSV: whichever the ds_config enables). Only global rank 0 writes."""
 
-    def __init__(self, out_dir: str, monitor, is_writer: bool, append: bool = False):
+    def __init__(self, out_dir: str, monitor, is_writer: bool):
         self.is_writer = is_writer
         self.monitor = monitor
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w") if is_writer else None
+        self.file = None
+        if is_writer:
+            path = os.path.join(out_dir, "metrics.jsonl")
+            if os.path.exists(path):  # an earlier run's record is kept, never overwritten
+                n = 1
+                while os.path.exists(f"{path}.{n}"):
+                    n += 1
+                os.replace(path, f"{path}.{n}")
+                print(f"kept the earlier {path} as {path}.{n}")
+            self.file = open(path, "w")
 
     def log(self, step: int, **values) -> None:
         if not self.is_writer:
