@@ -7,6 +7,7 @@
 The ds_config JSON owns the engine (batch, ZeRO, precision, clipping); the run YAML owns everything else.
 """
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -43,7 +44,9 @@ def main(argv=None) -> None:
     ds.update(optimizer_and_schedule(cfg, ds))
 
     deepspeed.init_distributed()
-    rank, dp_rank = torch.distributed.get_rank(), torch.distributed.get_rank()  # pp=1: dp rank == rank
+    rank = torch.distributed.get_rank()
+    dp_rank = rank  # no pipeline stages yet: every rank is its own data-parallel rank
+    say = functools.partial(print, flush=True) if rank == 0 else lambda *_: None
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
     os.makedirs(cfg.train.out_dir, exist_ok=True)
@@ -64,51 +67,52 @@ def main(argv=None) -> None:
     peak_flops = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else measure_peak_flops(device, dtype)
     tokens_per_step = layout.global_batch * cfg.model.block_size
     flops_per_step = flops_per_token(cfg.model, n_params) * tokens_per_step
-    if rank == 0:
-        print(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
-              f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
+    say(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
+        f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
 
     def evaluate(step: int) -> None:
         losses = {split: estimate_loss(engine, data, split, cfg.train.eval_iters, dp_rank, layout, device)
                   for split in ("train", "val")}
         log.log(step, train_loss=losses["train"], val_loss=losses["val"])
-        if rank == 0:
-            print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
     evaluate(0)
     t_last, steps_since_log = time.perf_counter(), 0
     for step in range(1, cfg.train.max_steps + 1):
         lr = engine.get_lr()[0]
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(layout.grad_accum):
-            inputs, targets = data.train_batch(cfg.train.seed, step, micro_step, dp_rank, layout, device)
-            loss = lm_loss(engine(inputs), targets)
-            engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
-            engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
-            loss_sum += loss.detach()
+        loss = train_step(engine, data, cfg.train.seed, step, dp_rank, layout, device)
         steps_since_log += 1
         if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
-            loss = mean_over_ranks(loss_sum / layout.grad_accum)  # the host sync happens here only
+            loss = mean_over_ranks(loss)  # the step's only host synchronisation, at log intervals
             elapsed, t_last = time.perf_counter() - t_last, time.perf_counter()
             tokens_per_s = tokens_per_step * steps_since_log / elapsed
             mfu = flops_per_step * steps_since_log / elapsed / layout.world_size / peak_flops
-            grad_norm = engine.get_global_grad_norm()
-            grad_norm = float(grad_norm) if grad_norm is not None else None
+            grad_norm = engine.get_global_grad_norm()  # before clipping, which DeepSpeed does
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             memory = peak_memory_gb(device)
             log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
                     peak_mem_gb=memory)
-            if rank == 0:
-                print(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm or float('nan'):.3f} | "
-                      f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB", flush=True)
+            say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB")
             steps_since_log = 0
         if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
             evaluate(step)
             t_last = time.perf_counter()  # evaluation time is not training throughput
     log.close()
 
-    text = sample(engine, cfg, data, device)
-    if rank == 0:
-        print(f"--- sample ---\n{text}\n--------------")
+    say(f"--- sample ---\n{sample(engine, cfg, data, device)}\n--------------")
+
+
+def train_step(engine, data: TokenData, seed: int, step: int, dp_rank: int, layout: Layout, device) -> torch.Tensor:
+    """One optimizer step over grad_accum micro-batches; returns their mean loss, still on the device."""
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(layout.grad_accum):
+        inputs, targets = data.train_batch(seed, step, micro_step, dp_rank, layout, device)
+        loss = lm_loss(engine(inputs), targets)
+        engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
+        engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
+        loss_sum += loss.detach()
+    return loss_sum / layout.grad_accum
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

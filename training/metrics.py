@@ -11,8 +11,10 @@ from model.config import ModelConfig
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     """Training FLOPs per token (PaLM appendix B): 6N for the weight matmuls forward and backward,
-    plus 12 * n_layer * n_embd * block_size for the attention score and value matmuls."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+    plus 12 * n_layer * n_embd * block_size for the attention score and value matmuls. N counts the
+    parameters used in matmuls: all but the position table (the tied embedding counts, as the head)."""
+    matmul_params = n_params - cfg.block_size * cfg.n_embd
+    return 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, seconds: float = 0.5) -> float:
