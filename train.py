@@ -1,10 +1,12 @@
-"""Train a GPT with the DeepSpeed engine.
+"""Train a GPT (or the 1B encoder stack) with the DeepSpeed engine.
 
     python train.py                                             # one process, CPU quickstart
     deepspeed --num_gpus 8 train.py --ds_config ds_configs/zero2.json --config configs/gpt2_124m.yaml
+    deepspeed --num_gpus 4 train.py --ds_config ds_configs/pipe2.json    # 2 stages x 2 data parallel
     python train.py train.max_steps=100 model.n_layer=2 ds.zero_optimization.stage=1
 
-The ds_config JSON owns the engine (batch, ZeRO, precision, clipping); the run YAML owns everything else.
+The ds_config JSON owns the engine (batch, ZeRO, precision, clipping, pipeline stages); the run YAML
+owns everything else.
 """
 import contextlib
 import functools
@@ -16,17 +18,18 @@ import time
 
 import deepspeed
 import torch
-import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from omegaconf import OmegaConf
 
 from data.loader import TokenData
 from data.tokenizers import tokenizer_from_meta
-from model import build_model
+from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.metrics import MetricsLog, flops_per_token, measure_peak_flops, peak_memory_gb
-from training.topology import Layout, resolve_layout
+from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, train_step
+from training.topology import Layout, Pipeline, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
 
 def main(argv=None) -> None:
@@ -39,25 +42,29 @@ def main(argv=None) -> None:
         cfg.model.vocab_size = data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
     set_single_process_env()
-    layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]))
+    pipe = pipeline_settings(ds)
+    layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), pipe.stages)
+    parts = stage_partition(model_layers(cfg.model), pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
     dtype = check_precision(ds)
     ds.update(optimizer_and_schedule(cfg, ds))
 
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
-    dp_rank = rank  # no pipeline stages yet: every rank is its own data-parallel rank
     say = functools.partial(print, flush=True) if rank == 0 else lambda *_: None
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
     os.makedirs(cfg.train.out_dir, exist_ok=True)
     if rank == 0:
         save_effective_config(cfg, ds, layout)
+        say(describe_stages(model_layers(cfg.model), parts, layout))
 
-    with zero3_partitioned_init(ds):
-        model = build_model(cfg.model, seed=cfg.train.seed)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: ZeRO-3's full size
+    model = build(cfg, pipe, ds)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
                                            config=ds)
+    pipelined = isinstance(engine, PipelineEngine)
+    if pipelined:
+        assert model.parts == parts, f"PipelineModule chose stage boundaries {model.parts}, expected {parts}"
+    dp_rank = engine.grid.get_data_parallel_rank() if pipelined else rank
     torch.manual_seed(cfg.train.seed + rank)  # dropout differs between ranks, deterministically
 
     log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0)
@@ -66,12 +73,13 @@ def main(argv=None) -> None:
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": ds})
     peak_flops = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else measure_peak_flops(device, dtype)
     tokens_per_step = layout.global_batch * cfg.model.block_size
-    flops_per_step = flops_per_token(cfg.model, n_params) * tokens_per_step
-    say(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
+    flops_per_step = flops_per_token(cfg.model) * tokens_per_step
+    say(f"model: {count_parameters(cfg):,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
         f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
 
     def evaluate(step: int) -> None:
-        losses = {split: estimate_loss(engine, data, split, cfg.train.eval_iters, dp_rank, layout, device)
+        losses = {split: eval_loss(engine, list(data.eval_batches(split, cfg.train.eval_iters, dp_rank, layout,
+                                                                  device)))
                   for split in ("train", "val")}
         log.log(step, train_loss=losses["train"], val_loss=losses["val"])
         say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -80,7 +88,9 @@ def main(argv=None) -> None:
     t_last, steps_since_log = time.perf_counter(), 0
     for step in range(1, cfg.train.max_steps + 1):
         lr = engine.get_lr()[0]
-        loss = train_step(engine, data, cfg.train.seed, step, dp_rank, layout, device)
+        micro_batches = [data.train_batch(cfg.train.seed, step, micro_step, dp_rank, layout, device)
+                         for micro_step in range(layout.grad_accum)]
+        loss = train_step(engine, micro_batches)
         steps_since_log += 1
         if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
             loss = mean_over_ranks(loss)  # the step's only host synchronisation, at log intervals
@@ -100,49 +110,35 @@ def main(argv=None) -> None:
             t_last = time.perf_counter()  # evaluation time is not training throughput
     log.close()
 
-    say(f"--- sample ---\n{sample(engine, cfg, data, device)}\n--------------")
+    forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size) \
+        if pipelined else engine
+    say(f"--- sample ---\n{sample(engine, forward, cfg, data, device)}\n--------------")
 
 
-def train_step(engine, data: TokenData, seed: int, step: int, dp_rank: int, layout: Layout, device) -> torch.Tensor:
-    """One optimizer step over grad_accum micro-batches; returns their mean loss, still on the device."""
-    loss_sum = torch.zeros((), device=device)
-    for micro_step in range(layout.grad_accum):
-        inputs, targets = data.train_batch(seed, step, micro_step, dp_rank, layout, device)
-        loss = lm_loss(engine(inputs), targets)
-        engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
-        engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
-        loss_sum += loss.detach()
-    return loss_sum / layout.grad_accum
+def build(cfg: RunConfig, pipe: Pipeline, ds: dict) -> torch.nn.Module:
+    """The model's layer list as a PipelineModule (more than one stage) or as a plain module."""
+    if pipe.stages > 1:
+        return build_pipeline(cfg.model, cfg.train.seed, pipe.stages, pipe.partition, lm_loss, pipe.checkpoint_interval)
+    # Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model.
+    zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
+    with deepspeed.zero.Init(config_dict_or_path=ds) if zero3 else contextlib.nullcontext():
+        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.clone()
-    torch.distributed.all_reduce(value)
-    return value.item() / torch.distributed.get_world_size()
+def count_parameters(cfg: RunConfig) -> int:
+    """The whole model's parameters (tied ones once), whatever ZeRO-3 or the stages hold locally."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg.model).parameters())
 
 
 @torch.no_grad()
-def estimate_loss(engine, data: TokenData, split: str, iters: int, dp_rank: int, layout: Layout, device) -> float:
-    engine.eval()
-    total = torch.zeros((), device=device)
-    for inputs, targets in data.eval_batches(split, iters, dp_rank, layout, device):
-        total += lm_loss(engine(inputs), targets)
-    engine.train()
-    return mean_over_ranks(total / iters)
-
-
-@torch.no_grad()
-def sample(engine, cfg: RunConfig, data: TokenData, device) -> str:
-    """Every rank runs the same seeded generation (ZeRO-3 gathers weights collectively)."""
+def sample(engine, forward, cfg: RunConfig, data: TokenData, device) -> str:
+    """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part."""
     tokenizer = tokenizer_from_meta(data.meta)
     prompt = torch.tensor([tokenizer.encode(cfg.sample.prompt)], dtype=torch.long, device=device)
     generator = torch.Generator().manual_seed(cfg.sample.seed)
     engine.eval()
-    out = generate(engine, prompt, cfg.sample.max_new_tokens, cfg.model.block_size, cfg.model.vocab_size,
+    out = generate(forward, prompt, cfg.sample.max_new_tokens, cfg.model.block_size, cfg.model.vocab_size,
                    cfg.sample.temperature, cfg.sample.top_k, generator)
     engine.train()
     return tokenizer.decode(out[0].tolist())
@@ -174,13 +170,6 @@ def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
                 "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": opt.min_lr / opt.lr}
     return {"optimizer": {"type": "AdamW", "params": params},
             "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
-
-
-def zero3_partitioned_init(ds: dict):
-    """Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model."""
-    if ds.get("zero_optimization", {}).get("stage", 0) == 3:
-        return deepspeed.zero.Init(config_dict_or_path=ds)
-    return contextlib.nullcontext()
 
 
 def check_precision(ds: dict) -> torch.dtype:

@@ -1,11 +1,15 @@
-"""Models as layer lists, and the builders that turn a list into a trainable module."""
+"""Models as layer lists, and the two builds of a list: a plain module or a pipeline."""
 import torch.nn as nn
 
 from model.config import ModelConfig
+from model.encoder import encoder_layers
 from model.gpt import gpt_layers
-from model.stack import LayerStack
+from model.stack import LayerStack, pipeline_module
 
-LAYER_LISTS = {"gpt": gpt_layers}
+LAYER_LISTS = {"gpt": gpt_layers, "encoder": encoder_layers}
+# The layer class of each model's transformer blocks: every pipeline stage must hold one, and
+# activation checkpointing wraps only these (never the embedding: its input needs no grad).
+BLOCK_CLASS = {"gpt": "Block", "encoder": "CausalEncoderLayer"}
 
 
 def model_layers(cfg: ModelConfig) -> list:
@@ -14,5 +18,11 @@ def model_layers(cfg: ModelConfig) -> list:
     return LAYER_LISTS[cfg.arch](cfg)
 
 
-def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
-    return LayerStack(model_layers(cfg), seed)
+def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0) -> nn.Module:
+    return LayerStack(model_layers(cfg), seed, checkpoint_interval, (BLOCK_CLASS[cfg.arch],))
+
+
+def build_pipeline(cfg: ModelConfig, seed: int, stages: int, partition: str, loss_fn,
+                   checkpoint_interval: int = 0) -> nn.Module:
+    return pipeline_module(model_layers(cfg), seed, stages, partition, loss_fn, checkpoint_interval,
+                           (BLOCK_CLASS[cfg.arch],))

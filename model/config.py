@@ -5,7 +5,7 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    arch: str = "gpt"
+    arch: str = "gpt"  # "gpt" (model/gpt.py) or "encoder" (model/encoder.py)
     # Defaults are GPT-2 small (124M); presets in configs/ override them.
     n_layer: int = 12
     n_head: int = 12
@@ -16,8 +16,14 @@ class ModelConfig:
     # Embedding rows are padded up to a multiple of this: 50257 -> 50304 makes the head matmul
     # tile cleanly on tensor cores. Padded logits are never sampled and learn to stay low.
     vocab_multiple: int = 64
+    # Feed-forward width; null means 4 x n_embd (GPT-2). The encoder_1b preset sets 4096.
+    ffn_hidden: Optional[int] = None
     dropout: float = 0.0
-    bias: bool = True
+    bias: bool = True  # GPT only; nn.TransformerEncoderLayer always has biases
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.ffn_hidden or 4 * self.n_embd
 
     @property
     def padded_vocab_size(self) -> int:

@@ -67,10 +67,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool):
         super().__init__()
-        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
-        self.proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, n_embd, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,12 +80,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block."""
 
-    def __init__(self, n_embd: int, n_head: int, n_layer: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, n_layer: int, dropout: float, bias: bool):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout, bias)
+        self.mlp = MLP(n_embd, mlp_hidden, dropout, bias)
         self._gpt2_init(n_layer)
 
     def _gpt2_init(self, n_layer: int) -> None:
@@ -112,7 +112,7 @@ def gpt_layers(cfg: ModelConfig) -> list:
     return [
         TiedLayerSpec("embed", TokenEmbedding, **embed),
         LayerSpec(PositionEmbedding, cfg.block_size, cfg.n_embd, cfg.dropout),
-        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.dropout, cfg.bias)
+        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.n_layer, cfg.dropout, cfg.bias)
           for _ in range(cfg.n_layer)],
         LayerSpec(nn.LayerNorm, cfg.n_embd, bias=cfg.bias),
         TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),

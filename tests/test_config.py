@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, free_port, launch, run
+from conftest import REPO, launch, run
 from training.config import ConfigError, load_ds_config, load_run_config, split_overrides
 from training.topology import resolve_layout
 

@@ -63,7 +63,7 @@ def test_head_is_the_token_embedding_tensor():
 
 def test_gpt2_init_scales_residual_projections():
     torch.manual_seed(0)
-    block = Block(n_embd=768, n_head=12, n_layer=12, dropout=0.0, bias=True)
+    block = Block(n_embd=768, n_head=12, mlp_hidden=3072, n_layer=12, dropout=0.0, bias=True)
     assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.02)
     assert block.attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(24), rel=0.02)
     assert block.mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(24), rel=0.02)

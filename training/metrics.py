@@ -9,12 +9,14 @@ import torch
 from model.config import ModelConfig
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
-    """Training FLOPs per token (PaLM appendix B): 6N for the weight matmuls forward and backward,
-    plus 12 * n_layer * n_embd * block_size for the attention score and value matmuls. N counts the
-    parameters used in matmuls: all but the position table (the tied embedding counts, as the head)."""
-    matmul_params = n_params - cfg.block_size * cfg.n_embd
-    return 6 * matmul_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (PaLM appendix B): 6 x the weights used in matmuls (attention 4d^2 and
+    feed-forward 2 d ffn per layer, plus the vocabulary head) for forward and backward, plus
+    12 x n_layer x d x block_size for the attention score and value matmuls. Biases, norms and the
+    embedding lookup are left out. The same formula holds for the GPT and the encoder stack."""
+    d, layers = cfg.n_embd, cfg.n_layer
+    matmul_weights = layers * (4 * d * d + 2 * d * cfg.mlp_hidden) + cfg.padded_vocab_size * d
+    return 6 * matmul_weights + 12 * layers * d * cfg.block_size
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, seconds: float = 0.5) -> float:

@@ -1,8 +1,10 @@
-"""Parallel layout maths, in one place: world = dp x pp, and the batch triple.
+"""Parallel layout maths, in one place: world = dp x pp, the batch triple, and the pipeline stages.
 
 DeepSpeed requires train_batch_size == micro_batch x grad_accum x dp but its error names the world
-size; with pipelines dp = world / stages, so we derive and check the triple ourselves first.
+size; with pipelines dp = world / stages, so we derive and check the triple ourselves first. Every
+check here runs before any process group exists.
 """
+import re
 from dataclasses import dataclass
 
 from training.config import ConfigError
@@ -66,3 +68,80 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1) -> Layou
             f"{GLOBAL} from the ds_config and it is derived.")
     ds.update({MICRO: micro, ACCUM: accum, GLOBAL: batch})
     return Layout(world_size, pipeline_stages, micro, accum)
+
+
+# The ds_config's "pipeline" section. DeepSpeed parses it (any keys, no checks) but builds nothing from
+# it; train.py passes these to PipelineModule. Keys outside this set are typos.
+PIPELINE_KEYS = {"stages", "partition", "activation_checkpoint_interval", "seed_layers", "pipe_partitioned",
+                 "grad_partitioned"}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: int = 1
+    partition: str = "parameters"  # PipelineModule's partition_method: parameters, uniform or type:<regex>
+    checkpoint_interval: int = 0  # activation checkpointing every N layers (blocks only); 0 = off
+
+
+def pipeline_settings(ds: dict) -> Pipeline:
+    section = ds.get("pipeline", {})
+    unknown = sorted(set(section) - PIPELINE_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in the ds_config's pipeline section; known: {sorted(PIPELINE_KEYS)}")
+    stages = section.get("stages", 1)
+    interval = section.get("activation_checkpoint_interval", 0)
+    if not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"pipeline.stages must be a positive integer, got {stages!r}")
+    if not isinstance(interval, int) or interval < 0:
+        raise ConfigError(f"pipeline.activation_checkpoint_interval must be an integer >= 0, got {interval!r}")
+    partition = section.get("partition", "parameters")
+    if partition == "best":  # DeepSpeed's placeholder default; not a PipelineModule method
+        partition = "parameters"
+    zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stages > 1 and zero_stage >= 2:
+        raise ConfigError(f"ZeRO stage {zero_stage} cannot be combined with pipeline parallelism (pipeline.stages="
+                          f"{stages}): DeepSpeed shards gradients across the pipeline engine's micro-batches only "
+                          f"with ZeRO 0/1. Use ds_configs/pipe2.json or pipe4.json (ZeRO-1), or set pipeline.stages=1")
+    return Pipeline(stages, partition, interval)
+
+
+def stage_partition(specs: list, stages: int, method: str, block_class: str) -> list[int]:
+    """The layer boundaries PipelineModule will choose (its rule, with layers counted on the meta device),
+    checked before any process group starts: every stage must hold at least one transformer block."""
+    import torch
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    names = [spec.typename.__name__ for spec in specs]
+    n_blocks = names.count(block_class)
+    if stages > n_blocks:
+        raise ConfigError(f"{stages} pipeline stages but the model has {n_blocks} transformer blocks: each stage needs "
+                          f"at least one. Use at most {n_blocks} stages or more model.n_layer")
+    if method == "uniform":
+        parts = partition_uniform(num_items=len(specs), num_parts=stages)
+    elif method == "parameters":
+        with torch.device("meta"):
+            weights = [sum(p.numel() for p in spec.build().parameters()) for spec in specs]
+        parts = partition_balanced(weights=weights, num_parts=stages)
+    elif method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        parts = partition_balanced(weights=[int(bool(pattern.search(n))) for n in names], num_parts=stages)
+    else:
+        raise ConfigError(f"pipeline.partition={method!r} is not one of parameters, uniform, type:<layer class>")
+    for stage in range(stages):
+        held = names[parts[stage]: parts[stage + 1]]
+        if block_class not in held:
+            raise ConfigError(f"pipeline.partition={method!r} leaves stage {stage} without a transformer block (it "
+                              f"would hold {held or 'nothing'}): use \"partition\": \"type:{block_class}\"")
+    return parts
+
+
+def describe_stages(specs: list, parts: list[int], layout: Layout) -> str:
+    """One line per stage: its layers and the global ranks that hold it."""
+    lines = []
+    for stage in range(layout.pipeline_stages):
+        names = [spec.typename.__name__ for spec in specs[parts[stage]: parts[stage + 1]]]
+        counted = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n for n in dict.fromkeys(names))
+        # PipeDataParallelTopology orders ranks pipe-major: stage s holds ranks s*dp ... s*dp + dp - 1.
+        ranks = list(range(stage * layout.dp, (stage + 1) * layout.dp))
+        lines.append(f"stage {stage}: layers {parts[stage]}-{parts[stage + 1] - 1} ({counted}) on ranks {ranks}")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""What the training loop asks of a DeepSpeed engine: a training step, a loss estimate, and logits for
+sampling. The plain engine runs micro-batches one by one; the pipeline engine takes all of a step's
+micro-batches at once and returns the loss averaged over them and over data-parallel ranks."""
+import torch
+import torch.nn.functional as F
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.clone()
+    torch.distributed.all_reduce(value)
+    return value.item() / torch.distributed.get_world_size()
+
+
+def train_step(engine, micro_batches: list) -> torch.Tensor:
+    """One optimizer step over the step's micro-batches; returns their mean loss, still on the device."""
+    if isinstance(engine, PipelineEngine):
+        return engine.train_batch(iter(micro_batches))
+    total = 0.0
+    for inputs, targets in micro_batches:
+        loss = lm_loss(engine(inputs), targets)
+        engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
+        engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
+        total += loss.detach()
+    return total / len(micro_batches)
+
+
+@torch.no_grad()
+def eval_loss(engine, batches: list) -> float:
+    """Mean loss over every rank's share of a fixed set of batches."""
+    if isinstance(engine, PipelineEngine):
+        loss = engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+    else:
+        engine.eval()
+        loss = sum(lm_loss(engine(inputs), targets) for inputs, targets in batches) / len(batches)
+        engine.train()
+    return mean_over_ranks(loss)
+
+
+class PipelineLogits:
+    """Next-token logits of one sequence through a pipeline, as a callable for model.generate.
+
+    The pipeline engine caches activation shapes from its first micro-batch, so the sequence is sent
+    right-padded in a batch of training shape (causal attention keeps the padding out of its logits).
+    The last stage holds the logits and broadcasts the last position's row along its pipeline."""
+
+    def __init__(self, engine: PipelineEngine, micro_batch: int, block_size: int, padded_vocab_size: int):
+        self.engine, self.shape, self.vocab = engine, (micro_batch, block_size), padded_vocab_size
+        self.last_stage = engine.grid.stage_to_global(engine.num_stages - 1)
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.size(1)
+        batch = torch.zeros(self.shape, dtype=torch.long, device=idx.device)
+        batch[0, :t] = idx[0]
+        row = torch.empty(1, 1, self.vocab, device=idx.device)
+        # A loss on dummy labels rides along: with compute_loss=False this DeepSpeed version adds the
+        # logits into its scalar loss accumulator and fails.
+        _, logits = self.engine.eval_batch(iter([(batch, batch)]), return_logits=True, bcast_loss=False,
+                                           num_micro_batches=1)
+        if self.engine.is_last_stage():
+            row.copy_(logits[0:1, t - 1: t].float())
+        torch.distributed.broadcast(row, src=self.last_stage, group=self.engine.grid.get_pipe_parallel_group())
+        return row
