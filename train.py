@@ -28,7 +28,7 @@ from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.metrics import MetricsLog, flops_per_token, measure_peak_flops, peak_memory_gb
-from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, train_step
+from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, tied_weights_in_sync, train_step
 from training.topology import Layout, Pipeline, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
 
@@ -108,6 +108,11 @@ def main(argv=None) -> None:
         if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
             evaluate(step)
             t_last = time.perf_counter()  # evaluation time is not training throughput
+    if pipelined:
+        in_sync = tied_weights_in_sync(engine)
+        log.log(cfg.train.max_steps, tied_weights_in_sync=in_sync)
+        if not in_sync:
+            say("WARNING: the tied embedding and LM head differ between the first and last stage")
     log.close()
 
     forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size) \

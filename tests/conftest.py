@@ -51,11 +51,11 @@ def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None
 
 
 def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True, timeout=600,
-           env: dict | None = None):
+           env: dict | None = None, config: str = "quickstart.yaml"):
     """`deepspeed --num_gpus N train.py ...`, as a user types it."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "train.py",
-           "--ds_config", os.path.join(REPO, "ds_configs", ds_config),
+           "--config", os.path.join(REPO, "configs", config), "--ds_config", os.path.join(REPO, "ds_configs", ds_config),
            f"train.out_dir={out_dir}", f"data.dir={data_dir}", *TINY, *overrides]
     # One thread per rank: N ranks share this machine's cores.
     return run(cmd, timeout=timeout, check=check, env={"OMP_NUM_THREADS": "1", **(env or {})})

@@ -97,3 +97,26 @@ def test_character_preset_parameter_counts(name, expected):
     cfg = preset(name)
     cfg.vocab_size = 65  # tinyshakespeare's characters, padded to 128
     assert count_on_meta(cfg) == expected
+
+
+def test_encoder_is_causal():
+    """The tutorial's encoder passed no mask; ours must never see the tokens it predicts."""
+    model = build_model(ModelConfig(arch="encoder", n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=16,
+                                    vocab_size=65)).eval()
+    idx = torch.randint(0, 65, (1, 16))
+    for t in (0, 9, 15):
+        changed = idx.clone()
+        changed[0, t] = (idx[0, t] + 1) % 65
+        before, after = model(idx), model(changed)
+        torch.testing.assert_close(before[:, :t], after[:, :t], rtol=0, atol=1e-6)
+        assert not torch.allclose(before[:, t], after[:, t])
+
+
+def test_encoder_1b_parameter_count():
+    cfg = preset("encoder_1b")
+    assert (cfg.n_layer, cfg.n_embd, cfg.mlp_hidden, cfg.n_head) == (8, 4096, 4096, 16)
+    count = count_on_meta(cfg)
+    assert count == 1_217_774_720 and count >= 1_000_000_000
+    # 8 x (4d^2 + 2 d ffn + biases and norms) + embedding + decoder over 50,304 padded rows
+    d = 4096
+    assert count == 8 * (4 * d * d + 4 * d + 2 * d * d + d + d + 4 * d) + 50_304 * d + 50_304 * d + 50_304

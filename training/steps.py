@@ -65,3 +65,19 @@ class PipelineLogits:
             row.copy_(logits[0:1, t - 1: t].float())
         torch.distributed.broadcast(row, src=self.last_stage, group=self.engine.grid.get_pipe_parallel_group())
         return row
+
+
+def tied_weights_in_sync(engine: PipelineEngine) -> bool:
+    """Are the stage copies of each tied weight (the embedding on the first stage, the LM head on the
+    last) bitwise equal? DeepSpeed all-reduces their gradients so that they never drift; this checks it
+    over the same process groups it uses."""
+    module = engine.module
+    in_sync = torch.ones((), dtype=torch.int32, device=engine.device)
+    for comm in module.tied_comms.values():  # only on ranks that hold a copy
+        for attr in comm["weight_attr"]:
+            weight = module._recursive_getattr(comm["module"], attr).detach()
+            reference = weight.clone()
+            torch.distributed.broadcast(reference, src=min(comm["ranks"]), group=comm["group"])
+            in_sync &= int(torch.equal(reference, weight))
+    torch.distributed.all_reduce(in_sync, op=torch.distributed.ReduceOp.MIN)
+    return bool(in_sync.item())

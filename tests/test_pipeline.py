@@ -1,0 +1,117 @@
+"""Pipeline parallelism through the real launcher, for the GPT and the encoder stack: losses equal the
+plain (pp=1) build step for step, the tie holds across stages, and bad layouts fail before training."""
+import os
+
+import pytest
+
+from conftest import FP32, launch, metrics, train_losses
+from model import BLOCK_CLASS, model_layers
+from model.config import ModelConfig
+from training.config import ConfigError
+from training.topology import Layout, describe_stages, pipeline_settings, resolve_layout, stage_partition
+
+ARCHS = {"gpt": "quickstart.yaml", "encoder": "encoder_tiny.yaml"}
+# Global batch 8 in every layout: micro 2 x accumulation (8 / 2 / dp).
+FAST = ["model.n_layer=4", "train.max_steps=6", "optim.warmup_steps=2", "optim.lr=3e-3",
+        "ds.train_micro_batch_size_per_gpu=2", *FP32]
+
+
+def run_layout(tmp_path_factory, char_data, arch: str, stages: int, dp: int, extra=()):
+    out = tmp_path_factory.mktemp(f"{arch}_pp{stages}_dp{dp}")
+    launch(stages * dp, "pipe2.json", out, char_data,
+           [*FAST, f"ds.pipeline.stages={stages}", f"ds.gradient_accumulation_steps={4 // dp}", *extra],
+           config=ARCHS[arch])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, char_data):
+    """The pp=1 reference: the plain module on one process."""
+    return {arch: train_losses(run_layout(tmp_path_factory, char_data, arch, 1, 1)) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stages,dp", [(2, 1), (3, 1), (2, 2)], ids=["pp2", "pp3", "pp2xdp2"])
+def test_pipeline_losses_equal_plain_losses(tmp_path_factory, char_data, plain, arch, stages, dp):
+    out = run_layout(tmp_path_factory, char_data, arch, stages, dp)
+    losses = train_losses(out)
+    assert len(losses) == 6
+    assert losses == pytest.approx(plain[arch], abs=1e-5)
+    assert plain[arch][-1] < plain[arch][0] - 0.1  # the reference really trains
+    if arch == "gpt":  # the tied embedding (first stage) and LM head (last stage) stayed bitwise equal
+        assert [m["tied_weights_in_sync"] for m in metrics(out) if "tied_weights_in_sync" in m] == [True]
+
+
+def test_four_stages_start_from_the_same_weights(tmp_path_factory, char_data, plain):
+    """Layer-seeded init: pp=4 (one block per stage) trains exactly like pp=1."""
+    assert train_losses(run_layout(tmp_path_factory, char_data, "gpt", 4, 1)) == pytest.approx(plain["gpt"], abs=1e-5)
+
+
+@pytest.mark.parametrize("arch,stages", [("gpt", 2), ("encoder", 1)])
+def test_activation_checkpointing_changes_no_loss(tmp_path_factory, char_data, plain, arch, stages):
+    reference = plain[arch] if stages == 1 else train_losses(run_layout(tmp_path_factory, char_data, arch, stages, 1))
+    out = run_layout(tmp_path_factory, char_data, arch, stages, 1, ["ds.pipeline.activation_checkpoint_interval=1"])
+    assert train_losses(out) == pytest.approx(reference, abs=1e-5)
+
+
+def test_bf16_pipeline_trains(tmp_path, char_data):
+    launch(2, "pipe2.json", tmp_path, char_data, ["train.max_steps=20", "optim.warmup_steps=2", "optim.lr=3e-3"])
+    losses = train_losses(tmp_path)
+    assert len(losses) == 20 and sum(losses[-3:]) / 3 < losses[0] - 0.5
+
+
+def test_world_not_divisible_by_stages_fails_on_every_rank_before_training(tmp_path, char_data):
+    proc = launch(3, "pipe2.json", tmp_path, char_data, check=False, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "2 pipeline stages do not divide the world size 3" in output and "step 0" not in output
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+# Layout checks, without starting any process.
+
+def test_zero_2_with_stages_suggests_the_pipe_configs():
+    with pytest.raises(ConfigError, match=r"ZeRO stage 2 cannot be combined with pipeline parallelism \(pipeline.stages"
+                                          r"=2\).*Use ds_configs/pipe2.json or pipe4.json \(ZeRO-1\)"):
+        pipeline_settings({"zero_optimization": {"stage": 2}, "pipeline": {"stages": 2}})
+    assert pipeline_settings({"zero_optimization": {"stage": 3}}).stages == 1  # no pipeline: any ZeRO stage
+
+
+def test_unknown_pipeline_key():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['stage'\] in the ds_config's pipeline section"):
+        pipeline_settings({"pipeline": {"stage": 2}})
+
+
+def tiny(arch="gpt", n_layer=4, vocab_size=65):
+    return ModelConfig(arch=arch, n_layer=n_layer, n_head=2, n_embd=32, ffn_hidden=64, block_size=16,
+                       vocab_size=vocab_size)
+
+
+def test_more_stages_than_blocks():
+    with pytest.raises(ConfigError, match=r"5 pipeline stages but the model has 4 transformer blocks"):
+        stage_partition(model_layers(tiny()), 5, "parameters", "Block")
+
+
+def test_partition_that_starves_a_stage_suggests_type_partition():
+    # A 50k vocabulary outweighs three 32-wide blocks: balanced by parameters over 3 stages, the first
+    # stage would hold the token embedding alone.
+    specs = model_layers(tiny(n_layer=3, vocab_size=50257))
+    with pytest.raises(ConfigError, match=r"leaves stage 0 without a transformer block \(it would hold "
+                                          r"\['TokenEmbedding'\]\): use \"partition\": \"type:Block\""):
+        stage_partition(specs, 3, "parameters", "Block")
+    assert stage_partition(specs, 3, "type:Block", "Block") == [0, 3, 4, 7]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parameter_balanced_stages_hold_blocks(arch):
+    specs = model_layers(tiny(arch, n_layer=6))
+    parts = stage_partition(specs, 3, "parameters", BLOCK_CLASS[arch])
+    text = describe_stages(specs, parts, Layout(world_size=6, pipeline_stages=3, micro_batch=1, grad_accum=1))
+    assert text.count("\n") == 2 and "on ranks [4, 5]" in text
+    assert all(BLOCK_CLASS[arch] in line for line in text.splitlines())
+
+
+def test_batch_triple_with_pipeline_names_dp_pp_and_world():
+    with pytest.raises(ConfigError, match=r"x dp \(2, = world 8 / pp 4\)"):
+        resolve_layout({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
+                        "gradient_accumulation_steps": 2}, 8, 4)
