@@ -115,3 +115,21 @@ def test_batch_triple_with_pipeline_names_dp_pp_and_world():
     with pytest.raises(ConfigError, match=r"x dp \(2, = world 8 / pp 4\)"):
         resolve_layout({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
                         "gradient_accumulation_steps": 2}, 8, 4)
+
+
+def test_memory_plan_model_states():
+    from training.memory_plan import plan
+
+    cfg = tiny(n_layer=4)
+    with __import__("torch").device("meta"):
+        from model import build_model
+        n = sum(p.numel() for p in build_model(cfg).parameters())  # the tied head counted once
+    zero = lambda stage: {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+    assert plan(cfg, zero(0), 1)["states"] == 20 * n  # 16-bit weights + grads, fp32 grads, master, Adam moments
+    assert plan(cfg, zero(1), 4)["states"] == 4 * n + 16 * n / 4
+    assert plan(cfg, zero(2), 4)["states"] == 2 * n + int(18 * n / 4)  # DeepSpeed's own estimator
+    piped = plan(cfg, {**zero(1), "gradient_accumulation_steps": 4, "pipeline": {"stages": 2}}, 4)
+    assert piped["params_per_gpu"] < n and piped["layout"] == "world 4 = dp 2 x pp 2"
+    # activations: 2 micro-batches in flight on the first stage, 2 blocks each, plus the logits
+    tokens = 2 * 16
+    assert piped["activations"] == 2 * 2 * tokens * (18 * 32 + 4 * 64) + 10 * tokens * 128

@@ -1,0 +1,118 @@
+"""Per-GPU memory plan for a preset under each ds_config layout: model states plus activations.
+
+    python -m training.memory_plan --config configs/encoder_1b.yaml                 # every shipped ds_config, 1 and 8 GPUs
+    python -m training.memory_plan --config configs/gpt2_1.5b.yaml --ds_config ds_configs/zero3.json --gpus 8
+
+Model states follow DeepSpeed's accounting for 16-bit mixed precision with AdamW, 20 bytes a parameter:
+16-bit weights (2) and gradients (2), fp32 gradients (4), fp32 master weights (4), Adam moments (8).
+ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators. Activations use Megatron-LM's count
+(Korthikanti et al. 2022) with flash attention, so no sequence-squared term: per layer and token,
+18 x d_model + 4 x ffn bytes in 16-bit (2 x d_model when the layer is checkpointed), plus the logits
+(16-bit, their fp32 copy for the loss, and its gradient: 10 bytes per vocabulary entry and token).
+A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batches) micro-batches.
+Allocator fragmentation, communication buckets and the CUDA context (a few GB) come on top.
+"""
+import argparse
+import glob
+import os
+
+import torch
+from deepspeed.pipe import TiedLayerSpec
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from model import BLOCK_CLASS, model_layers
+from training.config import REPO_ROOT, load_ds_config, load_run_config
+from training.topology import pipeline_settings, resolve_layout, stage_partition
+
+GB = 2**30
+
+
+def layer_params(cfg) -> list[int]:
+    with torch.device("meta"):
+        return [sum(p.numel() for p in spec.build().parameters()) for spec in model_layers(cfg)]
+
+
+def repeated_ties(specs: list) -> list[int]:
+    """Indexes of TiedLayerSpecs that reuse an earlier layer's weights (the GPT's LM head)."""
+    seen, repeats = set(), []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            (repeats.append(i) if spec.key in seen else seen.add(spec.key))
+    return repeats
+
+
+def plan(cfg, ds: dict, gpus: int) -> dict:
+    """Bytes per GPU (the busiest one) for this model, ds_config and GPU count."""
+    pipe = pipeline_settings(ds)
+    layout = resolve_layout(dict(ds), gpus, pipe.stages)
+    counts = layer_params(cfg)
+    specs = model_layers(cfg)
+    parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.arch])
+    zero = ds.get("zero_optimization", {})
+    stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    total = sum(counts) - sum(counts[i] for i in repeated_ties(specs))  # the tied head owns no weights
+    dp = layout.dp
+
+    cpu = 0  # host memory for offloaded optimizer states
+    if pipe.stages > 1:  # ZeRO-0/1 within each stage's data-parallel group
+        local = max(sum(counts[parts[s]: parts[s + 1]]) for s in range(pipe.stages))
+        states = 4 * local + 16 * local / (dp if stage == 1 else 1)
+    elif stage == 0:
+        local, states = total, 20 * total
+    elif stage == 1:
+        local, states = total, 4 * total + 16 * total / dp
+    elif stage == 2:
+        local = total
+        cpu, states = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=dp, cpu_offload=offload)
+        cpu = cpu if offload else 0  # without offload DeepSpeed's figure is host memory to load the model
+    else:
+        local = total / dp
+        cpu, states, _ = estimate_zero3_model_states_mem_needs(total, max(counts), num_gpus_per_node=dp,
+                                                               cpu_offload=offload, cpu_offload_params=False)
+        cpu = cpu if offload else 0
+
+    tokens = layout.micro_batch * cfg.block_size
+    full_layer = tokens * (18 * cfg.n_embd + 4 * cfg.mlp_hidden)
+    checkpointed = pipe.checkpoint_interval > 0
+    per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
+    blocks = max(sum(spec.typename.__name__ == BLOCK_CLASS[cfg.arch] for spec in specs[parts[s]: parts[s + 1]])
+                 for s in range(pipe.stages))
+    in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
+    activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
+    activations += 10 * tokens * cfg.padded_vocab_size
+    return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
+            "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
+            "cpu": cpu, "micro": layout.micro_batch}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a preset, e.g. configs/encoder_1b.yaml")
+    parser.add_argument("--ds_config", action="append", help="default: every shipped ds_config")
+    parser.add_argument("--gpus", type=int, action="append", help="default: 1 and 8")
+    parser.add_argument("--gpu_gb", type=float, default=80.0, help="memory of one GPU")
+    parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. model.block_size=2048")
+    args = parser.parse_args()
+
+    cfg = load_run_config(args.config, args.overrides).model
+    ds_paths = args.ds_config or sorted(glob.glob(os.path.join(REPO_ROOT, "ds_configs", "*.json")))
+    print(f"{args.config}: {cfg.arch}, {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}\n")
+    print(f"| ds_config | GPUs | layout | ZeRO | micro | params/GPU | model states | activations | total/GPU | "
+          f"fits {args.gpu_gb:.0f} GB |\n|---|---|---|---|---|---|---|---|---|---|")
+    for path in ds_paths:
+        ds = load_ds_config(path, [])
+        for gpus in args.gpus or [1, 8]:
+            try:
+                p = plan(cfg, ds, gpus)
+            except ValueError as e:  # a layout that cannot exist on this many GPUs
+                print(f"| {os.path.basename(path)} | {gpus} | impossible: {e} |")
+                continue
+            cpu = f" (+{p['cpu'] / GB:.0f} GB CPU)" if p["cpu"] else ""
+            print(f"| {os.path.basename(path)} | {gpus} | {p['layout']} | {p['zero']} | {p['micro']} | "
+                  f"{p['params_per_gpu'] / 1e9:.2f}B | {p['states'] / GB:.1f} GB{cpu} | {p['activations'] / GB:.1f} GB | "
+                  f"{p['total'] / GB:.1f} GB | {'yes' if p['total'] < 0.9 * args.gpu_gb * GB else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
