@@ -92,7 +92,8 @@ def test_gpt2_preset_parameter_counts(name, unpadded, padded):
     assert count_on_meta(cfg) == unpadded
 
 
-@pytest.mark.parametrize("name,expected", [("quickstart", 817_920), ("baby_gpt", 10_795_008)])
+@pytest.mark.parametrize("name,expected", [("quickstart", 817_920), ("baby_gpt", 10_795_008),
+                                           ("encoder_tiny", 117_376)])
 def test_character_preset_parameter_counts(name, expected):
     cfg = preset(name)
     cfg.vocab_size = 65  # tinyshakespeare's characters, padded to 128
