@@ -9,6 +9,7 @@ The ds_config JSON owns the engine (batch, ZeRO, precision, clipping, pipeline s
 owns everything else.
 """
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -26,6 +27,7 @@ from data.loader import TokenData
 from data.tokenizers import tokenizer_from_meta
 from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
+from training import checkpoint
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.metrics import MetricsLog, flops_per_token, measure_peak_flops, peak_memory_gb
 from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, tied_weights_in_sync, train_step
@@ -47,6 +49,14 @@ def main(argv=None) -> None:
     parts = stage_partition(model_layers(cfg.model), pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
     dtype = check_precision(ds)
     ds.update(optimizer_and_schedule(cfg, ds))
+    layout_record = {"world": layout.world_size, "dp": layout.dp, "pp": layout.pipeline_stages,
+                     "zero_stage": ds.get("zero_optimization", {}).get("stage", 0)}
+    resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
+    if resume_dir:
+        saved = checkpoint.read_run_state(resume_dir)
+        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), layout_record)
+        if saved.get("universal"):
+            ds.setdefault("checkpoint", {})["load_universal"] = True
 
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
@@ -65,9 +75,14 @@ def main(argv=None) -> None:
     if pipelined:
         assert model.parts == parts, f"PipelineModule chose stage boundaries {model.parts}, expected {parts}"
     dp_rank = engine.grid.get_data_parallel_rank() if pipelined else rank
-    torch.manual_seed(cfg.train.seed + rank)  # dropout differs between ranks, deterministically
 
-    log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0)
+    start_step = 0
+    if resume_dir:
+        start_step = checkpoint.load(engine, resume_dir)
+        say(f"resumed from {resume_dir} at step {start_step}")
+    else:
+        say(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
+    log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0, append=bool(resume_dir))
     if rank == 0 and ds.get("wandb", {}).get("enabled"):
         import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": ds})
@@ -84,9 +99,16 @@ def main(argv=None) -> None:
         log.log(step, train_loss=losses["train"], val_loss=losses["val"])
         say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
-    evaluate(0)
+    if not resume_dir:
+        evaluate(0)
+    last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     t_last, steps_since_log = time.perf_counter(), 0
-    for step in range(1, cfg.train.max_steps + 1):
+    for step in range(start_step + 1, last_step + 1):
+        # Dropout masks, like the data, are a pure function of (seed, rank, step): a resumed run
+        # draws what an uninterrupted one would. PipelineModule reseeds per micro-batch from its own count.
+        torch.manual_seed(hash((cfg.train.seed, rank, step)) % 2**63)
+        if pipelined:
+            model.micro_offset = step * layout.grad_accum
         lr = engine.get_lr()[0]
         micro_batches = [data.train_batch(cfg.train.seed, step, micro_step, dp_rank, layout, device)
                          for micro_step in range(layout.grad_accum)]
@@ -108,6 +130,11 @@ def main(argv=None) -> None:
         if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
             evaluate(step)
             t_last = time.perf_counter()  # evaluation time is not training throughput
+        if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step:
+            run_state = {"tag": checkpoint.tag_for(step), "step": step, "tokens_seen": step * tokens_per_step,
+                         "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "layout": layout_record}
+            say(f"saved {checkpoint.save(engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints)}")
+            t_last = time.perf_counter()
     if pipelined:
         in_sync = tied_weights_in_sync(engine)
         log.log(cfg.train.max_steps, tied_weights_in_sync=in_sync)

@@ -18,36 +18,40 @@ def seed_layer(seed) -> None:
 
 
 class LayerStack(nn.Module):
+    """The layer list run in order as one module. Parameters are named as PipelineModule names them
+    ("<layer index>.<name>", tied layers "tied_modules.<key>.<name>"), so a checkpoint taken under
+    one build can be resumed or exported under the other."""
+
     def __init__(self, specs: list, seed: int, checkpoint_interval: int = 0, checkpointable: tuple = ()):
         super().__init__()
         self.checkpoint_interval = checkpoint_interval
         self.checkpointable = set(checkpointable)
-        self.layers = nn.ModuleList()
-        self._calls = []  # (index into self.layers, forward_fn or None), one per spec
-        owner = {}  # tie key -> index of the layer that owns the shared weight
+        self.tied_modules = nn.ModuleDict()
+        self._calls = []  # (layer, forward_fn or None), one per spec, in order
         for i, spec in enumerate(specs):
-            tie_key = spec.key if isinstance(spec, TiedLayerSpec) else None
-            if tie_key is not None and tie_key in owner:
-                self._calls.append((owner[tie_key], spec.forward_fn))
+            if isinstance(spec, TiedLayerSpec) and spec.key in self.tied_modules:
+                layer = self.tied_modules[spec.key]
                 # ZeRO-3 gathers a module's weights only around its own forward; the reuse (the LM
                 # head) reads them from outside it, so they are gathered for the whole stack instead.
                 for attr in spec.tied_weight_attr:
-                    register_external_parameter(self, getattr(self.layers[owner[tie_key]], attr))
-                continue
-            seed_layer(seed + i)
-            self.layers.append(spec.build())
-            if tie_key is not None:
-                owner[tie_key] = len(self.layers) - 1
-            self._calls.append((len(self.layers) - 1, getattr(spec, "forward_fn", None)))
+                    register_external_parameter(self, getattr(layer, attr))
+            else:
+                seed_layer(seed + i)
+                layer = spec.build()
+                if isinstance(spec, TiedLayerSpec):
+                    self.tied_modules[spec.key] = layer
+                else:
+                    self.add_module(str(i), layer)
+            self._calls.append((layer, getattr(spec, "forward_fn", None)))
 
-    def _run(self, calls: list, x: torch.Tensor) -> torch.Tensor:
-        for index, forward_fn in calls:
-            layer = self.layers[index]
+    @staticmethod
+    def _run(calls: list, x: torch.Tensor) -> torch.Tensor:
+        for layer, forward_fn in calls:
             x = layer(x) if forward_fn is None else forward_fn(layer, x)
         return x
 
     def _is_checkpointable(self, calls: list) -> bool:
-        return all(fn is None and type(self.layers[i]).__name__ in self.checkpointable for i, fn in calls)
+        return all(fn is None and type(layer).__name__ in self.checkpointable for layer, fn in calls)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.checkpoint_interval and torch.is_grad_enabled()):

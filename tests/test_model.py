@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from model import build_model
 from model.config import ModelConfig
-from model.gpt import Block, TokenEmbedding
+from model.gpt import Block, TokenEmbedding, lm_head
 from training.config import REPO_ROOT, RunConfig
 
 SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
@@ -50,15 +50,21 @@ def test_head_is_the_token_embedding_tensor():
     embeddings = [m for m in model.modules() if isinstance(m, TokenEmbedding)]
     assert len(embeddings) == 1  # one module, used twice: the head has no weight of its own
     weight = embeddings[0].weight
+    head, head_fn = model._calls[-1]
+    assert head is embeddings[0] and head_fn is lm_head
     with torch.no_grad():
         weight[3].fill_(0.5)
     hidden = torch.randn(1, 1, 32)
-    head_call = model._calls[-1]
-    assert model.layers[head_call[0]] is embeddings[0]
-    torch.testing.assert_close(head_call[1](embeddings[0], hidden)[0, 0, 3], hidden.sum() * 0.5)
+    torch.testing.assert_close(lm_head(head, hidden)[0, 0, 3], hidden.sum() * 0.5)
     # gradients from the embedding and the head land in the same tensor
     model(torch.randint(0, 65, (2, 8))).sum().backward()
     assert weight.grad is not None and weight.grad[64:].abs().sum() > 0  # padded rows only see the head
+
+
+def test_parameter_names_follow_pipeline_module():
+    names = [n for n, _ in build_model(SMALL).named_parameters()]
+    assert names[:3] == ["tied_modules.embed.weight", "1.weight", "2.ln_1.weight"]
+    assert "2.attn.qkv.weight" in names and names[-2:] == ["4.weight", "4.bias"]  # final LayerNorm
 
 
 def test_gpt2_init_scales_residual_projections():

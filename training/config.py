@@ -57,6 +57,13 @@ class TrainConfig:
     seed: int = 1337
     # MFU denominator in TFLOP/s per device; null measures a large matmul at start.
     peak_tflops: Optional[float] = None
+    save_interval: int = 1000  # checkpoint every N steps (0: only at the end); always at the end
+    keep_checkpoints: int = 3  # the newest K complete checkpoints are kept
+    # "auto": continue from the newest complete checkpoint in out_dir, or start fresh if there is none;
+    # "none": start fresh (refused if out_dir holds checkpoints); or a tag / path to resume from.
+    resume: str = "auto"
+    # Stop after this step, with a checkpoint, though the schedule spans max_steps (fit a job's time slot).
+    stop_at_step: Optional[int] = None
 
 
 @dataclass

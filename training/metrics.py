@@ -49,19 +49,19 @@ class MetricsLog:
     """One JSON object per line in <out_dir>/metrics.jsonl, plus DeepSpeed's own monitors (wandb,
     TensorBoard, CSV: whichever the ds_config enables). Only global rank 0 writes."""
 
-    def __init__(self, out_dir: str, monitor, is_writer: bool):
+    def __init__(self, out_dir: str, monitor, is_writer: bool, append: bool):
         self.is_writer = is_writer
         self.monitor = monitor
         self.file = None
         if is_writer:
             path = os.path.join(out_dir, "metrics.jsonl")
-            if os.path.exists(path):  # an earlier run's record is kept, never overwritten
+            if os.path.exists(path) and not append:  # an earlier run's record is kept, never overwritten
                 n = 1
                 while os.path.exists(f"{path}.{n}"):
                     n += 1
                 os.replace(path, f"{path}.{n}")
                 print(f"kept the earlier {path} as {path}.{n}")
-            self.file = open(path, "w")
+            self.file = open(path, "a" if append else "w")
 
     def log(self, step: int, **values) -> None:
         if not self.is_writer:

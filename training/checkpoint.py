@@ -1,0 +1,214 @@
+"""Checkpoints: DeepSpeed's own save and load on every rank, made safe to kill and checked before loading.
+
+    <out_dir>/checkpoints/
+        step_000100/          DeepSpeed's files (model states, optimizer and ZeRO shards, per rank or layer)
+            run_state.json    step, tokens seen, run config, layout: what resuming needs before an engine exists
+            manifest.json     every file with its size, written last: its presence marks a complete checkpoint
+        latest                the newest complete tag, replaced atomically once manifest.json is written
+
+`latest` moves only after every rank has finished writing (a barrier) and the manifest is down, so a
+run killed at any moment of a save leaves the previous checkpoint resumable. Everything a resume would
+trip over (another architecture, a changed data-parallel layout, a missing shard, a truncated file, a tag
+that does not exist) is found here, before DeepSpeed loads anything, and nothing is overwritten.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import torch
+from deepspeed.checkpoint.constants import (PIPELINE_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
+                                            UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+from training.config import ConfigError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+RUN_STATE = "run_state.json"
+TAG = re.compile(r"^step_(\d+)(_universal)?$")
+
+# What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint: the tied embedding is
+# held by the first and the last pipeline stage, and only one copy must be kept.
+UNIVERSAL_INFO = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+                  PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"]}
+
+
+def checkpoint_root(out_dir: str) -> str:
+    return os.path.join(out_dir, CHECKPOINTS)
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def save(engine, out_dir: str, step: int, run_state: dict, keep: int) -> str:
+    """Collective: every rank calls it. Returns the new tag."""
+    root, tag = checkpoint_root(out_dir), tag_for(step)
+    engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: UNIVERSAL_INFO},
+                           save_latest=False)  # `latest` is ours to move, once the checkpoint is complete
+    torch.distributed.barrier()  # every rank has written its files
+    if torch.distributed.get_rank() == 0:
+        mark_complete(os.path.join(root, tag), run_state)
+        _write_atomic(os.path.join(root, LATEST), tag)
+        prune(root, keep)
+    torch.distributed.barrier()
+    return tag
+
+
+def mark_complete(tag_dir: str, run_state: dict) -> None:
+    """run_state.json, then the manifest of every file (itself last): the checkpoint now counts."""
+    _write_atomic(os.path.join(tag_dir, RUN_STATE), json.dumps(run_state, indent=1))
+    files = {}
+    for folder, _, names in os.walk(tag_dir):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name != MANIFEST:
+                files[os.path.relpath(path, tag_dir)] = os.path.getsize(path)
+    _write_atomic(os.path.join(tag_dir, MANIFEST), json.dumps({"files": dict(sorted(files.items()))}, indent=1))
+
+
+def complete_tags(root: str) -> list[str]:
+    """Tags with a manifest, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    tags = [t for t in os.listdir(root) if TAG.match(t) and os.path.exists(os.path.join(root, t, MANIFEST))]
+    return sorted(tags, key=lambda t: (int(TAG.match(t).group(1)), t))
+
+
+def prune(root: str, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (never fewer than one) and drop older partial ones."""
+    complete = complete_tags(root)
+    newest_step = int(TAG.match(complete[-1]).group(1))
+    doomed = complete[:-max(keep, 1)]
+    doomed += [t for t in os.listdir(root) if TAG.match(t) and t not in complete
+               and int(TAG.match(t).group(1)) < newest_step]  # leftovers of a killed save
+    for tag in doomed:
+        shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
+
+
+def find_resume(out_dir: str, resume: str) -> str | None:
+    """The tag directory to resume from, or None to start fresh. resume: 'auto', 'none', a tag, or a path."""
+    root = checkpoint_root(out_dir)
+    available = complete_tags(root)
+    if resume == "none":
+        if available:
+            raise ConfigError(f"{out_dir} already holds checkpoints (newest: {available[-1]}); a fresh run would "
+                              f"overwrite them. Continue with train.resume=auto, or pick another train.out_dir")
+        return None
+    if resume == "auto":
+        latest = os.path.join(root, LATEST)
+        if not os.path.exists(latest):
+            return None
+        with open(latest) as f:
+            tag = f.read().strip()
+        return os.path.join(root, tag)
+    path = resume if os.path.isdir(resume) else os.path.join(root, resume)
+    if not os.path.isdir(path):
+        raise ConfigError(f"train.resume={resume}: no such checkpoint. Complete ones in {root}: "
+                          f"{', '.join(available) or 'none'}")
+    return path
+
+
+def read_run_state(tag_dir: str) -> dict:
+    """Check that the checkpoint is complete and intact on this machine, and return its run state."""
+    manifest_path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise ConfigError(f"{tag_dir} is not a complete checkpoint (no {MANIFEST}: its save never finished). "
+                          f"Resume from an earlier tag: {', '.join(complete_tags(os.path.dirname(tag_dir))) or 'none'}")
+    with open(manifest_path) as f:
+        manifest = json.load(f)["files"]
+    for name, size in manifest.items():
+        path = os.path.join(tag_dir, name)
+        if not os.path.exists(path):
+            raise ConfigError(f"checkpoint file {path} is missing (a ZeRO shard or layer file this run needs). "
+                              f"Checkpoints must sit on storage every node can read; restore the file or resume "
+                              f"from another tag")
+        if os.path.getsize(path) != size:
+            raise ConfigError(f"checkpoint file {path} is corrupt: {os.path.getsize(path):,} bytes, {size:,} when "
+                              f"saved. Resume from another tag: {', '.join(complete_tags(os.path.dirname(tag_dir)))}")
+    with open(os.path.join(tag_dir, RUN_STATE)) as f:
+        return json.load(f)
+
+
+def load(engine, tag_dir: str) -> int:
+    """Collective: load model, optimizer, scheduler and ZeRO shards; returns the step to continue after."""
+    with open(os.path.join(tag_dir, RUN_STATE)) as f:
+        step = json.load(f)["step"]
+    try:
+        path, _ = engine.load_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
+                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+    except Exception as e:  # a file that passed the size check but does not unpickle
+        raise ConfigError(f"could not load checkpoint {tag_dir}: {type(e).__name__}: {e}") from None
+    if path is None:
+        raise ConfigError(f"DeepSpeed found no checkpoint to load in {tag_dir}")
+    return step
+
+
+def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
+    """The checkpoint must hold this architecture; without the universal format, also this layout."""
+    changed = {k: (saved["config"]["model"].get(k), v) for k, v in model_cfg.items()
+               if saved["config"]["model"].get(k) != v and k != "dropout"}
+    if changed:
+        diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())
+        raise ConfigError(f"the checkpoint holds a different model architecture ({diff}): resume with the "
+                          f"checkpoint's model settings or start a new train.out_dir")
+    if saved.get("universal"):
+        return
+    was, now = saved["layout"], layout
+    if (was["dp"], was["pp"], was["zero_stage"]) != (now["dp"], now["pp"], now["zero_stage"]):
+        raise ConfigError(
+            f"the checkpoint was saved at dp={was['dp']} x pp={was['pp']} with ZeRO-{was['zero_stage']}, this run is "
+            f"dp={now['dp']} x pp={now['pp']} with ZeRO-{now['zero_stage']}: its optimizer shards only fit the old "
+            f"layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
+            f"{saved['tag']}, then resume with train.resume={saved['tag']}_universal")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def to_universal(out_dir: str, tag: str | None) -> str:
+    """Convert a complete checkpoint to DeepSpeed's universal format, as <tag>_universal beside it."""
+    root = checkpoint_root(out_dir)
+    tag = tag or open(os.path.join(root, LATEST)).read().strip()
+    source = os.path.join(root, tag)
+    saved = read_run_state(source)
+    target = f"{source}_universal"
+    if os.path.exists(os.path.join(target, MANIFEST)):
+        print(f"{target} already exists")
+        return target
+    shutil.rmtree(target, ignore_errors=True)  # the leftovers of an interrupted conversion
+    # DeepSpeed's converter, as a separate process: it parses its own command line.
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
+                    "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True)
+    mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
+    print(f"wrote {target}: resume it at any data-parallel size, pipeline stage count or ZeRO stage with "
+          f"train.resume={tag}_universal")
+    return target
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Checkpoint tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    universal = commands.add_parser("universal", help="convert a checkpoint to DeepSpeed's universal format, "
+                                                      "to resume it on another layout")
+    universal.add_argument("--out_dir", required=True, help="the run's train.out_dir")
+    universal.add_argument("--tag", help="default: the newest complete checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        to_universal(args.out_dir, args.tag)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
