@@ -30,6 +30,7 @@ from model.generate import generate
 from training import checkpoint
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.metrics import MetricsLog, flops_per_token, measure_peak_flops, peak_memory_gb
+from training.optim import optimizer_and_schedule, param_groups
 from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, tied_weights_in_sync, train_step
 from training.topology import Layout, Pipeline, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
@@ -69,7 +70,7 @@ def main(argv=None) -> None:
         say(describe_stages(model_layers(cfg.model), parts, layout))
 
     model = build(cfg, pipe, ds)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.optim.weight_decay),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay),
                                            config=ds)
     pipelined = isinstance(engine, PipelineEngine)
     if pipelined:
@@ -174,34 +175,6 @@ def sample(engine, forward, cfg: RunConfig, data: TokenData, device) -> str:
                    cfg.sample.temperature, cfg.sample.top_k, generator)
     engine.train()
     return tokenizer.decode(out[0].tolist())
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (linear weights, embeddings) only; never on biases or LayerNorm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
-    """The run config's AdamW and warmup-cosine schedule, as ds_config sections for DeepSpeed to build."""
-    opt = cfg.optim
-    params = {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps, "weight_decay": opt.weight_decay}
-    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
-    if not offload:
-        # torch's AdamW (fused on GPU) instead of DeepSpeed's FusedAdam: no op to JIT-build, so the
-        # same code runs on CPU and on GPU machines without a compiler. Offload keeps DeepSpeedCPUAdam.
-        params["torch_adam"] = True
-        if get_accelerator().device_name() == "cuda":
-            params["fused"] = True
-    if not 0 < opt.min_lr <= opt.lr:
-        raise ConfigError(f"optim.min_lr={opt.min_lr} must be in (0, optim.lr={opt.lr}]")
-    if opt.warmup_steps < 1:
-        raise ConfigError(f"optim.warmup_steps={opt.warmup_steps} must be at least 1")
-    schedule = {"total_num_steps": cfg.train.max_steps, "warmup_num_steps": opt.warmup_steps,
-                "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": opt.min_lr / opt.lr}
-    return {"optimizer": {"type": "AdamW", "params": params},
-            "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
 
 
 def check_precision(ds: dict) -> torch.dtype:

@@ -12,6 +12,7 @@ trip over (another architecture, a changed data-parallel layout, a missing shard
 that does not exist) is found here, before DeepSpeed loads anything, and nothing is overwritten.
 """
 import argparse
+import glob
 import json
 import os
 import re
@@ -159,6 +160,8 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
     if saved.get("universal"):
         return
     was, now = saved["layout"], layout
+    if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1:
+        return  # without ZeRO every rank saves and loads the whole optimizer state: any dp fits
     if (was["dp"], was["pp"], was["zero_stage"]) != (now["dp"], now["pp"], now["zero_stage"]):
         raise ConfigError(
             f"the checkpoint was saved at dp={was['dp']} x pp={was['pp']} with ZeRO-{was['zero_stage']}, this run is "
@@ -176,6 +179,18 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def convert(source: str, target: str) -> None:
+    """DeepSpeed's universal-checkpoint converter, as a separate process: it parses its own command line."""
+    if not glob.glob(os.path.join(source, "*optim_states.pt")):
+        raise ConfigError(f"{source} has no ZeRO optimizer shards (a ZeRO-0 fp32 checkpoint), which DeepSpeed's "
+                          f"converter needs. Without pipeline stages it resumes at any data-parallel size as it is")
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
+                           "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise ConfigError(f"DeepSpeed's universal converter failed on {source}:\n{proc.stderr[-3000:]}")
+
+
 def to_universal(out_dir: str, tag: str | None) -> str:
     """Convert a complete checkpoint to DeepSpeed's universal format, as <tag>_universal beside it."""
     root = checkpoint_root(out_dir)
@@ -187,9 +202,7 @@ def to_universal(out_dir: str, tag: str | None) -> str:
         print(f"{target} already exists")
         return target
     shutil.rmtree(target, ignore_errors=True)  # the leftovers of an interrupted conversion
-    # DeepSpeed's converter, as a separate process: it parses its own command line.
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
-                    "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True)
+    convert(source, target)
     mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
     print(f"wrote {target}: resume it at any data-parallel size, pipeline stage count or ZeRO stage with "
           f"train.resume={tag}_universal")

@@ -1,0 +1,66 @@
+"""Generate text from a trained model, on one process, no DeepSpeed engine needed.
+
+    python sample.py --out_dir out/quickstart                     # the newest checkpoint of a run
+    python sample.py --out_dir out/quickstart --tag step_001000 --prompt "ROMEO:" --num_samples 3
+    python sample.py --export out/quickstart/export/step_002000   # an export (safetensors + config.json)
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from data.tokenizers import tokenizer_from_meta
+from model import build_model
+from model.generate import generate
+from training import checkpoint
+from training.config import ConfigError
+from training.export import consolidated_state_dict, load_export, model_config
+
+
+def load(args) -> tuple:
+    """(model config, state dict, tokenizer meta) from an export or a run's checkpoint."""
+    if args.export:
+        return load_export(args.export)
+    tag_dir = checkpoint.find_resume(args.out_dir, args.tag or "auto")
+    if tag_dir is None:
+        raise ConfigError(f"no complete checkpoint in {checkpoint.checkpoint_root(args.out_dir)}")
+    run_state = checkpoint.read_run_state(tag_dir)
+    with open(os.path.join(run_state["config"]["data"]["dir"], "meta.json")) as f:
+        meta = json.load(f)
+    return model_config(run_state), consolidated_state_dict(tag_dir), meta
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--out_dir", help="a run's train.out_dir: sample from its checkpoint")
+    source.add_argument("--export", help="a folder written by python -m training.export")
+    parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
+    parser.add_argument("--prompt", default="\n")
+    parser.add_argument("--max_new_tokens", type=int, default=500)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top_k", type=int, default=200)
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    try:
+        cfg, state, meta = load(args)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    model = build_model(cfg)
+    model.load_state_dict(state)
+    model.to(args.device).eval()
+    tokenizer = tokenizer_from_meta(meta)
+    prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=args.device)
+    generator = torch.Generator().manual_seed(args.seed)
+    for i in range(args.num_samples):
+        out = generate(model, prompt, args.max_new_tokens, cfg.block_size, cfg.vocab_size, args.temperature,
+                       args.top_k, generator)
+        print(tokenizer.decode(out[0].tolist()) + ("\n---------------" if i + 1 < args.num_samples else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Checkpoints through the real launcher: exact resume, resume on another layout through DeepSpeed's
+universal format, a save killed midway, bad checkpoints refused untouched, and export."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FP32, REPO, TINY, free_port, launch, metrics, run, train_losses
+from training import checkpoint
+
+# Global batch 8 in every layout; 6 steps with a checkpoint at step 3.
+RUN = ["train.max_steps=6", "train.save_interval=3", "optim.warmup_steps=2", "optim.lr=3e-3", *FP32]
+LAYOUTS = {  # name: (ds_config, processes, overrides)
+    "zero1": ("zero1.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
+    "zero2": ("zero2.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
+    "pp2": ("pipe2.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]),
+}
+
+
+def steps(out_dir, first=4):
+    return [(m["step"], m["loss"], m["lr"]) for m in metrics(out_dir) if "loss" in m and m["step"] >= first]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, char_data):
+    """Each layout run 6 steps without interruption (checkpoints at 3 and 6)."""
+    runs = {}
+    for name, (ds_config, nprocs, overrides) in LAYOUTS.items():
+        runs[name] = tmp_path_factory.mktemp(f"straight_{name}")
+        launch(nprocs, ds_config, runs[name], char_data, [*RUN, *overrides])
+    return runs
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_stop_and_resume_continues_exactly(straight, tmp_path, char_data, name):
+    ds_config, nprocs, overrides = LAYOUTS[name]
+    first = launch(nprocs, ds_config, tmp_path, char_data, [*RUN, *overrides, "train.stop_at_step=3"])
+    assert "starting fresh" in first.stdout
+    assert checkpoint.complete_tags(tmp_path / "checkpoints") == ["step_000003"]
+    second = launch(nprocs, ds_config, tmp_path, char_data, [*RUN, *overrides])  # train.resume=auto
+    assert f"resumed from {tmp_path}/checkpoints/step_000003 at step 3" in second.stdout
+    resumed, uninterrupted = steps(tmp_path), steps(straight[name])
+    assert [s for s, _, _ in resumed] == [4, 5, 6]
+    assert resumed == uninterrupted  # losses and learning rates, exactly
+    assert [m["step"] for m in metrics(tmp_path) if "loss" in m] == [1, 2, 3, 4, 5, 6]  # one metrics file, appended
+
+
+def universal_copy(source_run, destination) -> str:
+    """The step-3 checkpoint of a run, converted with `python -m training.checkpoint universal`."""
+    shutil.copytree(source_run / "checkpoints", destination / "checkpoints")
+    run([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", str(destination), "--tag", "step_000003"])
+    return str(destination / "checkpoints" / "step_000003_universal")
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2(tmp_path_factory, char_data):
+    out = tmp_path_factory.mktemp("pp2_dp2")
+    launch(4, "pipe2.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"])
+    return out
+
+
+@pytest.mark.parametrize("stages,nprocs,accum", [(1, 2, 2), (2, 2, 4)], ids=["pp1xdp2", "pp2xdp1"])
+def test_pipeline_checkpoint_resumes_on_another_layout(pp2_dp2, tmp_path, char_data, stages, nprocs, accum):
+    universal = universal_copy(pp2_dp2, tmp_path / "converted")
+    out = tmp_path / "resumed"
+    launch(nprocs, "pipe2.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=2",
+                                                  f"ds.gradient_accumulation_steps={accum}",
+                                                  f"ds.pipeline.stages={stages}", f"train.resume={universal}"])
+    resumed, uninterrupted = steps(out), steps(pp2_dp2)
+    assert [s for s, _, _ in resumed] == [4, 5, 6]
+    assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], abs=1e-5)
+    assert [lr for _, _, lr in resumed] == pytest.approx([lr for _, _, lr in uninterrupted])
+
+
+def test_zero2_checkpoint_resumes_at_smaller_data_parallel_size(straight, tmp_path, char_data):
+    universal = universal_copy(straight["zero2"], tmp_path / "converted")
+    out = tmp_path / "resumed"
+    launch(1, "zero2.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=4",
+                                             "ds.gradient_accumulation_steps=2", f"train.resume={universal}"])
+    assert [loss for _, loss, _ in steps(out)] == pytest.approx([loss for _, loss, _ in steps(straight["zero2"])],
+                                                                abs=1e-5)
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, char_data):
+    """SIGKILL the whole job while a checkpoint directory exists without its manifest."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), "train.py", "--ds_config", os.path.join(REPO, "ds_configs", "zero1.json"),
+           f"train.out_dir={tmp_path}", f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=200",
+           "train.save_interval=1", "train.keep_checkpoints=2", "model.n_embd=128", "model.n_head=4"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    root, partial, deadline = tmp_path / "checkpoints", None, time.time() + 240
+    try:
+        while partial is None and proc.poll() is None and time.time() < deadline:
+            complete = checkpoint.complete_tags(root)
+            candidates = [t for t in os.listdir(root) if checkpoint.TAG.match(t)] if root.exists() else []
+            partial = next((t for t in candidates if complete and t not in complete and t > complete[-1]), None)
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert partial is not None, "never caught a save in progress"
+    latest = (root / "latest").read_text().strip()
+    assert latest < partial and os.path.exists(root / latest / "manifest.json")
+    # The next start resumes from the newest complete checkpoint and finishes.
+    resume_step = int(checkpoint.TAG.match(latest).group(1))
+    cmd[cmd.index("train.max_steps=200")] = f"train.max_steps={resume_step + 2}"
+    proc = run(cmd, timeout=300)
+    assert f"resumed from {root}/{latest} at step {resume_step}" in proc.stdout
+
+
+# Bad checkpoints: each refused before any engine exists, with nothing written or removed.
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, char_data):
+    out = tmp_path_factory.mktemp("one_process")
+    run([sys.executable, "train.py", "--ds_config", "ds_configs/zero1.json", f"train.out_dir={out}",
+         f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=4", "train.save_interval=2"])
+    return out
+
+
+def snapshot(folder):
+    return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+def resume_fails(out_dir, char_data, *overrides, ds_config="zero1.json"):
+    before = snapshot(out_dir)
+    proc = run([sys.executable, "train.py", "--ds_config", f"ds_configs/{ds_config}", f"train.out_dir={out_dir}",
+                f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=6", *overrides], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "step 0" not in proc.stdout and "Traceback" not in proc.stderr
+    assert snapshot(out_dir) == before
+    return proc.stderr
+
+
+@pytest.fixture
+def damaged(one_process_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(one_process_run, copy)
+    return copy
+
+
+def test_other_architecture_is_refused(damaged, char_data):
+    assert ("the checkpoint holds a different model architecture (model.n_layer: 2 in the checkpoint, 3 now)"
+            in resume_fails(damaged, char_data, "model.n_layer=3"))
+
+
+def test_missing_tag_lists_the_complete_ones(damaged, char_data):
+    assert ("train.resume=step_000099: no such checkpoint. Complete ones in "
+            f"{damaged}/checkpoints: step_000002, step_000004") in resume_fails(damaged, char_data, "train.resume=step_000099")
+
+
+def test_truncated_file_is_reported_corrupt(damaged, char_data):
+    path = damaged / "checkpoints" / "step_000004" / "mp_rank_00_model_states.pt"
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    error = resume_fails(damaged, char_data)
+    assert f"checkpoint file {path} is corrupt: 1,000 bytes" in error and "step_000002" in error
+
+
+def test_missing_zero_shard_is_an_error_not_a_warning(damaged, char_data):
+    shard = damaged / "checkpoints" / "step_000004" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.unlink()
+    assert f"checkpoint file {shard} is missing" in resume_fails(damaged, char_data)
+
+
+def test_fresh_start_never_overwrites_checkpoints(damaged, char_data):
+    assert "already holds checkpoints (newest: step_000004); a fresh run would overwrite them" in \
+        resume_fails(damaged, char_data, "train.resume=none")
+
+
+def test_other_layout_without_universal_format_says_how_to_convert(straight, tmp_path, char_data):
+    copy = tmp_path / "run"
+    shutil.copytree(straight["zero2"], copy)
+    error = resume_fails(copy, char_data, "ds.train_micro_batch_size_per_gpu=4", ds_config="zero2.json")
+    assert ("the checkpoint was saved at dp=2 x pp=1 with ZeRO-2, this run is dp=1 x pp=1 with ZeRO-2" in error
+            and "python -m training.checkpoint universal" in error)
+
+
+# Export.
+
+GPT2_BLOCK = {"ln_1.weight": (32,), "ln_1.bias": (32,), "attn.c_attn.weight": (32, 96), "attn.c_attn.bias": (96,),
+              "attn.c_proj.weight": (32, 32), "attn.c_proj.bias": (32,), "ln_2.weight": (32,), "ln_2.bias": (32,),
+              "mlp.c_fc.weight": (32, 128), "mlp.c_fc.bias": (128,), "mlp.c_proj.weight": (128, 32),
+              "mlp.c_proj.bias": (32,)}
+
+
+def export(out_dir) -> dict:
+    run([sys.executable, "-m", "training.export", "--out_dir", str(out_dir)])
+    return load_file(out_dir / "export" / "step_000006" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, char_data, straight):
+    """The same training (global batch 8, same data) under ZeRO-0, ZeRO-3 and 2 pipeline stages."""
+    tensors = {"pp2": export(straight["pp2"])}
+    for stage in (0, 3):
+        out = tmp_path_factory.mktemp(f"export_zero{stage}")
+        launch(2, f"zero{stage}.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=4",
+                                                        "ds.zero_optimization.stage3_param_persistence_threshold=0"])
+        tensors[f"zero{stage}"] = export(out)
+    return tensors
+
+
+def test_export_has_the_hugging_face_gpt2_layout(exports):
+    expected = {"transformer.wte.weight": (65, 32), "transformer.wpe.weight": (32, 32),
+                "transformer.ln_f.weight": (32,), "transformer.ln_f.bias": (32,),
+                **{f"transformer.h.{i}.{k}": v for i in range(2) for k, v in GPT2_BLOCK.items()}}
+    assert {k: tuple(v.shape) for k, v in exports["zero0"].items()} == expected
+
+
+@pytest.mark.parametrize("layout", ["zero3", "pp2"])
+def test_exports_match_the_zero0_export(exports, layout):
+    reference = exports["zero0"]
+    assert sorted(exports[layout]) == sorted(reference)
+    for name, tensor in exports[layout].items():
+        assert tensor.numel() > 0 and tensor.dtype == torch.float32, name
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_sample_from_checkpoint_and_export_agree(straight):
+    out = straight["pp2"]
+    export(out)
+    args = ["--max_new_tokens", "30", "--seed", "3", "--prompt", "ROMEO:"]
+    def sample(*source):  # the generated text, without DeepSpeed's timestamped log lines
+        stdout = run([sys.executable, "sample.py", *source, *args]).stdout
+        return "\n".join(line for line in stdout.splitlines() if not line.startswith("[20"))
+
+    from_checkpoint = sample("--out_dir", str(out))
+    from_export = sample("--export", str(out / "export" / "step_000006"))
+    assert from_checkpoint == from_export and from_checkpoint.startswith("ROMEO:") and len(from_checkpoint) == 36
+    config = json.load(open(out / "export" / "step_000006" / "config.json"))
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["n_layer"] == 2 and config["vocab_size"] == 65

@@ -1,0 +1,162 @@
+"""Export a checkpoint as one safetensors file of full fp32 weights plus a config.json.
+
+    python -m training.export --out_dir out/gpt2_124m [--tag step_005000] [--output DIR]
+
+Any checkpoint works: ZeRO 0-3, pipelined or not, or already universal. GPT weights are written with the
+tensor names and layout of Hugging Face's GPT2LMHeadModel (Conv1D weights transposed, the vocabulary
+padding cut off, the tied head left to `tie_word_embeddings`), so
+`GPT2LMHeadModel.from_pretrained(DIR)` loads them; encoder weights keep this repo's names. config.json
+also carries this repo's model settings and the tokenizer, for `sample.py --export DIR`.
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import build_model
+from model.config import ModelConfig
+from training import checkpoint
+from training.config import ConfigError
+from training.optim import decay_split
+
+
+def model_config(run_state: dict) -> ModelConfig:
+    return ModelConfig(**run_state["config"]["model"])
+
+
+def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights (this repo's parameter names) from a complete checkpoint, on the CPU."""
+    run_state = checkpoint.read_run_state(tag_dir)
+    with torch.device("meta"):
+        model = build_model(model_config(run_state))
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    if run_state.get("universal"):
+        return _from_universal(tag_dir, shapes)
+    if glob.glob(os.path.join(tag_dir, "*optim_states.pt")):  # ZeRO 1-3, or any bf16 pipeline
+        scratch = f"{tag_dir}_export_tmp"
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            checkpoint.convert(tag_dir, scratch)
+            return _from_universal(scratch, shapes)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if run_state["layout"]["pp"] > 1:  # fp32 pipeline without ZeRO: the layer files hold fp32 weights
+        state = {}
+        for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))):
+            index = int(os.path.basename(path)[len("layer_"):].split("-")[0])
+            for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+                key = f"{index}.{name}" if f"{index}.{name}" in shapes else f"tied_modules.embed.{name}"
+                state.setdefault(key, tensor.float())
+        return state
+    # ZeRO-0: one file with the module (fp32, or bf16 with the fp32 masters kept by the optimizer).
+    saved = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    masters = saved["optimizer"].get("fp32_groups") if isinstance(saved["optimizer"], dict) else None
+    if masters is None:
+        return {name: tensor.float() for name, tensor in saved["module"].items()}
+    decay, no_decay = decay_split(model.named_parameters())  # the order train.py gave the optimizer
+    names = [n for n, _ in decay] + [n for n, _ in no_decay]
+    return dict(zip(names, [t.float() for group in masters for t in group]))
+
+
+def _from_universal(folder: str, shapes: dict) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, shape in shapes.items():
+        saved = torch.load(os.path.join(folder, "zero", name, "fp32.pt"), map_location="cpu", weights_only=True)
+        state[name] = (saved["param"] if isinstance(saved, dict) else saved).reshape(shape).float()
+    return state
+
+
+# Hugging Face's GPT-2 stores its linear layers as Conv1D, weight (in, out): ours are transposed.
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_BLOCK_NAMES = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln_2": "ln_2",
+                  "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+
+
+def to_hf_gpt2(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    if not cfg.bias:
+        raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model was trained with model.bias=false")
+    first_block, final_norm = 2, 2 + cfg.n_layer
+    hf = {"transformer.wte.weight": state["tied_modules.embed.weight"][: cfg.vocab_size],
+          "transformer.wpe.weight": state["1.weight"],
+          "transformer.ln_f.weight": state[f"{final_norm}.weight"], "transformer.ln_f.bias": state[f"{final_norm}.bias"]}
+    for i in range(cfg.n_layer):
+        for ours, theirs in HF_BLOCK_NAMES.items():
+            for kind in ("weight", "bias"):
+                tensor = state[f"{first_block + i}.{ours}.{kind}"]
+                name = f"transformer.h.{i}.{theirs}.{kind}"
+                hf[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
+    return {name: tensor.contiguous() for name, tensor in hf.items()}
+
+
+def from_hf_gpt2(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of to_hf_gpt2, with the vocabulary padding restored as zero rows."""
+    wte = hf["transformer.wte.weight"]
+    padded = torch.zeros(cfg.padded_vocab_size, wte.size(1), dtype=wte.dtype)
+    padded[: wte.size(0)] = wte
+    first_block, final_norm = 2, 2 + cfg.n_layer
+    state = {"tied_modules.embed.weight": padded, "1.weight": hf["transformer.wpe.weight"],
+             f"{final_norm}.weight": hf["transformer.ln_f.weight"], f"{final_norm}.bias": hf["transformer.ln_f.bias"]}
+    for i in range(cfg.n_layer):
+        for ours, theirs in HF_BLOCK_NAMES.items():
+            for kind in ("weight", "bias"):
+                name = f"transformer.h.{i}.{theirs}.{kind}"
+                state[f"{first_block + i}.{ours}.{kind}"] = hf[name].t() if name.endswith(HF_TRANSPOSED) else hf[name]
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def hf_gpt2_config(cfg: ModelConfig) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head, "n_inner": cfg.mlp_hidden, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout, "initializer_range": 0.02, "tie_word_embeddings": True,
+            "torch_dtype": "float32"}
+
+
+def export(tag_dir: str, output: str) -> str:
+    run_state = checkpoint.read_run_state(tag_dir)
+    cfg = model_config(run_state)
+    state = consolidated_state_dict(tag_dir)
+    with open(os.path.join(run_state["config"]["data"]["dir"], "meta.json")) as f:
+        tokenizer = json.load(f)
+    config = hf_gpt2_config(cfg) if cfg.arch == "gpt" else {}
+    config["megalite"] = {"model": run_state["config"]["model"], "tokenizer": tokenizer, "step": run_state["step"]}
+    os.makedirs(output, exist_ok=True)
+    weights = to_hf_gpt2(state, cfg) if cfg.arch == "gpt" else state
+    save_file(weights, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return output
+
+
+def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
+    """(model config, state dict with this repo's names, tokenizer meta) of an export."""
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    cfg = ModelConfig(**config["megalite"]["model"])
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    return cfg, from_hf_gpt2(weights, cfg) if cfg.arch == "gpt" else weights, config["megalite"]["tokenizer"]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out_dir", required=True, help="the run's train.out_dir")
+    parser.add_argument("--tag", help="default: the newest complete checkpoint")
+    parser.add_argument("--output", help="default: <out_dir>/export/<tag>")
+    args = parser.parse_args(argv)
+    try:
+        tag_dir = checkpoint.find_resume(args.out_dir, args.tag or "auto")
+        if tag_dir is None:
+            raise ConfigError(f"no complete checkpoint in {checkpoint.checkpoint_root(args.out_dir)}")
+        output = args.output or os.path.join(args.out_dir, "export", os.path.basename(tag_dir))
+        print(f"wrote {export(tag_dir, output)}: model.safetensors, config.json")
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The optimizer and schedule of a run (optim.* in the run YAML), handed to DeepSpeed to build."""
+from deepspeed.accelerator import get_accelerator
+
+from training.config import ConfigError, RunConfig
+
+
+def decay_split(named_parameters) -> tuple[list, list]:
+    """(name, parameter) pairs split into those with weight decay (matrices: linear weights, embeddings)
+    and those without (biases, LayerNorm gains), each in model order: the optimizer's two groups."""
+    pairs = [(n, p) for n, p in named_parameters if p.requires_grad]
+    # Under ZeRO-3's zero.Init a parameter is already a flat 1-D shard: its real shape is ds_shape.
+    is_matrix = {n: len(getattr(p, "ds_shape", p.shape)) >= 2 for n, p in pairs}
+    return [(n, p) for n, p in pairs if is_matrix[n]], [(n, p) for n, p in pairs if not is_matrix[n]]
+
+
+def param_groups(named_parameters, weight_decay: float) -> list[dict]:
+    decay, no_decay = decay_split(named_parameters)
+    return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
+            {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+
+
+def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
+    """The run config's AdamW and warmup-cosine schedule, as ds_config sections for DeepSpeed to build."""
+    opt = cfg.optim
+    params = {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps, "weight_decay": opt.weight_decay}
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if not offload:
+        # torch's AdamW (fused on GPU) instead of DeepSpeed's FusedAdam: no op to JIT-build, so the
+        # same code runs on CPU and on GPU machines without a compiler. Offload keeps DeepSpeedCPUAdam.
+        params["torch_adam"] = True
+        if get_accelerator().device_name() == "cuda":
+            params["fused"] = True
+    if not 0 < opt.min_lr <= opt.lr:
+        raise ConfigError(f"optim.min_lr={opt.min_lr} must be in (0, optim.lr={opt.lr}]")
+    if opt.warmup_steps < 1:
+        raise ConfigError(f"optim.warmup_steps={opt.warmup_steps} must be at least 1")
+    schedule = {"total_num_steps": cfg.train.max_steps, "warmup_num_steps": opt.warmup_steps,
+                "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": opt.min_lr / opt.lr}
+    return {"optimizer": {"type": "AdamW", "params": params},
+            "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
