@@ -21,12 +21,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ds_config", default="ds_configs/zero0.json")
     parser.add_argument("--target", type=float, default=1.90)
-    parser.add_argument("--out_dir", default="out/quality")
+    parser.add_argument("--out_dir", default=os.path.join("out", "quality", time.strftime("%Y%m%d-%H%M%S")),
+                        help="a new folder: the benchmark always trains from scratch")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
     cmd = [sys.executable, "train.py", "--config", "configs/quickstart.yaml", "--ds_config", args.ds_config,
-           f"train.out_dir={args.out_dir}", *args.overrides]
+           f"train.out_dir={args.out_dir}", "train.resume=none", *args.overrides]
     print(" ".join(cmd), flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, check=True)
