@@ -15,7 +15,6 @@ import json
 import os
 import socket
 import sys
-import time
 
 import deepspeed
 import torch
@@ -29,7 +28,7 @@ from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
 from training import checkpoint
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
-from training.metrics import MetricsLog, flops_per_token, measure_peak_flops, peak_memory_gb
+from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
 from training.optim import optimizer_and_schedule, param_groups
 from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, tied_weights_in_sync, train_step
 from training.topology import Layout, Pipeline, describe_stages, pipeline_settings, resolve_layout, stage_partition
@@ -52,12 +51,8 @@ def main(argv=None) -> None:
     ds.update(optimizer_and_schedule(cfg, ds))
     layout_record = {"world": layout.world_size, "dp": layout.dp, "pp": layout.pipeline_stages,
                      "zero_stage": ds.get("zero_optimization", {}).get("stage", 0)}
-    resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
-    if resume_dir:
-        saved = checkpoint.read_run_state(resume_dir)
-        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), layout_record)
-        if saved.get("universal"):
-            ds.setdefault("checkpoint", {})["load_universal"] = True
+    resume_dir = checkpoint.plan_resume(cfg.train.out_dir, cfg.train.resume, dataclasses.asdict(cfg.model),
+                                        layout_record, ds)
 
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
@@ -70,8 +65,8 @@ def main(argv=None) -> None:
         say(describe_stages(model_layers(cfg.model), parts, layout))
 
     model = build(cfg, pipe, ds)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay),
-                                           config=ds)
+    groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     pipelined = isinstance(engine, PipelineEngine)
     if pipelined:
         assert model.parts == parts, f"PipelineModule chose stage boundaries {model.parts}, expected {parts}"
@@ -89,7 +84,7 @@ def main(argv=None) -> None:
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": ds})
     peak_flops = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else measure_peak_flops(device, dtype)
     tokens_per_step = layout.global_batch * cfg.model.block_size
-    flops_per_step = flops_per_token(cfg.model) * tokens_per_step
+    meter = Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak_flops)
     say(f"model: {count_parameters(cfg):,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
         f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
 
@@ -103,7 +98,6 @@ def main(argv=None) -> None:
     if not resume_dir:
         evaluate(0)
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
-    t_last, steps_since_log = time.perf_counter(), 0
     for step in range(start_step + 1, last_step + 1):
         # Dropout masks, like the data, are a pure function of (seed, rank, step): a resumed run
         # draws what an uninterrupted one would. PipelineModule reseeds per micro-batch from its own count.
@@ -114,12 +108,10 @@ def main(argv=None) -> None:
         micro_batches = [data.train_batch(cfg.train.seed, step, micro_step, dp_rank, layout, device)
                          for micro_step in range(layout.grad_accum)]
         loss = train_step(engine, micro_batches)
-        steps_since_log += 1
-        if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
+        meter.step()
+        if step % cfg.train.log_interval == 0 or step == last_step:
             loss = mean_over_ranks(loss)  # the step's only host synchronisation, at log intervals
-            elapsed, t_last = time.perf_counter() - t_last, time.perf_counter()
-            tokens_per_s = tokens_per_step * steps_since_log / elapsed
-            mfu = flops_per_step * steps_since_log / elapsed / layout.world_size / peak_flops
+            tokens_per_s, mfu = meter.read()
             grad_norm = engine.get_global_grad_norm()  # before clipping, which DeepSpeed does
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             memory = peak_memory_gb(device)
@@ -127,18 +119,17 @@ def main(argv=None) -> None:
                     peak_mem_gb=memory)
             say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                 f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB")
-            steps_since_log = 0
-        if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
+        if step % cfg.train.eval_interval == 0 or step == last_step:
             evaluate(step)
-            t_last = time.perf_counter()  # evaluation time is not training throughput
+            meter.pause()  # evaluation time is not training throughput
         if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step:
             run_state = {"tag": checkpoint.tag_for(step), "step": step, "tokens_seen": step * tokens_per_step,
                          "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "layout": layout_record}
             say(f"saved {checkpoint.save(engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints)}")
-            t_last = time.perf_counter()
+            meter.pause()
     if pipelined:
         in_sync = tied_weights_in_sync(engine)
-        log.log(cfg.train.max_steps, tied_weights_in_sync=in_sync)
+        log.log(last_step, tied_weights_in_sync=in_sync)
         if not in_sync:
             say("WARNING: the tied embedding and LM head differ between the first and last stage")
     log.close()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FP32, REPO, TINY, free_port, launch, metrics, run, train_losses
+from conftest import FP32, REPO, TINY, free_port, launch, metrics, run
 from training import checkpoint
 
 # Global batch 8 in every layout; 6 steps with a checkpoint at step 3.

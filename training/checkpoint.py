@@ -114,6 +114,18 @@ def find_resume(out_dir: str, resume: str) -> str | None:
     return path
 
 
+def plan_resume(out_dir: str, resume: str, model_cfg: dict, layout: dict, ds: dict) -> str | None:
+    """The checkpoint this run continues from (None: start fresh), checked against this run; a universal
+    checkpoint switches on DeepSpeed's universal loading in `ds`."""
+    tag_dir = find_resume(out_dir, resume)
+    if tag_dir:
+        saved = read_run_state(tag_dir)
+        check_compatible(saved, model_cfg, layout)
+        if saved.get("universal"):
+            ds.setdefault("checkpoint", {})["load_universal"] = True
+    return tag_dir
+
+
 def read_run_state(tag_dir: str) -> dict:
     """Check that the checkpoint is complete and intact on this machine, and return its run state."""
     manifest_path = os.path.join(tag_dir, MANIFEST)

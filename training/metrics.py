@@ -45,6 +45,27 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Throughput:
+    """Tokens/s and MFU over the steps since the last read; pause() leaves out time that is not training."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step_per_device: float, peak_flops: float):
+        self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step_per_device, peak_flops
+        self.pause()
+
+    def pause(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def read(self) -> tuple[float, float]:
+        elapsed = time.perf_counter() - self.start
+        tokens_per_s = self.tokens_per_step * self.steps / elapsed
+        mfu = self.flops_per_step * self.steps / elapsed / self.peak_flops
+        self.pause()
+        return tokens_per_s, mfu
+
+
 class MetricsLog:
     """One JSON object per line in <out_dir>/metrics.jsonl, plus DeepSpeed's own monitors (wandb,
     TensorBoard, CSV: whichever the ds_config enables). Only global rank 0 writes."""
