@@ -10,11 +10,14 @@ owns everything else.
 """
 import contextlib
 import dataclasses
+import datetime
 import functools
+import glob
 import json
 import os
 import socket
 import sys
+import traceback
 
 import deepspeed
 import torch
@@ -31,7 +34,7 @@ from training.config import ConfigError, RunConfig, load_ds_config, load_run_con
 from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
 from training.optim import optimizer_and_schedule, param_groups
 from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, tied_weights_in_sync, train_step
-from training.topology import Layout, Pipeline, describe_stages, pipeline_settings, resolve_layout, stage_partition
+from training.topology import Layout, Pipeline, describe_hosts, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
 
 def main(argv=None) -> None:
@@ -54,15 +57,21 @@ def main(argv=None) -> None:
     resume_dir = checkpoint.plan_resume(cfg.train.out_dir, cfg.train.resume, dataclasses.asdict(cfg.model),
                                         layout_record, ds)
 
-    deepspeed.init_distributed()
+    PHASE.now(f"joining the process group (world {layout.world_size})")
+    deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
     rank = torch.distributed.get_rank()
     say = functools.partial(print, flush=True) if rank == 0 else lambda *_: None
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
+    hostnames = [None] * layout.world_size
+    torch.distributed.all_gather_object(hostnames, socket.gethostname())
     os.makedirs(cfg.train.out_dir, exist_ok=True)
     if rank == 0:
         save_effective_config(cfg, ds, layout)
+        say(f"topology: {describe_hosts(hostnames)}; {layout.describe()}")
         say(describe_stages(model_layers(cfg.model), parts, layout))
+
+    PHASE.now("building the model and the DeepSpeed engine")
 
     model = build(cfg, pipe, ds)
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
@@ -74,6 +83,7 @@ def main(argv=None) -> None:
 
     start_step = 0
     if resume_dir:
+        PHASE.now(f"loading {resume_dir}")
         start_step = checkpoint.load(engine, resume_dir)
         say(f"resumed from {resume_dir} at step {start_step}")
     else:
@@ -96,6 +106,7 @@ def main(argv=None) -> None:
         say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 
     if not resume_dir:
+        PHASE.now("evaluating at step 0")
         evaluate(0)
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     for step in range(start_step + 1, last_step + 1):
@@ -104,6 +115,7 @@ def main(argv=None) -> None:
         torch.manual_seed(hash((cfg.train.seed, rank, step)) % 2**63)
         if pipelined:
             model.micro_offset = step * layout.grad_accum
+        PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
         micro_batches = [data.train_batch(cfg.train.seed, step, micro_step, dp_rank, layout, device)
                          for micro_step in range(layout.grad_accum)]
@@ -120,9 +132,11 @@ def main(argv=None) -> None:
             say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                 f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB")
         if step % cfg.train.eval_interval == 0 or step == last_step:
+            PHASE.now(f"evaluating at step {step}")
             evaluate(step)
             meter.pause()  # evaluation time is not training throughput
         if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step:
+            PHASE.now(f"saving the checkpoint of step {step}")
             run_state = {"tag": checkpoint.tag_for(step), "step": step, "tokens_seen": step * tokens_per_step,
                          "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "layout": layout_record}
             say(f"saved {checkpoint.save(engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints)}")
@@ -134,9 +148,22 @@ def main(argv=None) -> None:
             say("WARNING: the tied embedding and LM head differ between the first and last stage")
     log.close()
 
+    PHASE.now("sampling")
     forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size) \
         if pipelined else engine
     say(f"--- sample ---\n{sample(engine, forward, cfg, data, device)}\n--------------")
+    torch.distributed.barrier()
+    release_shm_workspace()
+
+
+def release_shm_workspace() -> None:
+    """Work around DeepSpeed's CPU backend: it maps a shared-memory all-reduce workspace per rank (about
+    64 MB in /dev/shm, for its inference all-reduce) and never unlinks it, so every CPU run leaked it.
+    Called after a barrier, when no rank uses it any more."""
+    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_"
+               f"{os.environ['LOCAL_RANK']}")
+    for path in glob.glob(pattern):
+        os.remove(path)
 
 
 def build(cfg: RunConfig, pipe: Pipeline, ds: dict) -> torch.nn.Module:
@@ -187,6 +214,16 @@ def check_precision(ds: dict) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
 
 
+def collective_timeout(seconds: int) -> datetime.timedelta:
+    """The timeout for every process group, DeepSpeed's own included: it creates its data- and
+    pipeline-parallel groups with torch's module default (30 min on gloo) and takes no timeout for them,
+    so the default itself is set before any group exists."""
+    timeout = datetime.timedelta(seconds=seconds)
+    torch.distributed.distributed_c10d.default_pg_timeout = timeout
+    torch.distributed.distributed_c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
 def set_single_process_env() -> None:
     """Without the launcher, DeepSpeed looks for MPI; a one-process world needs only these variables."""
     if "WORLD_SIZE" in os.environ:
@@ -207,10 +244,48 @@ def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
         f.write(ds_json + "\n")
 
 
-if __name__ == "__main__":
+class Phase:
+    """What this rank is doing, so that a failure or a collective timeout can say where it happened."""
+
+    def __init__(self):
+        self.what = "reading the configuration"
+
+    def now(self, what: str) -> None:
+        self.what = what
+
+
+PHASE = Phase()
+
+
+def report_failure(error: BaseException) -> None:
+    """One line that names this rank, its host and what it was doing, then the traceback."""
+    where = f"rank {os.environ.get('RANK', '?')} ({socket.gethostname()}, local rank {os.environ.get('LOCAL_RANK', '?')})"
+    if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower():
+        print(f"error: {where} timed out while {PHASE.what}: it waited in a collective for another rank longer "
+              f"than train.dist_timeout_s. That rank crashed, hangs or is far slower: its own error names it. "
+              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})", file=sys.stderr)
+    else:
+        print(f"error: {where} failed while {PHASE.what}: {type(error).__name__}: {error}", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+
+
+def run(argv=None) -> None:
+    """main() with this repo's exit codes: 2 for bad input (before any training), 1 for a failed rank."""
     try:
-        main()
+        main(argv)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # one copy of the message per node
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: B036 (KeyboardInterrupt from the launcher's signal included)
+        report_failure(e)
+        # Exit now: interpreter shutdown would tear down the process group and can wait on the very
+        # peers that failed. The launcher sees the code and stops this node's other ranks.
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    run()

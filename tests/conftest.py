@@ -1,5 +1,6 @@
 """Shared fixtures: the real Shakespeare text, prepared datasets, and runs of train.py through the
 real `deepspeed` launcher (N CPU processes over gloo)."""
+import glob
 import json
 import os
 import socket
@@ -58,7 +59,11 @@ def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), ch
            "--config", os.path.join(REPO, "configs", config), "--ds_config", os.path.join(REPO, "ds_configs", ds_config),
            f"train.out_dir={out_dir}", f"data.dir={data_dir}", *TINY, *overrides]
     # One thread per rank: N ranks share this machine's cores.
-    return run(cmd, timeout=timeout, check=check, env={"OMP_NUM_THREADS": "1", **(env or {})})
+    try:
+        return run(cmd, timeout=timeout, check=check, env={"OMP_NUM_THREADS": "1", **(env or {})})
+    finally:  # DeepSpeed's CPU shm workspace of a run that did not end cleanly (see train.py)
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{cmd[4]}_*"):
+            os.remove(path)
 
 
 def metrics(out_dir) -> list[dict]:

@@ -64,6 +64,9 @@ class TrainConfig:
     resume: str = "auto"
     # Stop after this step, with a checkpoint, though the schedule spans max_steps (fit a job's time slot).
     stop_at_step: Optional[int] = None
+    # How long a rank waits in a collective for the others before the job ends with an error. Long enough
+    # for a slow checkpoint save on a real cluster; tests make it seconds.
+    dist_timeout_s: int = 1800
 
 
 @dataclass

@@ -145,3 +145,12 @@ def describe_stages(specs: list, parts: list[int], layout: Layout) -> str:
         ranks = list(range(stage * layout.dp, (stage + 1) * layout.dp))
         lines.append(f"stage {stage}: layers {parts[stage]}-{parts[stage + 1] - 1} ({counted}) on ranks {ranks}")
     return "\n".join(lines)
+
+
+def describe_hosts(hostnames: list[str]) -> str:
+    """Which ranks run on which host, from every rank's hostname in rank order."""
+    ranks = {}
+    for rank, host in enumerate(hostnames):
+        ranks.setdefault(host, []).append(rank)
+    return "; ".join(f"{host}: ranks {r[0]}-{r[-1]}" if len(r) > 1 else f"{host}: rank {r[0]}"
+                     for host, r in ranks.items())
