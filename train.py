@@ -49,7 +49,8 @@ def main(argv=None) -> None:
     set_single_process_env()
     pipe = pipeline_settings(ds)
     layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), pipe.stages)
-    parts = stage_partition(model_layers(cfg.model), pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
+    specs = model_layers(cfg.model)
+    parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
     dtype = check_precision(ds)
     ds.update(optimizer_and_schedule(cfg, ds))
     layout_record = {"world": layout.world_size, "dp": layout.dp, "pp": layout.pipeline_stages,
@@ -69,7 +70,7 @@ def main(argv=None) -> None:
     if rank == 0:
         save_effective_config(cfg, ds, layout)
         say(f"topology: {describe_hosts(hostnames)}; {layout.describe()}")
-        say(describe_stages(model_layers(cfg.model), parts, layout))
+        say(describe_stages(specs, parts, layout))
 
     PHASE.now("building the model and the DeepSpeed engine")
 

@@ -194,7 +194,7 @@ def _write_atomic(path: str, text: str) -> None:
 def convert(source: str, target: str) -> None:
     """DeepSpeed's universal-checkpoint converter, as a separate process: it parses its own command line."""
     if not glob.glob(os.path.join(source, "*optim_states.pt")):
-        raise ConfigError(f"{source} has no ZeRO optimizer shards (a ZeRO-0 fp32 checkpoint), which DeepSpeed's "
+        raise ConfigError(f"{source} has no ZeRO optimizer shards (a ZeRO-0 checkpoint), which DeepSpeed's "
                           f"converter needs. Without pipeline stages it resumes at any data-parallel size as it is")
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
                            "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"],
@@ -205,9 +205,10 @@ def convert(source: str, target: str) -> None:
 
 def to_universal(out_dir: str, tag: str | None) -> str:
     """Convert a complete checkpoint to DeepSpeed's universal format, as <tag>_universal beside it."""
-    root = checkpoint_root(out_dir)
-    tag = tag or open(os.path.join(root, LATEST)).read().strip()
-    source = os.path.join(root, tag)
+    source = find_resume(out_dir, tag or "auto")
+    if source is None:
+        raise ConfigError(f"no complete checkpoint in {checkpoint_root(out_dir)} to convert")
+    tag = os.path.basename(source)
     saved = read_run_state(source)
     target = f"{source}_universal"
     if os.path.exists(os.path.join(target, MANIFEST)):
