@@ -10,14 +10,10 @@ owns everything else.
 """
 import contextlib
 import dataclasses
-import datetime
 import functools
-import glob
 import json
 import os
 import socket
-import sys
-import traceback
 
 import deepspeed
 import torch
@@ -30,11 +26,13 @@ from data.tokenizers import tokenizer_from_meta
 from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
 from training import checkpoint
+from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
 from training.optim import optimizer_and_schedule, param_groups
 from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, tied_weights_in_sync, train_step
-from training.topology import Layout, Pipeline, describe_hosts, describe_stages, pipeline_settings, resolve_layout, stage_partition
+from training.topology import (Layout, Pipeline, describe_hosts, describe_stages, pipeline_settings, resolve_layout,
+                               set_single_process_env, stage_partition)
 
 
 def main(argv=None) -> None:
@@ -153,18 +151,7 @@ def main(argv=None) -> None:
     forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size) \
         if pipelined else engine
     say(f"--- sample ---\n{sample(engine, forward, cfg, data, device)}\n--------------")
-    torch.distributed.barrier()
-    release_shm_workspace()
-
-
-def release_shm_workspace() -> None:
-    """Work around DeepSpeed's CPU backend: it maps a shared-memory all-reduce workspace per rank (about
-    64 MB in /dev/shm, for its inference all-reduce) and never unlinks it, so every CPU run leaked it.
-    Called after a barrier, when no rank uses it any more."""
-    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_"
-               f"{os.environ['LOCAL_RANK']}")
-    for path in glob.glob(pattern):
-        os.remove(path)
+    leave_process_group()
 
 
 def build(cfg: RunConfig, pipe: Pipeline, ds: dict) -> torch.nn.Module:
@@ -215,26 +202,6 @@ def check_precision(ds: dict) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
 
 
-def collective_timeout(seconds: int) -> datetime.timedelta:
-    """The timeout for every process group, DeepSpeed's own included: it creates its data- and
-    pipeline-parallel groups with torch's module default (30 min on gloo) and takes no timeout for them,
-    so the default itself is set before any group exists."""
-    timeout = datetime.timedelta(seconds=seconds)
-    torch.distributed.distributed_c10d.default_pg_timeout = timeout
-    torch.distributed.distributed_c10d.default_pg_nccl_timeout = timeout
-    return timeout
-
-
-def set_single_process_env() -> None:
-    """Without the launcher, DeepSpeed looks for MPI; a one-process world needs only these variables."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
     run_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     ds_json = json.dumps(ds, indent=2)
@@ -245,48 +212,5 @@ def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
         f.write(ds_json + "\n")
 
 
-class Phase:
-    """What this rank is doing, so that a failure or a collective timeout can say where it happened."""
-
-    def __init__(self):
-        self.what = "reading the configuration"
-
-    def now(self, what: str) -> None:
-        self.what = what
-
-
-PHASE = Phase()
-
-
-def report_failure(error: BaseException) -> None:
-    """One line that names this rank, its host and what it was doing, then the traceback."""
-    where = f"rank {os.environ.get('RANK', '?')} ({socket.gethostname()}, local rank {os.environ.get('LOCAL_RANK', '?')})"
-    if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower():
-        print(f"error: {where} timed out while {PHASE.what}: it waited in a collective for another rank longer "
-              f"than train.dist_timeout_s. That rank crashed, hangs or is far slower: its own error names it. "
-              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})", file=sys.stderr)
-    else:
-        print(f"error: {where} failed while {PHASE.what}: {type(error).__name__}: {error}", file=sys.stderr)
-    traceback.print_exc()
-    sys.stderr.flush()
-
-
-def run(argv=None) -> None:
-    """main() with this repo's exit codes: 2 for bad input (before any training), 1 for a failed rank."""
-    try:
-        main(argv)
-    except ConfigError as e:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one copy of the message per node
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: B036 (KeyboardInterrupt from the launcher's signal included)
-        report_failure(e)
-        # Exit now: interpreter shutdown would tear down the process group and can wait on the very
-        # peers that failed. The launcher sees the code and stops this node's other ranks.
-        os._exit(1)
-
-
 if __name__ == "__main__":
-    run()
+    run_rank(main)

@@ -52,18 +52,32 @@ def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None
 
 
 def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True, timeout=600,
-           env: dict | None = None, config: str = "quickstart.yaml"):
+           env: dict | None = None, config: str = "quickstart.yaml", script: str = "train.py"):
     """`deepspeed --num_gpus N train.py ...`, as a user types it."""
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "train.py",
-           "--config", os.path.join(REPO, "configs", config), "--ds_config", os.path.join(REPO, "ds_configs", ds_config),
-           f"train.out_dir={out_dir}", f"data.dir={data_dir}", *TINY, *overrides]
-    # One thread per rank: N ranks share this machine's cores.
+    cmd = launch_cmd(["--num_gpus", str(nprocs), "--master_port", str(free_port())], script, ds_config, out_dir,
+                     data_dir, overrides, config)
     try:
-        return run(cmd, timeout=timeout, check=check, env={"OMP_NUM_THREADS": "1", **(env or {})})
-    finally:  # DeepSpeed's CPU shm workspace of a run that did not end cleanly (see train.py)
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{cmd[4]}_*"):
-            os.remove(path)
+        return run(cmd, timeout=timeout, check=check, env={**ONE_THREAD, **(env or {})})
+    finally:
+        release_shm(cmd)
+
+
+def launch_cmd(launcher_args: list[str], script: str, ds_config: str, out_dir, data_dir: str, overrides=(),
+               config: str = "quickstart.yaml") -> list[str]:
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return [launcher, *launcher_args, script, "--config", os.path.join(REPO, "configs", config),
+            "--ds_config", os.path.join(REPO, "ds_configs", ds_config), f"train.out_dir={out_dir}",
+            f"data.dir={data_dir}", *TINY, *overrides]
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # N ranks share this machine's cores
+
+
+def release_shm(cmd: list[str]) -> None:
+    """DeepSpeed's CPU shm workspace of a run that did not end cleanly (see training/failure.py)."""
+    port = cmd[cmd.index("--master_port") + 1]
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        os.remove(path)
 
 
 def metrics(out_dir) -> list[dict]:

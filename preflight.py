@@ -1,0 +1,113 @@
+"""Check a multi-node layout before spending a real job on it. Start it exactly like the training run:
+
+    deepspeed --hostfile hostfile preflight.py --ds_config ds_configs/pipe2.json [--config RUN.yaml] [key=value ...]
+
+Every rank must join the process group within train.dist_timeout_s and an all-reduce must give the expected
+sum. Each rank reports its host, local rank and device, whether the prepared dataset (data.dir) is readable
+on its node, whether train.out_dir is writable from it, and whether it is the same storage rank 0 writes
+to: multi-node checkpoints need that, since every rank writes its own shards into one directory that rank 0
+then marks complete. Rank 0 prints one line per rank and the world = dp x pp layout; the exit code is 0
+only if every check passed on every rank.
+"""
+import os
+import socket
+import uuid
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from data.loader import TokenData
+from training.config import ConfigError, load_ds_config, load_run_config, parse_args, split_overrides
+from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
+from training.topology import describe_hosts, pipeline_settings, resolve_layout, set_single_process_env
+
+PROBE_DIR = ".preflight"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run_overrides, ds_overrides = split_overrides(args.overrides)
+    cfg = load_run_config(args.config, run_overrides)
+    ds = load_ds_config(args.ds_config, ds_overrides)
+    set_single_process_env()
+    world = int(os.environ["WORLD_SIZE"])
+    layout = resolve_layout(ds, world, pipeline_settings(ds).stages)
+
+    PHASE.now(f"joining the process group (world {world})")
+    deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
+    rank = torch.distributed.get_rank()
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+
+    PHASE.now("all-reducing the ranks' numbers")
+    # Ranks 0..n-1 sum to n(n-1)/2, on the device and backend training uses.
+    total = torch.tensor([float(rank)], device=get_accelerator().device_name())
+    torch.distributed.all_reduce(total)
+    expected = world * (world - 1) / 2
+
+    PHASE.now("checking data and out_dir")
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    torch.distributed.broadcast_object_list(token, src=0)
+    report = local_checks(cfg, token[0])
+    if total.item() != expected:
+        report["problems"].append(f"all-reduce gave {total.item():g}, expected {expected:g}")
+    # Shared storage: rank 0 leaves a file in out_dir; every rank looks for it.
+    marker = os.path.join(cfg.train.out_dir, PROBE_DIR, f"shared-{token[0]}")
+    if rank == 0 and report["writable"]:
+        with open(marker, "w") as f:
+            f.write(token[0])
+    torch.distributed.barrier()
+    if report["writable"] and not os.path.exists(marker):
+        report["problems"].append(f"train.out_dir {cfg.train.out_dir} is not shared with rank 0 (its files are not "
+                                  f"visible here): checkpoints need a directory every node mounts at the same path")
+    reports = [None] * world
+    torch.distributed.all_gather_object(reports, report)
+    if rank == 0:
+        if os.path.exists(marker):
+            os.remove(marker)
+        print_reports(reports, layout.describe(), cfg.train.out_dir)
+    leave_process_group()
+    if any(r["problems"] for r in reports):
+        raise SystemExit(1)
+
+
+def local_checks(cfg, token: str) -> dict:
+    """This rank's identity and what it can see; problems as text, so that every rank gets to report."""
+    report = {"rank": torch.distributed.get_rank(), "host": socket.gethostname(),
+              "local_rank": int(os.environ["LOCAL_RANK"]), "device": device_name(), "problems": [], "writable": True}
+    try:
+        TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
+    except ConfigError as e:
+        report["problems"].append(f"data: {e}")
+    probe = os.path.join(cfg.train.out_dir, PROBE_DIR, f"{report['host']}-rank{report['rank']}-{token}")
+    try:
+        os.makedirs(os.path.dirname(probe), exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(token)
+        os.remove(probe)
+    except OSError as e:
+        report["writable"] = False
+        report["problems"].append(f"train.out_dir {cfg.train.out_dir} is not writable from this node: {e}")
+    return report
+
+
+def device_name() -> str:
+    if get_accelerator().device_name() == "cuda":
+        return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+    return get_accelerator().device_name()
+
+
+def print_reports(reports: list[dict], layout: str, out_dir: str) -> None:
+    failed = [r for r in reports if r["problems"]]
+    print(f"preflight: {layout}\nhosts: {describe_hosts([r['host'] for r in reports])}")
+    for r in reports:
+        status = "ok" if not r["problems"] else "FAIL: " + " | ".join(r["problems"])
+        print(f"  rank {r['rank']:>4} on {r['host']}, local rank {r['local_rank']}, {r['device']}: {status}")
+    if not failed:
+        print(f"out_dir {out_dir}: writable and shared by every rank")
+    print("preflight passed" if not failed else f"preflight FAILED on {len(failed)} of {len(reports)} ranks",
+          flush=True)
+
+
+if __name__ == "__main__":
+    run_rank(main)

@@ -1,0 +1,184 @@
+"""How a rank ends when something goes wrong, so that a job of many processes fails fast and says why.
+
+- Bad input raises ConfigError before any training: exit 2, the message printed once per node.
+- Any other exception: this rank prints which rank, host and phase failed, then exits at once; the
+  DeepSpeed launcher sees the non-zero code and stops the node's other ranks.
+- A collective that waits longer than train.dist_timeout_s raises on every rank still waiting; those ranks
+  record it in the job's key-value store, and the lowest of them names the ranks that never arrived.
+- SIGINT/SIGTERM (Ctrl-C, the launcher stopping its ranks, a scheduler) and the loss of the launcher that
+  started this rank: the rank prints where it was and exits. Checkpoints are never left half-visible (the
+  `latest` pointer moves only after a complete save), so the last complete one survives.
+"""
+import datetime
+import glob
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from training.config import ConfigError
+
+
+class Phase:
+    """What this rank is doing, for the failure messages."""
+
+    def __init__(self):
+        self.what = "reading the configuration"
+
+    def now(self, what: str) -> None:
+        self.what = what
+
+
+PHASE = Phase()
+TIMEOUT_KEY = "megalite/timed_out/{rank}"
+
+
+def collective_timeout(seconds: int) -> datetime.timedelta:
+    """The timeout for every process group, DeepSpeed's own included: it creates its data- and
+    pipeline-parallel groups with torch's module default (30 min on gloo) and takes no timeout for them,
+    so the default itself is set before any group exists."""
+    timeout = datetime.timedelta(seconds=seconds)
+    torch.distributed.distributed_c10d.default_pg_timeout = timeout
+    torch.distributed.distributed_c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
+def this_rank() -> str:
+    return (f"rank {os.environ.get('RANK', '?')} ({socket.gethostname()}, "
+            f"local rank {os.environ.get('LOCAL_RANK', '?')})")
+
+
+def is_timeout(error: BaseException) -> bool:
+    return "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
+
+
+def ranks_that_never_arrived(grace_s: float) -> str:
+    """Every rank that timed out waiting records it in the store; after a grace period for the others to
+    time out too, the ranks with no record are those that never reached the collective. Only the lowest
+    waiting rank reports them. Best effort: the store lives in rank 0's process."""
+    try:
+        store = torch.distributed.distributed_c10d._get_default_store()  # no public accessor
+        store.set_timeout(datetime.timedelta(seconds=5))
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        store.set(TIMEOUT_KEY.format(rank=rank), PHASE.what)
+        time.sleep(grace_s)
+        waiting = [r for r in range(world) if store.check([TIMEOUT_KEY.format(rank=r)])]
+    except Exception:  # noqa: BLE001 (the store's host may be the rank that died)
+        return ""
+    missing = [r for r in range(world) if r not in waiting]
+    if rank != min(waiting) or not missing:
+        return ""
+    return (f"ranks {waiting} timed out waiting; rank(s) {missing} did not time out within {grace_s:.0f} s of "
+            f"them: those never reached the collective (they hang, and print where when the launcher stops "
+            f"them, or died without a report)")
+
+
+def report_failure(error: BaseException) -> None:
+    """One line that names this rank, its host and what it was doing, then the traceback."""
+    if is_timeout(error):
+        print(f"error: {this_rank()} timed out while {PHASE.what}: it waited in a collective for another rank "
+              f"longer than train.dist_timeout_s ({type(error).__name__}: {str(error).splitlines()[0]})",
+              file=sys.stderr, flush=True)
+        # Ranks reach a collective up to a step apart, so they time out that far apart too.
+        grace_s = min(60.0, max(5.0, 0.1 * torch.distributed.distributed_c10d.default_pg_timeout.total_seconds()))
+        if culprits := ranks_that_never_arrived(grace_s):
+            print(f"error: {culprits}", file=sys.stderr, flush=True)
+    else:
+        print(f"error: {this_rank()} failed while {PHASE.what}: {type(error).__name__}: {error}", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+
+
+def release_shm_workspace() -> None:
+    """Work around DeepSpeed's CPU backend: it maps a shared-memory all-reduce workspace per rank (about
+    64 MB in /dev/shm, for its inference all-reduce) and never unlinks it, so every CPU run leaked it.
+    Removing the name is safe while peers still have it mapped."""
+    if "MASTER_ADDR" not in os.environ:
+        return
+    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_"
+               f"{os.environ['LOCAL_RANK']}")
+    for path in glob.glob(pattern):
+        os.remove(path)
+
+
+def leave_process_group() -> None:
+    """The clean end of a rank: wait for every rank, then tear down the process group while the peers are
+    still there (left to interpreter shutdown, a rank whose peers had gone could abort in gloo's
+    destructors: "terminate called without an active exception")."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    release_shm_workspace()
+
+
+def exit_now(code: int) -> None:
+    """Exit without interpreter shutdown, which tears down process groups and can wait on the very peers
+    that failed."""
+    release_shm_workspace()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launcher_parent() -> int | None:
+    """The pid that started this rank's DeepSpeed launcher, or None when the launcher is not ours to watch.
+    deepspeed's runner does not pass SIGTERM on to its node launcher on a single node, so ranks would
+    outlive a killed runner; they watch for the launcher being orphaned instead."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            if b"deepspeed.launcher.launch" not in f.read():
+                return None
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:  # no /proc: not Linux
+        return None
+
+
+def stop_on_signals(poll_s: float = 2.0) -> None:
+    """Stop this rank on SIGINT/SIGTERM, or when its launcher's parent is gone. A watcher thread does it, not
+    a Python signal handler: those run only between bytecodes of the main thread, which may be blocked in a
+    collective; the watcher runs whenever the main thread releases the GIL (collectives and sleeps do)."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)  # the watcher acts; the main thread carries on until then
+    main_thread, launcher_ppid = threading.main_thread(), launcher_parent()
+
+    def stop(reason: str, code: int) -> None:
+        frames = traceback.format_stack(sys._current_frames()[main_thread.ident])[-6:]
+        print(f"error: {this_rank()} stopped by {reason} while {PHASE.what}; it was in:\n{''.join(frames)}",
+              file=sys.stderr)
+        exit_now(code)
+
+    def watch() -> None:
+        while True:
+            if select.select([read_fd], [], [], poll_s)[0]:
+                signum = os.read(read_fd, 1)[0]
+                stop(signal.Signals(signum).name, 128 + signum)
+            # A dead launcher re-parents this rank, a dead runner its launcher: either way the parent changes.
+            if launcher_ppid is not None and launcher_parent() != launcher_ppid:
+                stop("the loss of the deepspeed launcher that started it", 128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stop-watcher", daemon=True).start()
+
+
+def run_rank(main, argv=None) -> None:
+    """main(argv) with this repo's exit codes: 2 for bad input (before any training), 1 for a failed rank."""
+    stop_on_signals()
+    try:
+        main(argv)
+    except ConfigError as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one copy of the message per node
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: B036
+        report_failure(e)
+        exit_now(1)
