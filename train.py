@@ -46,6 +46,9 @@ def main(argv=None) -> None:
     data.check_vocab(cfg.model.vocab_size)
     set_single_process_env()
     pipe = pipeline_settings(ds)
+    if cfg.train.compile and pipe.stages > 1:
+        raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
+                          "stages or set train.compile=false")
     layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), pipe.stages)
     specs = model_layers(cfg.model)
     parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
@@ -75,6 +78,8 @@ def main(argv=None) -> None:
     model = build(cfg, pipe, ds)
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+    if cfg.train.compile:
+        engine.compile()  # DeepSpeed's torch.compile support (inductor), compiled at the first step
     pipelined = isinstance(engine, PipelineEngine)
     if pipelined:
         assert model.parts == parts, f"PipelineModule chose stage boundaries {model.parts}, expected {parts}"

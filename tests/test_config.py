@@ -143,6 +143,12 @@ def test_cli_missing_data_says_how_to_prepare(tmp_path):
                                        f"with: python -m data.prepare --tokenizer char")
 
 
+def test_cli_compile_with_pipeline_stages_is_refused(char_data, tmp_path):
+    proc = cli(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "train.compile=true", ds_config="pipe2.json")
+    assert_fails_before_training(proc, "train.compile=true works on the plain module only: use a ds_config without "
+                                       "pipeline stages or set train.compile=false")
+
+
 def test_cli_malformed_override(char_data, tmp_path):
     proc = cli(f"data.dir={char_data}", "train.max_steps")
     assert_fails_before_training(proc, "override 'train.max_steps' is not key=value")

@@ -86,6 +86,19 @@ def test_single_process_without_launcher_trains_and_samples(tmp_path, char_data)
     assert len(sample) == 41  # the one-character prompt plus 40 generated characters
 
 
+def test_compiled_model_trains_like_the_eager_one(tmp_path, char_data):
+    """train.compile=true goes through DeepSpeed's engine.compile (inductor, C++ on CPU): same fp32 losses."""
+    losses = {}
+    for compiled in (False, True):
+        out = tmp_path / f"compile_{compiled}"
+        run([sys.executable, "train.py", "--ds_config", "ds_configs/zero0.json", f"train.out_dir={out}",
+             f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=4", "optim.warmup_steps=1",
+             f"train.compile={str(compiled).lower()}", "sample.max_new_tokens=4"], timeout=600)
+        losses[compiled] = train_losses(out)
+    assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], abs=1e-4)
+    assert losses[True][-1] != losses[True][0]  # it trained
+
+
 def test_zero_2_with_cpu_offload_matches_zero_2(zero_runs, tmp_path, char_data):
     """Optimizer states on the CPU (DeepSpeedCPUAdam, JIT-built on first use) change nothing numerically."""
     launch(2, "zero2_offload.json", tmp_path, char_data, [*STEPS, *FP32])

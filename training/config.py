@@ -67,6 +67,8 @@ class TrainConfig:
     # How long a rank waits in a collective for the others before the job ends with an error. Long enough
     # for a slow checkpoint save on a real cluster; tests make it seconds.
     dist_timeout_s: int = 1800
+    # torch.compile the model through DeepSpeed's engine.compile() (inductor; needs a C++ compiler on CPU).
+    compile: bool = False
 
 
 @dataclass

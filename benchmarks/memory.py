@@ -1,0 +1,238 @@
+"""Per-rank peak memory for each ZeRO stage at dp=2, next to the theory.
+
+    python benchmarks/memory.py                       # GPT-2 124M, ZeRO 0/1/2/3 and ZeRO-2 + CPU offload
+    python benchmarks/memory.py --config configs/gpt2_350m.yaml --nprocs 2 --stages zero2 zero3
+
+For each ds_config the script starts `deepspeed --num_gpus N` on itself; every rank builds the model as
+train.py does, trains a few steps and records its memory: on GPU what the CUDA allocator has allocated, on
+CPU its anonymous resident memory (sampled every few ms, with glibc made to return freed tensors at
+once; code pages of libraries and shared-memory buffers are left out):
+- baseline: before the model is built (runtime, libraries, communication buffers);
+- states kept between steps: after the first optimizer step (which allocates the optimizer state);
+- gradients: what a backward pass leaves (ZeRO-0 to 2 free or shrink them after the step; they count);
+- activations: what a forward pass adds, kept for the backward pass;
+- peak: the highest level during the later steps (adds the step's temporary buffers).
+Model states measured = states kept + gradients, in memory and in live tensors (every tensor storage Python
+can reach: without allocator, communication-library and runtime overhead), set against the theory, per rank, for Ψ parameters in mixed
+precision with AdamW and N ranks (the ZeRO paper's, K = 12): ZeRO-0 2Ψ + 2Ψ + 12Ψ bytes, ZeRO-1
+2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + (2Ψ + 12Ψ)/N, ZeRO-3 (2Ψ + 2Ψ + 12Ψ)/N; fp32 training keeps 4Ψ weights and
+gradients and 8Ψ of Adam moments. Offload moves ZeRO-2's 12Ψ/N to the host, with an fp32 copy of the
+gradient partition: on a CPU machine host and device are one memory, so they count there. Prints a table,
+writes JSON.
+"""
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2}
+GB = 2**30
+
+
+# CPU offload keeps an fp32 copy of the rank's gradient partition on the host, which the optimizer steps on.
+OFFLOADED_GRAD_BYTES = {"zero2_offload": 4}
+
+
+def theory_bytes(params: int, name: str, ranks: int, mixed: bool) -> dict:
+    """Model-state bytes per rank: weights, gradients, optimizer (fp32 master copy when mixed, Adam moments)."""
+    stage = STAGES[name]
+
+    def shards(partitioned_from_stage: int) -> int:
+        return ranks if stage >= partitioned_from_stage else 1
+
+    weights = params * (2 if mixed else 4) / shards(3)
+    grads = params * (2 if mixed else 4) / shards(2) + \
+        params * OFFLOADED_GRAD_BYTES.get(name, 0) / ranks
+    optimizer = params * (12 if mixed else 8) / shards(1)
+    return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+
+class MemoryProbe:
+    """Current and peak memory of this rank: the CUDA allocator's counters, or the resident set on CPU,
+    sampled by a thread because the kernel's own high-water mark cannot be reset."""
+
+    def __init__(self, device):
+        self.device, self.peak = device, 0
+        if device.type != "cuda":
+            threading.Thread(target=self._sample, daemon=True).start()
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            import torch
+            return torch.cuda.memory_allocated(self.device)
+        with open("/proc/self/status") as f:  # anonymous memory: not the libraries' pages nor shared memory
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = self.current()
+
+    def peak_since_reset(self) -> int:
+        if self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return max(self.peak, self.current())
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.current())
+            time.sleep(0.002)
+
+
+def live_tensor_bytes(device) -> int:
+    """Bytes of every distinct tensor storage on `device` that Python can reach: the model states without
+    the allocator's, the communication library's or the runtime's own memory."""
+    import torch
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == device.type:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without storage (meta, some subclasses)
+                continue
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def worker(args) -> None:
+    """One rank under the launcher: build as train.py does, take steps, record memory."""
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    import train
+    from data.loader import TokenData
+    from training.config import load_ds_config, load_run_config, split_overrides
+    from training.optim import optimizer_and_schedule, param_groups
+    from training.steps import lm_loss
+    from training.topology import pipeline_settings, resolve_layout
+
+    run_overrides, ds_overrides = split_overrides(args.overrides)
+    cfg = load_run_config(args.config, run_overrides)
+    ds = load_ds_config(os.path.join(REPO, "ds_configs", args.worker + ".json"), ds_overrides)
+    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
+    cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
+    ds.update(optimizer_and_schedule(cfg, ds))
+    layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), 1)
+    if layout.grad_accum != 1:
+        raise SystemExit("the memory benchmark takes one micro-batch per step: set ds.gradient_accumulation_steps=1")
+    deepspeed.init_distributed()
+    rank = torch.distributed.get_rank()
+    device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
+    get_accelerator().set_device(device.index or 0)
+    probe = MemoryProbe(device)
+    torch.distributed.barrier()
+    baseline = probe.current()
+
+    model = train.build(cfg, pipeline_settings(ds), ds)
+    built = probe.current() - baseline
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
+                                                                                  cfg.optim.weight_decay), config=ds)
+    initialized = probe.current() - baseline
+
+    def step(n: int) -> tuple[int, int, int]:
+        """One optimizer step; returns what its forward pass added (activations kept for the backward pass)
+        and what remained after the backward pass (gradients: those a stage frees after the step count too),
+        in memory and in live tensors."""
+        (inputs, targets), = [data.train_batch(cfg.train.seed, n, 0, rank, layout, device)]
+        before, tensors_before = probe.current(), live_tensor_bytes(device)
+        loss = lm_loss(engine(inputs), targets)
+        activations = probe.current() - before
+        engine.backward(loss)
+        gradients, gradient_tensors = probe.current() - before, live_tensor_bytes(device) - tensors_before
+        engine.step()
+        return activations, max(gradients, 0), max(gradient_tensors, 0)
+
+    step(1)  # allocates the optimizer state
+    gc.collect()  # tensors held only by reference cycles are garbage, not state
+    torch.distributed.barrier()
+    persistent, persistent_tensors = probe.current() - baseline, live_tensor_bytes(device)
+    probe.reset_peak()
+    activations, gradients, gradient_tensors = map(max, zip(*(step(n) for n in range(2, 2 + args.steps))))
+    peak = probe.peak_since_reset()
+    record = {"rank": rank, "baseline": baseline, "after_build": built, "after_initialize": initialized,
+              "persistent": persistent, "gradients": gradients, "states": persistent + gradients,
+              "states_in_tensors": persistent_tensors + gradient_tensors, "activations": activations, "peak": peak,
+              "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+              "mixed": ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)}
+    records = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(records, record)
+    if rank == 0:
+        with open(args.record, "w") as f:
+            json.dump(records, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/gpt2_124m.yaml")
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="steps measured after the first")
+    parser.add_argument("--json", default="out/benchmarks/memory.json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank of one measurement, under the launcher
+    parser.add_argument("--record", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the launcher
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. model.block_size=256 (ds.* for the ds_config)")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from benchmarks.report import environment, print_table, write_json
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    rows, results = [], {}
+    for name in args.stages:
+        record = os.path.abspath(os.path.join("out", "benchmarks", f"memory_{name}.json"))
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.nprocs),
+               os.path.abspath(__file__), "--worker", name, "--record", record, "--config", args.config,
+               "--steps", str(args.steps), *args.overrides]
+        print(" ".join(cmd), flush=True)
+        # A fixed mmap threshold makes glibc hand freed tensors back at once: otherwise the resident set of a CPU
+        # rank keeps memory that torch already freed, and the CPU figures would not be comparable to a GPU's.
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nprocs)),
+               "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"), "MALLOC_TRIM_THRESHOLD_": "0"}
+        subprocess.run(cmd, cwd=REPO, check=True, env=env, stdout=subprocess.DEVNULL)
+        with open(record) as f:
+            ranks = json.load(f)
+        worst = max(ranks, key=lambda r: r["peak"])
+        theory = theory_bytes(worst["params"], name, args.nprocs, worst["mixed"])
+        expected_peak = worst["baseline"] + theory["total"] + worst["activations"]
+        results[name] = {"ranks": ranks, "theory": theory, "states_vs_theory": worst["states"] / theory["total"] - 1,
+                         "tensors_vs_theory": worst["states_in_tensors"] / theory["total"] - 1,
+                         "peak_vs_baseline_theory_activations": worst["peak"] / expected_peak - 1}
+        rows.append([name, *(f"{worst[k] / GB:.2f}" for k in ("peak", "baseline", "activations", "states",
+                                                             "states_in_tensors")),
+                     f"{theory['total'] / GB:.2f}", f"{100 * results[name]['states_vs_theory']:+.1f}%",
+                     f"{100 * results[name]['tensors_vs_theory']:+.1f}%",
+                     f"{100 * results[name]['peak_vs_baseline_theory_activations']:+.1f}%"])
+    print(f"\n{args.config} {' '.join(args.overrides)}, dp={args.nprocs}: GiB per rank (the rank with the highest peak)")
+    print_table(["ds_config", "peak", "baseline", "activations", "model states: memory", "model states: live tensors",
+                 "model states: theory", "memory vs theory", "tensors vs theory", "peak vs baseline + theory + activations"],
+                rows)
+    if "zero0" in results and "zero3" in results:
+        for measure in ("states", "states_in_tensors"):
+            zero3, zero0 = (max(r[measure] for r in results[z]["ranks"]) for z in ("zero3", "zero0"))
+            print(f"ZeRO-3 / ZeRO-0 model states per rank, {measure.replace('_', ' ')}: {zero3 / zero0:.1%}")
+        print(f"ZeRO-3 / ZeRO-0 model states per rank, theory: "
+              f"{results['zero3']['theory']['total'] / results['zero0']['theory']['total']:.1%}")
+    device = torch.device(get_accelerator().device_name(0))
+    write_json(args.json, {**environment(device), "config": args.config, "overrides": args.overrides,
+                           "nprocs": args.nprocs, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Training throughput and MFU of the DeepSpeed engine, side by side with a plain-PyTorch reference.
+
+    python benchmarks/throughput.py --config configs/baby_gpt.yaml --ds_config ds_configs/zero0.json
+    python benchmarks/throughput.py --config configs/baby_gpt.yaml --ds_config ds_configs/zero2.json \
+        --precisions bf16 fp32 --steps 30 model.dropout=0
+
+For each precision, one process builds the same model twice (same seed): once inside the DeepSpeed engine
+(the ds_config's ZeRO stage, clipping, AdamW and schedule, exactly as train.py does) and once for a
+minimal loop: torch AdamW on fp32 weights, or for bf16/fp16 a low-precision copy for compute and fp32
+master weights for the update, which is what DeepSpeed's bf16 optimizer does. Both see the same batches,
+dropout seeds and learning rates; they take turns in chunks of steps, so a slow spell of the machine hits
+both. After warm-up steps, tokens/s is measured over --steps steps; MFU is model FLOP/s (training.metrics.
+flops_per_token: 6N + 12 x layers x width x context per token) over the peak this script measures on the same
+device for the same precision (a large square matmul). Prints a table and writes JSON (--json).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+from data.loader import TokenData  # noqa: E402
+from model import build_model  # noqa: E402
+from training.config import load_ds_config, load_run_config, split_overrides  # noqa: E402
+from training.metrics import flops_per_token, measure_peak_flops  # noqa: E402
+from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
+from training.steps import lm_loss, train_step  # noqa: E402
+from training.topology import resolve_layout, set_single_process_env  # noqa: E402
+from benchmarks.report import environment, print_table, write_json  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Reference:
+    """The minimal loop: forward, backward, clip, AdamW; fp32 master weights when computing in low precision."""
+
+    def __init__(self, cfg, ds: dict, dtype: torch.dtype, device: torch.device):
+        self.model = build_model(cfg.model, cfg.train.seed).to(device)
+        self.mixed = dtype != torch.float32
+        names = [name for name, _ in self.model.named_parameters()]
+        if self.mixed:
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()]
+            self.model.to(dtype)
+        else:
+            self.master = list(self.model.parameters())
+        adam = ds["optimizer"]["params"]
+        self.optimizer = torch.optim.AdamW(param_groups(zip(names, self.master), cfg.optim.weight_decay),
+                                           lr=adam["lr"], betas=adam["betas"], eps=adam["eps"],
+                                           fused=adam.get("fused", False))
+        self.clip = ds.get("gradient_clipping", 0.0)
+
+    def step(self, micro_batches: list, lr: float) -> torch.Tensor:
+        total = 0.0
+        for inputs, targets in micro_batches:
+            loss = lm_loss(self.model(inputs), targets)
+            (loss / len(micro_batches)).backward()
+            total += loss.detach()
+        if self.mixed:
+            for master, param in zip(self.master, self.model.parameters()):
+                master.grad, param.grad = param.grad.float(), None
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.master, self.clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mixed:
+            with torch.no_grad():
+                for master, param in zip(self.master, self.model.parameters()):
+                    param.copy_(master)
+        return total / len(micro_batches)
+
+
+def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: torch.device) -> dict:
+    ds = json.loads(json.dumps(ds_base))
+    ds.setdefault("bf16", {})["enabled"] = precision == "bf16"
+    ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
+    ds.update(optimizer_and_schedule(cfg, ds))
+    layout = resolve_layout(ds, 1, 1)
+    model = build_model(cfg.model, cfg.train.seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
+                                                                                  cfg.optim.weight_decay), config=ds)
+    reference = Reference(cfg, ds, DTYPES[precision], device)
+    if cfg.train.compile:
+        engine.compile()  # DeepSpeed's own torch.compile support
+        reference.model.compile()
+    runners = {"deepspeed": None, "reference": reference}
+    seconds, losses, lrs = {name: 0.0 for name in runners}, {name: [] for name in runners}, []
+    total = args.warmup + args.steps
+    for first in range(1, total + 1, args.chunk):
+        chunk = range(first, min(first + args.chunk, total + 1))
+        for name, reference in runners.items():
+            get_accelerator().synchronize()
+            start = time.perf_counter()
+            for step in chunk:
+                torch.manual_seed(hash((cfg.train.seed, 0, step)) % 2**63)
+                batches = [data.train_batch(cfg.train.seed, step, m, 0, layout, device) for m in range(layout.grad_accum)]
+                if reference is None:
+                    lrs.append(engine.get_lr()[0])
+                    losses[name].append(train_step(engine, batches))
+                else:
+                    losses[name].append(reference.step(batches, lrs[step - 1]))
+            get_accelerator().synchronize()
+            timed_steps = sum(step > args.warmup for step in chunk)
+            seconds[name] += (time.perf_counter() - start) * timed_steps / len(chunk)
+    peak = max(measure_peak_flops(device, DTYPES[precision], n, seconds=1.0) for n in PEAK_SIZES[device.type])
+    tokens_per_step = layout.global_batch * cfg.model.block_size
+    result = {"precision": precision, "peak_tflops": peak / 1e12, "tokens_per_step": tokens_per_step}
+    for name in runners:
+        tokens_per_s = tokens_per_step * args.steps / seconds[name]
+        result[name] = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token(cfg.model) / peak,
+                        "final_loss": sum(float(x) for x in losses[name][-5:]) / 5}
+    result["ratio"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
+    del engine, runners
+    return result
+
+
+PEAK_SIZES = {"cuda": (4096, 8192), "cpu": (1024, 2048)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/baby_gpt.yaml")
+    parser.add_argument("--ds_config", default="ds_configs/zero0.json")
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=DTYPES)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=5, help="steps each runner takes before the other's turn")
+    parser.add_argument("--json", default="out/benchmarks/throughput.json")
+    parser.add_argument("overrides", nargs="*", help="run-config key=value (ds.* for the ds_config)")
+    args = parser.parse_args()
+    run_overrides, ds_overrides = split_overrides(args.overrides)
+    cfg = load_run_config(args.config, run_overrides)
+    ds = load_ds_config(args.ds_config, ds_overrides)
+    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
+    cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
+    set_single_process_env()
+    deepspeed.init_distributed()
+    device = torch.device(get_accelerator().device_name(0))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+    results = [measure(p, args, cfg, ds, data, device) for p in args.precisions]
+    report = {**environment(device), "config": args.config, "ds_config": args.ds_config,
+              "overrides": args.overrides, "zero_stage": ds.get("zero_optimization", {}).get("stage", 0),
+              "steps": args.steps, "warmup": args.warmup, "flops_per_token": flops_per_token(cfg.model),
+              "results": results}
+    print(f"\n{args.config} with {args.ds_config} {' '.join(args.overrides)} on {report['device']}: "
+          f"{args.steps} steps after {args.warmup} warm-up")
+    rows = [[r["precision"], name, f"{r[name]['tokens_per_s']:,.0f}", f"{100 * r[name]['mfu']:.1f}%",
+             f"{r['peak_tflops']:.3f}", f"{r[name]['final_loss']:.4f}", f"{r['ratio']:.3f}" if name == "deepspeed" else ""]
+            for r in results for name in ("deepspeed", "reference")]
+    print_table(["precision", "engine", "tokens/s", "MFU", "matmul peak TFLOP/s", "loss (last 5 steps)",
+                 "DeepSpeed / reference"], rows)
+    if len(results) > 1:
+        first, second = results[0], results[1]
+        print(f"{first['precision']} / {second['precision']} DeepSpeed tokens/s: "
+              f"{first['deepspeed']['tokens_per_s'] / second['deepspeed']['tokens_per_s']:.2f}x")
+    write_json(args.json, report)
+
+
+if __name__ == "__main__":
+    main()
