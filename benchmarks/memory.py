@@ -113,6 +113,7 @@ def worker(args) -> None:
     import train
     from data.loader import TokenData
     from training.config import load_ds_config, load_run_config, split_overrides
+    from training.failure import leave_process_group
     from training.optim import optimizer_and_schedule, param_groups
     from training.steps import lm_loss
     from training.topology import pipeline_settings, resolve_layout
@@ -170,8 +171,7 @@ def worker(args) -> None:
     if rank == 0:
         with open(args.record, "w") as f:
             json.dump(records, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from data.loader import TokenData  # noqa: E402
 from model import build_model  # noqa: E402
 from training.config import load_ds_config, load_run_config, split_overrides  # noqa: E402
+from training.failure import leave_process_group  # noqa: E402
 from training.metrics import flops_per_token, measure_peak_flops  # noqa: E402
 from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
 from training.steps import lm_loss, train_step  # noqa: E402
@@ -163,6 +164,7 @@ def main() -> None:
         print(f"{first['precision']} / {second['precision']} DeepSpeed tokens/s: "
               f"{first['deepspeed']['tokens_per_s'] / second['deepspeed']['tokens_per_s']:.2f}x")
     write_json(args.json, report)
+    leave_process_group()
 
 
 if __name__ == "__main__":
