@@ -26,8 +26,8 @@ from data.tokenizers import tokenizer_from_meta
 from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
 from training import checkpoint
-from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
+from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
 from training.optim import optimizer_and_schedule, param_groups
 from training.steps import PipelineLogits, eval_loss, lm_loss, mean_over_ranks, tied_weights_in_sync, train_step
