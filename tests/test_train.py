@@ -31,6 +31,12 @@ def test_zero_1_and_2_match_zero_0_step_for_step(zero_runs, stage):
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
+def test_fp32_gradient_norm_is_reported_without_zero_too(zero_runs):
+    """DeepSpeed reports the pre-clip norm under ZeRO but drops it at ZeRO-0 in fp32 (worked around)."""
+    norms = {stage: [m["grad_norm"] for m in metrics(zero_runs[stage]) if "grad_norm" in m] for stage in (0, 1)}
+    assert len(norms[0]) == 6 and norms[0] == pytest.approx(norms[1], rel=1e-4)
+
+
 def test_zero_3_trains(zero_runs):
     losses = train_losses(zero_runs[3])
     assert len(losses) == 6

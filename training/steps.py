@@ -4,6 +4,7 @@ micro-batches at once and returns the loss averaged over them and over data-para
 import torch
 import torch.nn.functional as F
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.utils import clip_grad_norm_
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -14,6 +15,18 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     value = value.clone()
     torch.distributed.all_reduce(value)
     return value.item() / torch.distributed.get_world_size()
+
+
+def keep_fp32_grad_norm(engine) -> None:
+    """Work around DeepSpeed: in fp32 without ZeRO it clips the gradients (engine.clip_fp32_gradients) but
+    drops the norm it computed, so get_global_grad_norm() stays None. Clip the same way and keep it."""
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled() or not engine.gradient_clipping():
+        return
+
+    def clip_and_keep_norm() -> None:
+        engine._global_grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_and_keep_norm
 
 
 def train_step(engine, micro_batches: list) -> torch.Tensor:
