@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2}
@@ -64,21 +66,18 @@ class MemoryProbe:
 
     def current(self) -> int:
         if self.device.type == "cuda":
-            import torch
             return torch.cuda.memory_allocated(self.device)
         with open("/proc/self/status") as f:  # anonymous memory: not the libraries' pages nor shared memory
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
     def reset_peak(self) -> None:
         if self.device.type == "cuda":
-            import torch
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.peak = self.current()
 
     def peak_since_reset(self) -> int:
         if self.device.type == "cuda":
-            import torch
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device)
         return max(self.peak, self.current())
@@ -92,7 +91,6 @@ class MemoryProbe:
 def live_tensor_bytes(device) -> int:
     """Bytes of every distinct tensor storage on `device` that Python can reach: the model states without
     the allocator's, the communication library's or the runtime's own memory."""
-    import torch
     storages = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == device.type:
@@ -107,7 +105,6 @@ def live_tensor_bytes(device) -> int:
 def worker(args) -> None:
     """One rank under the launcher: build as train.py does, take steps, record memory."""
     import deepspeed
-    import torch
     from deepspeed.accelerator import get_accelerator
 
     import train
@@ -190,7 +187,6 @@ def main() -> None:
         return worker(args)
 
     from benchmarks.report import environment, print_table, write_json
-    import torch
     from deepspeed.accelerator import get_accelerator
 
     rows, results = [], {}
