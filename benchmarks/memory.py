@@ -38,6 +38,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
+# puts no `deepspeed` script beside the interpreter.
+DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2}
 GB = 2**30
 
@@ -221,7 +224,7 @@ def main() -> None:
     for name in args.stages:
         record = os.path.abspath(os.path.join("out", "benchmarks", f"memory_{name}.json"))
         os.makedirs(os.path.dirname(record), exist_ok=True)
-        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(args.nprocs),
+        cmd = [*DEEPSPEED, "--num_gpus", str(args.nprocs),
                os.path.abspath(__file__), "--worker", name, "--record", record, "--config", args.config,
                "--steps", str(args.steps), *args.overrides]
         print(" ".join(cmd), flush=True)

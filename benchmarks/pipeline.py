@@ -22,17 +22,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import print_table, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
+# puts no `deepspeed` script beside the interpreter.
+DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def tokens_per_s(stages: int, micro_batches: int, args) -> float:
     out_dir = tempfile.mkdtemp(prefix=f"pipeline_pp{stages}_m{micro_batches}_", dir=args.work_dir)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(stages), "train.py",
+    cmd = [*DEEPSPEED, "--num_gpus", str(stages), "train.py",
            "--config", args.config, "--ds_config", "ds_configs/pipe2.json", f"train.out_dir={out_dir}",
            "train.resume=none", f"train.max_steps={args.steps}", f"train.log_interval={args.steps // 2}",
            "train.eval_interval=1000000", "train.eval_iters=1", "train.save_interval=0", "sample.max_new_tokens=1",
            f"ds.pipeline.stages={stages}", f"ds.gradient_accumulation_steps={micro_batches}",
            f"ds.train_micro_batch_size_per_gpu={args.micro_batch}", *args.overrides]
-    print(" ".join(cmd[2:]), flush=True)
+    print("deepspeed", " ".join(cmd[len(DEEPSPEED):]), flush=True)
     threads = os.environ.get("OMP_NUM_THREADS", "1")  # the same compute per stage in every layout
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": threads})
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
