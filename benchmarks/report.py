@@ -4,6 +4,7 @@ import datetime
 import json
 import os
 import platform
+import re
 
 import torch
 
@@ -16,6 +17,13 @@ def device_description(device: torch.device) -> str:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def device_slug() -> str:
+    """The first accelerator's (else the CPU's) name as a folder name: benchmarks/results/<slug>/."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    name = device_description(device).split(" (")[0]
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def environment(device: torch.device) -> dict:
