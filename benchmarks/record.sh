@@ -16,15 +16,20 @@ ds_config=${DS_CONFIG:-ds_configs/zero2.json}
 data=data/shakespeare_char
 python=${PYTHON:-python3}
 
+stage=$(basename "$ds_config" .json)
+if ! "$python" -c "import sys; from benchmarks.memory import STAGES; sys.exit('$stage' not in STAGES)"; then
+    echo "error: DS_CONFIG=$ds_config: the memory benchmark measures ds_configs/<name>.json for the names in" \
+         "benchmarks/memory.py's STAGES (zero0 ... zero2_offload); pick one of those" >&2
+    exit 2
+fi
 if [ ! -f "$data/train.bin" ]; then
     "$python" -m data.prepare --tokenizer char --input "${TEXT:?data/shakespeare_char is missing: set TEXT to tinyshakespeare.txt}" --out_dir "$data"
 fi
 device=$("$python" -c "from benchmarks.report import device_slug; print(device_slug())")
 results=benchmarks/results/$device
 mkdir -p "$results"
-stage=$(basename "$ds_config" .json)
+overrides=(data.dir="$data" data.tokenizer=char)
 for preset in "${presets[@]}"; do
-    overrides=(data.dir="$data" data.tokenizer=char)
     "$python" benchmarks/throughput.py --config "configs/$preset.yaml" --ds_config "$ds_config" --precisions bf16 \
         --steps 20 --json "$results/throughput_${preset}_$stage.json" "${overrides[@]}"
     "$python" benchmarks/memory.py --config "configs/$preset.yaml" --nprocs 1 --stages "$stage" \
