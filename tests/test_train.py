@@ -1,12 +1,11 @@
 """train.py through the real `deepspeed` launcher: 2 CPU processes over gloo, the real engine."""
 import json
-import math
 import os
 import sys
 
 import pytest
 
-from conftest import FP32, TINY, launch, metrics, run, train_losses
+from conftest import FP32, TINY, expected_lr, launch, metrics, run, train_losses
 
 STEPS = ["train.max_steps=6", "optim.warmup_steps=2"]
 
@@ -50,11 +49,9 @@ def test_metrics_jsonl_records_every_measure(zero_runs):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb"):
         assert all(isinstance(r[key], float) for r in steps), key
-    # DeepSpeed's WarmupCosineLR runs step k at its iteration k - 2 (it starts at -1, which reads as 0):
-    # linear warmup over 2 iterations from 0, then cosine from optim.lr=1e-3 towards min_lr=1e-4 at
-    # progress (k - 2 - 2 + 1) / (6 - 2).
-    cosine = [1e-4 + 9e-4 * (1 + math.cos(math.pi * p / 4)) / 2 for p in (1, 2, 3)]
-    assert [r["lr"] for r in steps] == pytest.approx([0.0, 0.0, 5e-4, *cosine])
+    # optim.lr=1e-3 and min_lr=1e-4 from the quickstart preset, warmup 2 of 6 steps
+    assert [r["lr"] for r in steps] == pytest.approx([expected_lr(k, 1e-3, 1e-4, 2, 6) for k in range(1, 7)])
+    assert steps[0]["lr"] == pytest.approx(5e-4) and steps[-1]["lr"] == pytest.approx(1e-4)
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 6]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
