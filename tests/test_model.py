@@ -189,3 +189,21 @@ def test_top_k_samples_only_the_k_best_and_never_padding():
     assert set(everything.tolist()) == set(range(8))  # no top-k: every real id, still no padding id
     assert generate(FixedLogits(fixed_row()), prompts[:5], 1, block_size=8, vocab_size=8, temperature=1.0,
                     top_k=100, generator=generator)[:, 1].max() < 8  # top_k beyond the vocabulary
+
+
+def test_mfu_flop_count_is_the_hand_count_for_the_gpt():
+    """flops_per_token against a count of the GPT's own matmuls: 6 x (every nn.Linear weight plus the
+    tied head, which multiplies by the embedding; not the position table, which is only added) for forward
+    and backward, plus the attention scores and weighted values, 2 x 2 x T x d per layer and token
+    forward, x 3 with backward (PaLM's 12 x layers x d x T)."""
+    from training.metrics import flops_per_token
+
+    for cfg in (SMALL, preset("quickstart")):
+        cfg.vocab_size = 65
+        model = build_model(cfg)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        head = model.tied_modules.embed.weight.numel()
+        attention = 3 * 2 * 2 * cfg.block_size * cfg.n_embd * cfg.n_layer
+        assert flops_per_token(cfg) == 6 * (linear + head) + attention
+    # the quickstart by hand: 4 layers x 12 x 128^2, a 128 x 128 head, context 64
+    assert flops_per_token(cfg) == 6 * (4 * 12 * 128**2 + 128 * 128) + 12 * 4 * 128 * 64 == 5_210_112
