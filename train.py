@@ -95,7 +95,8 @@ def main(argv=None) -> None:
         say(f"resumed from {resume_dir} at step {start_step}")
     else:
         say(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
-    log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0, append=bool(resume_dir))
+    log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0, append=bool(resume_dir),
+                     samples_per_step=layout.global_batch)
     if rank == 0 and ds.get("wandb", {}).get("enabled"):
         import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": ds})

@@ -89,7 +89,7 @@ def test_universal_checkpoints_resume_on_any_layout_and_zero0_at_any_dp(tmp_path
 
 def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
     def write_run(value, append=False):
-        log = MetricsLog(str(tmp_path), None, is_writer=True, append=append)
+        log = MetricsLog(str(tmp_path), None, is_writer=True, append=append, samples_per_step=8)
         log.log(1, loss=value)
         log.close()
 
@@ -104,5 +104,5 @@ def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
         [['{"step": 1, "loss": 1.0}'], ['{"step": 1, "loss": 2.0}'], ['{"step": 1, "loss": 3.0}']]
     write_run(4.0, append=True)  # a resumed run continues the current file
     assert lines("metrics.jsonl") == ['{"step": 1, "loss": 3.0}', '{"step": 1, "loss": 4.0}']
-    MetricsLog(str(tmp_path), None, is_writer=False, append=False).log(1, loss=5.0)  # other ranks write nothing
+    MetricsLog(str(tmp_path), None, is_writer=False, append=False, samples_per_step=8).log(1, loss=5.0)  # other ranks write nothing
     assert len(os.listdir(tmp_path)) == 3 and len(lines("metrics.jsonl")) == 2

@@ -175,12 +175,17 @@ def test_wandb_offline_records_one_run_from_rank_0(tmp_path, char_data):
     for record in wandb_records(history[0]):
         if record.WhichOneof("record_type") == "history":
             row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
-            for key, value in row.items():
-                logged.setdefault(key, {})[row["_step"]] = value
+            if "train/step" in row:  # x: samples seen, as DeepSpeed's own events (Train/Samples/lr) have it
+                assert row["_step"] == 24 * row["train/step"]
+                for key, value in row.items():
+                    logged.setdefault(key, {})[row["train/step"]] = value
         elif record.WhichOneof("record_type") == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
     steps = [r for r in metrics(out) if "loss" in r]
     assert logged["train/loss"] == {r["step"]: pytest.approx(r["loss"], rel=1e-6) for r in steps}
     assert logged["train/lr"] == {r["step"]: pytest.approx(r["lr"], rel=1e-6) for r in steps}
+    assert logged["train/val_loss"] == {r["step"]: pytest.approx(r["val_loss"], rel=1e-6)
+                                        for r in metrics(out) if "val_loss" in r}
+    assert sorted(logged["Train/Samples/lr"]) == [1, 2]  # DeepSpeed's own events share the rows
     assert config["run"]["model"]["n_embd"] == 32 and config["run"]["train"]["max_steps"] == 2
     assert config["ds_config"]["zero_optimization"]["stage"] == 1 and config["ds_config"]["wandb"]["enabled"]
