@@ -51,4 +51,3 @@ def start_schedule(engine) -> None:
     1 and 2 at lr 0, and min_lr never reached. A resumed run's checkpoint then restores the iteration
     and the learning rate it had reached."""
     engine.lr_scheduler.step(1)
-
