@@ -29,7 +29,7 @@ from training import checkpoint
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
-from training.optim import optimizer_and_schedule, param_groups
+from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks, tied_weights_in_sync,
                             train_step)
 from training.topology import (Layout, Pipeline, describe_hosts, describe_stages, pipeline_settings, resolve_layout,
@@ -80,6 +80,7 @@ def main(argv=None) -> None:
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     keep_fp32_grad_norm(engine)
+    start_schedule(engine)
     if cfg.train.compile:
         engine.compile()  # DeepSpeed's torch.compile support (inductor), compiled at the first step
     pipelined = isinstance(engine, PipelineEngine)
@@ -94,7 +95,8 @@ def main(argv=None) -> None:
         say(f"resumed from {resume_dir} at step {start_step}")
     else:
         say(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
-    log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0, append=bool(resume_dir))
+    log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=rank == 0, append=bool(resume_dir),
+                     samples_per_step=layout.global_batch)
     if rank == 0 and ds.get("wandb", {}).get("enabled"):
         import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": ds})

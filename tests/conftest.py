@@ -2,6 +2,7 @@
 real `deepspeed` launcher (N CPU processes over gloo)."""
 import glob
 import json
+import math
 import os
 import socket
 import subprocess
@@ -87,3 +88,13 @@ def metrics(out_dir) -> list[dict]:
 
 def train_losses(out_dir) -> list[float]:
     return [m["loss"] for m in metrics(out_dir) if "loss" in m]
+
+
+def expected_lr(step: int, lr: float, min_lr: float, warmup: int, max_steps: int) -> float:
+    """The README's schedule: linear warmup from 0 (step k at lr x k / warmup), then DeepSpeed's cosine,
+    whose zero point is one step before the warmup's end (step 1 when warmup is 1), to min_lr at max_steps."""
+    if step < warmup:
+        return lr * step / warmup
+    start = max(1, warmup - 1)
+    progress = (step - start) / (max_steps - start)
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2

@@ -21,6 +21,12 @@ LAYOUTS = {  # name: (ds_config, processes, overrides)
     "zero1": ("zero1.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
     "zero2": ("zero2.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
     "pp2": ("pipe2.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]),
+    # Dropout masks drawn from (seed, rank, step), bf16 master weights in the checkpoint; only the newest
+    # checkpoint kept.
+    "zero1_bf16_dropout": ("zero1.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "model.dropout=0.1",
+                                             "ds.bf16.enabled=true", "train.keep_checkpoints=1"]),
+    "pp2_dropout": ("pipe2.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2",
+                                      "model.dropout=0.1", "train.keep_checkpoints=1"]),
 }
 
 
@@ -50,6 +56,25 @@ def test_stop_and_resume_continues_exactly(straight, tmp_path, char_data, name):
     assert [s for s, _, _ in resumed] == [4, 5, 6]
     assert resumed == uninterrupted  # losses and learning rates, exactly
     assert [m["step"] for m in metrics(tmp_path) if "loss" in m] == [1, 2, 3, 4, 5, 6]  # one metrics file, appended
+    if "train.keep_checkpoints=1" in overrides:
+        assert checkpoint.complete_tags(tmp_path / "checkpoints") == ["step_000006"]
+        assert [t for t in os.listdir(tmp_path / "checkpoints") if checkpoint.TAG.match(t)] == ["step_000006"]
+
+
+@pytest.mark.parametrize("name,without", [("zero1_bf16_dropout", "zero1"), ("pp2_dropout", "pp2")])
+def test_dropout_is_on_in_the_resumed_runs(straight, name, without):
+    """The runs above compare something: dropout changes every loss of the same run without it."""
+    with_dropout, plain = steps(straight[name], first=1), steps(straight[without], first=1)
+    assert all(a[1] != b[1] for a, b in zip(with_dropout, plain)) and len(with_dropout) == 6
+    assert [lr for _, _, lr in with_dropout] == [lr for _, _, lr in plain]
+
+
+def assert_resumed(proc, out_dir, tag_dir, step=3, last=6):
+    """A resume, not a fresh start that happens to train alike: the run says so and logs only later steps."""
+    assert f"resumed from {tag_dir} at step {step}" in proc.stdout and "starting fresh" not in proc.stdout
+    records = metrics(out_dir)
+    assert [m["step"] for m in records if "loss" in m] == list(range(step + 1, last + 1))
+    assert [m["step"] for m in records if "val_loss" in m] == [last]  # no step-0 evaluation
 
 
 def universal_copy(source_run, destination) -> str:
@@ -70,22 +95,30 @@ def pp2_dp2(tmp_path_factory, char_data):
 def test_pipeline_checkpoint_resumes_on_another_layout(pp2_dp2, tmp_path, char_data, stages, nprocs, accum):
     universal = universal_copy(pp2_dp2, tmp_path / "converted")
     out = tmp_path / "resumed"
-    launch(nprocs, "pipe2.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=2",
-                                                  f"ds.gradient_accumulation_steps={accum}",
-                                                  f"ds.pipeline.stages={stages}", f"train.resume={universal}"])
+    proc = launch(nprocs, "pipe2.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=2",
+                                                         f"ds.gradient_accumulation_steps={accum}",
+                                                         f"ds.pipeline.stages={stages}", f"train.resume={universal}"])
+    assert_resumed(proc, out, universal)
     resumed, uninterrupted = steps(out), steps(pp2_dp2)
     assert [s for s, _, _ in resumed] == [4, 5, 6]
     assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], abs=1e-5)
     assert [lr for _, _, lr in resumed] == pytest.approx([lr for _, _, lr in uninterrupted])
 
 
-def test_zero2_checkpoint_resumes_at_smaller_data_parallel_size(straight, tmp_path, char_data):
+@pytest.mark.parametrize("ds_config,nprocs,accum", [("zero2.json", 1, 2), ("zero1.json", 2, 1)],
+                         ids=["zero2-dp1", "zero1-dp2"])
+def test_zero2_checkpoint_resumes_at_another_size_or_zero_stage(straight, tmp_path, char_data, ds_config, nprocs,
+                                                                 accum):
+    """ZeRO-2 at dp=2, resumed at dp=1, or under ZeRO-1 (another partitioning of the optimizer states)."""
     universal = universal_copy(straight["zero2"], tmp_path / "converted")
     out = tmp_path / "resumed"
-    launch(1, "zero2.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=4",
-                                             "ds.gradient_accumulation_steps=2", f"train.resume={universal}"])
-    assert [loss for _, loss, _ in steps(out)] == pytest.approx([loss for _, loss, _ in steps(straight["zero2"])],
-                                                                abs=1e-5)
+    proc = launch(nprocs, ds_config, out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=4",
+                                                      f"ds.gradient_accumulation_steps={accum}",
+                                                      f"train.resume={universal}"])
+    assert_resumed(proc, out, universal)
+    resumed, uninterrupted = steps(out), steps(straight["zero2"])
+    assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], abs=1e-5)
+    assert [lr for _, _, lr in resumed] == pytest.approx([lr for _, _, lr in uninterrupted], rel=1e-12)
 
 
 def test_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, char_data):
@@ -146,6 +179,16 @@ def damaged(one_process_run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(one_process_run, copy)
     return copy
+
+
+def test_a_run_already_at_max_steps_only_samples(damaged, char_data):
+    checkpoints, records = snapshot(damaged / "checkpoints"), (damaged / "metrics.jsonl").read_bytes()
+    proc = run([sys.executable, "train.py", "--ds_config", "ds_configs/zero1.json", f"train.out_dir={damaged}",
+                f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=4"])
+    assert f"resumed from {damaged}/checkpoints/step_000004 at step 4" in proc.stdout
+    assert "--- sample ---" in proc.stdout and "step 5" not in proc.stdout and "saved" not in proc.stdout
+    # no training, evaluation or save: checkpoints and metrics untouched
+    assert snapshot(damaged / "checkpoints") == checkpoints and (damaged / "metrics.jsonl").read_bytes() == records
 
 
 def test_other_architecture_is_refused(damaged, char_data):

@@ -1,5 +1,6 @@
 """The GPT layer list: shapes, causality, the tie, GPT-2 init, and exact parameter counts."""
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from omegaconf import OmegaConf
 
 from model import build_model
 from model.config import ModelConfig
+from model.generate import generate
 from model.gpt import Block, TokenEmbedding, lm_head
 from training.config import REPO_ROOT, RunConfig
 
@@ -127,3 +129,81 @@ def test_encoder_1b_parameter_count():
     # 8 x (4d^2 + 2 d ffn + biases and norms) + embedding + decoder over 50,304 padded rows
     d = 4096
     assert count == 8 * (4 * d * d + 4 * d + 2 * d * d + d + d + 4 * d) + 50_304 * d + 50_304 * d + 50_304
+
+
+def test_encoder_is_causal_on_the_fast_path_too():
+    """Under torch.no_grad() in eval mode nn.TransformerEncoderLayer takes its fused fast path
+    (torch._transformer_encoder_layer_fwd), which handles the mask its own way: sampling runs there."""
+    model = build_model(ModelConfig(arch="encoder", n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, block_size=16,
+                                    vocab_size=65)).eval()
+    fused, calls = torch._transformer_encoder_layer_fwd, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    idx = torch.randint(0, 65, (1, 16))
+    with torch.no_grad(), mock.patch.object(torch, "_transformer_encoder_layer_fwd", counted):
+        reference = model(idx)
+        assert len(calls) == 2  # both layers ran the fast path
+        for t in (0, 9, 15):
+            changed = idx.clone()
+            changed[0, t] = (idx[0, t] + 1) % 65
+            after = model(changed)
+            torch.testing.assert_close(reference[:, :t], after[:, :t], rtol=0, atol=1e-6)
+            assert not torch.allclose(reference[:, t], after[:, t])
+    with torch.enable_grad():  # and it computes what the slow path computes
+        torch.testing.assert_close(model(idx), reference, rtol=1e-5, atol=1e-5)
+
+
+class FixedLogits:
+    """A 'model' whose next-token logits are one fixed row (padded vocabulary: 8 real ids + 8 padding ids
+    whose logits are the largest, as an untrained head can make them)."""
+
+    def __init__(self, row: torch.Tensor):
+        self.row = row
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.row.expand(idx.size(0), idx.size(1), -1)
+
+
+def fixed_row() -> torch.Tensor:
+    row = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.0, 1.9, -3.0, 0.5])
+    return torch.cat([row, torch.full((8,), 50.0)])  # padding ids would win every draw if ever allowed
+
+
+def test_temperature_zero_is_argmax_over_the_real_vocabulary():
+    out = generate(FixedLogits(fixed_row()), torch.zeros(3, 1, dtype=torch.long), 4, block_size=8, vocab_size=8,
+                   temperature=0)
+    assert out[:, 1:].tolist() == [[1] * 4] * 3  # logit 2.0 at id 1
+
+
+def test_top_k_samples_only_the_k_best_and_never_padding():
+    prompts = torch.zeros(4000, 1, dtype=torch.long)
+    generator = torch.Generator().manual_seed(0)
+    top3 = generate(FixedLogits(fixed_row()), prompts, 1, block_size=8, vocab_size=8, temperature=1.0, top_k=3,
+                    generator=generator)[:, 1]
+    assert set(top3.tolist()) == {1, 3, 5}  # the three best logits (2.0, 1.9, 1.5), each drawn
+    everything = generate(FixedLogits(fixed_row()), prompts, 1, block_size=8, vocab_size=8, temperature=1.0,
+                          top_k=None, generator=generator)[:, 1]
+    assert set(everything.tolist()) == set(range(8))  # no top-k: every real id, still no padding id
+    assert generate(FixedLogits(fixed_row()), prompts[:5], 1, block_size=8, vocab_size=8, temperature=1.0,
+                    top_k=100, generator=generator)[:, 1].max() < 8  # top_k beyond the vocabulary
+
+
+def test_mfu_flop_count_is_the_hand_count_for_the_gpt():
+    """flops_per_token against a count of the GPT's own matmuls: 6 x (every nn.Linear weight plus the
+    tied head, which multiplies by the embedding; not the position table, which is only added) for forward
+    and backward, plus the attention scores and weighted values, 2 x 2 x T x d per layer and token
+    forward, x 3 with backward (PaLM's 12 x layers x d x T)."""
+    from training.metrics import flops_per_token
+
+    for cfg in (SMALL, preset("quickstart")):
+        cfg.vocab_size = 65
+        model = build_model(cfg)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        head = model.tied_modules.embed.weight.numel()
+        attention = 3 * 2 * 2 * cfg.block_size * cfg.n_embd * cfg.n_layer
+        assert flops_per_token(cfg) == 6 * (linear + head) + attention
+    # the quickstart by hand: 4 layers x 12 x 128^2, a 128 x 128 head, context 64
+    assert flops_per_token(cfg) == 6 * (4 * 12 * 128**2 + 128 * 128) + 12 * 4 * 128 * 64 == 5_210_112

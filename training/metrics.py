@@ -68,11 +68,16 @@ class Throughput:
 
 class MetricsLog:
     """One JSON object per line in <out_dir>/metrics.jsonl, plus DeepSpeed's own monitors (wandb,
-    TensorBoard, CSV: whichever the ds_config enables). Only global rank 0 writes."""
+    TensorBoard, CSV: whichever the ds_config enables). Only global rank 0 writes.
 
-    def __init__(self, out_dir: str, monitor, is_writer: bool, append: bool):
+    The engine writes its own monitor events (Train/Samples/lr, ...) against samples seen, and wandb drops
+    any event whose x value is below one already logged; so ours go against samples too (step x global
+    batch), with the step as a value of its own."""
+
+    def __init__(self, out_dir: str, monitor, is_writer: bool, append: bool, samples_per_step: int):
         self.is_writer = is_writer
         self.monitor = monitor
+        self.samples_per_step = samples_per_step
         self.file = None
         if is_writer:
             path = os.path.join(out_dir, "metrics.jsonl")
@@ -90,7 +95,9 @@ class MetricsLog:
         self.file.write(json.dumps({"step": step, **values}) + "\n")
         self.file.flush()
         if self.monitor is not None and self.monitor.enabled:
-            self.monitor.write_events([(f"train/{k}", v, step) for k, v in values.items() if v is not None])
+            samples = step * self.samples_per_step
+            self.monitor.write_events([(f"train/{k}", v, samples) for k, v in {"step": step, **values}.items()
+                                       if v is not None])
 
     def close(self) -> None:
         if self.file is not None:

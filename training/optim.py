@@ -32,7 +32,22 @@ def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
         raise ConfigError(f"optim.min_lr={opt.min_lr} must be in (0, optim.lr={opt.lr}]")
     if opt.warmup_steps < 1:
         raise ConfigError(f"optim.warmup_steps={opt.warmup_steps} must be at least 1")
-    schedule = {"total_num_steps": cfg.train.max_steps, "warmup_num_steps": opt.warmup_steps,
-                "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": opt.min_lr / opt.lr}
+    # DeepSpeed's WarmupCosineLR at iteration i: linear warmup i / warmup (i < warmup), then cosine to
+    # min_lr at progress (i - warmup + 1) / (total - warmup). Iteration 0 is the schedule's start (lr 0)
+    # and training step k runs at iteration k (start_schedule), so steps 1..max_steps are iterations
+    # 1..max_steps of a max_steps + 1 iteration schedule: step 1 takes lr / warmup, the last min_lr.
+    warmup, floor = opt.warmup_steps, 0.0
+    if warmup == 1:  # DeepSpeed warms up over at least 2 iterations; a floor of 1 makes step 1 the peak
+        warmup, floor = 2, 1.0
+    schedule = {"total_num_steps": cfg.train.max_steps + 1, "warmup_num_steps": warmup,
+                "warmup_type": "linear", "warmup_min_ratio": floor, "cos_min_ratio": opt.min_lr / opt.lr}
     return {"optimizer": {"type": "AdamW", "params": params},
             "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
+
+
+def start_schedule(engine) -> None:
+    """Put DeepSpeed's scheduler at iteration 1 for training step 1. It starts at iteration -1 (lr 0)
+    and the engine advances it after each optimizer step, so step k would run at iteration k - 2: steps
+    1 and 2 at lr 0, and min_lr never reached. A resumed run's checkpoint then restores the iteration
+    and the learning rate it had reached."""
+    engine.lr_scheduler.step(1)

@@ -1,0 +1,150 @@
+"""The real DeepSpeed engine in this process (world of one, gloo): the learning-rate schedule step by
+step, the optimizer DeepSpeed builds (AdamW groups, DeepSpeedCPUAdam under offload), and activation
+checkpointing that really recomputes. Seconds, no launcher."""
+import os
+from unittest import mock
+
+import deepspeed
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from model import build_model
+from model.config import ModelConfig
+from model.gpt import Block
+from training.config import RunConfig
+from training.optim import optimizer_and_schedule, param_groups, start_schedule
+from training.steps import lm_loss
+
+from conftest import expected_lr, free_port
+
+TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """A one-rank gloo world, with the launcher's variables set only while this module runs."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    with mock.patch.dict(os.environ, env):
+        deepspeed.init_distributed(dist_backend="gloo")
+        yield
+        torch.distributed.destroy_process_group()
+
+
+def run_config(**sections) -> RunConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), sections))
+
+
+def engine_for(cfg: RunConfig, ds: dict, model=None):
+    """What train.py does between the ds_config and the first step."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+          "steps_per_print": 10**9, **ds}
+    ds.update(optimizer_and_schedule(cfg, ds))
+    model = model if model is not None else build_model(TINY, seed=1)
+    engine, *_ = deepspeed.initialize(model=model, config=ds,
+                                      model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
+    start_schedule(engine)
+    return engine
+
+
+def train_steps(engine, steps: int) -> list[float]:
+    """The learning rate each step ran at (read before it, as train.py logs it)."""
+    lrs = []
+    for step in range(steps):
+        lrs.append(engine.get_lr()[0])
+        idx = torch.randint(0, 65, (2, 17), generator=torch.Generator().manual_seed(step))
+        engine.backward(lm_loss(engine(idx[:, :-1]), idx[:, 1:]))
+        engine.step()
+    return lrs
+
+
+@pytest.mark.parametrize("warmup,max_steps", [(1, 5), (2, 6), (3, 8), (5, 5), (4, 13)])
+def test_schedule_starts_at_the_first_warmup_step_and_ends_at_min_lr(warmup, max_steps):
+    lr, min_lr = 1e-3, 1e-4
+    cfg = run_config(optim={"lr": lr, "min_lr": min_lr, "warmup_steps": warmup}, train={"max_steps": max_steps})
+    lrs = train_steps(engine_for(cfg, {"zero_optimization": {"stage": 0}}), max_steps)
+    assert lrs == pytest.approx([expected_lr(k, lr, min_lr, warmup, max_steps) for k in range(1, max_steps + 1)],
+                                rel=1e-12, abs=0)
+    assert lrs[0] == pytest.approx(lr / warmup, rel=1e-12) and lrs[0] > 0
+    assert lrs[-1] == pytest.approx(min_lr, rel=1e-12)
+    assert all(value > min_lr for value in lrs[:-1] if max_steps > 1)  # min_lr is reached at the last step only
+
+
+def named_groups(engine, model) -> dict[float, set]:
+    """Weight decay -> names of the parameters DeepSpeed's optimizer steps with it. ZeRO-3 steps flat
+    fp32 sub-groups, each recording the parameters it holds and the optimizer group it belongs to."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {}
+    if hasattr(engine.optimizer, "sub_group_to_group_id"):
+        for sub_group, params in enumerate(engine.optimizer.fp16_groups):
+            group = engine.optimizer.optimizer.param_groups[engine.optimizer.sub_group_to_group_id[sub_group]]
+            groups.setdefault(group["weight_decay"], set()).update(names[id(p)] for p in params)
+    else:
+        for group in engine.optimizer.param_groups:
+            groups.setdefault(group["weight_decay"], set()).update(names[id(p)] for p in group["params"])
+    return groups
+
+
+MATRICES = {"tied_modules.embed.weight", "1.weight"} | {f"{i}.{m}.weight" for i in (2, 3)
+                                                       for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_weight_decay_only_on_matrices(stage):
+    """By name: embeddings and linear weights decay; biases and LayerNorm gains do not. Under ZeRO-3 the
+    model is built partitioned (zero.Init, as train.py does), so each parameter is a flat shard."""
+    ds = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = run_config(optim={"weight_decay": 0.1}, train={"max_steps": 3})
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path={**ds, "train_batch_size": 2}):
+            model = build_model(TINY, seed=1)
+        assert all(p.dim() == 1 for p in model.parameters())  # the shapes the split must see through
+    else:
+        model = build_model(TINY, seed=1)
+    everything = {n for n, _ in model.named_parameters()}
+    engine = engine_for(cfg, ds, model)
+    assert named_groups(engine, model) == {0.1: MATRICES, 0.0: everything - MATRICES}
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_optimizer_class(offload):
+    """torch's fused AdamW without offload; DeepSpeedCPUAdam (its C++ op) when ZeRO offloads the optimizer."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    zero = {"stage": 2, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    engine = engine_for(run_config(train={"max_steps": 2}), {"zero_optimization": zero})
+    optimizer = engine.optimizer.optimizer  # inside DeepSpeed's ZeRO wrapper
+    if offload:
+        assert type(optimizer) is DeepSpeedCPUAdam and optimizer.ds_opt_adam is not None
+    else:
+        assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
+    assert train_steps(engine, 2)[1] > 0  # and it steps
+
+
+def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():
+    """checkpoint_interval=1: each block runs its forward twice (once more in backward), the embeddings
+    and the head once; losses and gradients equal those without checkpointing, dropout included (DeepSpeed
+    replays the RNG state in the recomputation)."""
+    cfg = ModelConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=65, dropout=0.1)
+    idx = torch.randint(0, 65, (2, 17), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for interval in (0, 1):
+        model = build_model(cfg, seed=1, checkpoint_interval=interval)
+        calls = {"blocks": 0, "others": 0}
+        for module in model.modules():
+            if module is not model and module in [layer for layer, _ in model._calls]:
+                kind = "blocks" if isinstance(module, Block) else "others"
+                module.register_forward_hook(lambda *_, kind=kind: calls.__setitem__(kind, calls[kind] + 1))
+        torch.manual_seed(5)
+        loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+        forward_calls = dict(calls)
+        loss.backward()
+        results[interval] = loss.item(), forward_calls, dict(calls), {n: p.grad for n, p in model.named_parameters()}
+    (loss0, fwd0, all0, grads0), (loss1, fwd1, all1, grads1) = results[0], results[1]
+    assert fwd0 == fwd1 == {"blocks": 3, "others": 3}  # embedding, positions, final LayerNorm (the head is a fn)
+    assert all0 == {"blocks": 3, "others": 3}
+    assert all1 == {"blocks": 6, "others": 3}  # every block recomputed in backward, nothing else
+    assert loss1 == loss0
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,108 @@
+"""Checkpoint and metrics housekeeping on fabricated directories, in process: pruning, leftovers of a
+killed save, unfinished tags, layout changes refused, metrics.jsonl kept across runs."""
+import json
+import os
+
+import pytest
+
+from training import checkpoint
+from training.config import ConfigError
+from training.metrics import MetricsLog
+
+MODEL = {"arch": "gpt", "n_layer": 2, "n_embd": 32, "dropout": 0.0}
+
+
+def fake_checkpoint(root, step: int, complete: bool = True, layout=None, suffix: str = "") -> str:
+    """A tag directory with one shard; complete ones get run_state.json and the manifest, as save() writes."""
+    tag = checkpoint.tag_for(step) + suffix
+    tag_dir = os.path.join(root, tag)
+    os.makedirs(tag_dir)
+    with open(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), "wb") as f:
+        f.write(b"x" * 100)
+    if complete:
+        layout = layout or {"world": 2, "dp": 2, "pp": 1, "zero_stage": 1}
+        checkpoint.mark_complete(tag_dir, {"tag": tag, "step": step, "config": {"model": MODEL}, "layout": layout})
+    return tag
+
+
+def test_prune_keeps_the_newest_complete_and_drops_leftovers_of_killed_saves(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2, 4, 5):
+        fake_checkpoint(root, step)
+    fake_checkpoint(root, 3, complete=False)  # a save killed midway, older than the newest complete one
+    fake_checkpoint(root, 6, complete=False)  # a save in progress (or killed) after the newest complete one
+    (tmp_path / "notes").mkdir()  # not a checkpoint: never touched
+    checkpoint.prune(root, keep=2)
+    assert sorted(os.listdir(root)) == ["notes", "step_000004", "step_000005", "step_000006"]
+    checkpoint.prune(root, keep=0)  # never fewer than one
+    assert checkpoint.complete_tags(root) == ["step_000005"]
+
+
+def test_resume_auto_ignores_an_unfinished_newer_save(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    fake_checkpoint(root, 3)
+    checkpoint._write_atomic(os.path.join(root, checkpoint.LATEST), "step_000003")
+    fake_checkpoint(root, 6, complete=False)
+    assert checkpoint.find_resume(str(tmp_path), "auto") == os.path.join(root, "step_000003")
+
+
+def test_an_unfinished_tag_asked_for_by_name_is_refused(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    fake_checkpoint(root, 3)
+    fake_checkpoint(root, 6, complete=False)
+    with pytest.raises(ConfigError) as error:
+        checkpoint.plan_resume(str(tmp_path), "step_000006", MODEL, {"world": 2, "dp": 2, "pp": 1, "zero_stage": 1}, {})
+    assert str(error.value) == (f"{root}/step_000006 is not a complete checkpoint (no manifest.json: its save never "
+                                f"finished). Resume from an earlier tag: step_000003")
+
+
+@pytest.mark.parametrize("now,changed", [
+    ({"world": 2, "dp": 1, "pp": 2, "zero_stage": 1}, "dp=1 x pp=2 with ZeRO-1"),
+    ({"world": 2, "dp": 2, "pp": 1, "zero_stage": 2}, "dp=2 x pp=1 with ZeRO-2"),
+    ({"world": 2, "dp": 2, "pp": 1, "zero_stage": 0}, "dp=2 x pp=1 with ZeRO-0"),
+], ids=["pipeline", "zero-stage-up", "zero-stage-down"])
+def test_a_changed_pipeline_or_zero_stage_is_refused(tmp_path, now, changed):
+    root = str(tmp_path / "checkpoints")
+    fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "zero_stage": 1})
+    ds = {}
+    with pytest.raises(ConfigError) as error:
+        checkpoint.plan_resume(str(tmp_path), "step_000003", MODEL, now, ds)
+    assert (f"the checkpoint was saved at dp=2 x pp=1 with ZeRO-1, this run is {changed}: its optimizer shards only "
+            f"fit the old layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
+            f"step_000003, then resume with train.resume=step_000003_universal") == str(error.value)
+    assert ds == {}
+
+
+def test_universal_checkpoints_resume_on_any_layout_and_zero0_at_any_dp(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    tag = fake_checkpoint(root, 3, layout={"world": 4, "dp": 2, "pp": 2, "zero_stage": 1}, suffix="_universal")
+    with open(os.path.join(root, tag, checkpoint.RUN_STATE)) as f:
+        state = json.load(f)
+    checkpoint.mark_complete(os.path.join(root, tag), {**state, "universal": True})
+    ds = {}
+    assert checkpoint.plan_resume(str(tmp_path), tag, MODEL, {"world": 1, "dp": 1, "pp": 1, "zero_stage": 2}, ds)
+    assert ds == {"checkpoint": {"load_universal": True}}
+    fake_checkpoint(root, 4, layout={"world": 2, "dp": 2, "pp": 1, "zero_stage": 0})
+    assert checkpoint.plan_resume(str(tmp_path), "step_000004", MODEL, {"world": 1, "dp": 1, "pp": 1, "zero_stage": 0},
+                                  {})
+
+
+def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
+    def write_run(value, append=False):
+        log = MetricsLog(str(tmp_path), None, is_writer=True, append=append, samples_per_step=8)
+        log.log(1, loss=value)
+        log.close()
+
+    def lines(name):
+        return (tmp_path / name).read_text().splitlines()
+
+    write_run(1.0)
+    write_run(2.0)  # a fresh run in the same out_dir
+    write_run(3.0)
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "metrics.jsonl.1", "metrics.jsonl.2"]
+    assert [lines(n) for n in ("metrics.jsonl.1", "metrics.jsonl.2", "metrics.jsonl")] == \
+        [['{"step": 1, "loss": 1.0}'], ['{"step": 1, "loss": 2.0}'], ['{"step": 1, "loss": 3.0}']]
+    write_run(4.0, append=True)  # a resumed run continues the current file
+    assert lines("metrics.jsonl") == ['{"step": 1, "loss": 3.0}', '{"step": 1, "loss": 4.0}']
+    MetricsLog(str(tmp_path), None, is_writer=False, append=False, samples_per_step=8).log(1, loss=5.0)  # other ranks write nothing
+    assert len(os.listdir(tmp_path)) == 3 and len(lines("metrics.jsonl")) == 2
