@@ -63,3 +63,17 @@ def byte_level_encoding(first_id: int = 0) -> tiktoken.Encoding:
     gpt2_pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
     return tiktoken.Encoding(f"bytes{first_id or ''}", pat_str=gpt2_pattern,
                              mergeable_ranks={bytes([i]): first_id + i for i in range(256)}, special_tokens={})
+
+
+def prepare_blend_sources(root, shakespeare_path: str) -> tuple[str, str]:
+    """Two real domains prepared with one tokenizer: speeches (large) and a small set of stdlib docstrings."""
+    from data.prepare import prepare
+    from data.tokenizers import TiktokenTokenizer
+
+    tokenizer = TiktokenTokenizer(byte_level_encoding())
+    for name, docs in (("docs", docstrings()[:60]), ("plays", speeches(shakespeare_path)[:2000])):
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        with open(os.path.join(root, name, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+        prepare([os.path.join(root, name)], os.path.join(root, f"{name}_data"), tokenizer, val_fraction=0.2)
+    return os.path.join(root, "plays_data"), os.path.join(root, "docs_data")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run
-from corpora import byte_level_encoding, docstrings, speeches
+from corpora import byte_level_encoding, prepare_blend_sources
 from data.loader import IGNORE, TokenData
 from data.prepare import prepare
 from data.sampler import Blend
@@ -135,17 +135,7 @@ def test_blend_proportions_are_exact_in_every_period(weights, period):
 
 @pytest.fixture(scope="module")
 def blend_sources(tmp_path_factory, shakespeare_path):
-    """Two real domains with one tokenizer: speeches (large) and a tiny slice of stdlib docstrings."""
-    root = tmp_path_factory.mktemp("blend")
-    tokenizer = TiktokenTokenizer(byte_level_encoding())
-    (root / "docs").mkdir()
-    (root / "docs" / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docstrings()[:60]))
-    (root / "plays").mkdir()
-    (root / "plays" / "plays.jsonl").write_text("".join(json.dumps({"text": d}) + "\n"
-                                                        for d in speeches(shakespeare_path)[:2000]))
-    for name in ("docs", "plays"):
-        prepare([str(root / name)], str(root / f"{name}_data"), tokenizer, val_fraction=0.2)
-    return str(root / "plays_data"), str(root / "docs_data")
+    return prepare_blend_sources(str(tmp_path_factory.mktemp("blend")), shakespeare_path)
 
 
 def test_a_tiny_source_wraps_into_new_epochs(blend_sources):
