@@ -10,7 +10,7 @@ its text falls below --val_fraction (so the split does not depend on the order o
 with the end-of-text token. A single text file without --split_blank_lines is one document: it is split
 90/10 by characters as before, with no delimiter, so the quickstart's data does not change.
 
-The inputs are cut into pieces (files, 64 MB ranges of JSONL, Parquet row groups) that --workers processes
+The inputs are cut into pieces (files, 16 MB ranges of JSONL, Parquet row groups) that --workers processes
 tokenize, each streaming its piece in batches into its own shard: memory is bounded by the chunk, not the
 corpus, and the dataset is byte-identical whatever the number of workers. An interrupted preparation
 resumes (finished shards kept). The dataset's files are replaced only at the end, meta.json last: its
@@ -60,7 +60,7 @@ def download_shakespeare(out_dir: str) -> str:
 
 def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: str = "text",
             split_blank_lines: bool = False, val_fraction: float = 0.01, workers: int = 1,
-            chunk_mb: float = 64) -> dict:
+            chunk_mb: float = 16) -> dict:
     """Write the dataset of `inputs` to out_dir unless it is already there; returns its meta."""
     if not 0 < val_fraction < 1:
         raise InputError(f"--val_fraction {val_fraction} must be between 0 and 1 (e.g. 0.01)")
@@ -267,7 +267,7 @@ def main(argv=None) -> None:
                                                                          "blank lines (default: a file is one)")
     parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents held out (by hash)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (default: all cores)")
-    parser.add_argument("--chunk_mb", type=float, default=64, help="JSONL is cut into pieces of this size")
+    parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
     args = parser.parse_args(argv)
     out_dir = args.out_dir or default_out_dir(args.tokenizer)
     try:

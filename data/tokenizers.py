@@ -151,8 +151,7 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str, name: str | None = None) -> "HFTokenizer":
-        from tokenizers import Tokenizer
-
+        Tokenizer = _tokenizers().Tokenizer
         try:
             tokenizer = Tokenizer.from_file(path)
         except Exception as e:
@@ -187,9 +186,10 @@ class HFTokenizer:
 
 def train_bpe(documents, vocab_size: int) -> HFTokenizer:
     """A byte-level BPE (GPT-2's scheme) of `vocab_size` ids trained on `documents` with `tokenizers`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
+    tokenizers = _tokenizers()
+    decoders, models, pre_tokenizers, trainers = (tokenizers.decoders, tokenizers.models, tokenizers.pre_tokenizers,
+                                                   tokenizers.trainers)
+    tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
@@ -242,6 +242,15 @@ def load_tokenizer(data_dir: str):
     (For Hugging Face tokenizers, save(dir) writes dir/tokenizer.json.)"""
     with open(os.path.join(data_dir, "meta.json")) as f:
         return tokenizer_from_meta(json.load(f), data_dir)
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("tokenizer.json files and bpe:SIZE need the tokenizers package: pip install "
+                             "'megalite[corpora]'") from None
+    return tokenizers
 
 
 def _sha(obj) -> str:
