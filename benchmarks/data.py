@@ -65,6 +65,9 @@ def local_gpt2_like(documents: list[str], size: int, directory: str) -> str:
     gpt2_pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
     tokenizer = TiktokenTokenizer(tiktoken.Encoding("gpt2_local", pat_str=gpt2_pattern, mergeable_ranks=ranks,
                                                     special_tokens={}))
+    sample = documents[::97]  # tiktoken runs the same BPE as tokenizers: the same ids (theirs less the EOT at 0)
+    assert [tokenizer.encode(d) for d in sample] == [[i - 1 for i in e.ids] for e in hf.encode_batch(sample)]
+    print(f"local GPT-2-like encoding: {tokenizer.vocab_size:,} ids (tiktoken, GPT-2 pattern, BPE trained here)")
     tokenizer.save(directory)
     with open(os.path.join(directory, "meta.json"), "w") as f:
         json.dump({"tokenizer": tokenizer.name, **tokenizer.meta()}, f)

@@ -121,6 +121,8 @@ class TokenData:
 
     def train_batch(self, seed: int, step: int, micro_step: int, dp_rank: int, layout, device):
         """(inputs, targets) for one micro-batch of one rank; a pure function of its arguments."""
+        if step < 1:
+            raise ValueError(f"training steps count from 1, not {step}")
         first = (step - 1) * layout.global_batch + (dp_rank * layout.grad_accum + micro_step) * layout.micro_batch
         source, index = self.blend.locate(np.arange(first, first + layout.micro_batch))
         starts = np.empty(len(index), dtype=np.int64)

@@ -1,5 +1,5 @@
 """Training on a weighted blend of two prepared datasets through the real launcher: a stopped and resumed
-run equals an uninterrupted one, dp=1 and dp=2 evaluate the same validation set (same val loss, fp32), the
+run equals an uninterrupted one, dp=1, dp=2 and pp=2 evaluate the same validation set (same val loss, fp32), the
 metrics count each source's epochs, and resuming on other data is refused."""
 import sys
 
@@ -8,7 +8,7 @@ import pytest
 from conftest import FP32, REPO, TINY, launch, metrics, run, train_losses
 from corpora import prepare_blend_sources
 
-STEPS = ["train.max_steps=6", "train.eval_interval=3", "train.save_interval=3"]
+STEPS = ["train.max_steps=6", "train.eval_interval=3", "train.save_interval=3", "train.eval_windows=10"]
 
 
 def blend(plays, docs, w_plays=0.3, w_docs=0.7):
@@ -21,11 +21,13 @@ def runs(tmp_path_factory, shakespeare_path):
     root = tmp_path_factory.mktemp("blend_train")
     plays, docs = prepare_blend_sources(str(root), shakespeare_path)
     common = blend(plays, docs) + STEPS + FP32
-    out = {name: str(root / name) for name in ("straight", "resumed", "dp1")}
+    out = {name: str(root / name) for name in ("straight", "resumed", "dp1", "pp2")}
     launch(2, "zero0.json", out["straight"], plays, common)
     launch(2, "zero0.json", out["resumed"], plays, common + ["train.stop_at_step=3"])
     launch(2, "zero0.json", out["resumed"], plays, common)  # train.resume=auto: continues from step 3
     launch(1, "zero0.json", out["dp1"], plays, common + ["ds.gradient_accumulation_steps=2"])  # same global batch
+    # Two stages, micro-batches of 4: the 10 windows take 3 micro-batches, the last one half padding.
+    launch(2, "pipe2.json", out["pp2"], plays, common + ["train.max_steps=1"])
     return plays, docs, out
 
 
@@ -48,6 +50,12 @@ def test_dp1_and_dp2_evaluate_the_same_validation_set(runs):
     assert [s for s, _ in dp1] == [s for s, _ in dp2] == [0, 3, 6]
     assert [v for _, v in dp1] == pytest.approx([v for _, v in dp2], abs=1e-5)
     assert train_losses(out["dp1"]) == pytest.approx(train_losses(out["straight"]), abs=1e-5)  # the same samples
+
+
+def test_a_pipeline_evaluates_the_same_validation_set(runs):
+    """Same initial weights in every layout (layer-seeded), so the step-0 val loss must match."""
+    _, _, out = runs
+    assert val_losses(out["pp2"])[0][1] == pytest.approx(val_losses(out["straight"])[0][1], abs=1e-5)
 
 
 def test_metrics_count_the_epochs_of_each_source(runs):
