@@ -7,6 +7,7 @@
 A shard is finished once its `.done` record is written (last, atomically); a later run keeps finished shards
 and redoes the rest. Every count and offset is 64-bit.
 """
+import itertools
 import json
 import os
 
@@ -32,7 +33,7 @@ class ShardWriter:
         if not documents:
             return
         lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
-        tokens = np.fromiter((t for d in documents for t in d), dtype=np.int64, count=int(lengths.sum()))
+        tokens = np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=int(lengths.sum()))
         if len(tokens) and (tokens.max() > self.limit or tokens.min() < 0):
             bad = int(tokens.max() if tokens.max() > self.limit else tokens.min())
             raise OverflowError(f"token id {bad} does not fit {self.dtype.name} (0..{self.limit}): the vocabulary "

@@ -1,6 +1,8 @@
 """Training on a weighted blend of two prepared datasets through the real launcher: a stopped and resumed
 run equals an uninterrupted one, dp=1, dp=2 and pp=2 evaluate the same validation set (same val loss, fp32), the
 metrics count each source's epochs, and resuming on other data is refused."""
+import json
+import os
 import sys
 
 import pytest
@@ -59,9 +61,10 @@ def test_a_pipeline_evaluates_the_same_validation_set(runs):
 
 
 def test_metrics_count_the_epochs_of_each_source(runs):
-    _, _, out = runs
+    _, docs, out = runs
     logged = [m for m in metrics(out["straight"]) if "loss" in m]
-    docs_windows = 18_385 // 32  # the docstrings' training tokens in windows of block_size 32
+    with open(os.path.join(docs, "meta.json")) as f:
+        docs_windows = (json.load(f)["train_tokens"] - 1) // 32  # the docstrings' windows of block_size 32
     for m in logged:  # 24 samples a step, 7 of every 10 from the docstrings
         assert m["epochs_docs_data"] == pytest.approx(0.7 * 24 * m["step"] / docs_windows, abs=2 / docs_windows)
     assert logged[-1]["epochs_plays_data"] < logged[-1]["epochs_docs_data"]
