@@ -84,6 +84,8 @@ class TokenData:
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, sources=()):
         sources = [(s["dir"], s["weight"]) if isinstance(s, dict) else (s.dir, s.weight) for s in sources]
         for i, (path, weight) in enumerate(sources):
+            if not path:
+                raise ConfigError(f"data.sources[{i}] has no dir: give each source {{dir: PREPARED_DATASET, weight: W}}")
             if not weight > 0:
                 raise ConfigError(f"data.sources[{i}] ({path}) has weight {weight}: weights must be positive; "
                                   f"remove the source to leave it out of the blend")

@@ -165,6 +165,8 @@ def test_bad_blends_are_refused(blend_sources, tmp_path, char_data):
     with pytest.raises(ConfigError, match=r"data.sources\[1\] \(.*docs_data\) has weight 0: weights must be "
                                           r"positive; remove the source"):
         TokenData(None, None, 16, [{"dir": plays, "weight": 1}, {"dir": docs, "weight": 0}])
+    with pytest.raises(ConfigError, match=r"data.sources\[0\] has no dir: give each source \{dir: PREPARED_DATASET"):
+        TokenData(None, None, 16, [{"dir": "", "weight": 1}])
     with pytest.raises(ConfigError, match=r"no prepared dataset in .*never \(meta.json missing\); prepare it with"):
         TokenData(None, None, 16, [{"dir": plays, "weight": 1}, {"dir": str(tmp_path / "never"), "weight": 1}])
     with pytest.raises(ConfigError, match=r"prepared with different tokenizers \(.*tiktoken:bytes, 257 ids, .*char, "

@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class SourceConfig:
-    dir: str = "???"  # a prepared dataset (python -m data.prepare)
+    dir: str = ""  # a prepared dataset (python -m data.prepare)
     weight: float = 1.0  # relative share of the samples; any positive number
 
 
