@@ -71,7 +71,7 @@ def plan_pieces(files: list[str], chunk_bytes: int) -> list[Piece]:
             groups = _parquet_file(path).metadata.num_row_groups
             pieces += [Piece(path, kind, g) for g in range(groups)]
         elif kind == "hf":
-            pieces += [Piece(path, kind, s) for s in range(_hf_dataset(path).num_shards)]
+            pieces += [Piece(path, kind, s) for s in range(_hf_shards(_hf_dataset(path)))]
         else:
             pieces.append(Piece(path, kind))
     return pieces
@@ -199,9 +199,13 @@ def _hf_dataset(spec: str):
                          f"hf:NAME[:CONFIG[:SPLIT]], e.g. hf:HuggingFaceFW/fineweb-edu:sample-10BT:train") from None
 
 
+def _hf_shards(dataset) -> int:
+    return getattr(dataset, "num_shards", None) or dataset.n_shards  # the name before datasets 3.x
+
+
 def _hf(piece: Piece, text_key: str):
     dataset = _hf_dataset(piece.path)
-    shard = dataset.shard(num_shards=dataset.num_shards, index=piece.start)
+    shard = dataset.shard(num_shards=_hf_shards(dataset), index=piece.start)
     for row, record in enumerate(shard):
         text = record.get(text_key)
         if not isinstance(text, str):
