@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import data.prepare
 from conftest import run
@@ -14,7 +15,11 @@ from corpora import byte_level_encoding, speeches, write_corpus
 from data.prepare import in_val, prepare
 from data.readers import InputError
 from data.tokenizers import EOT, HFTokenizer, TiktokenTokenizer, TokenizerError, load_tokenizer, train_bpe
+from data.loader import TokenData
 from data.writer import ShardWriter, read_index
+from training.topology import Layout
+
+CPU = torch.device("cpu")
 
 FILES = ("train.bin", "val.bin", "train.idx", "val.idx", "meta.json")
 
@@ -77,6 +82,9 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path, corpus):
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_257 and meta["max_token_id"] == 70_256
     stored, tok = documents_of(str(tmp_path), "val")
     assert stored[0].min() >= 70_000 and [tok.decode(ids[:-1].tolist()) for ids in stored] == expected(docs, "val", 0.01)
+    inputs, _ = TokenData(str(tmp_path), "tiktoken:bytes70000", 16).train_batch(0, 1, 0, 0, Layout(1, 1, 4, 1), CPU)
+    train_text = "".join(d + EOT for d in expected(docs, "train", 0.01))
+    assert inputs.min() >= 70_000 and all(tok.decode(row.tolist()) in train_text for row in inputs)  # read as uint32
 
 
 def test_an_id_that_does_not_fit_is_refused(tmp_path):
