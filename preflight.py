@@ -76,7 +76,7 @@ def local_checks(cfg, token: str) -> dict:
     report = {"rank": torch.distributed.get_rank(), "host": socket.gethostname(),
               "local_rank": int(os.environ["LOCAL_RANK"]), "device": device_name(), "problems": [], "writable": True}
     try:
-        TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
+        TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources)
     except ConfigError as e:
         report["problems"].append(f"data: {e}")
     probe = os.path.join(cfg.train.out_dir, PROBE_DIR, f"{report['host']}-rank{report['rank']}-{token}")

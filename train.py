@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     run_overrides, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(args.config, run_overrides)
     ds = load_ds_config(args.ds_config, ds_overrides)
-    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
+    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
@@ -59,6 +59,8 @@ def main(argv=None) -> None:
                      "zero_stage": ds.get("zero_optimization", {}).get("stage", 0)}
     resume_dir = checkpoint.plan_resume(cfg.train.out_dir, cfg.train.resume, dataclasses.asdict(cfg.model),
                                         layout_record, ds)
+    if resume_dir:
+        data.check_resume(checkpoint.read_run_state(resume_dir).get("data"), cfg.data.allow_changed)
 
     PHASE.now(f"joining the process group (world {layout.world_size})")
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
@@ -107,8 +109,9 @@ def main(argv=None) -> None:
         f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
 
     def evaluate(step: int) -> None:
-        losses = {split: eval_loss(engine, list(data.eval_batches(split, cfg.train.eval_iters, dp_rank, layout,
-                                                                  device)))
+        windows = cfg.train.eval_windows
+        losses = {split: eval_loss(engine, list(data.eval_batches(split, windows, dp_rank, layout, device)),
+                                   windows * cfg.model.block_size)
                   for split in ("train", "val")}
         log.log(step, train_loss=losses["train"], val_loss=losses["val"])
         say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -136,7 +139,7 @@ def main(argv=None) -> None:
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             memory = peak_memory_gb(device)
             log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
-                    peak_mem_gb=memory)
+                    peak_mem_gb=memory, **data.epochs_used(step * layout.global_batch))
             say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                 f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB")
         if step % cfg.train.eval_interval == 0 or step == last_step:
@@ -146,7 +149,8 @@ def main(argv=None) -> None:
         if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step:
             PHASE.now(f"saving the checkpoint of step {step}")
             run_state = {"tag": checkpoint.tag_for(step), "step": step, "tokens_seen": step * tokens_per_step,
-                         "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "layout": layout_record}
+                         "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "layout": layout_record,
+                         "data": data.record()}
             say(f"saved {checkpoint.save(engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints)}")
             meter.pause()
     if pipelined:
@@ -182,7 +186,7 @@ def count_parameters(cfg: RunConfig) -> int:
 @torch.no_grad()
 def sample(engine, forward, cfg: RunConfig, data: TokenData, device) -> str:
     """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part."""
-    tokenizer = tokenizer_from_meta(data.meta)
+    tokenizer = tokenizer_from_meta(data.meta, data.datasets[0].dir)
     prompt = torch.tensor([tokenizer.encode(cfg.sample.prompt)], dtype=torch.long, device=device)
     generator = torch.Generator().manual_seed(cfg.sample.seed)
     engine.eval()

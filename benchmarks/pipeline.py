@@ -32,7 +32,7 @@ def tokens_per_s(stages: int, micro_batches: int, args) -> float:
     cmd = [*DEEPSPEED, "--num_gpus", str(stages), "train.py",
            "--config", args.config, "--ds_config", "ds_configs/pipe2.json", f"train.out_dir={out_dir}",
            "train.resume=none", f"train.max_steps={args.steps}", f"train.log_interval={args.steps // 2}",
-           "train.eval_interval=1000000", "train.eval_iters=1", "train.save_interval=0", "sample.max_new_tokens=1",
+           "train.eval_interval=1000000", "train.eval_windows=1", "train.save_interval=0", "sample.max_new_tokens=1",
            f"ds.pipeline.stages={stages}", f"ds.gradient_accumulation_steps={micro_batches}",
            f"ds.train_micro_batch_size_per_gpu={args.micro_batch}", *args.overrides]
     print("deepspeed", " ".join(cmd[len(DEEPSPEED):]), flush=True)

@@ -1,78 +1,195 @@
-"""Batches from a prepared dataset (memory-mapped uint16 tokens).
+"""Batches from one prepared dataset (data.dir) or a weighted blend of several (data.sources).
 
-Training windows are a pure function of (seed, step): the step's global batch is one draw of
-`global_batch` window starts, and each (dp rank, micro-step) takes its own contiguous slice of it.
-So every data-parallel rank sees different samples, a resumed run sees exactly the windows an
-uninterrupted one would, and layouts with the same global batch (dp=1 x accum 4, dp=2 x accum 2,
-micro 4 x accum 1, ...) train on the same samples each step.
+Training samples are a pure function of (seed, global sample index) (data/sampler.py), and a step's
+global batch is the samples step x global_batch ... + global_batch - 1: each (dp rank, micro-step) takes
+its own contiguous slice. So every data-parallel rank sees different samples, a resumed run sees exactly
+the windows an uninterrupted one would, and layouts with the same global batch (dp=1 x accum 4, dp=2 x
+accum 2, micro 4 x accum 1, ...) train on the same samples each step.
+
+Validation is a fixed set of `train.eval_windows` windows per split, whatever the layout: each rank takes
+its contiguous share, in micro-batches of the training shape (pipelines need one shape); the last ones are
+padded with rows whose targets are IGNORE, which the loss leaves out (training/steps.py `eval_loss`). So
+every layout evaluates the same windows and reports the same mean, up to fp32 rounding.
+
+Tokens are read with pread, not a long-lived memmap, so the process's resident memory does not grow
+with the steps (nanoGPT #287).
 """
+import hashlib
 import json
+import math
 import os
 
 import numpy as np
 import torch
 
+from data.sampler import Blend, Epochs
 from training.config import ConfigError
 
 EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val losses compare
+IGNORE = -100  # target of a padding row: F.cross_entropy's ignore_index
 
 
-class TokenData:
-    def __init__(self, data_dir: str, tokenizer: str, block_size: int):
+class Dataset:
+    """One prepared dataset: meta.json, <split>.bin (and, from format 2, <split>.idx, the tokenizer)."""
+
+    def __init__(self, data_dir: str, tokenizer: str | None, block_size: int):
+        self.dir, self.block_size = data_dir, block_size
         meta_path = os.path.join(data_dir, "meta.json")
-        prepare = f"python -m data.prepare --tokenizer {tokenizer} --input PATH/TO/text.txt --out_dir {data_dir}"
+        self.prepare = (f"python -m data.prepare --tokenizer {tokenizer or 'TOKENIZER'} --input PATH/TO/text.txt "
+                        f"--out_dir {data_dir}")
         if not os.path.exists(meta_path):
-            raise ConfigError(f"no prepared dataset in {data_dir} (meta.json missing); prepare it with: {prepare}")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        if self.meta.get("tokenizer") != tokenizer:
+            raise ConfigError(f"no prepared dataset in {data_dir} (meta.json missing); prepare it with: "
+                              f"{self.prepare}")
+        with open(meta_path, "rb") as f:
+            body = f.read()
+        self.meta, self.id = json.loads(body), hashlib.sha256(body).hexdigest()[:16]
+        if tokenizer is not None and self.meta.get("tokenizer") != tokenizer:
             raise ConfigError(f"{meta_path} was prepared with the {self.meta.get('tokenizer')!r} tokenizer but the "
                               f"run config asks for data.tokenizer={tokenizer!r}: point data.dir at a "
                               f"{tokenizer} dataset or set data.tokenizer={self.meta.get('tokenizer')}")
-        self.block_size = block_size
-        self.splits = {split: self._open(data_dir, split, prepare) for split in ("train", "val")}
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.splits = {split: self._open(split) for split in ("train", "val")}
 
-    def _open(self, data_dir: str, split: str, prepare: str) -> np.memmap:
-        path = os.path.join(data_dir, f"{split}.bin")
+    def _open(self, split: str) -> int:
+        path = os.path.join(self.dir, f"{split}.bin")
         if not os.path.exists(path) or os.path.getsize(path) == 0:
-            raise ConfigError(f"{path} is missing or empty; prepare the dataset with: {prepare}")
-        tokens = np.memmap(path, dtype=np.dtype(self.meta["dtype"]), mode="r")
-        if len(tokens) != self.meta[f"{split}_tokens"]:
-            raise ConfigError(f"{path} holds {len(tokens):,} tokens but meta.json says {self.meta[f'{split}_tokens']:,}: "
-                              f"the dataset is corrupt or half-written; prepare it again with: {prepare}")
-        if len(tokens) <= self.block_size + 1:
+            raise ConfigError(f"{path} is missing or empty; prepare the dataset with: {self.prepare}")
+        n_tokens = os.path.getsize(path) // self.dtype.itemsize
+        if n_tokens != self.meta[f"{split}_tokens"]:
+            raise ConfigError(f"{path} holds {n_tokens:,} tokens but meta.json says {self.meta[f'{split}_tokens']:,}: "
+                              f"the dataset is corrupt or half-written; prepare it again with: {self.prepare}")
+        if n_tokens <= self.block_size + 1:
             raise ConfigError(f"model.block_size={self.block_size} needs windows of {self.block_size + 1} tokens but "
-                              f"{path} holds only {len(tokens):,}: use a smaller block_size or more text")
-        return tokens
+                              f"{path} holds only {n_tokens:,}: use a smaller block_size or more text")
+        return n_tokens
+
+    def read(self, split: str, starts: np.ndarray) -> np.ndarray:
+        """Windows of block_size + 1 tokens at `starts`, as int64 rows."""
+        width = (self.block_size + 1) * self.dtype.itemsize
+        fd = os.open(os.path.join(self.dir, f"{split}.bin"), os.O_RDONLY)
+        try:
+            body = b"".join(os.pread(fd, width, int(s) * self.dtype.itemsize) for s in starts)
+        finally:
+            os.close(fd)
+        return np.frombuffer(body, dtype=self.dtype).reshape(len(starts), -1).astype(np.int64)
+
+    def tokenizer_fingerprint(self) -> str:
+        return self.meta.get("tokenizer_fingerprint") or json.dumps(
+            [self.meta["tokenizer"], self.meta.get("chars"), self.meta.get("encoding")])
+
+
+class TokenData:
+    """data.dir, or the blend data.sources ([{dir, weight}, ...]) of datasets with one tokenizer."""
+
+    def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, sources=()):
+        sources = [(s["dir"], s["weight"]) if isinstance(s, dict) else (s.dir, s.weight) for s in sources]
+        for i, (path, weight) in enumerate(sources):
+            if not path:
+                raise ConfigError(f"data.sources[{i}] has no dir: give each source {{dir: PREPARED_DATASET, weight: W}}")
+            if not weight > 0:
+                raise ConfigError(f"data.sources[{i}] ({path}) has weight {weight}: weights must be positive; "
+                                  f"remove the source to leave it out of the blend")
+        self.datasets = [Dataset(path, tokenizer, block_size) for path, _ in sources or [(data_dir, 1.0)]]
+        self.weights = [w for _, w in sources] or [1.0]
+        fingerprints = {d.tokenizer_fingerprint() for d in self.datasets}
+        if len(fingerprints) > 1:
+            names = ", ".join(f"{d.dir}: {d.meta['tokenizer']}, {d.meta['vocab_size']:,} ids" for d in self.datasets)
+            raise ConfigError(f"the sources of data.sources were prepared with different tokenizers ({names}): "
+                              f"prepare them all with the same --tokenizer (a tokenizer.json or bpe file: the same "
+                              f"file)")
+        try:
+            self.blend = Blend(self.weights)
+        except ValueError as e:
+            raise ConfigError(f"data.sources: {e}") from None
+        self.block_size = block_size
+        self.meta = self.datasets[0].meta
+        self.epochs = [Epochs(d.splits["train"], block_size, i) for i, d in enumerate(self.datasets)]
+        names = [os.path.basename(os.path.normpath(d.dir)) for d in self.datasets]
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
 
     def check_vocab(self, vocab_size: int) -> None:
-        if self.meta["max_token_id"] >= vocab_size:
-            raise ConfigError(f"the dataset has token ids up to {self.meta['max_token_id']} but model.vocab_size="
-                              f"{vocab_size}: set model.vocab_size to at least {self.meta['max_token_id'] + 1} "
-                              f"(or null to take {self.meta['vocab_size']} from meta.json)")
+        top = max(d.meta["max_token_id"] for d in self.datasets)
+        if top >= vocab_size:
+            raise ConfigError(f"the dataset has token ids up to {top} but model.vocab_size={vocab_size}: set "
+                              f"model.vocab_size to at least {top + 1} (or null to take {self.meta['vocab_size']} "
+                              f"from meta.json)")
 
-    def _windows(self, split: str, starts: np.ndarray, device: torch.device):
-        tokens = self.splits[split]
-        rows = np.stack([tokens[s: s + self.block_size + 1] for s in starts]).astype(np.int64)
-        batch = torch.from_numpy(rows)
-        if device.type == "cuda":
-            batch = batch.pin_memory().to(device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
-
-    def _starts(self, split: str, seed, count: int) -> np.ndarray:
-        high = len(self.splits[split]) - self.block_size  # last start leaves block_size + 1 tokens
-        return np.random.default_rng(seed).integers(0, high, size=count)
+    def _windows(self, split: str, source: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        rows = np.empty((len(starts), self.block_size + 1), dtype=np.int64)
+        for i in np.unique(source):
+            mask = source == i
+            rows[mask] = self.datasets[i].read(split, starts[mask])
+        return rows
 
     def train_batch(self, seed: int, step: int, micro_step: int, dp_rank: int, layout, device):
         """(inputs, targets) for one micro-batch of one rank; a pure function of its arguments."""
-        starts = self._starts("train", [seed, step], layout.global_batch)
-        first = (dp_rank * layout.grad_accum + micro_step) * layout.micro_batch
-        return self._windows("train", starts[first: first + layout.micro_batch], device)
+        if step < 1:
+            raise ValueError(f"training steps count from 1, not {step}")
+        first = (step - 1) * layout.global_batch + (dp_rank * layout.grad_accum + micro_step) * layout.micro_batch
+        source, index = self.blend.locate(np.arange(first, first + layout.micro_batch))
+        starts = np.empty(len(index), dtype=np.int64)
+        for i in np.unique(source):
+            mask = source == i
+            starts[mask] = self.epochs[i].starts(seed, index[mask])
+        return _to_device(self._windows("train", source, starts), device)
 
-    def eval_batches(self, split: str, iters: int, dp_rank: int, layout, device):
-        """This rank's share of a fixed set of `iters x micro x dp` windows of `split`."""
-        per_iter = layout.micro_batch * layout.dp
-        starts = self._starts(split, [EVAL_SEED], iters * per_iter)
-        for i in range(iters):
-            first = i * per_iter + dp_rank * layout.micro_batch
-            yield self._windows(split, starts[first: first + layout.micro_batch], device)
+    def eval_windows(self, split: str, count: int) -> np.ndarray:
+        """The fixed validation set of `split`: `count` rows of block_size + 1 tokens, blended like training."""
+        source, index = self.blend.locate(np.arange(count))
+        starts = np.empty(count, dtype=np.int64)
+        for i in np.unique(source):
+            mask = source == i
+            high = self.datasets[i].splits[split] - self.block_size  # last start leaves block_size + 1 tokens
+            starts[mask] = np.random.default_rng([EVAL_SEED + int(i)]).integers(0, high, int(mask.sum()))[index[mask]]
+        return self._windows(split, source, starts)
+
+    def eval_batches(self, split: str, count: int, dp_rank: int, layout, device):
+        """This rank's share of the `count` validation windows, in equal micro-batches (padded rows: IGNORE)."""
+        per_rank = math.ceil(count / layout.dp)
+        micro_batches = math.ceil(per_rank / layout.micro_batch)
+        rows = self.eval_windows(split, count)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        padded = np.zeros((micro_batches * layout.micro_batch, self.block_size + 1), dtype=np.int64)
+        padded[:len(rows)] = rows
+        inputs, targets = torch.from_numpy(padded[:, :-1]), torch.from_numpy(padded[:, 1:].copy())
+        targets[len(rows):] = IGNORE
+        for m in range(micro_batches):
+            part = slice(m * layout.micro_batch, (m + 1) * layout.micro_batch)
+            yield _move(inputs[part], device), _move(targets[part], device)
+
+    def epochs_used(self, samples: int) -> dict:
+        """Epochs of each source's training windows used by the first `samples` samples (for metrics)."""
+        drawn = self.blend.drawn(samples)
+        return {f"epochs_{name}": round(e.epochs(int(n)), 6) for name, e, n in zip(self.names, self.epochs, drawn)}
+
+    def record(self) -> dict:
+        """What a checkpoint remembers of the data, to refuse resuming on other data."""
+        return {"sources": [{"dir": d.dir, "dataset": d.id, "tokenizer": d.meta["tokenizer"], "weight": w}
+                            for d, w in zip(self.datasets, self.weights)]}
+
+    def check_resume(self, saved: dict | None, allow_changed: bool) -> None:
+        if not saved:
+            return  # a checkpoint from before the data record: nothing to compare
+        now = self.record()["sources"]
+        changes = []
+        if len(saved["sources"]) != len(now):
+            changes.append(f"{len(saved['sources'])} sources then, {len(now)} now")
+        for i, (was, new) in enumerate(zip(saved["sources"], now)):
+            for key, what in (("dataset", "the prepared dataset (another corpus or preparation)"),
+                              ("tokenizer", "the tokenizer"), ("weight", "the weight")):
+                if was[key] != new[key]:
+                    changes.append(f"source {i} ({new['dir']}): {what} differs: {was[key]} then, {new[key]} now")
+        if changes and not allow_changed:
+            raise ConfigError(f"the checkpoint was trained on other data: {'; '.join(changes)}. Resume with the "
+                              f"checkpoint's data, or set data.allow_changed=true to continue on this data anyway "
+                              f"(the samples then differ from an uninterrupted run)")
+
+
+def _move(batch: torch.Tensor, device) -> torch.Tensor:
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch
+
+
+def _to_device(rows: np.ndarray, device):
+    batch = _move(torch.from_numpy(rows), device)
+    return batch[:, :-1], batch[:, 1:]

@@ -1,109 +1,281 @@
-"""Tokenize a text once into uint16 memmaps: train.bin, val.bin (90/10 split) and meta.json.
+"""Tokenize documents once, in parallel, into a dataset: train/val tokens, document index, tokenizer, meta.json.
 
-    python -m data.prepare --tokenizer char --input ../shared/data/tinyshakespeare.txt
-    python -m data.prepare --tokenizer gpt2            # downloads tinyshakespeare if it can
+    python -m data.prepare                                          # tinyshakespeare by character (downloads it)
+    python -m data.prepare --input corpus/ --tokenizer gpt2 --out_dir data/corpus_gpt2
+    python -m data.prepare --input 'owt/*.jsonl.zst' --tokenizer bpe:32000 --workers 16 --out_dir data/owt
+    python -m data.prepare --input hf:HuggingFaceFW/fineweb-edu:sample-10BT --tokenizer gpt2 --out_dir data/fwe
 
-Idempotent: a dataset already prepared from the same text with the same tokenizer is left as it is.
-Files are written to temporary names and renamed, so an interrupted run never leaves a torn dataset.
+Inputs and tokenizers: see data/readers.py and data/tokenizers.py. Each document goes to val when a hash of
+its text falls below --val_fraction (so the split does not depend on the order of the inputs), and ends
+with the end-of-text token. A single text file without --split_blank_lines is one document: it is split
+90/10 by characters as before, with no delimiter, so the quickstart's data does not change.
+
+The inputs are cut into pieces (files, 16 MB ranges of JSONL, Parquet row groups) that --workers processes
+tokenize, each streaming its piece in batches into its own shard: memory is bounded by the chunk, not the
+corpus, and the dataset is byte-identical whatever the number of workers. An interrupted preparation
+resumes (finished shards kept). The dataset's files are replaced only at the end, meta.json last: its
+presence marks a complete dataset, so a killed or failed preparation never leaves one that training trusts.
 """
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
+import shutil
 import sys
 import urllib.request
 
 import numpy as np
 
-from data.tokenizers import TOKENIZERS, CharTokenizer, Gpt2Tokenizer
+from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
+from data.tokenizers import CharTokenizer, TokenizerError, parse_spec, tokenizer_from_meta, train_bpe
+from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-TRAIN_FRACTION = 0.9
-DTYPE = np.uint16
+TRAIN_FRACTION = 0.9  # the single-document split
+FORMAT = 2  # 1: train.bin/val.bin of one text (still read); 2: + document index and tokenizer files
+BATCH_CHARS = 1 << 22  # characters tokenized at once by a worker: its memory bound
+WORKSPACE = ".prepare"
 
 
 def default_out_dir(tokenizer: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"shakespeare_{tokenizer}")
+    name = "".join(c if c.isalnum() else "_" for c in os.path.basename(tokenizer.removesuffix(".json")))
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"shakespeare_{name}")
 
 
-def read_text(input_path: str | None, out_dir: str) -> str:
-    if input_path is None:
-        input_path = os.path.join(out_dir, "input.txt")
-        if not os.path.exists(input_path):
-            print(f"downloading {SHAKESPEARE_URL}")
-            try:
-                with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as response:
-                    body = response.read()
-            except OSError as e:
-                raise SystemExit(f"could not download {SHAKESPEARE_URL} ({e}); pass --input PATH to a local "
-                                 f"copy of the text") from None
-            _write_atomic(input_path, body)
-    if not os.path.isfile(input_path):
-        raise SystemExit(f"input text {input_path} not found; pass --input PATH to a text file")
-    with open(input_path, encoding="utf-8") as f:
-        text = f.read()
-    if not text:
-        raise SystemExit(f"input text {input_path} is empty")
-    return text
+def download_shakespeare(out_dir: str) -> str:
+    path = os.path.join(out_dir, "input.txt")
+    if not os.path.exists(path):
+        print(f"downloading {SHAKESPEARE_URL}")
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as response:
+                body = response.read()
+        except OSError as e:
+            raise InputError(f"could not download {SHAKESPEARE_URL} ({e}); pass --input PATH to a local copy of "
+                             f"the text") from None
+        os.makedirs(out_dir, exist_ok=True)
+        write_atomic(path, body)
+    return path
 
 
-def prepare(text: str, out_dir: str, tokenizer, source: str = "") -> dict:
-    """Write the dataset for `text` to out_dir unless it is already there; returns its meta."""
-    checksum = hashlib.sha256(text.encode("utf-8")).hexdigest()
+def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: str = "text",
+            split_blank_lines: bool = False, val_fraction: float = 0.01, workers: int = 1,
+            chunk_mb: float = 16) -> dict:
+    """Write the dataset of `inputs` to out_dir unless it is already there; returns its meta."""
+    if not 0 < val_fraction < 1:
+        raise InputError(f"--val_fraction {val_fraction} must be between 0 and 1 (e.g. 0.01)")
+    files = expand_inputs(inputs)
+    job = _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb)
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
-        if (meta.get("source_sha256") == checksum and meta.get("tokenizer") == tokenizer.name
-                and all(os.path.exists(os.path.join(out_dir, f"{s}.bin")) for s in ("train", "val"))):
-            print(f"{out_dir} already holds this text with the {tokenizer.name} tokenizer; nothing to do")
+        if meta.get("job") == job and all(os.path.exists(os.path.join(out_dir, f"{s}.bin")) for s in SPLITS):
+            print(f"{out_dir} already holds these inputs with the {meta['tokenizer']} tokenizer; nothing to do")
             return meta
+    single = len(files) == 1 and kind_of(files[0]) == "txt" and not split_blank_lines
+    kind, ready = parse_spec(tokenizer)  # an unreadable tokenizer fails here, before anything is written
+    workspace = _workspace(out_dir, job)
+    pieces = plan_pieces(files, max(int(chunk_mb * 2**20), 1))
+    options = {"text_key": text_key, "split_blank_lines": split_blank_lines, "val_fraction": val_fraction}
+    if single:
+        tok, prefixes = _prepare_single(files[0], kind, ready, workspace)
+    else:
+        tok = ready if kind == "ready" else _corpus_tokenizer(kind, tokenizer, pieces, options, workers)
+        prefixes = _tokenize_pieces(pieces, tok, workspace, options, workers)
+    split = f"{TRAIN_FRACTION:.0%} of the characters" if single else f"documents by hash, val_fraction {val_fraction}"
+    return _finish(out_dir, workspace, prefixes, tok, job, files, split, None if single else tok.delimiter)
 
+
+def _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb) -> str:
+    """What the dataset is made of: its inputs (path, size, mtime) and every option that changes it."""
+    stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) if os.path.exists(p) else (p,) for p in files]
+    if not isinstance(tokenizer, str):  # a tokenizer object (see data.tokenizers.parse_spec)
+        tokenizer, tokenizer_file = tokenizer.name, tokenizer.fingerprint()
+    else:
+        tokenizer_file = hashlib.sha256(open(tokenizer, "rb").read()).hexdigest() if os.path.isfile(tokenizer) else None
+    return hashlib.sha256(json.dumps([FORMAT, stats, tokenizer, tokenizer_file, text_key, split_blank_lines,
+                                      val_fraction, chunk_mb]).encode()).hexdigest()
+
+
+def _workspace(out_dir: str, job: str) -> str:
+    """out_dir/.prepare: the shards of this job; another job's leftovers are removed."""
+    workspace = os.path.join(out_dir, WORKSPACE)
+    job_path = os.path.join(workspace, "job")
+    if not os.path.exists(job_path) or open(job_path).read() != job:
+        shutil.rmtree(workspace, ignore_errors=True)
+        os.makedirs(os.path.join(workspace, "shards"))
+        write_atomic(job_path, job.encode())
+    return workspace
+
+
+def _prepare_single(path: str, kind: str, ready, workspace: str):
+    """One document: 90/10 by characters, no delimiter (the quickstart's dataset, unchanged)."""
+    text = next(documents(Piece(path, "txt")), "")
+    if not text:
+        raise InputError(f"input {path} is empty: pass a file with text")
+    if kind == "bpe":
+        raise InputError("--tokenizer bpe:SIZE trains on many documents: pass a folder, JSONL or Parquet, or "
+                         "--split_blank_lines")
+    tok = ready if kind == "ready" else CharTokenizer.from_text(text)
     split = int(len(text) * TRAIN_FRACTION)
-    ids = {"train": tokenizer.encode(text[:split]), "val": tokenizer.encode(text[split:])}
-    if tokenizer.vocab_size > np.iinfo(DTYPE).max + 1:
-        raise SystemExit(f"vocab size {tokenizer.vocab_size} does not fit {DTYPE.__name__} token files")
-    os.makedirs(out_dir, exist_ok=True)
-    for name, tokens in ids.items():
-        _write_atomic(os.path.join(out_dir, f"{name}.bin"), np.array(tokens, dtype=DTYPE).tobytes())
-    meta = {
-        "tokenizer": tokenizer.name,
-        "vocab_size": tokenizer.vocab_size,
-        "max_token_id": int(max(max(ids["train"]), max(ids["val"]))),
-        "dtype": np.dtype(DTYPE).name,
-        "train_tokens": len(ids["train"]),
-        "val_tokens": len(ids["val"]),
-        "source": source,
-        "source_sha256": checksum,
-        **tokenizer.meta(),
-    }
-    # meta.json last: its presence marks a complete dataset.
-    _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
-    print(f"wrote {out_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "
-          f"vocab {meta['vocab_size']:,} ({tokenizer.name})")
+    writer = ShardWriter(os.path.join(workspace, "shards", "single"), token_dtype(tok.vocab_size))
+    writer.write("train", [tok.encode(text[:split])])
+    writer.write("val", [tok.encode(text[split:])])
+    writer.close()
+    return tok, [os.path.join(workspace, "shards", "single")]
+
+
+def _corpus_tokenizer(kind: str, spec: str, pieces, options, workers):
+    """char: the characters of the whole corpus (one parallel pass); bpe:SIZE: a BPE trained on it."""
+    if kind == "char":
+        chars = set()
+        for found in _map(_chars_of_piece, pieces, workers, options):
+            chars |= found
+        return CharTokenizer(sorted(chars), eot=True)
+    size = int(spec.split(":")[1])
+    print(f"training a byte-level BPE of {size:,} ids on the inputs")
+    docs = (d for p in pieces for d in documents(p, options["text_key"], options["split_blank_lines"]))
+    return train_bpe(docs, size)
+
+
+def _chars_of_piece(piece: Piece, options) -> set:
+    chars = set()
+    for doc in documents(piece, options["text_key"], options["split_blank_lines"]):
+        chars.update(doc)
+    return chars
+
+
+def _tokenize_pieces(pieces, tok, workspace, options, workers) -> list[str]:
+    tok_meta = {"tokenizer": tok.name, **tok.meta()}
+    tok.save(workspace)
+    write_atomic(os.path.join(workspace, "tokenizer_meta.json"), json.dumps(tok_meta).encode())
+    prefixes = [os.path.join(workspace, "shards", f"{i:06d}") for i in range(len(pieces))]
+    todo = [(prefix, piece) for prefix, piece in zip(prefixes, pieces) if read_done(prefix) is None]
+    if len(todo) < len(pieces):
+        print(f"resuming: {len(pieces) - len(todo)} of {len(pieces)} pieces already done")
+    for _ in _map(_tokenize_piece, todo, workers, {**options, "workspace": workspace}):
+        pass
+    return prefixes
+
+
+_TOKENIZER = {}  # per worker process: the tokenizer, read once from the workspace
+
+
+def _worker_tokenizer(workspace: str):
+    if workspace not in _TOKENIZER:
+        with open(os.path.join(workspace, "tokenizer_meta.json")) as f:
+            _TOKENIZER[workspace] = tokenizer_from_meta(json.load(f), workspace)
+    return _TOKENIZER[workspace]
+
+
+def _tokenize_piece(job, options) -> None:
+    prefix, piece = job
+    tok = _worker_tokenizer(options["workspace"])
+    writer = ShardWriter(prefix, token_dtype(tok.vocab_size))
+    batch, size = [], 0
+    for doc in documents(piece, options["text_key"], options["split_blank_lines"]):
+        batch.append(doc)
+        size += len(doc)
+        if size >= BATCH_CHARS:
+            _write_batch(writer, tok, batch, options["val_fraction"])
+            batch, size = [], 0
+    _write_batch(writer, tok, batch, options["val_fraction"])
+    writer.close()
+
+
+def _write_batch(writer: ShardWriter, tok, docs: list[str], val_fraction: float) -> None:
+    if not docs:
+        return
+    ids = tok.encode_batch(docs)
+    if tok.delimiter == "eot":
+        ids = [d + [tok.eot_id] for d in ids]
+    else:
+        ids = [[tok.bos_id] + d for d in ids]
+    split = [in_val(doc, val_fraction) for doc in docs]
+    writer.write("train", [d for d, v in zip(ids, split) if not v])
+    writer.write("val", [d for d, v in zip(ids, split) if v])
+
+
+def in_val(document: str, val_fraction: float) -> bool:
+    """A document's split: a hash of its text, so it does not depend on where the document is."""
+    digest = hashlib.blake2b(document.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+def _map(fn, items, workers: int, options):
+    """fn(item, options) over items, in `workers` processes (in this one for 1); results in order."""
+    if workers <= 1 or len(items) <= 1:
+        yield from (fn(item, options) for item in items)
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: --workers sets the parallelism
+    with multiprocessing.get_context("fork").Pool(min(workers, len(items))) as pool:
+        yield from pool.imap(_Call(fn, options), items)
+
+
+class _Call:
+    def __init__(self, fn, options):
+        self.fn, self.options = fn, options
+
+    def __call__(self, item):
+        return self.fn(item, self.options)
+
+
+def _finish(out_dir, workspace, prefixes, tok, job, files, split_rule: str, delimiter) -> dict:
+    done = [read_done(p) for p in prefixes]
+    counts = {s: {k: sum(d["counts"][s][k] for d in done) for k in ("documents", "tokens")} for s in SPLITS}
+    documents_total = sum(c["documents"] for c in counts.values())
+    if documents_total == 0 or sum(c["tokens"] for c in counts.values()) == 0:
+        raise InputError(f"no documents in {', '.join(files)}: the inputs are empty (or --text_key names an empty "
+                         f"field); pass files with text")
+    for split in SPLITS:
+        if counts[split]["documents"] == 0:
+            raise InputError(f"no document of the {documents_total:,} fell in the {split} split ({split_rule}): "
+                             f"pass more documents, or a --val_fraction that gives each split one")
+    dtype = token_dtype(tok.vocab_size)
+    for split in SPLITS:
+        merge(prefixes, split, workspace, dtype, "")
+    meta = {"format": FORMAT, "tokenizer": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
+            "vocab_size": tok.vocab_size, "max_token_id": max(d["max_id"] for d in done), "dtype": dtype.name,
+            "delimiter": delimiter, "split": split_rule,
+            **{f"{s}_tokens": counts[s]["tokens"] for s in SPLITS},
+            **{f"{s}_documents": counts[s]["documents"] for s in SPLITS},
+            "source": files, "job": job, **tok.meta()}
+    # Replace the dataset: its old meta.json first (what is left is not trusted), meta.json last.
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    for name in [f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx")] + tok.save(workspace):
+        os.replace(os.path.join(workspace, name), os.path.join(out_dir, name))
+    write_atomic(meta_path, json.dumps(meta, indent=1).encode())
+    shutil.rmtree(workspace, ignore_errors=True)
+    print(f"wrote {out_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+          f"({counts['train']['documents']:,} + {counts['val']['documents']:,} documents), vocab "
+          f"{meta['vocab_size']:,} ({tok.name}, {dtype.name})")
     return meta
-
-
-def _write_atomic(path: str, body: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(body)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="char")
-    parser.add_argument("--input", help="text file to tokenize (default: download tinyshakespeare)")
+    parser.add_argument("--input", action="append", help="a file, folder, glob or hf:NAME[:CONFIG[:SPLIT]]; "
+                        "repeat for several (default: download tinyshakespeare)")
+    parser.add_argument("--tokenizer", default="char", help="char, gpt2, tiktoken:NAME, PATH/tokenizer.json or "
+                                                            "bpe:SIZE (default: char)")
     parser.add_argument("--out_dir", help="default: data/shakespeare_<tokenizer>")
+    parser.add_argument("--text_key", default="text", help="the text field of JSONL, Parquet and HF records")
+    parser.add_argument("--split_blank_lines", action="store_true", help="a .txt holds documents separated by "
+                                                                         "blank lines (default: a file is one)")
+    parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents held out (by hash)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (default: all cores)")
+    parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
     args = parser.parse_args(argv)
     out_dir = args.out_dir or default_out_dir(args.tokenizer)
-    text = read_text(args.input, out_dir)
     try:
-        tokenizer = CharTokenizer.from_text(text) if args.tokenizer == "char" else Gpt2Tokenizer()
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-    prepare(text, out_dir, tokenizer, source=os.path.abspath(args.input) if args.input else SHAKESPEARE_URL)
+        inputs = args.input or [download_shakespeare(out_dir)]
+        prepare(inputs, out_dir, args.tokenizer, args.text_key, args.split_blank_lines, args.val_fraction,
+                args.workers, args.chunk_mb)
+    except (InputError, TokenizerError, OverflowError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT") or next(
 
 # A model small enough that a multi-process run takes seconds on 2 cores.
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-        "train.eval_iters=2", "train.eval_interval=1000", "train.log_interval=1", "sample.max_new_tokens=16"]
+        "train.eval_windows=8", "train.eval_interval=1000", "train.log_interval=1", "sample.max_new_tokens=16"]
 FP32 = ["ds.bf16.enabled=false"]
 
 

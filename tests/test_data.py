@@ -5,25 +5,18 @@ import sys
 
 import numpy as np
 import pytest
-import tiktoken
 import torch
 
 from conftest import run
-from data.loader import TokenData
+from corpora import byte_level_encoding, prepare_blend_sources
+from data.loader import IGNORE, TokenData
 from data.prepare import prepare
-from data.tokenizers import CharTokenizer, Gpt2Tokenizer
+from data.sampler import Blend
+from data.tokenizers import CharTokenizer, TiktokenTokenizer, tokenizer_from_meta
 from training.config import ConfigError
 from training.topology import Layout
 
 CPU = torch.device("cpu")
-
-
-def byte_level_encoding() -> tiktoken.Encoding:
-    """A real tiktoken BPE (GPT-2's split pattern, byte tokens only): the GPT-2 merge files need the
-    network, which tests do not have; the preparation code path is the same."""
-    gpt2_pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    return tiktoken.Encoding("bytes", pat_str=gpt2_pattern, mergeable_ranks={bytes([i]): i for i in range(256)},
-                             special_tokens={})
 
 
 def test_char_dataset_meta_and_split(char_data, shakespeare_path):
@@ -44,19 +37,31 @@ def test_prepare_twice_is_idempotent(char_data, shakespeare_path):
     assert before == {f: os.stat(os.path.join(char_data, f)).st_mtime_ns for f in before}
 
 
-def test_bpe_preparation_round_trips(tmp_path, shakespeare_path):
+def test_single_text_with_a_bpe_keeps_the_90_10_split(tmp_path, shakespeare_path):
     text = open(shakespeare_path, encoding="utf-8").read()[:20000]
-    tokenizer = Gpt2Tokenizer(byte_level_encoding())
-    meta = prepare(text, str(tmp_path), tokenizer)
-    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 256
-    ids = [np.fromfile(tmp_path / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")]
-    assert tokenizer.decode(ids[0]) + tokenizer.decode(ids[1]) == text
+    (tmp_path / "text.txt").write_text(text)
+    tokenizer = TiktokenTokenizer(byte_level_encoding())
+    meta = prepare([str(tmp_path / "text.txt")], str(tmp_path / "out"), tokenizer)
+    assert meta["tokenizer"] == "tiktoken:bytes" and meta["vocab_size"] == 257 and meta["delimiter"] is None
+    ids = [np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=np.uint16).tolist() for s in ("train", "val")]
+    assert tokenizer.decode(ids[0]) == text[:18000] and tokenizer.decode(ids[1]) == text[18000:]
 
 
-def test_prepare_without_input_file_says_how(tmp_path):
-    proc = run([sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "missing.txt"),
-                "--out_dir", str(tmp_path)], check=False)
-    assert proc.returncode == 1 and "missing.txt not found; pass --input PATH to a text file" in proc.stderr
+def test_a_dataset_in_the_old_format_still_loads(tmp_path, shakespeare_path):
+    """train.bin / val.bin and the meta.json that data.prepare wrote before document indexes existed."""
+    text = open(shakespeare_path, encoding="utf-8").read()
+    tokenizer = CharTokenizer.from_text(text)
+    split = int(len(text) * 0.9)
+    ids = {"train": tokenizer.encode(text[:split]), "val": tokenizer.encode(text[split:])}
+    for name, tokens in ids.items():
+        np.array(tokens, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
+    meta = {"tokenizer": "char", "vocab_size": 65, "max_token_id": 64, "dtype": "uint16", "train_tokens": split,
+            "val_tokens": len(text) - split, "source": "x", "source_sha256": "0" * 64, "chars": tokenizer.chars}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    data = TokenData(str(tmp_path), "char", 16)
+    inputs, _ = data.train_batch(0, 1, 0, 0, Layout(1, 1, 4, 1), CPU)
+    assert inputs.shape == (4, 16)
+    assert tokenizer_from_meta(data.meta).decode(inputs[0].tolist()) in text
 
 
 LAYOUT_DP2 = Layout(world_size=2, pipeline_stages=1, micro_batch=3, grad_accum=2)
@@ -95,19 +100,97 @@ def test_layouts_with_the_same_global_batch_see_the_same_samples(data):
         assert torch.equal(global_batch(data, layout), reference), layout
 
 
-def test_eval_windows_are_fixed(data):
-    first = list(data.eval_batches("val", 3, 0, LAYOUT_DP2, CPU))
-    again = list(data.eval_batches("val", 3, 0, LAYOUT_DP2, CPU))
-    other_rank = list(data.eval_batches("val", 3, 1, LAYOUT_DP2, CPU))
-    assert len(first) == 3
-    assert all(torch.equal(x[0], y[0]) for x, y in zip(first, again))
-    assert not torch.equal(first[0][0], other_rank[0][0])
+def test_validation_windows_do_not_depend_on_the_layout(data):
+    """Every layout evaluates the same 50 windows: the ranks' shares, in order, with the padding rows
+    (targets IGNORE) left out, are the fixed set; micro-batches have the training shape."""
+    reference = torch.from_numpy(data.eval_windows("val", 50))
+    for layout in (Layout(1, 1, 12, 1), Layout(2, 1, 5, 3), Layout(3, 1, 4, 1), Layout(4, 2, 7, 2), Layout(8, 1, 1, 1)):
+        rows = []
+        for rank in range(layout.dp):
+            for inputs, targets in data.eval_batches("val", 50, rank, layout, CPU):
+                assert inputs.shape == targets.shape == (layout.micro_batch, 16)
+                real = (targets != IGNORE).all(1)
+                assert ((targets == IGNORE).all(1) | real).all()  # a row is either real or padding
+                rows.append(torch.cat([inputs[real], targets[real][:, -1:]], 1))
+        assert torch.equal(torch.cat(rows), reference), layout
+    assert torch.equal(reference, torch.from_numpy(data.eval_windows("val", 50)))  # fixed across calls
+
+
+@pytest.mark.parametrize("weights,period", [([0.3, 0.7], 10), ([0.001, 0.999], 1000), ([1, 2, 3, 4], 10),
+                                            ([5] * 12, 12)])
+def test_blend_proportions_are_exact_in_every_period(weights, period):
+    blend = Blend(weights)
+    shares = np.array(weights) / sum(weights)
+    source, index = blend.locate(np.arange(5 * period))
+    assert blend.period == period
+    for block in range(5):  # every period holds each source's exact share
+        counts = np.bincount(source[block * period: (block + 1) * period], minlength=len(weights))
+        assert np.array_equal(counts, np.round(shares * period).astype(int))
+    for k in range(1, 5 * period):  # and any prefix is within one sample of it
+        assert np.abs(np.bincount(source[:k], minlength=len(weights)) - shares * k).max() < 1
+    for s in range(len(weights)):  # each source's samples are numbered 0, 1, 2, ... in order
+        assert np.array_equal(index[source == s], np.arange((source == s).sum()))
+    assert np.array_equal(blend.drawn(3 * period + 1), np.bincount(source[:3 * period + 1], minlength=len(weights)))
+
+
+@pytest.fixture(scope="module")
+def blend_sources(tmp_path_factory, shakespeare_path):
+    return prepare_blend_sources(str(tmp_path_factory.mktemp("blend")), shakespeare_path)
+
+
+def test_a_tiny_source_wraps_into_new_epochs(blend_sources):
+    plays, docs = blend_sources
+    data = TokenData(None, None, 16, [{"dir": plays, "weight": 0.5}, {"dir": docs, "weight": 0.5}])
+    windows = data.epochs[1].windows
+    layout = Layout(2, 1, 4, 2)  # 16 samples a step, 8 from each source
+    steps = 3 * windows // 8 + 1
+    rows = torch.cat([data.train_batch(3, step, m, r, layout, CPU)[0] for step in range(1, steps + 1)
+                      for r in range(2) for m in range(2)])
+    source, _ = data.blend.locate(np.arange(len(rows)))
+    tiny = rows[torch.from_numpy(source == 1)]
+    starts = data.epochs[1].starts(3, np.arange(len(tiny)))
+    assert torch.equal(tiny, torch.from_numpy(data.datasets[1].read("train", starts)[:, :-1]))
+    for epoch in range(3):  # each epoch: every window of the tiny source once, shifted and in a new order
+        part = starts[epoch * windows: (epoch + 1) * windows]
+        offset = part.min()
+        assert 0 <= offset < 16 and np.array_equal(np.sort(part) - offset, np.arange(windows) * 16)
+    assert not np.array_equal(starts[:windows] - starts[:windows].min(), starts[windows: 2 * windows] - starts[windows: 2 * windows].min())
+    used = data.epochs_used(steps * 16)
+    assert used["epochs_docs_data"] == pytest.approx(steps * 8 / windows, abs=1e-6) and used["epochs_docs_data"] > 3
+    assert used["epochs_plays_data"] < 1
+
+
+def test_bad_blends_are_refused(blend_sources, tmp_path, char_data):
+    plays, docs = blend_sources
+    with pytest.raises(ConfigError, match=r"data.sources\[1\] \(.*docs_data\) has weight 0: weights must be "
+                                          r"positive; remove the source"):
+        TokenData(None, None, 16, [{"dir": plays, "weight": 1}, {"dir": docs, "weight": 0}])
+    with pytest.raises(ConfigError, match=r"data.sources\[0\] has no dir: give each source \{dir: PREPARED_DATASET"):
+        TokenData(None, None, 16, [{"dir": "", "weight": 1}])
+    with pytest.raises(ConfigError, match=r"no prepared dataset in .*never \(meta.json missing\); prepare it with"):
+        TokenData(None, None, 16, [{"dir": plays, "weight": 1}, {"dir": str(tmp_path / "never"), "weight": 1}])
+    with pytest.raises(ConfigError, match=r"prepared with different tokenizers \(.*tiktoken:bytes, 257 ids, .*char, "
+                                          r"65 ids\)"):
+        TokenData(None, None, 16, [{"dir": plays, "weight": 1}, {"dir": char_data, "weight": 1}])
+
+
+def test_resuming_on_changed_data_is_refused(blend_sources):
+    plays, docs = blend_sources
+    saved = TokenData(None, None, 16, [{"dir": plays, "weight": 0.3}, {"dir": docs, "weight": 0.7}]).record()
+    changed = TokenData(None, None, 16, [{"dir": plays, "weight": 0.5}, {"dir": plays, "weight": 0.5}])
+    with pytest.raises(ConfigError, match=r"trained on other data: source 0 .*: the weight differs: 0.3 then, 0.5 now; "
+                                          r"source 1 .*: the prepared dataset .* differs.*; source 1 .*: the weight "
+                                          r"differs.* set data.allow_changed=true to continue"):
+        changed.check_resume(saved, allow_changed=False)
+    changed.check_resume(saved, allow_changed=True)
 
 
 def test_missing_dataset_names_the_prepare_command(tmp_path):
     with pytest.raises(ConfigError, match=r"no prepared dataset in .* prepare it with: python -m data.prepare "
                                           r"--tokenizer gpt2 --input PATH/TO/text.txt"):
         TokenData(str(tmp_path), "gpt2", 16)
+    with pytest.raises(ConfigError, match=r"no prepared dataset"):
+        TokenData(str(tmp_path), None, 16)
 
 
 def copy_dataset(src, dst, **meta_changes):

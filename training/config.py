@@ -30,9 +30,21 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class SourceConfig:
+    dir: str = ""  # a prepared dataset (python -m data.prepare)
+    weight: float = 1.0  # relative share of the samples; any positive number
+
+
+@dataclass
 class DataConfig:
-    dir: str = "data/shakespeare_char"  # holds train.bin, val.bin and meta.json
-    tokenizer: str = "char"  # "char" or "gpt2"; must match the dataset's meta.json
+    dir: str = "data/shakespeare_char"  # holds train.bin, val.bin and meta.json (python -m data.prepare)
+    # Must match the dataset's meta.json ("char", "gpt2", "tiktoken:NAME", "bpe:SIZE", "tokenizer.json");
+    # null: whatever the dataset was prepared with.
+    tokenizer: Optional[str] = "char"
+    # A weighted blend, [{dir: ..., weight: ...}, ...], used instead of `dir` when given.
+    sources: list[SourceConfig] = field(default_factory=list)
+    # Resume a checkpoint on other data (another dataset, tokenizer or weights) than it was trained on.
+    allow_changed: bool = False
 
 
 @dataclass
@@ -51,7 +63,8 @@ class OptimConfig:
 class TrainConfig:
     max_steps: int = 2000
     eval_interval: int = 250
-    eval_iters: int = 20
+    # The validation set: this many windows of each split, whatever dp, micro batch and accumulation.
+    eval_windows: int = 240
     log_interval: int = 10
     out_dir: str = "out/run"
     seed: int = 1337

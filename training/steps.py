@@ -42,16 +42,29 @@ def train_step(engine, micro_batches: list) -> torch.Tensor:
     return total / len(micro_batches)
 
 
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed loss of the target tokens; padding rows (target -100, cross_entropy's ignore_index) add nothing."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+
+
 @torch.no_grad()
-def eval_loss(engine, batches: list) -> float:
-    """Mean loss over every rank's share of a fixed set of batches."""
+def eval_loss(engine, batches: list, tokens: int) -> float:
+    """Mean loss over the `tokens` target tokens of every rank's batches (a fixed validation set: see
+    data/loader.py), the same for any layout. The pipeline engine averages its loss function's outputs over
+    micro-batches and data-parallel ranks, so during evaluation that function returns the micro-batch's
+    summed loss scaled by micro-batches x dp / tokens: the average is then the mean over the set."""
     if isinstance(engine, PipelineEngine):
-        loss = engine.eval_batch(iter(batches), num_micro_batches=len(batches))
-    else:
-        engine.eval()
-        loss = sum(lm_loss(engine(inputs), targets) for inputs, targets in batches) / len(batches)
-        engine.train()
-    return mean_over_ranks(loss)
+        module, scale = engine.module, len(batches) * engine.dp_world_size / tokens
+        training_loss, module.loss_fn = module.loss_fn, lambda logits, targets: token_loss_sum(logits, targets) * scale
+        try:
+            return float(engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
+        finally:
+            module.loss_fn = training_loss
+    engine.eval()
+    total = sum(token_loss_sum(engine(inputs), targets).double() for inputs, targets in batches)
+    engine.train()
+    torch.distributed.all_reduce(total)
+    return total.item() / tokens
 
 
 class PipelineLogits:
