@@ -15,6 +15,8 @@ import urllib.request
 
 import numpy as np
 
+if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from data.tokenizers import TOKENIZERS, CharTokenizer, Gpt2Tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"

@@ -11,13 +11,14 @@ import collections.abc
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig
+from training.checks import Checks, ConfigError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -25,14 +26,14 @@ DEFAULT_DS_CONFIG = os.path.join(REPO_ROOT, "ds_configs", "zero0.json")
 DS_PREFIX = "ds."
 
 
-class ConfigError(ValueError):
-    """A bad setting; the message names it and how to fix it."""
-
-
 @dataclass
 class DataConfig:
     dir: str = "data/shakespeare_char"  # holds train.bin, val.bin and meta.json
     tokenizer: str = "char"  # "char" or "gpt2"; must match the dataset's meta.json
+
+    def check(self, c: Checks) -> None:
+        c.directory("dir")
+        c.not_empty("tokenizer")
 
 
 @dataclass
@@ -46,13 +47,21 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
 
+    def check(self, c: Checks) -> None:
+        for key in ("lr", "min_lr", "warmup_steps", "weight_decay"):
+            c.at_least(key, 0)
+        c.that(self.min_lr <= self.lr, "min_lr", f"be <= optim.lr={self.lr}", "lower optim.min_lr or raise optim.lr")
+        c.in_range("beta1", 0.0, 1.0, high_open=True)
+        c.in_range("beta2", 0.0, 1.0, high_open=True)
+        c.above("eps", 0)
+
 
 @dataclass
 class TrainConfig:
     max_steps: int = 2000
-    eval_interval: int = 250
+    eval_interval: int = 250  # evaluate at step 0, every N steps and at the end (0: only at step 0 and the end)
     eval_iters: int = 20
-    log_interval: int = 10
+    log_interval: int = 10  # a progress line every N steps (>= 1) and at the last step
     out_dir: str = "out/run"
     seed: int = 1337
     # MFU denominator in TFLOP/s per device; null measures a large matmul at start.
@@ -70,6 +79,22 @@ class TrainConfig:
     # torch.compile the model through DeepSpeed's engine.compile() (inductor; needs a C++ compiler on CPU).
     compile: bool = False
 
+    def check(self, c: Checks) -> None:
+        c.at_least("max_steps", 1)
+        c.at_least("eval_interval", 0, "0 evaluates only at step 0 and at the end")
+        c.at_least("eval_iters", 1)
+        c.at_least("log_interval", 1)
+        c.directory("out_dir")
+        c.at_least("seed", 0)
+        c.above("peak_tflops", 0)
+        c.at_least("save_interval", 0, "0 saves only at the end")
+        c.at_least("keep_checkpoints", 1)
+        c.not_empty("resume")
+        c.at_least("stop_at_step", 1)
+        c.that(self.stop_at_step is None or self.stop_at_step <= self.max_steps, "stop_at_step",
+               f"be <= train.max_steps={self.max_steps}", "lower train.stop_at_step or raise train.max_steps")
+        c.at_least("dist_timeout_s", 1)
+
 
 @dataclass
 class SampleConfig:
@@ -79,6 +104,14 @@ class SampleConfig:
     temperature: float = 0.8
     top_k: Optional[int] = 200
     seed: int = 0
+
+    def check(self, c: Checks) -> None:
+        # Whether the prompt encodes with the dataset's tokenizer is checked in train.py, once the data is open.
+        c.not_empty("prompt")
+        c.at_least("max_new_tokens", 0)
+        c.at_least("temperature", 0, "0 takes the most likely token")
+        c.at_least("top_k", 1)
+        c.at_least("seed", 0)
 
 
 @dataclass
@@ -99,7 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ds_config", default=DEFAULT_DS_CONFIG, help="DeepSpeed config JSON (engine)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    return parser.parse_args(argv)
+    # Intermixed: --config and --ds_config may come anywhere among the overrides.
+    return parser.parse_intermixed_args(argv)
 
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
@@ -113,7 +147,16 @@ def load_run_config(path: str, overrides: list[str]) -> RunConfig:
             cfg = OmegaConf.merge(cfg, layer())
         except OmegaConfBaseException as e:
             raise ConfigError(_explain_omegaconf_error(e, source)) from None
-    return OmegaConf.to_object(cfg)
+    cfg = OmegaConf.to_object(cfg)
+    check_run_config(cfg)
+    return cfg
+
+
+def check_run_config(cfg: RunConfig) -> None:
+    """Every section's range checks (its dataclass's `check`); the first bad value raises ConfigError."""
+    for section in fields(cfg):
+        values = getattr(cfg, section.name)
+        values.check(Checks(section.name, values))
 
 
 def _explain_omegaconf_error(e: OmegaConfBaseException, source: str) -> str:
@@ -146,6 +189,9 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
         ds = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}, line {e.lineno}, column {e.colno}: malformed JSON: {e.msg}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path} holds a JSON {type(ds).__name__}, not an object: a ds_config is one JSON object "
+                          f"of DeepSpeed settings, e.g. {{\"train_micro_batch_size_per_gpu\": 12}}")
     if overrides:
         try:
             merged = OmegaConf.merge(OmegaConf.create(ds), OmegaConf.from_dotlist(overrides))
