@@ -169,3 +169,9 @@ def test_eval_interval_zero_evaluates_at_start_and_end_only(char_data, tmp_path)
     assert [m["step"] for m in metrics(tmp_path) if "val_loss" in m] == [0, 3]
     assert os.listdir(tmp_path / "checkpoints") == ["latest", "step_000003"] or \
         sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003"]
+
+
+def test_negative_gradient_clipping_is_refused():
+    with pytest.raises(ConfigError, match=r"gradient_clipping=-1 in .*zero0.json: must be a number >= 0 \(0 disables "
+                                          r"clipping\); fix: set ds.gradient_clipping=1.0 or 0"):
+        load_ds_config(os.path.join(REPO, "ds_configs", "zero0.json"), ["gradient_clipping=-1"])

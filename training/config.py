@@ -203,6 +203,10 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
             raise ConfigError(f"{path}: the '{section}' section is a run setting here: set {home} in the "
                               f"run YAML or on the command line, and remove it from the ds_config")
     check_with_deepspeed(ds, path)
+    clip = ds.get("gradient_clipping", 0.0)  # DeepSpeed's parser takes any number; below 0 would flip gradients
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"gradient_clipping={clip!r} in {path}: must be a number >= 0 (0 disables clipping); "
+                          f"fix: set ds.gradient_clipping=1.0 or 0")
     return ds
 
 
