@@ -28,11 +28,11 @@ from model.generate import generate
 from training import checkpoint
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
+from training.launcher_env import set_distributed_env
 from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
 from training.optim import optimizer_and_schedule, param_groups
 from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks, tied_weights_in_sync,
                             train_step)
-from training.launcher_env import set_distributed_env
 from training.topology import (Layout, Pipeline, describe_hosts, describe_stages, pipeline_settings, resolve_layout,
                                stage_partition)
 

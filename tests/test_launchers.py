@@ -228,7 +228,7 @@ def test_deepspeed_slurm_backend_trains_like_the_deepspeed_launcher(tmp_path, ch
     hostfile.write_text(f"{socket.gethostname()} slots=2\n")
     port = free_port()
     cmd = [os.path.join(BIN, "deepspeed"), "--launcher", "slurm", "--hostfile", str(hostfile), "--force_multi",
-           "--no_ssh_check", "--master_addr", "127.0.0.1", "--launcher_args", "--kill-on-bad-exit=1",
+           "--no_ssh_check", "--master_addr", "127.0.0.1", "--launcher_args=--kill-on-bad-exit=1",
            *script_args("train.py", "zero1.json", tmp_path / "out", char_data, STEPS)]
     proc = run_job(cmd, port, slurm)
     assert "srun -n 2 --kill-on-bad-exit=1" in proc.stdout + proc.stderr  # DeepSpeed's runner built the command
