@@ -20,7 +20,8 @@ from deepspeed.accelerator import get_accelerator
 from data.loader import TokenData
 from training.config import ConfigError, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
-from training.topology import describe_hosts, pipeline_settings, resolve_layout, set_single_process_env
+from training.launcher_env import set_distributed_env
+from training.topology import describe_hosts, pipeline_settings, resolve_layout
 
 PROBE_DIR = ".preflight"
 
@@ -30,7 +31,7 @@ def main(argv=None) -> None:
     run_overrides, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(args.config, run_overrides)
     ds = load_ds_config(args.ds_config, ds_overrides)
-    set_single_process_env()
+    set_distributed_env()
     world = int(os.environ["WORLD_SIZE"])
     layout = resolve_layout(ds, world, pipeline_settings(ds).stages)
 

@@ -28,12 +28,13 @@ from model.generate import generate
 from training import checkpoint
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
+from training.launcher_env import set_distributed_env
 from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks, tied_weights_in_sync,
                             train_step)
 from training.topology import (Layout, Pipeline, describe_hosts, describe_stages, pipeline_settings, resolve_layout,
-                               set_single_process_env, stage_partition)
+                               stage_partition)
 
 
 def main(argv=None) -> None:
@@ -45,7 +46,9 @@ def main(argv=None) -> None:
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
-    set_single_process_env()
+    prompt_ids = encode_prompt(cfg.sample.prompt, data.meta)  # used at the end, checked now
+    n_params = count_parameters(cfg)  # builds the model on the meta device: a bad architecture stops here
+    launcher = set_distributed_env()  # deepspeed, torchrun, mpiexec, srun or none: RANK, WORLD_SIZE, ...
     pipe = pipeline_settings(ds)
     if cfg.train.compile and pipe.stages > 1:
         raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
@@ -73,7 +76,7 @@ def main(argv=None) -> None:
     os.makedirs(cfg.train.out_dir, exist_ok=True)
     if rank == 0:
         save_effective_config(cfg, ds, layout)
-        say(f"topology: {describe_hosts(hostnames)}; {layout.describe()}")
+        say(f"topology ({launcher}): {describe_hosts(hostnames)}; {layout.describe()}")
         say(describe_stages(specs, parts, layout))
 
     PHASE.now("building the model and the DeepSpeed engine")
@@ -105,7 +108,7 @@ def main(argv=None) -> None:
     peak_flops = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else measure_peak_flops(device, dtype)
     tokens_per_step = layout.global_batch * cfg.model.block_size
     meter = Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak_flops)
-    say(f"model: {count_parameters(cfg):,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
+    say(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
         f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
 
     def evaluate(step: int) -> None:
@@ -142,7 +145,7 @@ def main(argv=None) -> None:
                     peak_mem_gb=memory, **data.epochs_used(step * layout.global_batch))
             say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                 f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB")
-        if step % cfg.train.eval_interval == 0 or step == last_step:
+        if (cfg.train.eval_interval and step % cfg.train.eval_interval == 0) or step == last_step:
             PHASE.now(f"evaluating at step {step}")
             evaluate(step)
             meter.pause()  # evaluation time is not training throughput
@@ -163,7 +166,7 @@ def main(argv=None) -> None:
     PHASE.now("sampling")
     forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size) \
         if pipelined else engine
-    say(f"--- sample ---\n{sample(engine, forward, cfg, data, device)}\n--------------")
+    say(f"--- sample ---\n{sample(engine, forward, cfg, data, prompt_ids, device)}\n--------------")
     leave_process_group()
 
 
@@ -178,16 +181,29 @@ def build(cfg: RunConfig, pipe: Pipeline, ds: dict) -> torch.nn.Module:
 
 
 def count_parameters(cfg: RunConfig) -> int:
-    """The whole model's parameters (tied ones once), whatever ZeRO-3 or the stages hold locally."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_model(cfg.model).parameters())
+    """The whole model's parameters (tied ones once), whatever ZeRO-3 or the stages hold locally. The
+    modules' own checks (torch's included) that the range checks missed surface as a ConfigError."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(cfg.model).parameters())
+    except (ValueError, AssertionError, RuntimeError, TypeError) as e:
+        raise ConfigError(f"the model.* settings do not build a model ({type(e).__name__}: {e}); fix: change "
+                          f"the model settings named there") from None
+
+
+def encode_prompt(prompt: str, meta: dict) -> list[int]:
+    try:
+        return tokenizer_from_meta(meta).encode(prompt)
+    except ValueError as e:
+        raise ConfigError(f"sample.prompt={prompt!r} does not encode with the dataset's {meta['tokenizer']} "
+                          f"tokenizer: {e}; fix: use characters of the training text in sample.prompt") from None
 
 
 @torch.no_grad()
-def sample(engine, forward, cfg: RunConfig, data: TokenData, device) -> str:
+def sample(engine, forward, cfg: RunConfig, data: TokenData, prompt_ids: list[int], device) -> str:
     """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part."""
     tokenizer = tokenizer_from_meta(data.meta, data.datasets[0].dir)
-    prompt = torch.tensor([tokenizer.encode(cfg.sample.prompt)], dtype=torch.long, device=device)
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generator = torch.Generator().manual_seed(cfg.sample.seed)
     engine.eval()
     out = generate(forward, prompt, cfg.sample.max_new_tokens, cfg.model.block_size, cfg.model.vocab_size,

@@ -32,7 +32,8 @@ from training.failure import leave_process_group  # noqa: E402
 from training.metrics import flops_per_token, measure_peak_flops  # noqa: E402
 from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
 from training.steps import lm_loss, train_step  # noqa: E402
-from training.topology import resolve_layout, set_single_process_env  # noqa: E402
+from training.launcher_env import set_single_process_env  # noqa: E402
+from training.topology import resolve_layout  # noqa: E402
 from benchmarks.report import environment, print_table, write_json  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

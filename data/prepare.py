@@ -27,6 +27,8 @@ import urllib.request
 
 import numpy as np
 
+if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import CharTokenizer, TokenizerError, parse_spec, tokenizer_from_meta, train_bpe
 from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic

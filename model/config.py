@@ -21,6 +21,17 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = True  # GPT only; nn.TransformerEncoderLayer always has biases
 
+    def check(self, c) -> None:
+        """Range checks (c: training.checks.Checks), run by load_run_config."""
+        c.one_of("arch", ("gpt", "encoder"))
+        for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden"):
+            c.at_least(key, 1)
+        c.that(self.n_embd % self.n_head == 0, "n_embd", f"be divisible by model.n_head={self.n_head}",
+               f"make model.n_embd a multiple of {self.n_head}")
+        c.that(self.arch != "encoder" or self.n_embd % 2 == 0, "n_embd", "be even for the encoder (its sinusoidal "
+               "positions pair sines with cosines)", "make model.n_embd an even multiple of model.n_head")
+        c.in_range("dropout", 0.0, 1.0, high_open=True)
+
     @property
     def mlp_hidden(self) -> int:
         return self.ffn_hidden or 4 * self.n_embd

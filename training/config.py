@@ -11,22 +11,19 @@ import collections.abc
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig
+from training.checks import Checks, ConfigError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
 DEFAULT_DS_CONFIG = os.path.join(REPO_ROOT, "ds_configs", "zero0.json")
 DS_PREFIX = "ds."
-
-
-class ConfigError(ValueError):
-    """A bad setting; the message names it and how to fix it."""
 
 
 @dataclass
@@ -46,6 +43,13 @@ class DataConfig:
     # Resume a checkpoint on other data (another dataset, tokenizer or weights) than it was trained on.
     allow_changed: bool = False
 
+    def check(self, c: Checks) -> None:
+        c.directory("dir")
+        if self.tokenizer is not None:  # None: the dataset's own
+            c.not_empty("tokenizer")
+        # data.sources (each dir prepared, each weight positive) is checked where the blend is opened, at start:
+        # data/loader.py TokenData.
+
 
 @dataclass
 class OptimConfig:
@@ -58,14 +62,22 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
 
+    def check(self, c: Checks) -> None:
+        for key in ("lr", "min_lr", "warmup_steps", "weight_decay"):
+            c.at_least(key, 0)
+        c.that(self.min_lr <= self.lr, "min_lr", f"be <= optim.lr={self.lr}", "lower optim.min_lr or raise optim.lr")
+        c.in_range("beta1", 0.0, 1.0, high_open=True)
+        c.in_range("beta2", 0.0, 1.0, high_open=True)
+        c.above("eps", 0)
+
 
 @dataclass
 class TrainConfig:
     max_steps: int = 2000
-    eval_interval: int = 250
+    eval_interval: int = 250  # evaluate at step 0, every N steps and at the end (0: only at step 0 and the end)
     # The validation set: this many windows of each split, whatever dp, micro batch and accumulation.
     eval_windows: int = 240
-    log_interval: int = 10
+    log_interval: int = 10  # a progress line every N steps (>= 1) and at the last step
     out_dir: str = "out/run"
     seed: int = 1337
     # MFU denominator in TFLOP/s per device; null measures a large matmul at start.
@@ -83,6 +95,22 @@ class TrainConfig:
     # torch.compile the model through DeepSpeed's engine.compile() (inductor; needs a C++ compiler on CPU).
     compile: bool = False
 
+    def check(self, c: Checks) -> None:
+        c.at_least("max_steps", 1)
+        c.at_least("eval_interval", 0, "0 evaluates only at step 0 and at the end")
+        c.at_least("eval_windows", 1)
+        c.at_least("log_interval", 1)
+        c.directory("out_dir")
+        c.at_least("seed", 0)
+        c.above("peak_tflops", 0)
+        c.at_least("save_interval", 0, "0 saves only at the end")
+        c.at_least("keep_checkpoints", 1)
+        c.not_empty("resume")
+        c.at_least("stop_at_step", 1)
+        c.that(self.stop_at_step is None or self.stop_at_step <= self.max_steps, "stop_at_step",
+               f"be <= train.max_steps={self.max_steps}", "lower train.stop_at_step or raise train.max_steps")
+        c.at_least("dist_timeout_s", 1)
+
 
 @dataclass
 class SampleConfig:
@@ -92,6 +120,14 @@ class SampleConfig:
     temperature: float = 0.8
     top_k: Optional[int] = 200
     seed: int = 0
+
+    def check(self, c: Checks) -> None:
+        # Whether the prompt encodes with the dataset's tokenizer is checked in train.py, once the data is open.
+        c.not_empty("prompt")
+        c.at_least("max_new_tokens", 0)
+        c.at_least("temperature", 0, "0 takes the most likely token")
+        c.at_least("top_k", 1)
+        c.at_least("seed", 0)
 
 
 @dataclass
@@ -112,7 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ds_config", default=DEFAULT_DS_CONFIG, help="DeepSpeed config JSON (engine)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    return parser.parse_args(argv)
+    # Intermixed: --config and --ds_config may come anywhere among the overrides.
+    return parser.parse_intermixed_args(argv)
 
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
@@ -126,7 +163,16 @@ def load_run_config(path: str, overrides: list[str]) -> RunConfig:
             cfg = OmegaConf.merge(cfg, layer())
         except OmegaConfBaseException as e:
             raise ConfigError(_explain_omegaconf_error(e, source)) from None
-    return OmegaConf.to_object(cfg)
+    cfg = OmegaConf.to_object(cfg)
+    check_run_config(cfg)
+    return cfg
+
+
+def check_run_config(cfg: RunConfig) -> None:
+    """Every section's range checks (its dataclass's `check`); the first bad value raises ConfigError."""
+    for section in fields(cfg):
+        values = getattr(cfg, section.name)
+        values.check(Checks(section.name, values))
 
 
 def _explain_omegaconf_error(e: OmegaConfBaseException, source: str) -> str:
@@ -159,6 +205,9 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
         ds = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}, line {e.lineno}, column {e.colno}: malformed JSON: {e.msg}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path} holds a JSON {type(ds).__name__}, not an object: a ds_config is one JSON object "
+                          f"of DeepSpeed settings, e.g. {{\"train_micro_batch_size_per_gpu\": 12}}")
     if overrides:
         try:
             merged = OmegaConf.merge(OmegaConf.create(ds), OmegaConf.from_dotlist(overrides))
@@ -170,6 +219,10 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
             raise ConfigError(f"{path}: the '{section}' section is a run setting here: set {home} in the "
                               f"run YAML or on the command line, and remove it from the ds_config")
     check_with_deepspeed(ds, path)
+    clip = ds.get("gradient_clipping", 0.0)  # DeepSpeed's parser takes any number; below 0 would flip gradients
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"gradient_clipping={clip!r} in {path}: must be a number >= 0 (0 disables clipping); "
+                          f"fix: set ds.gradient_clipping=1.0 or 0")
     return ds
 
 

@@ -23,6 +23,7 @@ import traceback
 import torch
 
 from training.config import ConfigError
+from training.launcher_env import launcher_rank
 
 
 class Phase:
@@ -50,8 +51,8 @@ def collective_timeout(seconds: int) -> datetime.timedelta:
 
 
 def this_rank() -> str:
-    return (f"rank {os.environ.get('RANK', '?')} ({socket.gethostname()}, "
-            f"local rank {os.environ.get('LOCAL_RANK', '?')})")
+    rank, local_rank = launcher_rank()  # torchrun's, deepspeed's, MPI's or Slurm's numbering
+    return f"rank {rank} ({socket.gethostname()}, local rank {local_rank})"
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -174,7 +175,7 @@ def run_rank(main, argv=None) -> None:
     try:
         main(argv)
     except ConfigError as e:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one copy of the message per node
+        if launcher_rank()[1] in ("0", "?"):  # one copy of the message per node
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except SystemExit:

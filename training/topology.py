@@ -4,9 +4,7 @@ DeepSpeed requires train_batch_size == micro_batch x grad_accum x dp but its err
 size; with pipelines dp = world / stages, so we derive and check the triple ourselves first. Every
 check here runs before any process group exists.
 """
-import os
 import re
-import socket
 from dataclasses import dataclass
 
 from training.config import ConfigError
@@ -156,13 +154,3 @@ def describe_hosts(hostnames: list[str]) -> str:
         ranks.setdefault(host, []).append(rank)
     return "; ".join(f"{host}: ranks {r[0]}-{r[-1]}" if len(r) > 1 else f"{host}: rank {r[0]}"
                      for host, r in ranks.items())
-
-
-def set_single_process_env() -> None:
-    """Without the launcher, DeepSpeed looks for MPI; a one-process world needs only these variables."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

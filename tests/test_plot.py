@@ -1,0 +1,45 @@
+"""training.plot draws a real run's metrics.jsonl: every logged point, runs overlaid, steps or tokens."""
+import json
+import sys
+
+import pytest
+
+from conftest import FP32, TINY, metrics, run
+from training.plot import read_run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, char_data):
+    out = tmp_path_factory.mktemp("plotted_run")
+    run([sys.executable, "train.py", f"data.dir={char_data}", f"train.out_dir={out}", *TINY, *FP32,
+         "train.max_steps=4", "train.eval_interval=2", "ds.train_micro_batch_size_per_gpu=2"], env={"OMP_NUM_THREADS": "1"})
+    return out
+
+
+def test_read_run_holds_every_logged_point(tiny_run):
+    records = metrics(tiny_run)
+    runs = read_run(str(tiny_run))
+    assert runs["tokens_per_step"] == 2 * 32  # global batch 2 x context 32, from the saved configs
+    for key in ("loss", "lr", "tokens_per_s", "val_loss", "train_loss"):
+        assert runs["series"][key] == ([r["step"] for r in records if key in r], [r[key] for r in records if key in r])
+    assert runs["series"]["mfu"][1] == [100 * r["mfu"] for r in records if "mfu" in r]
+    assert runs["series"]["val_loss"][0] == [0, 2, 4]
+
+
+def test_plot_writes_a_png_of_several_runs(tiny_run, tmp_path):
+    png = tmp_path / "compare.png"
+    proc = run([sys.executable, "-m", "training.plot", str(tiny_run), str(tiny_run), "--x", "tokens", "--output",
+                str(png)])
+    assert proc.stdout.strip() == f"wrote {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    run([sys.executable, "training/plot.py", str(tiny_run)])  # as a script, default output beside the run
+    assert (tiny_run / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_names_a_directory_without_metrics(tmp_path):
+    proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"error: {tmp_path}/metrics.jsonl not found: pass the " \
+        "train.out_dir of a run"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + '\n{"step": 2, "lo')
+    proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
+    assert "metrics.jsonl, line 2: not JSON" in proc.stderr

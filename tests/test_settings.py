@@ -1,0 +1,177 @@
+"""Every run setting is range-checked at start: one table of bad settings and the message each gets
+(in-process, through load_run_config), and a few train.py runs that show the table is what it applies."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run
+from training.config import ConfigError, load_ds_config, load_run_config, parse_args
+
+QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
+ENCODER = os.path.join(REPO, "configs", "encoder_tiny.yaml")
+
+# (overrides, the message's start). Each row changes one thing from the quickstart preset.
+BAD_SETTINGS = [
+    (["model.arch=bert"], "model.arch='bert': must be one of gpt, encoder; fix: set model.arch to one of them"),
+    (["model.n_layer=0"], "model.n_layer=0: must be >= 1; fix: set model.n_layer to 1 or more"),
+    (["model.n_head=0"], "model.n_head=0: must be >= 1"),
+    (["model.n_embd=-8"], "model.n_embd=-8: must be >= 1"),
+    (["model.block_size=0"], "model.block_size=0: must be >= 1"),
+    (["model.vocab_size=0"], "model.vocab_size=0: must be >= 1"),
+    (["model.vocab_multiple=0"], "model.vocab_multiple=0: must be >= 1"),
+    (["model.ffn_hidden=0"], "model.ffn_hidden=0: must be >= 1"),
+    (["model.n_embd=130"], "model.n_embd=130: must be divisible by model.n_head=4; fix: make model.n_embd a multiple "
+                           "of 4"),
+    (["model.dropout=1.0"], "model.dropout=1.0: must be in [0.0, 1.0); fix: set model.dropout between 0.0 and 1.0"),
+    (["model.dropout=-0.1"], "model.dropout=-0.1: must be in [0.0, 1.0)"),
+    (["data.dir=''"], "data.dir='': must not be empty; fix: set data.dir"),
+    (["data.dir=" + os.path.join(REPO, "README.md")], "data.dir='" + os.path.join(REPO, "README.md") + "': must be "
+                                                      "a directory, but it is a file; fix: point data.dir at a directory"),
+    (["data.tokenizer=''"], "data.tokenizer='': must not be empty"),
+    (["optim.lr=-1e-3"], "optim.lr=-0.001: must be >= 0"),
+    (["optim.min_lr=-1"], "optim.min_lr=-1.0: must be >= 0"),
+    (["optim.min_lr=0.01"], "optim.min_lr=0.01: must be <= optim.lr=0.001; fix: lower optim.min_lr or raise optim.lr"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be >= 0"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1: must be >= 0"),
+    (["optim.beta1=1.0"], "optim.beta1=1.0: must be in [0.0, 1.0)"),
+    (["optim.beta2=-0.5"], "optim.beta2=-0.5: must be in [0.0, 1.0)"),
+    (["optim.eps=0"], "optim.eps=0.0: must be > 0; fix: set optim.eps above 0"),
+    (["train.max_steps=-5"], "train.max_steps=-5: must be >= 1; fix: set train.max_steps to 1 or more"),
+    (["train.max_steps=0"], "train.max_steps=0: must be >= 1"),
+    (["train.eval_interval=-1"], "train.eval_interval=-1: must be >= 0 (0 evaluates only at step 0 and at the end)"),
+    (["train.eval_windows=0"], "train.eval_windows=0: must be >= 1"),
+    (["train.log_interval=0"], "train.log_interval=0: must be >= 1"),
+    (["train.out_dir=" + os.path.join(REPO, "README.md")], "must be a directory, but it is a file; fix: point "
+                                                           "train.out_dir at a directory"),
+    (["train.seed=-1"], "train.seed=-1: must be >= 0"),
+    (["train.peak_tflops=0"], "train.peak_tflops=0.0: must be > 0"),
+    (["train.save_interval=-100"], "train.save_interval=-100: must be >= 0 (0 saves only at the end)"),
+    (["train.keep_checkpoints=0"], "train.keep_checkpoints=0: must be >= 1"),
+    (["train.resume=''"], "train.resume='': must not be empty"),
+    (["train.stop_at_step=0"], "train.stop_at_step=0: must be >= 1"),
+    (["train.stop_at_step=3000"], "train.stop_at_step=3000: must be <= train.max_steps=2000; fix: lower "
+                                  "train.stop_at_step or raise train.max_steps"),
+    (["train.dist_timeout_s=0"], "train.dist_timeout_s=0: must be >= 1"),
+    (["sample.prompt=''"], "sample.prompt='': must not be empty"),
+    (["sample.max_new_tokens=-1"], "sample.max_new_tokens=-1: must be >= 0"),
+    (["sample.temperature=-0.5"], "sample.temperature=-0.5: must be >= 0 (0 takes the most likely token)"),
+    (["sample.top_k=0"], "sample.top_k=0: must be >= 1"),
+    (["sample.seed=-3"], "sample.seed=-3: must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS, ids=[row[0][0].split("=")[0] + "=" +
+                                                                   row[0][0].split("=", 1)[1][-12:]
+                                                                   for row in BAD_SETTINGS])
+def test_bad_setting_is_refused_with_its_message(overrides, message):
+    with pytest.raises(ConfigError) as caught:
+        load_run_config(QUICKSTART, overrides)
+    assert message in str(caught.value)
+
+
+def test_the_table_covers_every_setting():
+    """A new setting needs a row here (or a reason in NO_RANGE): its check is one line in its dataclass."""
+    from dataclasses import fields
+
+    from training.config import RunConfig
+    no_range = {"model.bias", "train.compile", "data.allow_changed"}  # booleans: the type is the whole check
+    no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
+    tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
+    settings = {f"{section.name}.{f.name}" for section in fields(RunConfig) for f in fields(section.type)}
+    assert settings - tested - no_range == set()
+
+
+def test_encoder_width_must_be_even():
+    with pytest.raises(ConfigError, match=r"model.n_embd=63: must be even for the encoder"):
+        load_run_config(ENCODER, ["model.n_embd=63", "model.n_head=3"])
+
+
+def test_every_shipped_preset_passes_the_checks():
+    for name in os.listdir(os.path.join(REPO, "configs")):
+        load_run_config(os.path.join(REPO, "configs", name), [])
+
+
+def test_zero_intervals_are_accepted():
+    cfg = load_run_config(QUICKSTART, ["train.eval_interval=0", "train.save_interval=0"])
+    assert (cfg.train.eval_interval, cfg.train.save_interval) == (0, 0)
+
+
+@pytest.mark.parametrize("body,kind", [("[1, 2]", "list"), ('"zero2"', "str"), ("12", "int")])
+def test_ds_config_that_is_not_an_object(tmp_path, body, kind):
+    path = tmp_path / "ds.json"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=rf"ds.json holds a JSON {kind}, not an object"):
+        load_ds_config(str(path), [])
+
+
+def test_config_files_may_come_anywhere_among_the_overrides():
+    args = parse_args(["train.max_steps=5", "--config", ENCODER, "train.out_dir=out/x", "--ds_config", "d.json",
+                       "--local_rank=1", "model.n_layer=2"])
+    assert (args.config, args.ds_config, args.local_rank) == (ENCODER, "d.json", 1)
+    assert args.overrides == ["train.max_steps=5", "train.out_dir=out/x", "model.n_layer=2"]
+
+
+def test_prompt_outside_the_vocabulary_is_refused_at_start():
+    import train
+    meta = {"tokenizer": "char", "chars": list("\n abc")}
+    assert train.encode_prompt("ab c", meta) == [2, 3, 1, 4]
+    with pytest.raises(ConfigError, match=r"sample.prompt='abé' does not encode with the dataset's char tokenizer: "
+                                          r"character 'é' is not in this dataset's vocabulary; fix: use characters"):
+        train.encode_prompt("abé", meta)
+
+
+def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):
+    """What the range checks miss still stops at start, before any process: torch's own assertion here."""
+    import train
+    monkeypatch.setattr(train, "build_model", lambda model_cfg: torch.nn.MultiheadAttention(33, 2))
+    cfg = load_run_config(QUICKSTART, ["model.vocab_size=65"])
+    with pytest.raises(ConfigError, match=r"the model.\* settings do not build a model \(AssertionError: embed_dim "
+                                          r"must be divisible by num_heads\)"):
+        train.count_parameters(cfg)
+
+
+def train_py(*args):
+    return run([sys.executable, "train.py", *args], check=False, timeout=120)
+
+
+def assert_refused(proc, message):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {message}" in proc.stderr
+    assert "Traceback" not in proc.stderr and "step 0" not in proc.stdout
+
+
+def test_train_py_applies_the_table_with_config_after_the_overrides(char_data, tmp_path):
+    """The issue's command: --config among the overrides; the table's row for a negative max_steps."""
+    proc = train_py("train.max_steps=-5", "--config", ENCODER, f"train.out_dir={tmp_path}", f"data.dir={char_data}")
+    assert_refused(proc, "train.max_steps=-5: must be >= 1; fix: set train.max_steps to 1 or more")
+
+
+def test_train_py_refuses_a_prompt_it_could_not_sample_from(char_data, tmp_path):
+    proc = train_py(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "sample.prompt=naïve")
+    assert_refused(proc, "sample.prompt='naïve' does not encode with the dataset's char tokenizer")
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_train_py_refuses_a_ds_config_that_is_not_an_object(char_data, tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps([{"train_micro_batch_size_per_gpu": 4}]))
+    proc = train_py(f"data.dir={char_data}", "--ds_config", str(path), f"train.out_dir={tmp_path}/out")
+    assert_refused(proc, f"{path} holds a JSON list, not an object")
+
+
+def test_eval_interval_zero_evaluates_at_start_and_end_only(char_data, tmp_path):
+    from conftest import FP32, TINY, metrics
+    run([sys.executable, "train.py", f"data.dir={char_data}", f"train.out_dir={tmp_path}", *TINY, *FP32,
+         "train.max_steps=3", "train.eval_interval=0", "train.save_interval=0", "ds.train_micro_batch_size_per_gpu=2"],
+        env={"OMP_NUM_THREADS": "1"})
+    assert [m["step"] for m in metrics(tmp_path) if "val_loss" in m] == [0, 3]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003"]
+
+
+def test_negative_gradient_clipping_is_refused():
+    with pytest.raises(ConfigError, match=r"gradient_clipping=-1 in .*zero0.json: must be a number >= 0 \(0 disables "
+                                          r"clipping\); fix: set ds.gradient_clipping=1.0 or 0"):
+        load_ds_config(os.path.join(REPO, "ds_configs", "zero0.json"), ["gradient_clipping=-1"])

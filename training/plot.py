@@ -1,0 +1,104 @@
+"""Plot one or more runs from their metrics.jsonl: loss (train and validation), learning rate, tokens/s and
+MFU against steps (or tokens), several runs overlaid for comparison.
+
+    python -m training.plot out/quickstart                        # writes out/quickstart/metrics.png
+    python -m training.plot out/a out/b --x tokens --output compare.png
+
+Tokens per step come from the run's saved ds_config.json (global batch) and config.yaml (context), so
+runs with different batch sizes line up on the tokens axis. Needs matplotlib (`pip install '.[plot]'`).
+"""
+import argparse
+import json
+import os
+import sys
+
+
+class PlotError(ValueError):
+    """A run directory that cannot be plotted; the message says why."""
+
+PANELS = [("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
+
+
+def read_run(run_dir: str) -> dict:
+    """The run's metrics as {key: ([steps], [values])} and its tokens per step (None if unknown)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise PlotError(f"{path} not found: pass the train.out_dir of a run")
+    series = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise PlotError(f"{path}, line {number}: not JSON (a torn last line of a killed run?)") from None
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    steps, values = series.setdefault(key, ([], []))
+                    steps.append(record["step"])
+                    values.append(100 * value if key == "mfu" else value)
+    return {"name": os.path.basename(os.path.normpath(run_dir)), "series": series,
+            "tokens_per_step": tokens_per_step(run_dir)}
+
+
+def tokens_per_step(run_dir: str) -> int | None:
+    from omegaconf import OmegaConf
+    try:
+        with open(os.path.join(run_dir, "ds_config.json")) as f:
+            batch = json.load(f)["train_batch_size"]
+        return batch * OmegaConf.load(os.path.join(run_dir, "config.yaml")).model.block_size
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def plot(runs: list[dict], output: str, x: str = "step") -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    if x == "tokens" and any(run["tokens_per_step"] is None for run in runs):
+        raise PlotError("--x tokens needs each run's ds_config.json and config.yaml (written by train.py)")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        scale = run["tokens_per_step"] if x == "tokens" else 1
+        color, label = colors[i % len(colors)], run["name"]
+        for ax, (key, title) in zip(axes.flat, PANELS):
+            if key == "loss":
+                for series, style, what in (("loss", "-", "train"), ("val_loss", "o--", "val")):
+                    if series in run["series"]:
+                        steps, values = run["series"][series]
+                        ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
+                                label=f"{label}: {what}" + (f" {values[-1]:.4f}" if series == "val_loss" else ""))
+            elif key in run["series"]:
+                steps, values = run["series"][key]
+                ax.plot([s * scale for s in steps], values, "-", color=color, label=label)
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("tokens" if x == "tokens" else "step")
+        ax.grid(alpha=0.3)
+        if key == "loss" or len(runs) > 1:
+            ax.legend(fontsize=8)
+    per_step = {run["tokens_per_step"] for run in runs}
+    if x == "step" and len(per_step) == 1 and None not in per_step:
+        fig.suptitle(f"{', '.join(run['name'] for run in runs)} ({per_step.pop():,} tokens/step)")
+    fig.savefig(output, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.out_dir of each run")
+    parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the horizontal axis")
+    parser.add_argument("--output", help="PNG to write (default: RUN_DIR/metrics.png of the first run)")
+    args = parser.parse_args(argv)
+    try:
+        runs = [read_run(d) for d in args.run_dirs]
+        output = args.output or os.path.join(args.run_dirs[0], "metrics.png")
+        plot(runs, output, args.x)
+    except PlotError as e:
+        raise SystemExit(f"error: {e}") from None  # exit 1, no traceback
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
