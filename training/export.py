@@ -8,6 +8,7 @@ load them; encoder weights keep this repo's names. config.json also carries this
 and the tokenizer, for `sample.py --export DIR`.
 """
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -72,18 +73,30 @@ def _from_universal(folder: str, shapes: dict) -> dict[str, torch.Tensor]:
 
 def export(tag_dir: str, output: str) -> str:
     run_state = checkpoint.read_run_state(tag_dir)
-    cfg = model_config(run_state)
-    state = consolidated_state_dict(tag_dir)
-    with open(os.path.join(run_state["config"]["data"]["dir"], "meta.json")) as f:
-        tokenizer = json.load(f)
+    data_dir = run_state["config"]["data"]["dir"]
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    return write_export(output, model_config(run_state), consolidated_state_dict(tag_dir), meta, run_state["step"],
+                        data_dir)
+
+
+# A tokenizer a dataset keeps beside its data in a Hugging Face or tiktoken file goes with the weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.tiktoken")
+
+
+def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: int, data_dir: str | None = None) -> str:
+    """model.safetensors (Hugging Face's layout where it has one) and config.json in `output`."""
     in_hf_layout = cfg.arch in ARCHITECTURES
-    config = hf_config(cfg, tokenizer) if in_hf_layout else {}
-    config["megalite"] = {"model": run_state["config"]["model"], "tokenizer": tokenizer, "step": run_state["step"]}
+    config = hf_config(cfg, meta) if in_hf_layout else {}
+    config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step}
     os.makedirs(output, exist_ok=True)
     weights = to_hf(state, cfg) if in_hf_layout else state
     save_file(weights, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+    for name in TOKENIZER_FILES:
+        if data_dir and os.path.isfile(os.path.join(data_dir, name)):
+            shutil.copyfile(os.path.join(data_dir, name), os.path.join(output, name))
     return output
 
 
