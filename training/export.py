@@ -49,12 +49,12 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
         state = {}
         for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))):
             index = int(os.path.basename(path)[len("layer_"):].split("-")[0])
-            for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+            for name, tensor in checkpoint.load_state_file(path).items():
                 key = f"{index}.{name}" if f"{index}.{name}" in shapes else f"tied_modules.embed.{name}"
                 state.setdefault(key, tensor.float())
         return state
     # ZeRO-0: one file with the module (fp32, or bf16 with the fp32 masters kept by the optimizer).
-    saved = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    saved = checkpoint.load_state_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     masters = saved["optimizer"].get("fp32_groups") if isinstance(saved["optimizer"], dict) else None
     if masters is None:
         return {name: tensor.float() for name, tensor in saved["module"].items()}
@@ -66,7 +66,7 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
 def _from_universal(folder: str, shapes: dict) -> dict[str, torch.Tensor]:
     state = {}
     for name, shape in shapes.items():
-        saved = torch.load(os.path.join(folder, "zero", name, "fp32.pt"), map_location="cpu", weights_only=True)
+        saved = checkpoint.load_state_file(os.path.join(folder, "zero", name, "fp32.pt"))
         state[name] = (saved["param"] if isinstance(saved, dict) else saved).reshape(shape).float()
     return state
 
