@@ -13,6 +13,7 @@ that does not exist, a file that pickles more than tensors and DeepSpeed's setti
 DeepSpeed loads anything, and nothing is overwritten.
 """
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -28,6 +29,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from model.config import ModelConfig
 from training.config import ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -195,8 +197,9 @@ def load(engine, tag_dir: str) -> int:
 
 def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
     """The checkpoint must hold this architecture; without the universal format, also this layout."""
-    changed = {k: (saved["config"]["model"].get(k), v) for k, v in model_cfg.items()
-               if saved["config"]["model"].get(k) != v and k != "dropout"}
+    # A setting newer than the checkpoint reads as its default there (checkpoints from before Llama's).
+    was = {**dataclasses.asdict(ModelConfig()), **saved["config"]["model"]}
+    changed = {k: (was.get(k), v) for k, v in model_cfg.items() if was.get(k) != v and k != "dropout"}
     if changed:
         diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())
         raise ConfigError(f"the checkpoint holds a different model architecture ({diff}): resume with the "
