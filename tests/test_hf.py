@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-import transformers
 
-from hf_check import assert_export_matches_transformers
+from hf_check import assert_export_matches_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
 from training import hf
@@ -45,28 +44,6 @@ def test_special_token_ids_come_from_the_tokenizer():
         {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     gpt2 = hf.hf_config(LLAMA, {"tokenizer": "gpt2", "vocab_size": 50257})
     assert (gpt2["bos_token_id"], gpt2["eos_token_id"], gpt2["pad_token_id"]) == (50256, 50256, None)
-
-
-def transformers_model(cfg: ModelConfig, folder) -> torch.nn.Module:
-    """What transformers itself builds for this shape (its own init, then randomized norms), saved."""
-    torch.manual_seed(7)
-    if cfg.arch == "gpt":
-        config = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
-                                         n_layer=cfg.n_layer, n_head=cfg.n_head)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
-            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-            max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
-        model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.normal_(1.0, 0.2)
-    model.save_pretrained(folder)
-    return model.eval()
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama_gqa", "llama_mqa_tied"])

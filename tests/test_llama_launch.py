@@ -8,9 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FP32, launch, metrics, run
-from hf_check import assert_export_matches_transformers, load_in_transformers
+from hf_check import assert_export_matches_transformers, load_in_transformers, transformers_model
 from model.config import ModelConfig
-from test_hf import transformers_model
 
 # TINY's 2 layers x 32 wide and 2 heads, with 1 key/value head (multi-query) and SwiGLU 64; global batch 8.
 LLAMA = ["model.arch=llama", "model.n_kv_head=1", "model.ffn_hidden=64", "train.max_steps=6", "optim.warmup_steps=2",
