@@ -44,6 +44,8 @@ def test_special_token_ids_come_from_the_tokenizer():
         {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     gpt2 = hf.hf_config(LLAMA, {"tokenizer": "gpt2", "vocab_size": 50257})
     assert (gpt2["bos_token_id"], gpt2["eos_token_id"], gpt2["pad_token_id"]) == (50256, 50256, None)
+    recorded = hf.hf_config(LLAMA, {"tokenizer": "tokenizer.json", "eot_id": 128001, "bos_id": 128000})
+    assert (recorded["bos_token_id"], recorded["eos_token_id"]) == (128000, 128001)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama_gqa", "llama_mqa_tied"])

@@ -78,15 +78,18 @@ def from_hf(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 # Special tokens per tokenizer kind (meta.json's "tokenizer"): the character tokenizer has none, GPT-2's
-# BPE one end-of-text token that opens and closes documents. A meta.json may name its own ids instead.
+# BPE one end-of-text token that opens and closes documents. A meta.json that records its tokenizer's
+# end-of-text and begin-of-text ids ("eot_id", "bos_id") is taken at its word.
 SPECIAL_TOKENS = {"char": {}, "gpt2": {"bos_token_id": 50256, "eos_token_id": 50256}}
-SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def special_token_ids(meta: dict) -> dict:
-    ids = {key: None for key in SPECIAL_KEYS}
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     ids.update(SPECIAL_TOKENS.get(meta.get("tokenizer"), {}))
-    ids.update({key: meta[key] for key in SPECIAL_KEYS if key in meta})
+    if meta.get("eot_id") is not None:
+        ids["eos_token_id"] = ids["bos_token_id"] = meta["eot_id"]
+    if meta.get("bos_id") is not None:
+        ids["bos_token_id"] = meta["bos_id"]
     return ids
 
 
