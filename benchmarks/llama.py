@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=5)
     parser.add_argument("--out_dir", default=os.path.join("out", "llama_vs_gpt", time.strftime("%Y%m%d-%H%M%S")))
     parser.add_argument("overrides", nargs="*", help="run-config key=value for both models")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # key=value overrides after --options too
     results = quality(args) if args.what == "quality" else throughput(args)
     os.makedirs(os.path.join(REPO, args.out_dir), exist_ok=True)
     with open(os.path.join(REPO, args.out_dir, f"{args.what}.json"), "w") as f:
