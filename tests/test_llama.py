@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from conftest import run
-from model import build_model
+from model import BLOCK_CLASS, build_model, model_layers
 from model.config import ModelConfig
 from model.llama import Attention, apply_rope, rope_frequencies, rope_tables
 from test_model import assert_causal, count_on_meta, preset
+from training import memory_plan
 from training.metrics import flops_per_token
+from training.topology import stage_partition
 
 SMALL = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=16,
                     vocab_size=65)
@@ -129,3 +131,17 @@ def test_train_refuses_a_bad_shape_at_start(char_data, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: model.n_kv_head=3 does not divide model.n_head=4" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_parameter_balanced_stages_hold_blocks(tie):
+    specs = model_layers(dataclasses.replace(SMALL, n_layer=6, tie_embeddings=tie))
+    parts = stage_partition(specs, 3, "parameters", BLOCK_CLASS["llama"])
+    assert all(any(s.typename.__name__ == "LlamaBlock" for s in specs[a:b]) for a, b in zip(parts, parts[1:]))
+
+
+def test_memory_plan_counts_grouped_query_attention_and_swiglu():
+    plan = memory_plan.plan(SMALL, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}}, 1)
+    tokens, d, kv, ffn = 2 * 16, 32, 16, 64  # k and v: 2 heads x 8
+    assert plan["activations"] == 2 * tokens * (14 * d + 4 * kv + 8 * ffn) + 10 * tokens * 128
+    assert plan["states"] == 20 * count_on_meta(SMALL)
