@@ -39,7 +39,7 @@ def assert_export_matches_transformers(folder: str, tokens: int = 16) -> None:
     assert (got - expected).abs().max().item() <= 1e-5, (got - expected).abs().max().item()
 
 
-def transformers_model(cfg: ModelConfig, folder) -> torch.nn.Module:
+def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = None) -> torch.nn.Module:
     """What transformers itself builds for this shape (its own init, then randomized norms), saved."""
     import transformers
 
@@ -59,5 +59,5 @@ def transformers_model(cfg: ModelConfig, folder) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.normal_(1.0, 0.2)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model.eval()

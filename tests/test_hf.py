@@ -48,11 +48,13 @@ def test_special_token_ids_come_from_the_tokenizer():
     assert (recorded["bos_token_id"], recorded["eos_token_id"]) == (128000, 128001)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_gqa", "llama_mqa_tied"])
+@pytest.mark.parametrize("name,shards", [("gpt", None), ("llama_gqa", None), ("llama_mqa_tied", None),
+                                         ("llama_gqa", "30KB")], ids=["gpt", "llama_gqa", "llama_mqa_tied", "sharded"])
 @torch.no_grad()
-def test_import_from_transformers_gives_its_logits(tmp_path, name):
+def test_import_from_transformers_gives_its_logits(tmp_path, name, shards):
     cfg = CASES[name]
-    theirs = transformers_model(cfg, tmp_path)
+    theirs = transformers_model(cfg, tmp_path, shards)
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shards)
     hf.check_hf_folder(str(tmp_path), cfg)
     ours = build_model(cfg)
     hf.load_into(ours, str(tmp_path), cfg)

@@ -13,7 +13,6 @@ import os
 import torch
 from deepspeed.runtime.zero import GatheredParameters
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from model import build_model
 from model.config import ModelConfig
@@ -66,15 +65,15 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def from_hf(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The inverse of to_hf, the vocabulary padding restored as zero rows."""
-    state = {}
-    for ours, theirs, how in tensor_pairs(cfg):
-        tensor = hf[theirs]
-        if how == VOCAB:
-            padded = torch.zeros(cfg.padded_vocab_size, tensor.size(1), dtype=tensor.dtype)
-            padded[: tensor.size(0)] = tensor
-            tensor = padded
-        state[ours] = tensor.t() if how == TRANSPOSED else tensor
-    return {name: tensor.contiguous() for name, tensor in state.items()}
+    return {ours: _to_ours(hf[theirs], how, cfg) for ours, theirs, how in tensor_pairs(cfg)}
+
+
+def _to_ours(tensor: torch.Tensor, how: str, cfg: ModelConfig) -> torch.Tensor:
+    if how == VOCAB:
+        padded = torch.zeros(cfg.padded_vocab_size, tensor.size(1), dtype=tensor.dtype)
+        padded[: tensor.size(0)] = tensor
+        return padded
+    return (tensor.t() if how == TRANSPOSED else tensor).contiguous()
 
 
 # Special tokens per tokenizer kind (meta.json's "tokenizer"): the character tokenizer has none, GPT-2's
@@ -115,6 +114,19 @@ def hf_config(cfg: ModelConfig, meta: dict) -> dict:
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
 
 
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def weight_files(folder: str) -> dict[str, str]:
+    """Each tensor's safetensors file: one model.safetensors, or the shards its index names."""
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    with safe_open(os.path.join(folder, WEIGHTS), framework="pt") as f:
+        return {name: os.path.join(folder, WEIGHTS) for name in f.keys()}
+
+
 def _rope_theta(config: dict):
     return (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
 
@@ -122,11 +134,11 @@ def _rope_theta(config: dict):
 def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     """A Hugging Face checkpoint `train.init_from` can start this run from: same family, every tensor
     present with this run's shape (the first that is not is named), same norm and RoPE settings."""
-    config_path, weights_path = os.path.join(folder, "config.json"), os.path.join(folder, "model.safetensors")
-    for path in (config_path, weights_path):
-        if not os.path.isfile(path):
-            raise ConfigError(f"train.init_from={folder}: no {os.path.basename(path)} there (a Hugging Face checkpoint "
-                              f"saved with safetensors in one file, e.g. by save_pretrained or training.export)")
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path) or not any(os.path.isfile(os.path.join(folder, f)) for f in (WEIGHTS, INDEX)):
+        raise ConfigError(f"train.init_from={folder}: no config.json and {WEIGHTS} (or {INDEX} and its shards) "
+                          f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
+                          f"python -m training.export")
     with open(config_path) as f:
         config = json.load(f)
     family = MODEL_TYPES.get(config.get("model_type"))
@@ -135,8 +147,10 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
-    with safe_open(weights_path, framework="pt") as f:
-        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    found = {}
+    for name, path in weight_files(folder).items():
+        with safe_open(path, framework="pt") as f:
+            found[name] = tuple(f.get_slice(name).get_shape())
     for name, tensor in expected.items():
         if name not in found:
             raise ConfigError(f"train.init_from={folder}: tensor {name} is missing there; this run's model config "
@@ -155,11 +169,15 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
 
 
 def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig) -> None:
-    """Copy a checked Hugging Face checkpoint into a freshly built model, before deepspeed.initialize.
-    A pipeline stage holds, and so copies, only its own layers; under ZeRO-3 (built in zero.Init) each
-    partitioned parameter is gathered, written and re-partitioned (a no-op context otherwise)."""
-    state = from_hf(load_file(os.path.join(folder, "model.safetensors")), cfg)
+    """Copy a checked Hugging Face checkpoint into a freshly built model, before deepspeed.initialize, one
+    tensor at a time from the memory-mapped files. A pipeline stage holds, and so reads, only its own
+    layers; under ZeRO-3 (built in zero.Init) each partitioned parameter is gathered, written by rank 0 and
+    partitioned again (GatheredParameters is a no-op otherwise)."""
+    files, pairs = weight_files(folder), {ours: (theirs, how) for ours, theirs, how in tensor_pairs(cfg)}
     with torch.no_grad():
         for name, param in model.named_parameters():
+            theirs, how = pairs[name]
+            with safe_open(files[theirs], framework="pt") as f:
+                tensor = _to_ours(f.get_tensor(theirs), how, cfg)
             with GatheredParameters([param], modifier_rank=0):
-                param.copy_(state[name])
+                param.copy_(tensor)
