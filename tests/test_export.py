@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import TINY, run
 from hf_check import assert_export_matches_transformers
