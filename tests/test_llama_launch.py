@@ -1,5 +1,5 @@
-"""The Llama through the real launcher, fp32: pp=2 and ZeRO-1 at dp=2 give the ZeRO-0 losses and gradient
-norms; ZeRO-3 trains; runs start from a Hugging Face checkpoint (`train.init_from`) under ZeRO-3 and
+"""The Llama through the real launcher, fp32: pp=2 (the head tied to the embedding across the two stages) and
+ZeRO-1 at dp=2 give the ZeRO-0 losses and gradient norms; ZeRO-3 trains; runs start from a Hugging Face checkpoint (`train.init_from`) under ZeRO-3 and
 pipeline stages; their exports load in transformers with this repo's logits."""
 import sys
 
@@ -35,10 +35,11 @@ def hf_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, char_data, hf_folder):
+    tied = "model.tie_embeddings=true"  # the parity runs tie the head across stages; the imports do not
     layouts = {  # name: (ds_config, processes, overrides)
-        "zero0": ("zero0.json", 1, ["ds.train_micro_batch_size_per_gpu=8"]),
-        "zero1_dp2": ("zero1.json", 2, DP2),
-        "pp2": ("pipe2.json", 2, PP2),
+        "zero0": ("zero0.json", 1, ["ds.train_micro_batch_size_per_gpu=8", tied]),
+        "zero1_dp2": ("zero1.json", 2, [*DP2, tied]),
+        "pp2": ("pipe2.json", 2, [*PP2, tied]),
         # From transformers' weights; step 1 runs at learning rate 0 (warmup), so its checkpoint holds them.
         "zero3_init": ("zero3.json", 2, [*DP2, f"train.init_from={hf_folder}", "train.save_interval=1",
                                          "train.keep_checkpoints=10",
@@ -62,6 +63,8 @@ def losses_and_norms(out_dir):
 @pytest.mark.parametrize("layout", ["pp2", "zero1_dp2"])
 def test_layouts_match_zero0_step_for_step(runs, layout):
     losses, norms = losses_and_norms(runs[layout])
+    if layout == "pp2":
+        assert [m["tied_weights_in_sync"] for m in metrics(runs[layout]) if "tied_weights_in_sync" in m] == [True]
     reference_losses, reference_norms = losses_and_norms(runs["zero0"])
     assert len(losses) == len(reference_losses) == 6
     assert losses == pytest.approx(reference_losses, abs=1e-5)
