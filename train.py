@@ -25,7 +25,7 @@ from data.loader import TokenData
 from data.tokenizers import tokenizer_from_meta
 from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
-from training import checkpoint
+from training import checkpoint, hf
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
 from training.launcher_env import set_distributed_env
@@ -54,7 +54,10 @@ def main(argv=None) -> None:
         raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
                           "stages or set train.compile=false")
     layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), pipe.stages)
-    specs = model_layers(cfg.model)
+    try:
+        specs = model_layers(cfg.model)
+    except ValueError as e:  # a shape the architecture cannot take (model/ knows no ConfigError)
+        raise ConfigError(str(e)) from None
     parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
     dtype = check_precision(ds)
     ds.update(optimizer_and_schedule(cfg, ds))
@@ -64,6 +67,9 @@ def main(argv=None) -> None:
                                         layout_record, ds)
     if resume_dir:
         data.check_resume(checkpoint.read_run_state(resume_dir).get("data"), cfg.data.allow_changed)
+    init_from = None if resume_dir else cfg.train.init_from
+    if init_from:
+        hf.check_hf_folder(init_from, cfg.model)
 
     PHASE.now(f"joining the process group (world {layout.world_size})")
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
@@ -82,6 +88,9 @@ def main(argv=None) -> None:
     PHASE.now("building the model and the DeepSpeed engine")
 
     model = build(cfg, pipe, ds)
+    if init_from:
+        hf.load_into(model, init_from, cfg.model)
+        say(f"initialized from {init_from}")
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     keep_fp32_grad_norm(engine)

@@ -4,12 +4,13 @@ import torch.nn as nn
 from model.config import ModelConfig
 from model.encoder import encoder_layers
 from model.gpt import gpt_layers
+from model.llama import llama_layers
 from model.stack import LayerStack, pipeline_module
 
-LAYER_LISTS = {"gpt": gpt_layers, "encoder": encoder_layers}
+LAYER_LISTS = {"gpt": gpt_layers, "llama": llama_layers, "encoder": encoder_layers}
 # The layer class of each model's transformer blocks: every pipeline stage must hold one, and
 # activation checkpointing wraps only these (never the embedding: its input needs no grad).
-BLOCK_CLASS = {"gpt": "Block", "encoder": "CausalEncoderLayer"}
+BLOCK_CLASS = {"gpt": "Block", "llama": "LlamaBlock", "encoder": "CausalEncoderLayer"}
 
 
 def model_layers(cfg: ModelConfig) -> list:

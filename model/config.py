@@ -5,7 +5,7 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    arch: str = "gpt"  # "gpt" (model/gpt.py) or "encoder" (model/encoder.py)
+    arch: str = "gpt"  # "gpt" (model/gpt.py), "llama" (model/llama.py) or "encoder" (model/encoder.py)
     # Defaults are GPT-2 small (124M); presets in configs/ override them.
     n_layer: int = 12
     n_head: int = 12
@@ -16,10 +16,24 @@ class ModelConfig:
     # Embedding rows are padded up to a multiple of this: 50257 -> 50304 makes the head matmul
     # tile cleanly on tensor cores. Padded logits are never sampled and learn to stay low.
     vocab_multiple: int = 64
-    # Feed-forward width; null means 4 x n_embd (GPT-2). The encoder_1b preset sets 4096.
+    # Feed-forward width; null means 4 x n_embd (GPT-2), or Llama's rule for the 3-matrix SwiGLU MLP:
+    # 2/3 of 4 x n_embd rounded up to a multiple of ffn_multiple_of. The encoder_1b preset sets 4096.
     ffn_hidden: Optional[int] = None
+    ffn_multiple_of: int = 256
     dropout: float = 0.0
-    bias: bool = True  # GPT only; nn.TransformerEncoderLayer always has biases
+    bias: bool = True  # GPT only; nn.TransformerEncoderLayer always has biases, Llama never
+    # Llama only. Key/value heads for grouped-query attention (must divide n_head; 1 = multi-query);
+    # null = n_head (plain multi-head attention).
+    n_kv_head: Optional[int] = None
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0
+    # Llama-3.1 RoPE frequency scaling (null: none; Llama 3.1 uses factor 8, Llama 3.2 factor 32, with
+    # low/high frequency factors 1 and 4 over an original context of 8192).
+    rope_scale_factor: Optional[float] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    tie_embeddings: bool = False  # Llama's LM head shares the token embedding (the GPT always ties)
 
     def check(self, c) -> None:
         """Range checks (c: training.checks.Checks), run by load_run_config."""
@@ -34,7 +48,24 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        return self.ffn_hidden or 4 * self.n_embd
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.arch == "llama":  # SwiGLU has three matrices: 2/3 of 4d keeps the MLP's FLOPs
+            m = self.ffn_multiple_of
+            return (int(8 * self.n_embd / 3) + m - 1) // m * m
+        return 4 * self.n_embd
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.arch == "llama" else 2  # SwiGLU: gate, up, down
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
 
     @property
     def padded_vocab_size(self) -> int:

@@ -18,6 +18,22 @@ from model.config import ModelConfig
 INIT_STD = 0.02
 
 
+def init_weights(module: nn.Module, n_layer: int, residual: tuple) -> None:
+    """GPT-2 init, shared by the GPT and Llama blocks: matrices N(0, 0.02), the residual projections
+    (names ending in `residual`) scaled by 1/sqrt(2 x n_layer), one per residual add; biases zero; norm
+    weights keep their ones."""
+    # Under ZeRO-3's zero.Init each nn.Linear is partitioned as soon as its own constructor returns,
+    # so re-initializing it here needs the full tensors back (a no-op without ZeRO-3).
+    with GatheredParameters(list(module.parameters()), modifier_rank=0):
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(residual):
+                nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
+            elif p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=INIT_STD)
+
+
 class TokenEmbedding(nn.Module):
     """Token embedding; its weight doubles as the LM head. Kept alone in its module because
     TiedLayerSpec ties only `weight` across pipeline stages: anything else here would go stale."""
@@ -86,20 +102,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, mlp_hidden, dropout, bias)
-        self._gpt2_init(n_layer)
-
-    def _gpt2_init(self, n_layer: int) -> None:
-        # Under ZeRO-3's zero.Init each nn.Linear is partitioned as soon as its own constructor returns,
-        # so re-initializing it here needs the full tensors back (a no-op without ZeRO-3).
-        with GatheredParameters(list(self.parameters()), modifier_rank=0):
-            for name, p in self.named_parameters():
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-                elif name.endswith("proj.weight"):
-                    # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), one per residual add.
-                    nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
-                elif p.dim() == 2:
-                    nn.init.normal_(p, mean=0.0, std=INIT_STD)
+        init_weights(self, n_layer, residual=("attn.proj.weight", "mlp.proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FP32, REPO, TINY, free_port, launch, metrics, run
+from hf_check import assert_export_matches_transformers
 from training import checkpoint
 
 # Global batch 8 in every layout; 6 steps with a checkpoint at step 3.
@@ -230,41 +231,35 @@ def test_other_layout_without_universal_format_says_how_to_convert(straight, tmp
 
 # Export.
 
-GPT2_BLOCK = {"ln_1.weight": (32,), "ln_1.bias": (32,), "attn.c_attn.weight": (32, 96), "attn.c_attn.bias": (96,),
-              "attn.c_proj.weight": (32, 32), "attn.c_proj.bias": (32,), "ln_2.weight": (32,), "ln_2.bias": (32,),
-              "mlp.c_fc.weight": (32, 128), "mlp.c_fc.bias": (128,), "mlp.c_proj.weight": (128, 32),
-              "mlp.c_proj.bias": (32,)}
-
-
-def export(out_dir) -> dict:
+def export(out_dir) -> str:
     run([sys.executable, "-m", "training.export", "--out_dir", str(out_dir)])
-    return load_file(out_dir / "export" / "step_000006" / "model.safetensors")
+    return str(out_dir / "export" / "step_000006")
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, char_data, straight):
     """The same training (global batch 8, same data) under ZeRO-0, ZeRO-3 and 2 pipeline stages."""
-    tensors = {"pp2": export(straight["pp2"])}
+    folders = {"pp2": export(straight["pp2"])}
     for stage in (0, 3):
         out = tmp_path_factory.mktemp(f"export_zero{stage}")
         launch(2, f"zero{stage}.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=4",
                                                         "ds.zero_optimization.stage3_param_persistence_threshold=0"])
-        tensors[f"zero{stage}"] = export(out)
-    return tensors
+        folders[f"zero{stage}"] = export(out)
+    return folders
 
 
-def test_export_has_the_hugging_face_gpt2_layout(exports):
-    expected = {"transformer.wte.weight": (65, 32), "transformer.wpe.weight": (32, 32),
-                "transformer.ln_f.weight": (32,), "transformer.ln_f.bias": (32,),
-                **{f"transformer.h.{i}.{k}": v for i in range(2) for k, v in GPT2_BLOCK.items()}}
-    assert {k: tuple(v.shape) for k, v in exports["zero0"].items()} == expected
+@pytest.mark.parametrize("layout", ["zero0", "zero3", "pp2"])
+def test_exports_load_in_transformers_with_equal_logits(exports, layout):
+    """GPT2LMHeadModel loads the export as it is and computes this repo's logits (fp32, 1e-5)."""
+    assert_export_matches_transformers(exports[layout], tokens=32)
 
 
 @pytest.mark.parametrize("layout", ["zero3", "pp2"])
 def test_exports_match_the_zero0_export(exports, layout):
-    reference = exports["zero0"]
-    assert sorted(exports[layout]) == sorted(reference)
-    for name, tensor in exports[layout].items():
+    reference = load_file(f"{exports['zero0']}/model.safetensors")
+    tensors = load_file(f"{exports[layout]}/model.safetensors")
+    assert sorted(tensors) == sorted(reference)
+    for name, tensor in tensors.items():
         assert tensor.numel() > 0 and tensor.dtype == torch.float32, name
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-5, msg=name)
 

@@ -29,7 +29,8 @@ def test_all_advertised_ds_configs_are_shipped():
 def test_presets_load(path):
     cfg = load_run_config(path, [])
     assert cfg.model.n_embd % cfg.model.n_head == 0
-    assert cfg.data.tokenizer in ("char", "gpt2")
+    # tokenizer.json and bpe:SIZE: the Llama presets' datasets, prepared with the data work's tokenizers
+    assert cfg.data.tokenizer in ("char", "gpt2", "tokenizer.json") or cfg.data.tokenizer.startswith("bpe:")
 
 
 def test_overrides_reach_both_files():

@@ -9,9 +9,11 @@
 `latest` moves only after every rank has finished writing (a barrier) and the manifest is down, so a
 run killed at any moment of a save leaves the previous checkpoint resumable. Everything a resume would
 trip over (another architecture, a changed data-parallel layout, a missing shard, a truncated file, a tag
-that does not exist) is found here, before DeepSpeed loads anything, and nothing is overwritten.
+that does not exist, a file that pickles more than tensors and DeepSpeed's settings) is found here, before
+DeepSpeed loads anything, and nothing is overwritten.
 """
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -23,7 +25,11 @@ import sys
 import torch
 from deepspeed.checkpoint.constants import (PIPELINE_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
                                             UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
+from model.config import ModelConfig
 from training.config import ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -143,8 +149,36 @@ def read_run_state(tag_dir: str) -> dict:
         if os.path.getsize(path) != size:
             raise ConfigError(f"checkpoint file {path} is corrupt: {os.path.getsize(path):,} bytes, {size:,} when "
                               f"saved. Resume from another tag: {', '.join(complete_tags(os.path.dirname(tag_dir)))}")
+    check_pickles(tag_dir, manifest)
     with open(os.path.join(tag_dir, RUN_STATE)) as f:
         return json.load(f)
+
+
+# Besides tensors and plain containers, DeepSpeed pickles only these into its checkpoint files (ZeRO 0-3,
+# bf16 and fp32, pipeline layer files, universal ones), as torch.serialization.get_unsafe_globals_in_checkpoint
+# lists them. Anything else could run code when unpickled, so it is refused.
+SAFE_GLOBALS = [LossScaler, ZeroStageEnum, fragment_address]  # fp16/fp32 loss scaler, ZeRO stage, bf16 ZeRO map
+
+
+def check_pickles(tag_dir: str, manifest: dict) -> None:
+    """Refuse a checkpoint any of whose torch files pickles an object weights_only loading would not allow,
+    before anything (DeepSpeed's own loaders and converter included, which unpickle everything) reads it.
+    A static scan of each file's pickle, not of its tensors: it costs little."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        for name in manifest:
+            if name.endswith(".pt"):
+                path = os.path.join(tag_dir, name)
+                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                if unsafe:
+                    raise ConfigError(f"checkpoint file {path} pickles {', '.join(sorted(unsafe))}, which is not a "
+                                      f"tensor or a setting DeepSpeed saves: refused, since unpickling it could run "
+                                      f"code. Load only checkpoints you trust, from their own writer")
+
+
+def load_state_file(path: str):
+    """One torch file of a checkpoint, weights_only (tensors, containers and SAFE_GLOBALS only), on the CPU."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load(engine, tag_dir: str) -> int:
@@ -163,8 +197,9 @@ def load(engine, tag_dir: str) -> int:
 
 def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
     """The checkpoint must hold this architecture; without the universal format, also this layout."""
-    changed = {k: (saved["config"]["model"].get(k), v) for k, v in model_cfg.items()
-               if saved["config"]["model"].get(k) != v and k != "dropout"}
+    # A setting newer than the checkpoint reads as its default there (checkpoints from before Llama's).
+    was = {**dataclasses.asdict(ModelConfig()), **saved["config"]["model"]}
+    changed = {k: (was.get(k), v) for k, v in model_cfg.items() if was.get(k) != v and k != "dropout"}
     if changed:
         diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())
         raise ConfigError(f"the checkpoint holds a different model architecture ({diff}): resume with the "

@@ -87,6 +87,9 @@ class TrainConfig:
     # "auto": continue from the newest complete checkpoint in out_dir, or start fresh if there is none;
     # "none": start fresh (refused if out_dir holds checkpoints); or a tag / path to resume from.
     resume: str = "auto"
+    # A local Hugging Face checkpoint folder (config.json + model.safetensors, GPT-2 or Llama) whose weights
+    # start a fresh run (fine-tuning, continued pretraining); a run that resumes ignores it.
+    init_from: Optional[str] = None
     # Stop after this step, with a checkpoint, though the schedule spans max_steps (fit a job's time slot).
     stop_at_step: Optional[int] = None
     # How long a rank waits in a collective for the others before the job ends with an error. Long enough

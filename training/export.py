@@ -2,13 +2,13 @@
 
     python -m training.export --out_dir out/gpt2_124m [--tag step_005000] [--output DIR]
 
-Any checkpoint works: ZeRO 0-3, pipelined or not, or already universal. GPT weights are written with the
-tensor names and layout of Hugging Face's GPT2LMHeadModel (Conv1D weights transposed, the vocabulary
-padding cut off, the tied head left to `tie_word_embeddings`), so
-`GPT2LMHeadModel.from_pretrained(DIR)` loads them; encoder weights keep this repo's names. config.json
-also carries this repo's model settings and the tokenizer, for `sample.py --export DIR`.
+Any checkpoint works: ZeRO 0-3, pipelined or not, or already universal. GPT and Llama weights are written
+in Hugging Face's layout (training/hf.py), so `GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(DIR)`
+load them; encoder weights keep this repo's names. config.json also carries this repo's model settings
+and the tokenizer, for `sample.py --export DIR`.
 """
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -21,6 +21,7 @@ from model import build_model
 from model.config import ModelConfig
 from training import checkpoint
 from training.config import ConfigError
+from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
 from training.optim import decay_split
 
 
@@ -48,12 +49,12 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
         state = {}
         for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))):
             index = int(os.path.basename(path)[len("layer_"):].split("-")[0])
-            for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+            for name, tensor in checkpoint.load_state_file(path).items():
                 key = f"{index}.{name}" if f"{index}.{name}" in shapes else f"tied_modules.embed.{name}"
                 state.setdefault(key, tensor.float())
         return state
     # ZeRO-0: one file with the module (fp32, or bf16 with the fp32 masters kept by the optimizer).
-    saved = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    saved = checkpoint.load_state_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     masters = saved["optimizer"].get("fp32_groups") if isinstance(saved["optimizer"], dict) else None
     if masters is None:
         return {name: tensor.float() for name, tensor in saved["module"].items()}
@@ -65,71 +66,37 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
 def _from_universal(folder: str, shapes: dict) -> dict[str, torch.Tensor]:
     state = {}
     for name, shape in shapes.items():
-        saved = torch.load(os.path.join(folder, "zero", name, "fp32.pt"), map_location="cpu", weights_only=True)
+        saved = checkpoint.load_state_file(os.path.join(folder, "zero", name, "fp32.pt"))
         state[name] = (saved["param"] if isinstance(saved, dict) else saved).reshape(shape).float()
     return state
 
 
-# Hugging Face's GPT-2 stores its linear layers as Conv1D, weight (in, out): ours are transposed.
-HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HF_BLOCK_NAMES = {"ln_1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln_2": "ln_2",
-                  "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
-
-
-def to_hf_gpt2(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    if not cfg.bias:
-        raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model was trained with model.bias=false")
-    first_block, final_norm = 2, 2 + cfg.n_layer
-    hf = {"transformer.wte.weight": state["tied_modules.embed.weight"][: cfg.vocab_size],
-          "transformer.wpe.weight": state["1.weight"],
-          "transformer.ln_f.weight": state[f"{final_norm}.weight"], "transformer.ln_f.bias": state[f"{final_norm}.bias"]}
-    for i in range(cfg.n_layer):
-        for ours, theirs in HF_BLOCK_NAMES.items():
-            for kind in ("weight", "bias"):
-                tensor = state[f"{first_block + i}.{ours}.{kind}"]
-                name = f"transformer.h.{i}.{theirs}.{kind}"
-                hf[name] = tensor.t() if name.endswith(HF_TRANSPOSED) else tensor
-    return {name: tensor.contiguous() for name, tensor in hf.items()}
-
-
-def from_hf_gpt2(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of to_hf_gpt2, with the vocabulary padding restored as zero rows."""
-    wte = hf["transformer.wte.weight"]
-    padded = torch.zeros(cfg.padded_vocab_size, wte.size(1), dtype=wte.dtype)
-    padded[: wte.size(0)] = wte
-    first_block, final_norm = 2, 2 + cfg.n_layer
-    state = {"tied_modules.embed.weight": padded, "1.weight": hf["transformer.wpe.weight"],
-             f"{final_norm}.weight": hf["transformer.ln_f.weight"], f"{final_norm}.bias": hf["transformer.ln_f.bias"]}
-    for i in range(cfg.n_layer):
-        for ours, theirs in HF_BLOCK_NAMES.items():
-            for kind in ("weight", "bias"):
-                name = f"transformer.h.{i}.{theirs}.{kind}"
-                state[f"{first_block + i}.{ours}.{kind}"] = hf[name].t() if name.endswith(HF_TRANSPOSED) else hf[name]
-    return {name: tensor.contiguous() for name, tensor in state.items()}
-
-
-def hf_gpt2_config(cfg: ModelConfig) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head, "n_inner": cfg.mlp_hidden, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout, "initializer_range": 0.02, "tie_word_embeddings": True,
-            "torch_dtype": "float32"}
-
-
 def export(tag_dir: str, output: str) -> str:
     run_state = checkpoint.read_run_state(tag_dir)
-    cfg = model_config(run_state)
-    state = consolidated_state_dict(tag_dir)
-    with open(os.path.join(run_state["config"]["data"]["dir"], "meta.json")) as f:
-        tokenizer = json.load(f)
-    config = hf_gpt2_config(cfg) if cfg.arch == "gpt" else {}
-    config["megalite"] = {"model": run_state["config"]["model"], "tokenizer": tokenizer, "step": run_state["step"]}
+    data_dir = run_state["config"]["data"]["dir"]
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    return write_export(output, model_config(run_state), consolidated_state_dict(tag_dir), meta, run_state["step"],
+                        data_dir)
+
+
+# A tokenizer a dataset keeps beside its data in a Hugging Face or tiktoken file goes with the weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.tiktoken")
+
+
+def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: int, data_dir: str | None = None) -> str:
+    """model.safetensors (Hugging Face's layout where it has one) and config.json in `output`."""
+    in_hf_layout = cfg.arch in ARCHITECTURES
+    config = hf_config(cfg, meta) if in_hf_layout else {}
+    config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step}
     os.makedirs(output, exist_ok=True)
-    weights = to_hf_gpt2(state, cfg) if cfg.arch == "gpt" else state
+    weights = to_hf(state, cfg) if in_hf_layout else state
     save_file(weights, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+    for name in TOKENIZER_FILES:
+        if data_dir and os.path.isfile(os.path.join(data_dir, name)):
+            shutil.copyfile(os.path.join(data_dir, name), os.path.join(output, name))
     return output
 
 
@@ -139,7 +106,7 @@ def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
         config = json.load(f)
     cfg = ModelConfig(**config["megalite"]["model"])
     weights = load_file(os.path.join(folder, "model.safetensors"))
-    return cfg, from_hf_gpt2(weights, cfg) if cfg.arch == "gpt" else weights, config["megalite"]["tokenizer"]
+    return cfg, from_hf(weights, cfg) if cfg.arch in ARCHITECTURES else weights, config["megalite"]["tokenizer"]
 
 
 def main(argv=None) -> None:

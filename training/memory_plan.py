@@ -7,7 +7,8 @@ Model states follow DeepSpeed's accounting for 16-bit mixed precision with AdamW
 16-bit weights (2) and gradients (2), fp32 gradients (4), fp32 master weights (4), Adam moments (8).
 ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators. Activations use Megatron-LM's count
 (Korthikanti et al. 2022) with flash attention, so no sequence-squared term: per layer and token,
-18 x d_model + 4 x ffn bytes in 16-bit (2 x d_model when the layer is checkpointed), plus the logits
+18 x d_model + 4 x ffn bytes in 16-bit (Llama: less for grouped-query k and v, 8 x ffn for SwiGLU;
+2 x d_model when the layer is checkpointed), plus the logits
 (16-bit, their fp32 copy for the loss, and its gradient: 10 bytes per vocabulary entry and token).
 A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batches) micro-batches.
 Allocator fragmentation, communication buckets and the CUDA context (a few GB) come on top.
@@ -31,6 +32,14 @@ GB = 2**30
 def layer_params(cfg) -> list[int]:
     with torch.device("meta"):
         return [sum(p.numel() for p in spec.build().parameters()) for spec in model_layers(cfg)]
+
+
+def layer_activation_bytes(cfg) -> int:
+    """16-bit bytes a block keeps per token for its backward. Megatron's 18 d counts q, k and v at 2 d each:
+    grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its hidden input and
+    GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn)."""
+    kv = cfg.kv_heads * cfg.head_dim
+    return 14 * cfg.n_embd + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -73,7 +82,7 @@ def plan(cfg, ds: dict, gpus: int) -> dict:
         cpu = cpu if offload else 0
 
     tokens = layout.micro_batch * cfg.block_size
-    full_layer = tokens * (18 * cfg.n_embd + 4 * cfg.mlp_hidden)
+    full_layer = tokens * layer_activation_bytes(cfg)
     checkpointed = pipe.checkpoint_interval > 0
     per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
     blocks = max(sum(spec.typename.__name__ == BLOCK_CLASS[cfg.arch] for spec in specs[parts[s]: parts[s + 1]])

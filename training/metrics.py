@@ -10,12 +10,15 @@ from model.config import ModelConfig
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (PaLM appendix B): 6 x the weights used in matmuls (attention 4d^2 and
-    feed-forward 2 d ffn per layer, plus the vocabulary head) for forward and backward, plus
-    12 x n_layer x d x block_size for the attention score and value matmuls. Biases, norms and the
-    embedding lookup are left out. The same formula holds for the GPT and the encoder stack."""
+    """Training FLOPs per token (PaLM appendix B): 6 x the weights used in matmuls (per layer: the query
+    and output projections 2d^2, the key and value projections 2 d x kv_heads x head_dim, which grouped-
+    query attention shrinks, and the MLP's 2 or, for SwiGLU, 3 matrices of d x ffn; plus the vocabulary
+    head) for forward and backward, plus 12 x n_layer x d x block_size for the attention score and value
+    matmuls (every query head attends). Biases, norms, RoPE and the embedding lookup are left out. The
+    same formula holds for the GPT, Llama and the encoder stack."""
     d, layers = cfg.n_embd, cfg.n_layer
-    matmul_weights = layers * (4 * d * d + 2 * d * cfg.mlp_hidden) + cfg.padded_vocab_size * d
+    attention = 2 * d * d + 2 * d * cfg.kv_heads * cfg.head_dim
+    matmul_weights = layers * (attention + cfg.mlp_matrices * d * cfg.mlp_hidden) + cfg.padded_vocab_size * d
     return 6 * matmul_weights + 12 * layers * d * cfg.block_size
 
 

@@ -1,0 +1,119 @@
+"""The Llama beside the GPT, in one run: quality at the quickstart size, throughput and MFU at the baby size.
+
+    python benchmarks/llama.py quality        # both quickstart presets, 2000 steps each: val loss side by side
+    python benchmarks/llama.py throughput     # baby GPT and baby Llama engines in one process, bf16, ZeRO-0
+
+quality runs `train.py` with configs/quickstart.yaml and configs/llama_quickstart.yaml (same data, batch,
+schedule and steps; 817,920 and 820,352 parameters) one after the other and prints their final val losses.
+throughput builds both models in DeepSpeed engines (as train.py does) in one process and lets them take
+turns every --chunk steps on the same batches, so a slow spell of the machine hits both; MFU is model FLOP/s
+(training.metrics.flops_per_token, which counts grouped-query attention and the SwiGLU MLP) over a
+large matmul's peak measured in the same precision. The baby Llama: 6 layers, 6 heads, 2 key/value heads,
+384 wide, SwiGLU 1024 (Llama's rule), context 256.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTARTS = {"gpt": "configs/quickstart.yaml", "llama": "configs/llama_quickstart.yaml"}
+BABY_LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
+
+
+def quality(args) -> dict:
+    results = {}
+    for arch, config in QUICKSTARTS.items():
+        out_dir = os.path.join(args.out_dir, arch)
+        cmd = [sys.executable, "train.py", "--config", config, f"train.out_dir={out_dir}", "train.resume=none",
+               *args.overrides]
+        print(" ".join(cmd), flush=True)
+        start = time.perf_counter()
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(REPO, out_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        val = [r for r in records if "val_loss" in r][-1]
+        results[arch] = {"step": val["step"], "val_loss": val["val_loss"], "wall_s": time.perf_counter() - start}
+    from benchmarks.report import print_table
+    print_table(["model", "preset", "step", "val loss", "wall time"],
+                [[arch, QUICKSTARTS[arch], r["step"], f"{r['val_loss']:.4f}", f"{r['wall_s']:.0f} s"]
+                 for arch, r in results.items()])
+    return results
+
+
+def throughput(args) -> dict:
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from benchmarks.report import print_table
+    from data.loader import TokenData
+    from model import build_model
+    from training.config import load_ds_config, load_run_config
+    from training.failure import leave_process_group
+    from training.metrics import flops_per_token, measure_peak_flops
+    from training.optim import optimizer_and_schedule, param_groups
+    from training.steps import train_step
+    from training.topology import resolve_layout, set_single_process_env
+
+    set_single_process_env()
+    deepspeed.init_distributed()
+    device = torch.device(get_accelerator().device_name(0))
+    runners = {}
+    for arch, extra in (("gpt", []), ("llama", BABY_LLAMA)):
+        cfg = load_run_config(os.path.join(REPO, "configs/baby_gpt.yaml"), ["model.dropout=0", *extra, *args.overrides])
+        ds = load_ds_config(os.path.join(REPO, "ds_configs/zero0.json"), [])
+        data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
+        cfg.model.vocab_size = data.meta["vocab_size"]
+        ds.update(optimizer_and_schedule(cfg, ds))
+        model = build_model(cfg.model, cfg.train.seed)
+        engine, *_ = deepspeed.initialize(model=model, config=ds,
+                                          model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
+        runners[arch] = (cfg, engine, data, resolve_layout(ds, 1, 1), sum(p.numel() for p in model.parameters()))
+    seconds = {arch: 0.0 for arch in runners}
+    total = args.warmup + args.steps
+    for first in range(1, total + 1, args.chunk):
+        chunk = range(first, min(first + args.chunk, total + 1))
+        for arch, (cfg, engine, data, layout, _) in runners.items():
+            start = time.perf_counter()
+            for step in chunk:
+                train_step(engine, [data.train_batch(cfg.train.seed, step, m, 0, layout, device)
+                                    for m in range(layout.grad_accum)])
+            seconds[arch] += (time.perf_counter() - start) * sum(s > args.warmup for s in chunk) / len(chunk)
+    peak = measure_peak_flops(device, torch.bfloat16, 2048, seconds=1.0)
+    results = {}
+    for arch, (cfg, engine, data, layout, params) in runners.items():
+        tokens_per_s = layout.global_batch * cfg.model.block_size * args.steps / seconds[arch]
+        results[arch] = {"parameters": params, "tokens_per_s": tokens_per_s,
+                         "mfu": tokens_per_s * flops_per_token(cfg.model) / peak,
+                         "flops_per_token": flops_per_token(cfg.model)}
+    print_table(["model", "parameters", "FLOPs/token", "tokens/s", "MFU"],
+                [[arch, f"{r['parameters']:,}", f"{r['flops_per_token']:,}", f"{r['tokens_per_s']:,.0f}",
+                  f"{100 * r['mfu']:.1f}%"] for arch, r in results.items()])
+    ratio = results["llama"]["mfu"] / results["gpt"]["mfu"]
+    print(f"Llama MFU / GPT MFU: {ratio:.3f} (bf16 matmul peak {peak / 1e12:.3f} TFLOP/s)")
+    leave_process_group()
+    return {**results, "mfu_ratio": ratio, "peak_tflops": peak / 1e12}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["quality", "throughput"])
+    parser.add_argument("--steps", type=int, default=20, help="throughput: timed steps per model, after warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=5)
+    parser.add_argument("--out_dir", default=os.path.join("out", "llama_vs_gpt", time.strftime("%Y%m%d-%H%M%S")))
+    parser.add_argument("overrides", nargs="*", help="run-config key=value for both models")
+    args = parser.parse_intermixed_args()  # key=value overrides after --options too
+    results = quality(args) if args.what == "quality" else throughput(args)
+    os.makedirs(os.path.join(REPO, args.out_dir), exist_ok=True)
+    with open(os.path.join(REPO, args.out_dir, f"{args.what}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

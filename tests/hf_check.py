@@ -1,0 +1,63 @@
+"""What the tests ask of `transformers` (a test-only dependency): load a folder exactly as a user would and
+compare its logits with this repo's forward of the same weights; build and save models of its own."""
+import json
+import os
+
+import torch
+
+from model import build_model
+from model.config import ModelConfig
+from training.export import load_export
+
+CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM"}
+
+
+def load_in_transformers(folder: str):
+    import transformers
+
+    with open(os.path.join(folder, "config.json")) as f:
+        (architecture,) = json.load(f)["architectures"]
+    assert architecture in CLASSES, architecture
+    model, info = getattr(transformers, architecture).from_pretrained(folder, output_loading_info=True,
+                                                                       dtype=torch.float32)
+    # from_pretrained only warns about tensors it did not find or could not place: here each is a failure
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+@torch.no_grad()
+def assert_export_matches_transformers(folder: str, tokens: int = 16) -> None:
+    """An export's logits in transformers equal this repo's forward of the export (fp32, max diff <= 1e-5)."""
+    cfg, state, _ = load_export(folder)
+    ours = build_model(cfg)
+    ours.load_state_dict(state)
+    theirs = load_in_transformers(folder)
+    idx = torch.randint(0, cfg.vocab_size, (2, min(tokens, cfg.block_size)), generator=torch.Generator().manual_seed(0))
+    expected = ours.eval()(idx)[..., : cfg.vocab_size]
+    got = theirs(idx).logits
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-5, (got - expected).abs().max().item()
+
+
+def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = None) -> torch.nn.Module:
+    """What transformers itself builds for this shape (its own init, then randomized norms), saved."""
+    import transformers
+
+    torch.manual_seed(7)
+    if cfg.arch == "gpt":
+        config = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+                                         n_layer=cfg.n_layer, n_head=cfg.n_head)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+            max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return model.eval()

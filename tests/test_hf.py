@@ -1,0 +1,91 @@
+"""Hugging Face interop in one process, checked by `transformers` itself: this repo's GPT and Llama written in
+Hugging Face's layout load in GPT2LMHeadModel / LlamaForCausalLM with equal logits, and models that
+transformers builds (random weights, no download) load here with equal logits; bad folders are refused."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hf_check import assert_export_matches_transformers, transformers_model
+from model import build_model
+from model.config import ModelConfig
+from training import hf
+from training.config import ConfigError
+from training.export import write_export
+
+GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65)
+LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=32,
+                    vocab_size=65, rope_theta=500.0)
+CASES = {"gpt": GPT, "llama_gqa": LLAMA,
+         "llama_mqa_tied": dataclasses.replace(LLAMA, n_kv_head=1, tie_embeddings=True, norm_eps=1e-6),
+         "llama3.1_rope_scaling": dataclasses.replace(LLAMA, rope_scale_factor=8.0, rope_original_context=16)}
+CHAR_META = {"tokenizer": "char", "vocab_size": 65, "chars": [chr(32 + i) for i in range(65)]}
+
+
+def randomized(cfg: ModelConfig) -> dict:
+    """A model's weights, norms included, all random: a mapping that swaps two tensors cannot pass."""
+    model = build_model(cfg, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, name):
+    cfg = CASES[name]
+    write_export(str(tmp_path), cfg, randomized(cfg), CHAR_META, step=0)
+    assert_export_matches_transformers(str(tmp_path), tokens=32)
+
+
+def test_special_token_ids_come_from_the_tokenizer():
+    assert {k: v for k, v in hf.hf_config(GPT, CHAR_META).items() if k.endswith("token_id")} == \
+        {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    gpt2 = hf.hf_config(LLAMA, {"tokenizer": "gpt2", "vocab_size": 50257})
+    assert (gpt2["bos_token_id"], gpt2["eos_token_id"], gpt2["pad_token_id"]) == (50256, 50256, None)
+    recorded = hf.hf_config(LLAMA, {"tokenizer": "tokenizer.json", "eot_id": 128001, "bos_id": 128000})
+    assert (recorded["bos_token_id"], recorded["eos_token_id"]) == (128000, 128001)
+
+
+@pytest.mark.parametrize("name,shards", [("gpt", None), ("llama_gqa", None), ("llama_mqa_tied", None),
+                                         ("llama_gqa", "30KB")], ids=["gpt", "llama_gqa", "llama_mqa_tied", "sharded"])
+@torch.no_grad()
+def test_import_from_transformers_gives_its_logits(tmp_path, name, shards):
+    cfg = CASES[name]
+    theirs = transformers_model(cfg, tmp_path, shards)
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shards)
+    hf.check_hf_folder(str(tmp_path), cfg)
+    ours = build_model(cfg)
+    hf.load_into(ours, str(tmp_path), cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    difference = (ours.eval()(idx)[..., : cfg.vocab_size] - theirs(idx).logits).abs().max().item()
+    assert difference <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf_llama")
+    transformers_model(LLAMA, folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(arch="gpt"), "holds a 'llama' model, this run builds model.arch=gpt: set model.arch=llama"),
+    (dict(n_kv_head=4), "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 32] there, [32, 32] in this "
+                        "run's model config"),
+    (dict(ffn_hidden=96), "tensor model.layers.0.mlp.gate_proj.weight has shape [64, 32] there, [96, 32]"),
+    (dict(n_layer=3), "tensor model.layers.2.input_layernorm.weight is missing there"),
+    (dict(rope_theta=10000.0), "rope_theta is 500.0 there, 10000.0 in this run's model config"),
+])
+def test_mismatching_folder_is_refused_naming_the_first_difference(llama_folder, change, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        hf.check_hf_folder(llama_folder, dataclasses.replace(LLAMA, **change))
+
+
+def test_tied_run_from_untied_folder_names_the_head(llama_folder, tmp_path):
+    folder = tmp_path / "tied"
+    transformers_model(dataclasses.replace(LLAMA, tie_embeddings=True), folder)
+    with pytest.raises(ConfigError, match=r"tensor lm_head\.weight is missing there"):
+        hf.check_hf_folder(str(folder), LLAMA)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True

@@ -1,0 +1,183 @@
+"""This repo's weights and settings <-> Hugging Face's layout, both directions, for the GPT
+(`GPT2LMHeadModel`) and Llama (`LlamaForCausalLM`). Used by export.py, sample.py and `train.init_from`;
+`transformers` itself is never imported here (it is a test-only dependency: the tests load what this
+writes with it).
+
+One table per family pairs each of our tensor names with Hugging Face's and how it moves: as it is,
+transposed (GPT-2's Conv1D stores (in, out)), or cut to / padded from the real vocabulary (our embedding
+and head have `padded_vocab_size` rows; the padding is exported away and imported as zeros).
+"""
+import json
+import os
+
+import torch
+from deepspeed.runtime.zero import GatheredParameters
+from safetensors import safe_open
+
+from model import build_model
+from model.config import ModelConfig
+from training.config import ConfigError
+
+SAME, TRANSPOSED, VOCAB = "same", "transposed", "vocab"
+ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
+
+GPT2_BLOCK = [("ln_1.weight", "ln_1.weight", SAME), ("ln_1.bias", "ln_1.bias", SAME),
+              ("attn.qkv.weight", "attn.c_attn.weight", TRANSPOSED), ("attn.qkv.bias", "attn.c_attn.bias", SAME),
+              ("attn.proj.weight", "attn.c_proj.weight", TRANSPOSED), ("attn.proj.bias", "attn.c_proj.bias", SAME),
+              ("ln_2.weight", "ln_2.weight", SAME), ("ln_2.bias", "ln_2.bias", SAME),
+              ("mlp.fc.weight", "mlp.c_fc.weight", TRANSPOSED), ("mlp.fc.bias", "mlp.c_fc.bias", SAME),
+              ("mlp.proj.weight", "mlp.c_proj.weight", TRANSPOSED), ("mlp.proj.bias", "mlp.c_proj.bias", SAME)]
+LLAMA_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight", "self_attn.q_proj.weight"),
+               ("attn.k.weight", "self_attn.k_proj.weight"), ("attn.v.weight", "self_attn.v_proj.weight"),
+               ("attn.o.weight", "self_attn.o_proj.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"),
+               ("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up_proj.weight"),
+               ("mlp.down.weight", "mlp.down_proj.weight")]
+
+
+def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
+    """(our name, Hugging Face's name, how it moves) for every tensor of the model, in layer order."""
+    n = cfg.n_layer
+    if cfg.arch == "gpt":
+        if not cfg.bias:
+            raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model has model.bias=false")
+        return [("tied_modules.embed.weight", "transformer.wte.weight", VOCAB),
+                ("1.weight", "transformer.wpe.weight", SAME),
+                *[(f"{2 + i}.{ours}", f"transformer.h.{i}.{theirs}", how) for i in range(n)
+                  for ours, theirs, how in GPT2_BLOCK],
+                (f"{2 + n}.weight", "transformer.ln_f.weight", SAME), (f"{2 + n}.bias", "transformer.ln_f.bias", SAME)]
+    if cfg.arch == "llama":
+        embed = "tied_modules.embed.weight" if cfg.tie_embeddings else "0.weight"
+        head = [] if cfg.tie_embeddings else [(f"{2 + n}.weight", "lm_head.weight", VOCAB)]
+        return [(embed, "model.embed_tokens.weight", VOCAB),
+                *[(f"{1 + i}.{ours}", f"model.layers.{i}.{theirs}", SAME) for i in range(n) for ours, theirs in LLAMA_BLOCK],
+                (f"{1 + n}.weight", "model.norm.weight", SAME), *head]
+    raise ConfigError(f"model.arch={cfg.arch!r} has no Hugging Face layout (the GPT and Llama have one)")
+
+
+def to_hf(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, theirs, how in tensor_pairs(cfg):
+        tensor = state[ours]
+        out[theirs] = tensor.t() if how == TRANSPOSED else tensor[: cfg.vocab_size] if how == VOCAB else tensor
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def from_hf(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of to_hf, the vocabulary padding restored as zero rows."""
+    return {ours: _to_ours(hf[theirs], how, cfg) for ours, theirs, how in tensor_pairs(cfg)}
+
+
+def _to_ours(tensor: torch.Tensor, how: str, cfg: ModelConfig) -> torch.Tensor:
+    if how == VOCAB:
+        padded = torch.zeros(cfg.padded_vocab_size, tensor.size(1), dtype=tensor.dtype)
+        padded[: tensor.size(0)] = tensor
+        return padded
+    return (tensor.t() if how == TRANSPOSED else tensor).contiguous()
+
+
+# Special tokens per tokenizer kind (meta.json's "tokenizer"): the character tokenizer has none, GPT-2's
+# BPE one end-of-text token that opens and closes documents. A meta.json that records its tokenizer's
+# end-of-text and begin-of-text ids ("eot_id", "bos_id") is taken at its word.
+SPECIAL_TOKENS = {"char": {}, "gpt2": {"bos_token_id": 50256, "eos_token_id": 50256}}
+
+
+def special_token_ids(meta: dict) -> dict:
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    ids.update(SPECIAL_TOKENS.get(meta.get("tokenizer"), {}))
+    if meta.get("eot_id") is not None:
+        ids["eos_token_id"] = ids["bos_token_id"] = meta["eot_id"]
+    if meta.get("bos_id") is not None:
+        ids["bos_token_id"] = meta["bos_id"]
+    return ids
+
+
+def hf_config(cfg: ModelConfig, meta: dict) -> dict:
+    """config.json for transformers, special token ids from the dataset's tokenizer meta."""
+    common = {"architectures": [ARCHITECTURES[cfg.arch]], "vocab_size": cfg.vocab_size, "initializer_range": 0.02,
+              "tie_word_embeddings": cfg.arch == "gpt" or cfg.tie_embeddings, "dtype": "float32",
+              **special_token_ids(meta)}
+    if cfg.arch == "gpt":
+        return {**common, "model_type": "gpt2", "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
+                "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.mlp_hidden,
+                "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout,
+                "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scale_factor is not None:
+        rope.update(rope_type="llama3", factor=cfg.rope_scale_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_context)
+    return {**common, "model_type": "llama", "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_hidden,
+            "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "max_position_embeddings": cfg.block_size,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
+
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def weight_files(folder: str) -> dict[str, str]:
+    """Each tensor's safetensors file: one model.safetensors, or the shards its index names."""
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
+    with safe_open(os.path.join(folder, WEIGHTS), framework="pt") as f:
+        return {name: os.path.join(folder, WEIGHTS) for name in f.keys()}
+
+
+def _rope_theta(config: dict):
+    return (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+
+
+def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
+    """A Hugging Face checkpoint `train.init_from` can start this run from: same family, every tensor
+    present with this run's shape (the first that is not is named), same norm and RoPE settings."""
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path) or not any(os.path.isfile(os.path.join(folder, f)) for f in (WEIGHTS, INDEX)):
+        raise ConfigError(f"train.init_from={folder}: no config.json and {WEIGHTS} (or {INDEX} and its shards) "
+                          f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
+                          f"python -m training.export")
+    with open(config_path) as f:
+        config = json.load(f)
+    family = MODEL_TYPES.get(config.get("model_type"))
+    if family != cfg.arch:
+        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
+                          f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
+    with torch.device("meta"):  # the run's own tensors, shapes only
+        expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
+    found = {}
+    for name, path in weight_files(folder).items():
+        with safe_open(path, framework="pt") as f:
+            found[name] = tuple(f.get_slice(name).get_shape())
+    for name, tensor in expected.items():
+        if name not in found:
+            raise ConfigError(f"train.init_from={folder}: tensor {name} is missing there; this run's model config "
+                              f"(model.*) needs it: match the folder's config.json")
+        if found[name] != tuple(tensor.shape):
+            raise ConfigError(f"train.init_from={folder}: tensor {name} has shape {list(found[name])} there, "
+                              f"{list(tensor.shape)} in this run's model config: match model.* to the folder's "
+                              f"config.json")
+    ours = hf_config(cfg, {})
+    for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", _rope_theta(config))):
+        if key in ours and value is not None and float(value) != float(ours[key]):
+            raise ConfigError(f"train.init_from={folder}: {key} is {value} there, {ours[key]} in this run's model "
+                              f"config: set model.{'norm_eps' if key == 'rms_norm_eps' else key}={value}")
+
+
+
+
+def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig) -> None:
+    """Copy a checked Hugging Face checkpoint into a freshly built model, before deepspeed.initialize, one
+    tensor at a time from the memory-mapped files. A pipeline stage holds, and so reads, only its own
+    layers; under ZeRO-3 (built in zero.Init) each partitioned parameter is gathered, written by rank 0 and
+    partitioned again (GatheredParameters is a no-op otherwise)."""
+    files, pairs = weight_files(folder), {ours: (theirs, how) for ours, theirs, how in tensor_pairs(cfg)}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            theirs, how = pairs[name]
+            with safe_open(files[theirs], framework="pt") as f:
+                tensor = _to_ours(f.get_tensor(theirs), how, cfg)
+            with GatheredParameters([param], modifier_rank=0):
+                param.copy_(tensor)
