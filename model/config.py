@@ -37,14 +37,25 @@ class ModelConfig:
 
     def check(self, c) -> None:
         """Range checks (c: training.checks.Checks), run by load_run_config."""
-        c.one_of("arch", ("gpt", "encoder"))
-        for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden"):
+        c.one_of("arch", ("gpt", "llama", "encoder"))
+        for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden",
+                    "ffn_multiple_of", "n_kv_head", "rope_original_context"):
             c.at_least(key, 1)
         c.that(self.n_embd % self.n_head == 0, "n_embd", f"be divisible by model.n_head={self.n_head}",
                f"make model.n_embd a multiple of {self.n_head}")
         c.that(self.arch != "encoder" or self.n_embd % 2 == 0, "n_embd", "be even for the encoder (its sinusoidal "
                "positions pair sines with cosines)", "make model.n_embd an even multiple of model.n_head")
         c.in_range("dropout", 0.0, 1.0, high_open=True)
+        c.that(self.n_kv_head is None or self.n_head % self.n_kv_head == 0, "n_kv_head",
+               f"divide model.n_head={self.n_head}: each key/value head serves a whole group of query heads",
+               f"choose a divisor of {self.n_head}")
+        c.that(self.arch != "llama" or self.head_dim % 2 == 0, "n_embd", f"give an even head size n_embd / n_head "
+               f"(now {self.head_dim}): rotary embeddings rotate pairs of dimensions",
+               "choose model.n_embd and model.n_head with an even quotient")
+        for key in ("norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor"):
+            c.above(key, 0)
+        c.that(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
+               f"be above model.rope_low_freq_factor={self.rope_low_freq_factor}", "raise it (Llama 3.1: 4 and 1)")
 
     @property
     def mlp_hidden(self) -> int:

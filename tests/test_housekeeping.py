@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from training import checkpoint
 from training.config import ConfigError
@@ -17,8 +18,7 @@ def fake_checkpoint(root, step: int, complete: bool = True, layout=None, suffix:
     tag = checkpoint.tag_for(step) + suffix
     tag_dir = os.path.join(root, tag)
     os.makedirs(tag_dir)
-    with open(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), "wb") as f:
-        f.write(b"x" * 100)
+    torch.save({"module": {"weight": torch.zeros(4)}}, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if complete:
         layout = layout or {"world": 2, "dp": 2, "pp": 1, "zero_stage": 1}
         checkpoint.mark_complete(tag_dir, {"tag": tag, "step": step, "config": {"model": MODEL}, "layout": layout})

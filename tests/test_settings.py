@@ -15,7 +15,7 @@ ENCODER = os.path.join(REPO, "configs", "encoder_tiny.yaml")
 
 # (overrides, the message's start). Each row changes one thing from the quickstart preset.
 BAD_SETTINGS = [
-    (["model.arch=bert"], "model.arch='bert': must be one of gpt, encoder; fix: set model.arch to one of them"),
+    (["model.arch=bert"], "model.arch='bert': must be one of gpt, llama, encoder; fix: set model.arch to one of them"),
     (["model.n_layer=0"], "model.n_layer=0: must be >= 1; fix: set model.n_layer to 1 or more"),
     (["model.n_head=0"], "model.n_head=0: must be >= 1"),
     (["model.n_embd=-8"], "model.n_embd=-8: must be >= 1"),
@@ -27,6 +27,18 @@ BAD_SETTINGS = [
                            "of 4"),
     (["model.dropout=1.0"], "model.dropout=1.0: must be in [0.0, 1.0); fix: set model.dropout between 0.0 and 1.0"),
     (["model.dropout=-0.1"], "model.dropout=-0.1: must be in [0.0, 1.0)"),
+    (["model.ffn_multiple_of=0"], "model.ffn_multiple_of=0: must be >= 1"),
+    (["model.n_kv_head=0"], "model.n_kv_head=0: must be >= 1"),
+    (["model.n_kv_head=3"], "model.n_kv_head=3: must divide model.n_head=4: each key/value head serves a whole "
+                            "group of query heads; fix: choose a divisor of 4"),
+    (["model.arch=llama", "model.n_head=128"], "model.n_embd=128: must give an even head size n_embd / n_head "
+                                               "(now 1): rotary embeddings rotate pairs of dimensions"),
+    (["model.norm_eps=0"], "model.norm_eps=0.0: must be > 0"),
+    (["model.rope_theta=-1"], "model.rope_theta=-1.0: must be > 0"),
+    (["model.rope_scale_factor=0"], "model.rope_scale_factor=0.0: must be > 0"),
+    (["model.rope_low_freq_factor=0"], "model.rope_low_freq_factor=0.0: must be > 0"),
+    (["model.rope_high_freq_factor=0.5"], "model.rope_high_freq_factor=0.5: must be above model.rope_low_freq_factor"),
+    (["model.rope_original_context=0"], "model.rope_original_context=0: must be >= 1"),
     (["data.dir=''"], "data.dir='': must not be empty; fix: set data.dir"),
     (["data.dir=" + os.path.join(REPO, "README.md")], "data.dir='" + os.path.join(REPO, "README.md") + "': must be "
                                                       "a directory, but it is a file; fix: point data.dir at a directory"),
@@ -55,6 +67,8 @@ BAD_SETTINGS = [
     (["train.stop_at_step=3000"], "train.stop_at_step=3000: must be <= train.max_steps=2000; fix: lower "
                                   "train.stop_at_step or raise train.max_steps"),
     (["train.dist_timeout_s=0"], "train.dist_timeout_s=0: must be >= 1"),
+    (["train.init_from=/nonexistent"], "train.init_from='/nonexistent': must be a folder holding a Hugging Face "
+                                       "checkpoint"),
     (["sample.prompt=''"], "sample.prompt='': must not be empty"),
     (["sample.max_new_tokens=-1"], "sample.max_new_tokens=-1: must be >= 0"),
     (["sample.temperature=-0.5"], "sample.temperature=-0.5: must be >= 0 (0 takes the most likely token)"),
@@ -77,7 +91,7 @@ def test_the_table_covers_every_setting():
     from dataclasses import fields
 
     from training.config import RunConfig
-    no_range = {"model.bias", "train.compile", "data.allow_changed"}  # booleans: the type is the whole check
+    no_range = {"model.bias", "model.tie_embeddings", "train.compile", "data.allow_changed"}  # booleans: the type is the whole check
     no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
     tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
     settings = {f"{section.name}.{f.name}" for section in fields(RunConfig) for f in fields(section.type)}

@@ -168,7 +168,11 @@ def check_pickles(tag_dir: str, manifest: dict) -> None:
         for name in manifest:
             if name.endswith(".pt"):
                 path = os.path.join(tag_dir, name)
-                unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                try:
+                    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                except Exception as e:  # noqa: BLE001 (torch raises ValueError, RuntimeError, EOFError, ...)
+                    raise ConfigError(f"checkpoint file {path} is corrupt: it is not a torch file ({e}). Resume from "
+                                      f"another tag: {', '.join(complete_tags(os.path.dirname(tag_dir)))}") from None
                 if unsafe:
                     raise ConfigError(f"checkpoint file {path} pickles {', '.join(sorted(unsafe))}, which is not a "
                                       f"tensor or a setting DeepSpeed saves: refused, since unpickling it could run "

@@ -109,6 +109,9 @@ class TrainConfig:
         c.at_least("save_interval", 0, "0 saves only at the end")
         c.at_least("keep_checkpoints", 1)
         c.not_empty("resume")
+        c.that(self.init_from is None or os.path.isdir(self.init_from), "init_from", "be a folder holding a Hugging "
+               "Face checkpoint (config.json and model.safetensors)", "point it at one, e.g. written by "
+               "save_pretrained or python -m training.export")
         c.at_least("stop_at_step", 1)
         c.that(self.stop_at_step is None or self.stop_at_step <= self.max_steps, "stop_at_step",
                f"be <= train.max_steps={self.max_steps}", "lower train.stop_at_step or raise train.max_steps")
