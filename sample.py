@@ -11,25 +11,27 @@ import sys
 
 import torch
 
-from data.tokenizers import tokenizer_from_meta
+from data.tokenizers import TokenizerError, tokenizer_from_meta
 from model import build_model
 from model.generate import generate
 from training import checkpoint
 from training.config import ConfigError
-from training.export import consolidated_state_dict, load_export, model_config
+from training.export import consolidated_state_dict, load_export, model_config, tokenizer_dir
 
 
 def load(args) -> tuple:
-    """(model config, state dict, tokenizer meta) from an export or a run's checkpoint."""
+    """(model config, state dict, tokenizer) from an export or a run's checkpoint."""
     if args.export:
-        return load_export(args.export)
+        cfg, state, meta = load_export(args.export)
+        return cfg, state, tokenizer_from_meta(meta, args.export)
     tag_dir = checkpoint.find_resume(args.out_dir, args.tag or "auto")
     if tag_dir is None:
         raise ConfigError(f"no complete checkpoint in {checkpoint.checkpoint_root(args.out_dir)}")
     run_state = checkpoint.read_run_state(tag_dir)
-    with open(os.path.join(run_state["config"]["data"]["dir"], "meta.json")) as f:
+    data_dir = tokenizer_dir(run_state)
+    with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
-    return model_config(run_state), consolidated_state_dict(tag_dir), meta
+    return model_config(run_state), consolidated_state_dict(tag_dir), tokenizer_from_meta(meta, data_dir)
 
 
 def main(argv=None) -> None:
@@ -47,14 +49,16 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
-        cfg, state, meta = load(args)
-    except ConfigError as e:
+        cfg, state, tokenizer = load(args)
+        prompt_ids = tokenizer.encode(args.prompt)
+    except (ConfigError, TokenizerError) as e:
         raise SystemExit(f"error: {e}") from None
+    except ValueError as e:  # a prompt character outside a char tokenizer's vocabulary
+        raise SystemExit(f"error: --prompt {args.prompt!r}: {e}; use characters of the training text") from None
     model = build_model(cfg)
     model.load_state_dict(state)
     model.to(args.device).eval()
-    tokenizer = tokenizer_from_meta(meta)
-    prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=args.device)
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)
     generator = torch.Generator().manual_seed(args.seed)
     for i in range(args.num_samples):
         out = generate(model, prompt, args.max_new_tokens, cfg.block_size, cfg.vocab_size, args.temperature,

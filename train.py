@@ -22,7 +22,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from omegaconf import OmegaConf
 
 from data.loader import TokenData
-from data.tokenizers import tokenizer_from_meta
 from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
 from training import checkpoint, hf
@@ -46,7 +45,8 @@ def main(argv=None) -> None:
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
-    prompt_ids = encode_prompt(cfg.sample.prompt, data.meta)  # used at the end, checked now
+    tokenizer = data.tokenizer()
+    prompt_ids = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
     n_params = count_parameters(cfg)  # builds the model on the meta device: a bad architecture stops here
     launcher = set_distributed_env()  # deepspeed, torchrun, mpiexec, srun or none: RANK, WORLD_SIZE, ...
     pipe = pipeline_settings(ds)
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
     PHASE.now("sampling")
     forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size) \
         if pipelined else engine
-    say(f"--- sample ---\n{sample(engine, forward, cfg, data, prompt_ids, device)}\n--------------")
+    say(f"--- sample ---\n{sample(engine, forward, cfg, tokenizer, prompt_ids, device)}\n--------------")
     leave_process_group()
 
 
@@ -200,18 +200,17 @@ def count_parameters(cfg: RunConfig) -> int:
                           f"the model settings named there") from None
 
 
-def encode_prompt(prompt: str, meta: dict) -> list[int]:
+def encode_prompt(prompt: str, tokenizer) -> list[int]:
     try:
-        return tokenizer_from_meta(meta).encode(prompt)
+        return tokenizer.encode(prompt)
     except ValueError as e:
-        raise ConfigError(f"sample.prompt={prompt!r} does not encode with the dataset's {meta['tokenizer']} "
+        raise ConfigError(f"sample.prompt={prompt!r} does not encode with the dataset's {tokenizer.name} "
                           f"tokenizer: {e}; fix: use characters of the training text in sample.prompt") from None
 
 
 @torch.no_grad()
-def sample(engine, forward, cfg: RunConfig, data: TokenData, prompt_ids: list[int], device) -> str:
+def sample(engine, forward, cfg: RunConfig, tokenizer, prompt_ids: list[int], device) -> str:
     """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part."""
-    tokenizer = tokenizer_from_meta(data.meta, data.datasets[0].dir)
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generator = torch.Generator().manual_seed(cfg.sample.seed)
     engine.eval()

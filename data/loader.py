@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from data.sampler import Blend, Epochs
+from data.tokenizers import TokenizerError, tokenizer_from_meta
 from training.config import ConfigError
 
 EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val losses compare
@@ -106,6 +107,13 @@ class TokenData:
         self.epochs = [Epochs(d.splits["train"], block_size, i) for i, d in enumerate(self.datasets)]
         names = [os.path.basename(os.path.normpath(d.dir)) for d in self.datasets]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+
+    def tokenizer(self):
+        """The tokenizer every source was prepared with (their fingerprints agree), read from the first."""
+        try:
+            return tokenizer_from_meta(self.meta, self.datasets[0].dir)
+        except TokenizerError as e:
+            raise ConfigError(str(e)) from None
 
     def check_vocab(self, vocab_size: int) -> None:
         top = max(d.meta["max_token_id"] for d in self.datasets)

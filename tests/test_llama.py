@@ -129,7 +129,7 @@ def test_train_refuses_a_bad_shape_at_start(char_data, tmp_path):
     proc = run([sys.executable, "train.py", "--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}",
                 f"train.out_dir={tmp_path}", "model.n_kv_head=3"], check=False, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "error: model.n_kv_head=3 does not divide model.n_head=4" in proc.stderr
+    assert "error: model.n_kv_head=3: must divide model.n_head=4" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, run
+from data.tokenizers import CharTokenizer
 from training.config import ConfigError, load_ds_config, load_run_config, parse_args
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
@@ -130,11 +131,11 @@ def test_config_files_may_come_anywhere_among_the_overrides():
 
 def test_prompt_outside_the_vocabulary_is_refused_at_start():
     import train
-    meta = {"tokenizer": "char", "chars": list("\n abc")}
-    assert train.encode_prompt("ab c", meta) == [2, 3, 1, 4]
+    tokenizer = CharTokenizer(list("\n abc"))
+    assert train.encode_prompt("ab c", tokenizer) == [2, 3, 1, 4]
     with pytest.raises(ConfigError, match=r"sample.prompt='abé' does not encode with the dataset's char tokenizer: "
                                           r"character 'é' is not in this dataset's vocabulary; fix: use characters"):
-        train.encode_prompt("abé", meta)
+        train.encode_prompt("abé", tokenizer)
 
 
 def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):

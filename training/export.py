@@ -71,9 +71,16 @@ def _from_universal(folder: str, shapes: dict) -> dict[str, torch.Tensor]:
     return state
 
 
+def tokenizer_dir(run_state: dict) -> str:
+    """The prepared dataset whose meta.json and tokenizer files a checkpoint's run used: the first source of a
+    blend (every source shares one tokenizer), else data.dir."""
+    data = run_state["config"]["data"]
+    return data["sources"][0]["dir"] if data.get("sources") else data["dir"]
+
+
 def export(tag_dir: str, output: str) -> str:
     run_state = checkpoint.read_run_state(tag_dir)
-    data_dir = run_state["config"]["data"]["dir"]
+    data_dir = tokenizer_dir(run_state)
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
     return write_export(output, model_config(run_state), consolidated_state_dict(tag_dir), meta, run_state["step"],
