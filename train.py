@@ -28,7 +28,8 @@ from training import checkpoint, hf
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
 from training.launcher_env import set_distributed_env
-from training.metrics import MetricsLog, Throughput, flops_per_token, measure_peak_flops, peak_memory_gb
+from training.device import compute_dtype, peak_flops, peak_memory_gb
+from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks, tied_weights_in_sync,
                             train_step)
@@ -49,6 +50,14 @@ def main(argv=None) -> None:
     prompt_ids = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
     n_params = count_parameters(cfg)  # builds the model on the meta device: a bad architecture stops here
     launcher = set_distributed_env()  # deepspeed, torchrun, mpiexec, srun or none: RANK, WORLD_SIZE, ...
+    # The device before anything touches it (NCCL binds a process group to the current device), then the
+    # precision it computes in.
+    device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
+    get_accelerator().set_device(device.index or 0)
+    dtype, precision_note = compute_dtype(ds, device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")  # TF32 or full fp32 matmuls
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     pipe = pipeline_settings(ds)
     if cfg.train.compile and pipe.stages > 1:
         raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
@@ -59,7 +68,6 @@ def main(argv=None) -> None:
     except ValueError as e:  # a shape the architecture cannot take (model/ knows no ConfigError)
         raise ConfigError(str(e)) from None
     parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
-    dtype = check_precision(ds)
     ds.update(optimizer_and_schedule(cfg, ds))
     layout_record = {"world": layout.world_size, "dp": layout.dp, "pp": layout.pipeline_stages,
                      "zero_stage": ds.get("zero_optimization", {}).get("stage", 0)}
@@ -75,8 +83,6 @@ def main(argv=None) -> None:
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
     rank = torch.distributed.get_rank()
     say = functools.partial(print, flush=True) if rank == 0 else lambda *_: None
-    device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
-    get_accelerator().set_device(device.index or 0)
     hostnames = [None] * layout.world_size
     torch.distributed.all_gather_object(hostnames, socket.gethostname())
     os.makedirs(cfg.train.out_dir, exist_ok=True)
@@ -114,11 +120,13 @@ def main(argv=None) -> None:
     if rank == 0 and ds.get("wandb", {}).get("enabled"):
         import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": ds})
-    peak_flops = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else measure_peak_flops(device, dtype)
+    peak, peak_source = peak_flops(device, dtype, cfg.train.peak_tflops, tf32=cfg.train.tf32)
     tokens_per_step = layout.global_batch * cfg.model.block_size
-    meter = Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak_flops)
-    say(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; "
-        f"peak {peak_flops / 1e12:.2f} TFLOP/s per device ({dtype})")
+    meter = Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak)
+    say(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; {dtype}; "
+        f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
+    if precision_note:
+        say(precision_note)
 
     def evaluate(step: int) -> None:
         windows = cfg.train.eval_windows
@@ -218,25 +226,6 @@ def sample(engine, forward, cfg: RunConfig, tokenizer, prompt_ids: list[int], de
                    cfg.sample.temperature, cfg.sample.top_k, generator)
     engine.train()
     return tokenizer.decode(out[0].tolist())
-
-
-def check_precision(ds: dict) -> torch.dtype:
-    """The compute dtype the ds_config asks for, if this machine has it."""
-    bf16 = ds.get("bf16", {}).get("enabled", False)
-    fp16 = ds.get("fp16", {}).get("enabled", False)
-    accelerator = get_accelerator()
-    if fp16 and not accelerator.is_fp16_supported():
-        raise ConfigError(f"fp16 is not supported on {accelerator.device_name()}: use a bf16 ds_config "
-                          f"(e.g. ds_configs/zero2.json) or set ds.fp16.enabled=false")
-    if bf16 and not accelerator.is_bf16_supported():
-        raise ConfigError(f"bf16 is not supported on this {accelerator.device_name()} device: use "
-                          f"ds_configs/zero2_fp16.json or set ds.bf16.enabled=false")
-    if bf16 and fp16:
-        raise ConfigError("the ds_config enables both bf16 and fp16: enable one")
-    if accelerator.device_name() == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
-    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
 
 
 def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:

@@ -139,6 +139,7 @@ def worker(args) -> None:
     import train
     from data.loader import TokenData
     from training.config import load_ds_config, load_run_config, split_overrides
+    from training.device import compute_dtype
     from training.failure import leave_process_group
     from training.optim import optimizer_and_schedule, param_groups
     from training.steps import lm_loss
@@ -157,6 +158,7 @@ def worker(args) -> None:
     rank = torch.distributed.get_rank()
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
+    compute_dtype(ds, device)  # bf16 "auto" resolved for this device, as train.py does
     probe = MemoryProbe(device)
     engine_runtime(ds, device)
     torch.distributed.barrier()

@@ -29,7 +29,8 @@ from data.loader import TokenData  # noqa: E402
 from model import build_model  # noqa: E402
 from training.config import load_ds_config, load_run_config, split_overrides  # noqa: E402
 from training.failure import leave_process_group  # noqa: E402
-from training.metrics import flops_per_token, measure_peak_flops  # noqa: E402
+from training.device import peak_flops  # noqa: E402
+from training.metrics import flops_per_token  # noqa: E402
 from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
 from training.steps import lm_loss, train_step  # noqa: E402
 from training.launcher_env import set_single_process_env  # noqa: E402
@@ -37,7 +38,6 @@ from training.topology import resolve_layout  # noqa: E402
 from benchmarks.report import environment, print_table, write_json  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PEAK_SIZES = {"cuda": (4096, 8192), "cpu": (1024, 2048)}  # square matmuls timed for the peak
 
 
 class Reference:
@@ -112,9 +112,10 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
             get_accelerator().synchronize()
             timed_steps = sum(step > args.warmup for step in chunk)
             seconds[name] += (time.perf_counter() - start) * timed_steps / len(chunk)
-    peak = max(measure_peak_flops(device, DTYPES[precision], n, seconds=1.0) for n in PEAK_SIZES[device.type])
+    peak, peak_source = peak_flops(device, DTYPES[precision], cfg.train.peak_tflops, cfg.train.tf32)
     tokens_per_step = layout.global_batch * cfg.model.block_size
-    result = {"precision": precision, "peak_tflops": peak / 1e12, "tokens_per_step": tokens_per_step}
+    result = {"precision": precision, "peak_tflops": peak / 1e12, "peak_source": peak_source,
+              "tokens_per_step": tokens_per_step}
     for name in runners:
         tokens_per_s = tokens_per_step * args.steps / seconds[name]
         result[name] = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token(cfg.model) / peak,

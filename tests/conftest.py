@@ -20,6 +20,7 @@ SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT") or next(
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
         "train.eval_windows=8", "train.eval_interval=1000", "train.log_interval=1", "sample.max_new_tokens=16"]
 FP32 = ["ds.bf16.enabled=false"]
+BF16 = ["ds.bf16.enabled=true"]  # the shipped configs say "auto": fp32 on a machine without bf16 arithmetic
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import FP32, launch, metrics, train_losses
+from conftest import BF16, FP32, launch, metrics, train_losses
 from model import BLOCK_CLASS, model_layers
 from model.config import ModelConfig
 from training.config import ConfigError
@@ -55,9 +55,9 @@ def test_activation_checkpointing_changes_no_loss(tmp_path_factory, char_data, p
 
 
 def test_bf16_pipeline_trains_with_the_tie_bitwise_equal(tmp_path, char_data):
-    """As shipped (bf16): DeepSpeed's bf16 optimizer steps each stage's copy of the tied embedding from the
-    same all-reduced gradient, so the 16-bit copies stay bitwise equal."""
-    launch(2, "pipe2.json", tmp_path, char_data, ["train.max_steps=20", "optim.warmup_steps=2", "optim.lr=3e-3"])
+    """In bf16: DeepSpeed's bf16 optimizer steps each stage's copy of the tied embedding from the same
+    all-reduced gradient, so the 16-bit copies stay bitwise equal."""
+    launch(2, "pipe2.json", tmp_path, char_data, [*BF16, "train.max_steps=20", "optim.warmup_steps=2", "optim.lr=3e-3"])
     losses = train_losses(tmp_path)
     assert len(losses) == 20 and sum(losses[-3:]) / 3 < losses[0] - 0.5
     assert [m["tied_weights_in_sync"] for m in metrics(tmp_path) if "tied_weights_in_sync" in m] == [True]

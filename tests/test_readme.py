@@ -87,7 +87,8 @@ def test_shipped_ds_config_matches_the_readme_table(row):
     assert ds.get("pipeline", {}).get("stages", 1) == (int(stages.group(1)) if stages else 1), name
     precision = row["precision"].split()[0]
     assert precision in ("bf16", "fp16", "fp32"), row["precision"]
-    assert ds.get("bf16", {}).get("enabled", False) == (precision == "bf16"), name
+    bf16 = ("auto" if "auto" in row["precision"] else True) if precision == "bf16" else False
+    assert ds.get("bf16", {}).get("enabled", False) == bf16, name
     assert ds.get("fp16", {}).get("enabled", False) == (precision == "fp16"), name
     if "dynamic loss scaling" in row["precision"]:
         assert ds["fp16"].get("loss_scale", 0) == 0, name  # 0 is DeepSpeed's dynamic scaling

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import FP32, REPO, TINY, expected_lr, launch, metrics, run, train_losses
+from conftest import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, run, train_losses
 
 STEPS = ["train.max_steps=6", "optim.warmup_steps=2"]
 
@@ -69,14 +69,16 @@ def assert_in_range(steps: list[dict]) -> None:
 
 
 def test_shipped_zero3_config_trains_unchanged_in_bf16(tmp_path, char_data):
-    """ds_configs/zero3.json as shipped (bf16, its buckets and sub-groups), dp=2 through the launcher."""
-    launch(2, "zero3.json", tmp_path, char_data, ["train.max_steps=8", "optim.warmup_steps=2", "optim.lr=3e-3"])
+    """ds_configs/zero3.json as shipped (its buckets and sub-groups), in bf16, dp=2 through the launcher."""
+    launch(2, "zero3.json", tmp_path, char_data, [*BF16, "train.max_steps=8", "optim.warmup_steps=2", "optim.lr=3e-3"])
     with open(os.path.join(REPO, "ds_configs", "zero3.json")) as f:
         shipped = json.load(f)
     with open(tmp_path / "ds_config.json") as f:
         effective = json.load(f)
     derived = {"train_batch_size", "optimizer", "scheduler"}  # what train.py adds
-    assert {k: v for k, v in effective.items() if k not in derived} == shipped and effective["bf16"]["enabled"]
+    assert shipped["bf16"]["enabled"] == "auto" and effective["bf16"]["enabled"] is True
+    assert {k: v for k, v in effective.items() if k not in derived | {"bf16"}} == \
+        {k: v for k, v in shipped.items() if k != "bf16"}
     steps = [r for r in metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert_in_range(steps)
@@ -105,7 +107,7 @@ def test_grad_accumulation_4x1_matches_1x4(tmp_path, char_data):
 
 
 def test_single_process_without_launcher_trains_and_samples(tmp_path, char_data):
-    """`python train.py` (no launcher, bf16 as shipped): loss falls and a sample is printed."""
+    """`python train.py` (no launcher, precision as shipped): loss falls and a sample is printed."""
     proc = run([sys.executable, "train.py", "--ds_config", "ds_configs/zero0.json", f"train.out_dir={tmp_path}",
                 f"data.dir={char_data}", *TINY, "train.max_steps=30", "optim.lr=3e-3", "optim.warmup_steps=5",
                 "sample.max_new_tokens=40"])

@@ -97,6 +97,9 @@ class TrainConfig:
     dist_timeout_s: int = 1800
     # torch.compile the model through DeepSpeed's engine.compile() (inductor; needs a C++ compiler on CPU).
     compile: bool = False
+    # fp32 matmuls on a GPU's tensor cores as TF32 (10-bit mantissa, several times faster); false for
+    # bit-level fp32 parity checks. No effect on CPU.
+    tf32: bool = True
 
     def check(self, c: Checks) -> None:
         c.at_least("max_steps", 1)
@@ -239,6 +242,8 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
     probe = _KeyRecorder(ds)
     # DeepSpeedConfig checks the batch triple against world size 1; ours is checked in topology.py.
     probe.pop("train_batch_size", None)
+    if isinstance(ds.get("bf16"), dict) and ds["bf16"].get("enabled") == "auto":  # ours: resolved on the device
+        probe["bf16"] = {**ds["bf16"], "enabled": True}                              # (training/device.py)
     try:
         DeepSpeedConfig(probe)
     except Exception as e:

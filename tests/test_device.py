@@ -1,0 +1,61 @@
+"""The device's precision and peak (training/device.py): datasheet peaks by GPU name, the measured CPU peak,
+bf16 "auto", and bf16 refused where a GPU only emulates it."""
+import time
+
+import pytest
+import torch
+
+from training import device as dev
+from training.config import ConfigError
+
+
+@pytest.mark.parametrize("name,dtype,tf32,tflops", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, True, 989),  # the SXM H100's name
+    ("NVIDIA H100 PCIe", torch.bfloat16, True, 756),
+    ("NVIDIA H100 NVL", torch.float16, True, 835),
+    ("NVIDIA H200", torch.bfloat16, True, 989),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, True, 312),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156),  # TF32 tensor cores
+    ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5),
+    ("Tesla V100-SXM2-32GB", torch.float32, True, 15.7),  # no TF32 there
+    ("NVIDIA GeForce GTX 1080", torch.float32, True, None),  # unknown: measured instead
+])
+def test_datasheet_peaks_by_device_name(name, dtype, tf32, tflops):
+    assert dev.datasheet_tflops(name, dtype, tf32) == tflops
+
+
+def test_the_override_and_the_measured_peak_say_where_they_come_from():
+    cpu = torch.device("cpu")
+    assert dev.peak_flops(cpu, torch.float32, override_tflops=2.5) == (2.5e12, "train.peak_tflops")
+    start = time.perf_counter()
+    flops, source = dev.peak_flops(cpu, torch.float32)
+    assert time.perf_counter() - start < 5 and source == "measured fp32 matmul peak"
+    assert 1e9 < flops < 1e14  # a CPU core does between a GFLOP/s and a hundred TFLOP/s
+
+
+def test_an_emulated_bf16_cpu_is_measured_against_its_fp32_peak(monkeypatch):
+    """Where bf16 matmuls run below fp32 ones the hardware does fp32 arithmetic: that peak is the denominator."""
+    rates = {torch.bfloat16: 1.4e9, torch.float32: 90e9}
+    monkeypatch.setattr(dev, "measure_matmul_flops", lambda device, dtype, seconds=0.3: rates[dtype])
+    flops, source = dev.peak_flops(torch.device("cpu"), torch.bfloat16)
+    assert flops == 90e9 and source == "measured fp32 matmul peak: bf16 is emulated on this CPU (1.4 GFLOP/s)"
+    rates[torch.bfloat16] = 400e9  # AVX512-BF16 or AMX: bf16 is the peak
+    assert dev.peak_flops(torch.device("cpu"), torch.bfloat16) == (400e9, "measured bf16 matmul peak")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_auto_follows_the_device_and_is_written_back(monkeypatch, native):
+    monkeypatch.setattr(dev, "native_bf16", lambda device: native)
+    ds = {"bf16": {"enabled": "auto"}}
+    dtype, note = dev.compute_dtype(ds, torch.device("cpu"))
+    assert ds["bf16"]["enabled"] is native and dtype == (torch.bfloat16 if native else torch.float32)
+    assert note == (None if native else "bf16 auto: fp32, since this cpu has no bf16 arithmetic (set "
+                                        "ds.bf16.enabled=true to force it)")
+
+
+def test_bf16_by_name_is_refused_on_a_gpu_that_emulates_it_and_warned_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(dev, "native_bf16", lambda device: False)
+    with pytest.raises(ConfigError, match="bf16 is emulated on this cuda device .* use ds_configs/zero2_fp16.json"):
+        dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cuda", 0))
+    dtype, note = dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cpu"))
+    assert dtype == torch.bfloat16 and note.startswith("WARNING: this CPU has no bf16 arithmetic")

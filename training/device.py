@@ -1,0 +1,126 @@
+"""What the device computes with: its precision, its peak FLOP/s (the MFU denominator) and its memory.
+
+A GPU named in the table below is measured against its datasheet's dense peak for the precision in use
+(what MFU means in the PaLM paper and in Megatron's and torchtitan's logs); `train.peak_tflops` overrides
+it; anything else (a CPU, a GPU the table does not know) against a matmul peak measured at start. On a CPU
+that only emulates bf16 (no AVX512-BF16 or AMX: bf16 matmuls there run far below fp32 ones), the hardware
+does fp32 arithmetic, so its fp32 peak is the denominator.
+"""
+import resource
+import time
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from training.checks import ConfigError
+
+# Dense (no sparsity) datasheet peaks in TFLOP/s: 16-bit (bf16 and fp16), TF32 and plain fp32 tensor math.
+# Keys are matched against torch.cuda.get_device_name(), most specific first ("NVIDIA H100 80GB HBM3" is the
+# SXM H100). None: the precision has no tensor-core path there (bf16 on V100 and T4 is emulated).
+DATASHEET_TFLOPS = [
+    ("H200 NVL", (835, 418, 60)), ("H200", (989, 494, 67)), ("GH200", (989, 494, 67)),
+    ("H100 PCIe", (756, 378, 51)), ("H100 NVL", (835, 418, 60)), ("H100", (989, 494, 67)), ("H800", (989, 494, 67)),
+    ("A100", (312, 156, 19.5)), ("A800", (312, 156, 19.5)), ("L40S", (362, 183, 91.6)), ("L4", (121, 60, 30.3)),
+    ("A10", (125, 62.5, 31.2)), ("V100", (125, None, 15.7)), ("T4", (65, None, 8.1)),
+]
+
+
+def datasheet_tflops(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
+    for key, (half, tf32_peak, fp32) in DATASHEET_TFLOPS:
+        if key in name:
+            if dtype in (torch.bfloat16, torch.float16):
+                return half
+            return tf32_peak if tf32 and tf32_peak else fp32
+    return None
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """The best FLOP/s of back-to-back square matmuls at `dtype`, timed between two synchronizations.
+    The size grows from 256 until one matmul takes a few milliseconds (big enough to fill the cores, and
+    bounded where a precision is emulated and slow); the best of five rounds leaves out a round slowed by
+    other processes on the machine."""
+    n = 256
+    while True:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        torch.matmul(a, b)  # warm-up: kernels chosen, caches filled
+        one = _timed(lambda: torch.matmul(a, b))
+        if one > 0.005 or n >= 4096:
+            break
+        n *= 2
+    repeats = max(1, int(seconds / 5 / one))
+    best = min(_timed(lambda: [torch.matmul(a, b) for _ in range(repeats)]) for _ in range(5))
+    return 2 * n**3 * repeats / best
+
+
+def _timed(work) -> float:
+    get_accelerator().synchronize()
+    start = time.perf_counter()
+    work()
+    get_accelerator().synchronize()
+    return time.perf_counter() - start
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None,
+               tf32: bool = False) -> tuple[float, str]:
+    """The MFU denominator in FLOP/s per device, and a few words on where it came from (for the log)."""
+    tf32 = tf32 and device.type == "cuda"
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "tf32" if tf32 else "fp32")
+    if override_tflops:
+        return override_tflops * 1e12, "train.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops = datasheet_tflops(name, dtype, tf32)
+        if tflops:
+            return tflops * 1e12, f"{name} datasheet, dense {precision}"
+    measured = measure_matmul_flops(device, dtype)
+    if dtype != torch.float32 and device.type == "cpu":
+        fp32 = measure_matmul_flops(device, torch.float32)
+        if fp32 > measured:
+            return fp32, f"measured fp32 matmul peak: {precision} is emulated on this CPU ({measured / 1e9:.1f} GFLOP/s)"
+    return measured, f"measured {precision} matmul peak"
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Does the device compute in bf16 (not emulate it through fp32, many times slower)? torch, and so
+    DeepSpeed, calls bf16 supported on a V100 or T4 and on any x86 CPU."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported",
+                                                                            "_is_amx_tile_supported"))
+    return get_accelerator().is_bf16_supported()
+
+
+def compute_dtype(ds: dict, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """The compute dtype the ds_config asks for, and a warning to print, if any. `"bf16": {"enabled":
+    "auto"}` (the shipped configs) becomes bf16 where the device computes it natively and fp32 elsewhere,
+    written back into `ds` for DeepSpeed. bf16 asked for by name is refused on a GPU that emulates it and
+    allowed, with a warning, on such a CPU (correct, only slow: the tests check bf16 everywhere)."""
+    section = ds.get("bf16", {})
+    if section.get("enabled") == "auto":
+        section["enabled"] = native_bf16(device)
+        note = None if section["enabled"] else (f"bf16 auto: fp32, since this {device.type} has no bf16 arithmetic "
+                                                f"(set ds.bf16.enabled=true to force it)")
+    else:
+        note = None
+    bf16, fp16 = section.get("enabled", False), ds.get("fp16", {}).get("enabled", False)
+    accelerator = get_accelerator()
+    if bf16 and fp16:
+        raise ConfigError("the ds_config enables both bf16 and fp16: enable one")
+    if fp16 and not accelerator.is_fp16_supported():
+        raise ConfigError(f"fp16 is not supported on {accelerator.device_name()}: use a bf16 ds_config "
+                          f"(e.g. ds_configs/zero2.json) or set ds.fp16.enabled=false")
+    if bf16 and not native_bf16(device):
+        if device.type != "cpu":
+            raise ConfigError(f"bf16 is emulated on this {device.type} device ({accelerator.device_name()}), many "
+                              f"times slower: use ds_configs/zero2_fp16.json, or set ds.bf16.enabled=false")
+        note = ("WARNING: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX): bf16 trains many times slower "
+                "than fp32 here; set ds.bf16.enabled=auto or false")
+    return (torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32), note
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
