@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import socket
+import sys
 
 import deepspeed
 import torch
@@ -26,7 +27,7 @@ from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
 from model.generate import generate
 from training import checkpoint, hf
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
-from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
+from training.failure import PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.launcher_env import set_distributed_env
 from training.device import compute_dtype, peak_flops, peak_memory_gb
 from training.metrics import MetricsLog, Throughput, flops_per_token
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
     PHASE.now(f"joining the process group (world {layout.world_size})")
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
     rank = torch.distributed.get_rank()
-    say = functools.partial(print, flush=True) if rank == 0 else lambda *_: None
+    say = functools.partial(print_line, file=sys.stdout) if rank == 0 else lambda *_: None
     hostnames = [None] * layout.world_size
     torch.distributed.all_gather_object(hostnames, socket.gethostname())
     os.makedirs(cfg.train.out_dir, exist_ok=True)

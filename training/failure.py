@@ -80,20 +80,24 @@ def ranks_that_never_arrived(grace_s: float) -> str:
             f"them, or died without a report)")
 
 
+def print_line(text: str, file=None) -> None:
+    """The whole line in one write: ranks that share a pipe (torchrun, mpiexec and srun merge their output)
+    never split each other's lines, so an error line always starts a line of the job's output."""
+    print(f"{text}\n", end="", file=file or sys.stderr, flush=True)
+
+
 def report_failure(error: BaseException) -> None:
     """One line that names this rank, its host and what it was doing, then the traceback."""
     if is_timeout(error):
-        print(f"error: {this_rank()} timed out while {PHASE.what}: it waited in a collective for another rank "
-              f"longer than train.dist_timeout_s ({type(error).__name__}: {str(error).splitlines()[0]})",
-              file=sys.stderr, flush=True)
+        print_line(f"error: {this_rank()} timed out while {PHASE.what}: it waited in a collective for another rank "
+                   f"longer than train.dist_timeout_s ({type(error).__name__}: {str(error).splitlines()[0]})")
         # Ranks reach a collective up to a step apart, so they time out that far apart too.
         grace_s = min(60.0, max(5.0, 0.1 * torch.distributed.distributed_c10d.default_pg_timeout.total_seconds()))
         if culprits := ranks_that_never_arrived(grace_s):
-            print(f"error: {culprits}", file=sys.stderr, flush=True)
+            print_line(f"error: {culprits}")
     else:
-        print(f"error: {this_rank()} failed while {PHASE.what}: {type(error).__name__}: {error}", file=sys.stderr)
-    traceback.print_exc()
-    sys.stderr.flush()
+        print_line(f"error: {this_rank()} failed while {PHASE.what}: {type(error).__name__}: {error}")
+    print_line(traceback.format_exc().rstrip("\n"))
 
 
 def release_shm_workspace() -> None:
@@ -153,8 +157,7 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
 
     def stop(reason: str, code: int) -> None:
         frames = traceback.format_stack(sys._current_frames()[main_thread.ident])[-6:]
-        print(f"error: {this_rank()} stopped by {reason} while {PHASE.what}; it was in:\n{''.join(frames)}",
-              file=sys.stderr)
+        print_line(f"error: {this_rank()} stopped by {reason} while {PHASE.what}; it was in:\n{''.join(frames)}")
         exit_now(code)
 
     def watch() -> None:
@@ -176,7 +179,7 @@ def run_rank(main, argv=None) -> None:
         main(argv)
     except ConfigError as e:
         if launcher_rank()[1] in ("0", "?"):  # one copy of the message per node
-            print(f"error: {e}", file=sys.stderr)
+            print_line(f"error: {e}")
         sys.exit(2)
     except SystemExit:
         raise
