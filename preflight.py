@@ -6,11 +6,15 @@ Every rank must join the process group within train.dist_timeout_s and an all-re
 sum. Each rank reports its host, local rank and device, whether the prepared dataset (data.dir) is readable
 on its node, whether train.out_dir is writable from it, and whether it is the same storage rank 0 writes
 to: multi-node checkpoints need that, since every rank writes its own shards into one directory that rank 0
-then marks complete. Rank 0 prints one line per rank and the world = dp x pp layout; the exit code is 0
+then marks complete. On GPUs each rank also reports its GPU's UUID (two ranks on one GPU fail the check)
+and the NCCL version, and the job measures its all-reduce bus bandwidth (NCCL-tests' busbw), with a warning
+below --min_busbw (GB/s). Rank 0 prints one line per rank and the world = dp x pp layout; the exit code is 0
 only if every check passed on every rank.
 """
+import argparse
 import os
 import socket
+import time
 import uuid
 
 import deepspeed
@@ -19,15 +23,20 @@ from deepspeed.accelerator import get_accelerator
 
 from data.loader import TokenData
 from training.config import ConfigError, load_ds_config, load_run_config, parse_args, split_overrides
-from training.failure import PHASE, collective_timeout, leave_process_group, run_rank
+from training.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
 from training.launcher_env import set_distributed_env
 from training.topology import describe_hosts, pipeline_settings, resolve_layout
 
 PROBE_DIR = ".preflight"
+BANDWIDTH_MB = {True: 256, False: 16}  # the all-reduce measured on GPUs (NCCL-tests' large-message range) and CPUs
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    own = argparse.ArgumentParser(add_help=False)
+    # 10 GB/s: far below NVLink (hundreds) and InfiniBand NDR (about 45), above TCP over 25-100 GbE.
+    own.add_argument("--min_busbw", type=float, default=10.0, help="GB/s below which the all-reduce warns (GPUs)")
+    preflight_args, rest = own.parse_known_args(argv)
+    args = parse_args(rest)
     run_overrides, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(args.config, run_overrides)
     ds = load_ds_config(args.ds_config, ds_overrides)
@@ -35,10 +44,11 @@ def main(argv=None) -> None:
     world = int(os.environ["WORLD_SIZE"])
     layout = resolve_layout(ds, world, pipeline_settings(ds).stages)
 
+    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # before the process group: NCCL binds to it
     PHASE.now(f"joining the process group (world {world})")
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
+    JOB.watch()
     rank = torch.distributed.get_rank()
-    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
 
     PHASE.now("all-reducing the ranks' numbers")
     # Ranks 0..n-1 sum to n(n-1)/2, on the device and backend training uses.
@@ -52,6 +62,8 @@ def main(argv=None) -> None:
     report = local_checks(cfg, token[0])
     if total.item() != expected:
         report["problems"].append(f"all-reduce gave {total.item():g}, expected {expected:g}")
+    PHASE.now("measuring the all-reduce bandwidth")
+    busbw = all_reduce_busbw(world)
     # Shared storage: rank 0 leaves a file in out_dir; every rank looks for it.
     marker = os.path.join(cfg.train.out_dir, PROBE_DIR, f"shared-{token[0]}")
     if rank == 0 and report["writable"]:
@@ -63,10 +75,14 @@ def main(argv=None) -> None:
                                   f"visible here): checkpoints need a directory every node mounts at the same path")
     reports = [None] * world
     torch.distributed.all_gather_object(reports, report)
+    for problem, ranks in shared_devices(reports):
+        for r in ranks:
+            reports[r]["problems"].append(problem)
     if rank == 0:
         if os.path.exists(marker):
             os.remove(marker)
         print_reports(reports, layout.describe(), cfg.train.out_dir)
+        print_bandwidth(busbw, world, preflight_args.min_busbw)
     leave_process_group()
     if any(r["problems"] for r in reports):
         raise SystemExit(1)
@@ -94,8 +110,49 @@ def local_checks(cfg, token: str) -> dict:
 
 def device_name() -> str:
     if get_accelerator().device_name() == "cuda":
-        return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+        index = torch.cuda.current_device()
+        return (f"cuda:{index} ({torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(index).uuid}, "
+                f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})")
     return get_accelerator().device_name()
+
+
+def shared_devices(reports: list[dict]) -> list[tuple[str, list[int]]]:
+    """(problem, ranks) for each GPU that more than one rank of a host drives (a wrong CUDA_VISIBLE_DEVICES
+    or --num_gpus): they would share its memory and serialize on it."""
+    ranks_of = {}
+    for r in reports:
+        if r["device"].startswith("cuda"):
+            ranks_of.setdefault((r["host"], r["device"].split(" (", 1)[1]), []).append(r["rank"])
+    return [(f"GPU shared by ranks {ranks}: give each rank its own GPU (--num_gpus, --include, or "
+             f"CUDA_VISIBLE_DEVICES)", ranks) for ranks in ranks_of.values() if len(ranks) > 1]
+
+
+def all_reduce_busbw(world: int, rounds: int = 5) -> float:
+    """The all-reduce bus bandwidth in GB/s (NCCL-tests' busbw: bytes x 2(n-1)/n per second, what each link
+    carries in a ring), best of a few rounds after a warm-up, on the device training uses."""
+    device = get_accelerator().device_name()
+    x = torch.ones(BANDWIDTH_MB[device == "cuda"] * 2**20 // 4, device=device)
+    torch.distributed.all_reduce(x)  # warm-up: connections and buffers set up
+    best = float("inf")
+    for _ in range(rounds):
+        get_accelerator().synchronize()
+        start = time.perf_counter()
+        torch.distributed.all_reduce(x)
+        get_accelerator().synchronize()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 * 2 * (world - 1) / world / best / 1e9 if world > 1 else float("nan")
+
+
+def print_bandwidth(busbw: float, world: int, minimum: float) -> None:
+    if world == 1:
+        print("all-reduce: one rank, nothing to measure")
+        return
+    print(f"all-reduce bus bandwidth: {busbw:.2f} GB/s ({BANDWIDTH_MB[get_accelerator().device_name() == 'cuda']} MB "
+          f"fp32, rank 0's best of 5)")
+    if get_accelerator().device_name() == "cuda" and busbw < minimum:
+        print(f"WARNING: all-reduce bus bandwidth {busbw:.2f} GB/s is below --min_busbw {minimum:g} GB/s: NCCL may "
+              f"be on TCP sockets instead of NVLink/InfiniBand (check NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE, and "
+              f"the NCCL_DEBUG=INFO lines)")
 
 
 def print_reports(reports: list[dict], layout: str, out_dir: str) -> None:

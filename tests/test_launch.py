@@ -2,6 +2,7 @@
 form one world, pdsh over ssh to a loopback sshd does the same, the preflight catches a node without data,
 and a rank that raises, hangs or is signalled ends the whole job in bounded time."""
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ def two_node_hostfile(path, hosts=("node0", "node1")) -> str:
     return str(path)
 
 
-def launch_nodes(hostfile: str, script: str, nodes: list[tuple], overrides=(), timeout=600) -> list[tuple]:
+def launch_nodes(hostfile: str, script: str, nodes: list[tuple], overrides=(), timeout=600, env=None) -> list[tuple]:
     """One launcher per node, as a user without ssh starts them: `deepspeed --hostfile H --no_ssh
     --node_rank K --master_addr ADDR ...` on each; they meet at the master address. `nodes` holds each
     node's (out_dir, data_dir); returns each launcher's (output, exit code)."""
@@ -32,7 +33,7 @@ def launch_nodes(hostfile: str, script: str, nodes: list[tuple], overrides=(), t
     cmds = [launch_cmd(["--hostfile", hostfile, "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
                         "--master_port", port], script, "pipe2.json", out_dir, data_dir, overrides)
             for node, (out_dir, data_dir) in enumerate(nodes)]
-    env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd in cmds]
     try:
@@ -62,12 +63,43 @@ def test_two_launchers_without_ssh_train_like_one(tmp_path, char_data, one_launc
     assert "stage 1: layers 4-7 (Block x2, LayerNorm, TokenEmbedding) on ranks [2, 3]" in node0
 
 
+def test_preflight_fails_ranks_that_share_a_gpu():
+    from preflight import shared_devices
+    gpu = "cuda:{} (NVIDIA H100 80GB HBM3, GPU-{}, NCCL 2.21.5)"
+    reports = [{"rank": 0, "host": "a", "device": gpu.format(0, "aaa")}, {"rank": 1, "host": "a", "device": gpu.format(0, "aaa")},
+               {"rank": 2, "host": "b", "device": gpu.format(0, "aaa")}, {"rank": 3, "host": "b", "device": gpu.format(1, "bbb")},
+               {"rank": 4, "host": "c", "device": "cpu"}, {"rank": 5, "host": "c", "device": "cpu"}]
+    assert shared_devices(reports) == [("GPU shared by ranks [0, 1]: give each rank its own GPU (--num_gpus, --include, "
+                                        "or CUDA_VISIBLE_DEVICES)", [0, 1])]
+
+
+def test_a_failed_rank_whose_connections_stay_open_stops_every_node_within_seconds(tmp_path, char_data):
+    """Node 1's ranks (stage 1) report a failure in step 3 and keep their connections open for 30 s, as failed
+    ranks can under NCCL: node 0's ranks see no broken connection and would wait for them for
+    train.dist_timeout_s (300 s). The abort key the first of them set stops node 0's ranks in seconds."""
+    hostfile = two_node_hostfile(tmp_path / "hostfile")
+    start = time.monotonic()
+    outputs = launch_nodes(hostfile, "tests/fault_train.py", [(tmp_path / "out", char_data)] * 2,
+                           [*PIPE, "train.max_steps=50", "train.dist_timeout_s=300"], timeout=280,
+                           env={"MEGALITE_FAULT": "stall:2,3:3"})
+    elapsed = time.monotonic() - start
+    (node0, code0), (node1, code1) = outputs
+    assert code0 != 0 and code1 != 0
+    assert "failed while training step 3: RuntimeError: injected failure on rank 2" in node1
+    for rank in (0, 1):
+        assert re.search(rf"error: rank {rank} \(.*\) stopped by the job's abort \(rank [23] \(.*\) failed while training "
+                         rf"step 3\) while training step 3", node0), node0[-3000:]
+    assert elapsed < 120, f"the job took {elapsed:.0f} s"
+
+
 def test_preflight_passes_on_two_nodes_and_names_a_node_without_data(tmp_path, char_data):
     hostfile = two_node_hostfile(tmp_path / "hostfile")
     out = launch_nodes(hostfile, "preflight.py", [(tmp_path / "out", char_data)] * 2)
     assert [code for _, code in out] == [0, 0], out[1][0][-5000:]
     assert "preflight: world 4 = dp 2 x pp 2" in out[0][0] and "preflight passed" in out[0][0]
     assert out[0][0].count(": ok\n") == 4 and "writable and shared by every rank" in out[0][0]
+    busbw = re.search(r"all-reduce bus bandwidth: ([\d.]+) GB/s \(16 MB fp32, rank 0's best of 5\)", out[0][0])
+    assert busbw and float(busbw[1]) > 0, out[0][0][-2000:]
 
     missing = tmp_path / "not_on_node1"
     out = launch_nodes(hostfile, "preflight.py", [(tmp_path / "out", char_data), (tmp_path / "out", missing)])
@@ -193,8 +225,8 @@ def test_a_hanging_rank_ends_the_job_at_the_collective_timeout(tmp_path, char_da
     assert since_training < 15 + 5 + 15, f"the job ended {since_training:.0f} s after training began"
     assert "error: rank 0 (" in output and "timed out while training step 3" in output
     assert "rank(s) [1] did not time out within 5 s of them: those never reached the collective" in output
-    # The hanging rank, stopped by the launcher, says where it was.
-    assert "error: rank 1 (" in output and "stopped by SIGTERM while training step 3" in output
+    # The hanging rank, stopped by the launcher or by the abort key rank 0 set, says where it was.
+    assert re.search(r"error: rank 1 \(.*\) stopped by (SIGTERM|the job's abort \(.*\)) while training step 3", output)
     assert "time.sleep(3600)" in output
 
 

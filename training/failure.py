@@ -8,8 +8,14 @@
 - SIGINT/SIGTERM (Ctrl-C, the launcher stopping its ranks, a scheduler) and the loss of the launcher that
   started this rank: the rank prints where it was and exits. Checkpoints are never left half-visible (the
   `latest` pointer moves only after a complete save), so the last complete one survives.
+- Whatever ends a rank once the process group is up also sets the job's abort key in the job's key-value
+  store, which every rank's watcher thread polls: the whole job stops within seconds, on every node and
+  backend. A launcher stops only its own node's ranks, and under NCCL a collective timeout is torch's
+  watchdog aborting the process from C++, so none of the reports above run there; without the key, ranks
+  on other nodes would wait out the timeout. An abort dumps every thread's Python stack (faulthandler).
 """
 import datetime
+import faulthandler
 import glob
 import os
 import select
@@ -38,6 +44,55 @@ class Phase:
 
 PHASE = Phase()
 TIMEOUT_KEY = "megalite/timed_out/{rank}"
+
+
+class JobStore:
+    """The abort key in the job's store (MASTER_ADDR:MASTER_PORT: rank 0's process, or torchrun's agent), each
+    use through a client connection of its own, so the watcher thread never shares one with the main thread.
+    Watched from the moment the process group is up until the rank starts leaving it at the end."""
+
+    def __init__(self):
+        self.watching = None  # the watcher's client while watched
+
+    @staticmethod
+    def key() -> str:
+        return f"megalite/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun restarts reuse the store
+
+    @staticmethod
+    def client(timeout_s: float):
+        return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    def watch(self) -> None:
+        self.watching = self.client(10)
+
+    def stop_watching(self) -> None:
+        self.watching = None
+
+    def abort(self, reason: str) -> None:
+        """Set the key, the first reason only (a rank the abort stops must not overwrite why). Best effort."""
+        if self.watching is None:
+            return
+        self.watching = None  # this rank is ending: its own watcher must not report the abort it sets
+        try:
+            store = self.client(5)
+            if store.add(self.key() + "/count", 1) == 1:
+                store.set(self.key(), reason)
+        except Exception:  # noqa: BLE001 (the store's host may be the rank that failed)
+            pass
+
+    def aborted(self) -> str | None:
+        """Why the job is aborting, or None. A store that no longer answers is its host gone: an abort too."""
+        store = self.watching
+        if store is None:
+            return None
+        try:
+            return store.get(self.key()).decode() if store.check([self.key()]) else None
+        except Exception:  # noqa: BLE001
+            return None if self.watching is None else "the loss of the job's store (rank 0 or torchrun's agent)"
+
+
+JOB = JobStore()
 
 
 def collective_timeout(seconds: int) -> datetime.timedelta:
@@ -95,8 +150,10 @@ def report_failure(error: BaseException) -> None:
         grace_s = min(60.0, max(5.0, 0.1 * torch.distributed.distributed_c10d.default_pg_timeout.total_seconds()))
         if culprits := ranks_that_never_arrived(grace_s):
             print_line(f"error: {culprits}")
+        JOB.abort(f"{this_rank()} timed out while {PHASE.what}")
     else:
         print_line(f"error: {this_rank()} failed while {PHASE.what}: {type(error).__name__}: {error}")
+        JOB.abort(f"{this_rank()} failed while {PHASE.what}")
     print_line(traceback.format_exc().rstrip("\n"))
 
 
@@ -115,7 +172,9 @@ def release_shm_workspace() -> None:
 def leave_process_group() -> None:
     """The clean end of a rank: wait for every rank, then tear down the process group while the peers are
     still there (left to interpreter shutdown, a rank whose peers had gone could abort in gloo's
-    destructors: "terminate called without an active exception")."""
+    destructors: "terminate called without an active exception"). Rank 0's store goes with it, so the
+    watcher stops polling first."""
+    JOB.stop_watching()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     release_shm_workspace()
@@ -145,9 +204,10 @@ def launcher_parent() -> int | None:
 
 
 def stop_on_signals(poll_s: float = 2.0) -> None:
-    """Stop this rank on SIGINT/SIGTERM, or when its launcher's parent is gone. A watcher thread does it, not
-    a Python signal handler: those run only between bytecodes of the main thread, which may be blocked in a
-    collective; the watcher runs whenever the main thread releases the GIL (collectives and sleeps do)."""
+    """Stop this rank on SIGINT/SIGTERM, when its launcher's parent is gone, or when the job's abort key is
+    set. A watcher thread does it, not a Python signal handler: those run only between bytecodes of the main
+    thread, which may be blocked in a collective; the watcher runs whenever the main thread releases the
+    GIL (collectives and sleeps do)."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd)
@@ -155,9 +215,12 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
         signal.signal(signum, lambda *_: None)  # the watcher acts; the main thread carries on until then
     main_thread, launcher_ppid = threading.main_thread(), launcher_parent()
 
-    def stop(reason: str, code: int) -> None:
+    def stop(reason: str, code: int, announce: bool = True, linger_s: float = 0.0) -> None:
         frames = traceback.format_stack(sys._current_frames()[main_thread.ident])[-6:]
         print_line(f"error: {this_rank()} stopped by {reason} while {PHASE.what}; it was in:\n{''.join(frames)}")
+        if announce:
+            JOB.abort(f"{this_rank()} stopped by {reason} while {PHASE.what}")
+        time.sleep(linger_s)
         exit_now(code)
 
     def watch() -> None:
@@ -168,12 +231,17 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
             # A dead launcher re-parents this rank, a dead runner its launcher: either way the parent changes.
             if launcher_ppid is not None and launcher_parent() != launcher_ppid:
                 stop("the loss of the deepspeed launcher that started it", 128 + signal.SIGTERM)
+            if reason := JOB.aborted():
+                # Rank 0's process hosts the store: it stays a poll longer, so the others read why first.
+                hosts_store = torch.distributed.is_initialized() and torch.distributed.get_rank() == 0
+                stop(f"the job's abort ({reason})", 1, announce=False, linger_s=poll_s + 1 if hosts_store else 0.0)
 
     threading.Thread(target=watch, name="stop-watcher", daemon=True).start()
 
 
 def run_rank(main, argv=None) -> None:
     """main(argv) with this repo's exit codes: 2 for bad input (before any training), 1 for a failed rank."""
+    faulthandler.enable(all_threads=True)  # a C++ abort (NCCL's watchdog) still shows where Python was
     stop_on_signals()
     try:
         main(argv)
