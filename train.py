@@ -8,7 +8,6 @@
 The ds_config JSON owns the engine (batch, ZeRO, precision, clipping, pipeline stages); the run YAML
 owns everything else.
 """
-import contextlib
 import dataclasses
 import functools
 import json
@@ -22,12 +21,12 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from omegaconf import OmegaConf
 
-from data.loader import TokenData
-from model import BLOCK_CLASS, build_model, build_pipeline, model_layers
+from data.loader import TokenData, prefetched
+from model import BLOCK_CLASS, build_model, build_pipeline, compile_blocks, model_layers
 from model.generate import generate
 from training import checkpoint, hf
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
-from training.failure import PHASE, collective_timeout, leave_process_group, print_line, run_rank
+from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.launcher_env import set_distributed_env
 from training.device import compute_dtype, peak_flops, peak_memory_gb
 from training.metrics import MetricsLog, Throughput, flops_per_token
@@ -82,6 +81,7 @@ def main(argv=None) -> None:
 
     PHASE.now(f"joining the process group (world {layout.world_size})")
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
+    JOB.watch()  # from here a rank that fails stops the whole job (training/failure.py)
     rank = torch.distributed.get_rank()
     say = functools.partial(print_line, file=sys.stdout) if rank == 0 else lambda *_: None
     hostnames = [None] * layout.world_size
@@ -95,6 +95,8 @@ def main(argv=None) -> None:
     PHASE.now("building the model and the DeepSpeed engine")
 
     model = build(cfg, pipe, ds)
+    if cfg.train.compile:
+        say(f"compiling {compile_blocks(model, cfg.model.arch)} blocks (torch.compile) at the first step")
     if init_from:
         hf.load_into(model, init_from, cfg.model)
         say(f"initialized from {init_from}")
@@ -102,8 +104,6 @@ def main(argv=None) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     keep_fp32_grad_norm(engine)
     start_schedule(engine)
-    if cfg.train.compile:
-        engine.compile()  # DeepSpeed's torch.compile support (inductor), compiled at the first step
     pipelined = isinstance(engine, PipelineEngine)
     if pipelined:
         assert model.parts == parts, f"PipelineModule chose stage boundaries {model.parts}, expected {parts}"
@@ -129,6 +129,7 @@ def main(argv=None) -> None:
     if precision_note:
         say(precision_note)
 
+    @torch.compiler.set_stance("force_eager")  # padded, variable batches: never worth a recompilation
     def evaluate(step: int) -> None:
         windows = cfg.train.eval_windows
         losses = {split: eval_loss(engine, list(data.eval_batches(split, windows, dp_rank, layout, device)),
@@ -141,7 +142,12 @@ def main(argv=None) -> None:
         PHASE.now("evaluating at step 0")
         evaluate(0)
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
-    for step in range(start_step + 1, last_step + 1):
+    # Only the first and last pipeline stages read data (inputs, targets); the others get none.
+    feeds_data = not pipelined or engine.is_first_stage() or engine.is_last_stage()
+    steps = range(start_step + 1, last_step + 1)
+    batches = prefetched(lambda s: data.step_batches(cfg.train.seed, s, dp_rank, layout, device) if feeds_data else [],
+                         steps)
+    for step, micro_batches in zip(steps, batches):
         # Dropout masks, like the data, are a pure function of (seed, rank, step): a resumed run
         # draws what an uninterrupted one would. PipelineModule reseeds per micro-batch from its own count.
         torch.manual_seed(hash((cfg.train.seed, rank, step)) % 2**63)
@@ -149,20 +155,23 @@ def main(argv=None) -> None:
             model.micro_offset = step * layout.grad_accum
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
-        micro_batches = [data.train_batch(cfg.train.seed, step, micro_step, dp_rank, layout, device)
-                         for micro_step in range(layout.grad_accum)]
         loss = train_step(engine, micro_batches)
         meter.step()
+        if step == start_step + 1:
+            # The first step after start or resume pays for warm-up (allocations, kernel choices, a compiled
+            # graph) after the step-0 evaluation or the checkpoint load: none of it is throughput.
+            meter.pause()
         if step % cfg.train.log_interval == 0 or step == last_step:
-            loss = mean_over_ranks(loss)  # the step's only host synchronisation, at log intervals
-            tokens_per_s, mfu = meter.read()
+            loss = mean_over_ranks(loss)  # this loop's only host synchronization (README: Host synchronizations)
+            tokens_per_s, mfu = meter.read()  # None for an interval holding only the warm-up step
             grad_norm = engine.get_global_grad_norm()  # before clipping, which DeepSpeed does
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            memory = peak_memory_gb(device)
+            memory, reserved = peak_memory_gb(device)
             log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
-                    peak_mem_gb=memory, **data.epochs_used(step * layout.global_batch))
-            say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | mem {memory:.2f} GB")
+                    peak_mem_gb=memory, reserved_gb=reserved, **data.epochs_used(step * layout.global_batch))
+            speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
+            say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
+                f"mem {memory:.2f} GB ({reserved:.2f} reserved)")
         if (cfg.train.eval_interval and step % cfg.train.eval_interval == 0) or step == last_step:
             PHASE.now(f"evaluating at step {step}")
             evaluate(step)
@@ -192,10 +201,14 @@ def build(cfg: RunConfig, pipe: Pipeline, ds: dict) -> torch.nn.Module:
     """The model's layer list as a PipelineModule (more than one stage) or as a plain module."""
     if pipe.stages > 1:
         return build_pipeline(cfg.model, cfg.train.seed, pipe.stages, pipe.partition, lm_loss, pipe.checkpoint_interval)
-    # Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model.
-    zero3 = ds.get("zero_optimization", {}).get("stage", 0) == 3
-    with deepspeed.zero.Init(config_dict_or_path=ds) if zero3 else contextlib.nullcontext():
-        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval)
+    # Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model. It is
+    # built on the CPU, from the CPU generator, as in every other layout, then partitioned (zero.Init(module=)):
+    # inside zero.Init's context it would be made on the GPU by the GPU's generator, other weights for a seed.
+    if ds.get("zero_optimization", {}).get("stage", 0) == 3:
+        def partition(layer):
+            deepspeed.zero.Init(module=layer, config_dict_or_path=ds)
+        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition)
+    return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval)
 
 
 def count_parameters(cfg: RunConfig) -> int:
@@ -218,6 +231,7 @@ def encode_prompt(prompt: str, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # a growing sequence: every length would be a new graph
 def sample(engine, forward, cfg: RunConfig, tokenizer, prompt_ids: list[int], device) -> str:
     """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part."""
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)

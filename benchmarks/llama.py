@@ -6,9 +6,9 @@
 quality runs `train.py` with configs/quickstart.yaml and configs/llama_quickstart.yaml (same data, batch,
 schedule and steps; 817,920 and 820,352 parameters) one after the other and prints their final val losses.
 throughput builds both models in DeepSpeed engines (as train.py does) in one process and lets them take
-turns every --chunk steps on the same batches, so a slow spell of the machine hits both; MFU is model FLOP/s
-(training.metrics.flops_per_token, which counts grouped-query attention and the SwiGLU MLP) over a
-large matmul's peak measured in the same precision. The baby Llama: 6 layers, 6 heads, 2 key/value heads,
+turns every --chunk steps on the same batches after --warmup untimed steps each, so a slow spell of the
+machine hits both; MFU is model FLOP/s (training.metrics.flops_per_token, which counts grouped-query
+attention and the SwiGLU MLP) over train.py's peak for the device (training/device.py). The baby Llama: 6 layers, 6 heads, 2 key/value heads,
 384 wide, SwiGLU 1024 (Llama's rule), context 256.
 """
 import argparse
@@ -51,6 +51,7 @@ def throughput(args) -> dict:
     from deepspeed.accelerator import get_accelerator
 
     from benchmarks.report import print_table
+    from benchmarks.turns import timed_turns
     from data.loader import TokenData
     from model import build_model
     from training.config import load_ds_config, load_run_config
@@ -75,16 +76,11 @@ def throughput(args) -> dict:
         engine, *_ = deepspeed.initialize(model=model, config=ds,
                                           model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
         runners[arch] = (cfg, engine, data, resolve_layout(ds, 1, 1), sum(p.numel() for p in model.parameters()))
-    seconds = {arch: 0.0 for arch in runners}
-    total = args.warmup + args.steps
-    for first in range(1, total + 1, args.chunk):
-        chunk = range(first, min(first + args.chunk, total + 1))
-        for arch, (cfg, engine, data, layout, _) in runners.items():
-            start = time.perf_counter()
-            for step in chunk:
-                train_step(engine, [data.train_batch(cfg.train.seed, step, m, 0, layout, device)
-                                    for m in range(layout.grad_accum)])
-            seconds[arch] += (time.perf_counter() - start) * sum(s > args.warmup for s in chunk) / len(chunk)
+
+    def runner(cfg, engine, data, layout, _):
+        return lambda step: train_step(engine, data.step_batches(cfg.train.seed, step, 0, layout, device))
+
+    seconds = timed_turns({arch: runner(*r) for arch, r in runners.items()}, args.warmup, args.steps, args.chunk)
     peak, peak_source = peak_flops(device, torch.bfloat16)
     results = {}
     for arch, (cfg, engine, data, layout, params) in runners.items():

@@ -9,15 +9,14 @@ For each precision, one process builds the same model twice (same seed): once in
 minimal loop: torch AdamW on fp32 weights, or for bf16/fp16 a low-precision copy for compute and fp32
 master weights for the update, which is what DeepSpeed's bf16 optimizer does. Both see the same batches,
 dropout seeds and learning rates; they take turns in chunks of steps, so a slow spell of the machine hits
-both. After warm-up steps, tokens/s is measured over --steps steps; MFU is model FLOP/s (training.metrics.
-flops_per_token: 6N + 12 x layers x width x context per token) over the peak this script measures on the same
-device for the same precision (a large square matmul). Prints a table and writes JSON (--json).
+both. After --warmup untimed steps, tokens/s is measured over --steps steps; MFU is model FLOP/s (training.metrics.
+flops_per_token: 6N + 12 x layers x width x context per token) over train.py's peak for the device and
+precision (training/device.py: a datasheet figure, train.peak_tflops, or a matmul peak measured here). Prints a table and writes JSON (--json).
 """
 import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from data.loader import TokenData  # noqa: E402
-from model import build_model  # noqa: E402
+from model import build_model, compile_blocks  # noqa: E402
 from training.config import load_ds_config, load_run_config, split_overrides  # noqa: E402
 from training.failure import leave_process_group  # noqa: E402
 from training.device import peak_flops  # noqa: E402
@@ -36,6 +35,7 @@ from training.steps import lm_loss, train_step  # noqa: E402
 from training.launcher_env import set_single_process_env  # noqa: E402
 from training.topology import resolve_layout  # noqa: E402
 from benchmarks.report import environment, print_table, write_json  # noqa: E402
+from benchmarks.turns import timed_turns  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,28 +90,24 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
                                                                                   cfg.optim.weight_decay), config=ds)
     reference = Reference(cfg, ds, DTYPES[precision], device)
-    if cfg.train.compile:
-        engine.compile()  # DeepSpeed's own torch.compile support
-        reference.model.compile()
-    runners = {"deepspeed": None, "reference": reference}
-    seconds, losses, lrs = {name: 0.0 for name in runners}, {name: [] for name in runners}, []
-    total = args.warmup + args.steps
-    for first in range(1, total + 1, args.chunk):
-        chunk = range(first, min(first + args.chunk, total + 1))
-        for name, reference in runners.items():
-            get_accelerator().synchronize()
-            start = time.perf_counter()
-            for step in chunk:
-                torch.manual_seed(hash((cfg.train.seed, 0, step)) % 2**63)
-                batches = [data.train_batch(cfg.train.seed, step, m, 0, layout, device) for m in range(layout.grad_accum)]
-                if reference is None:
-                    lrs.append(engine.get_lr()[0])
-                    losses[name].append(train_step(engine, batches))
-                else:
-                    losses[name].append(reference.step(batches, lrs[step - 1]))
-            get_accelerator().synchronize()
-            timed_steps = sum(step > args.warmup for step in chunk)
-            seconds[name] += (time.perf_counter() - start) * timed_steps / len(chunk)
+    if cfg.train.compile:  # as train.py does
+        compile_blocks(model, cfg.model.arch)
+        compile_blocks(reference.model, cfg.model.arch)
+    losses, lrs = {"deepspeed": [], "reference": []}, []
+
+    def deepspeed_step(step: int) -> None:
+        lrs.append(engine.get_lr()[0])
+        losses["deepspeed"].append(train_step(engine, batches(step)))
+
+    def reference_step(step: int) -> None:  # after the engine's step: it takes the engine's learning rate
+        losses["reference"].append(reference.step(batches(step), lrs[step - 1]))
+
+    def batches(step: int) -> list:
+        torch.manual_seed(hash((cfg.train.seed, 0, step)) % 2**63)  # the same dropout masks for both
+        return data.step_batches(cfg.train.seed, step, 0, layout, device)
+
+    runners = {"deepspeed": deepspeed_step, "reference": reference_step}
+    seconds = timed_turns(runners, args.warmup, args.steps, args.chunk)
     peak, peak_source = peak_flops(device, DTYPES[precision], cfg.train.peak_tflops, cfg.train.tf32)
     tokens_per_step = layout.global_batch * cfg.model.block_size
     result = {"precision": precision, "peak_tflops": peak / 1e12, "peak_source": peak_source,

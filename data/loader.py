@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -131,15 +132,29 @@ class TokenData:
 
     def train_batch(self, seed: int, step: int, micro_step: int, dp_rank: int, layout, device):
         """(inputs, targets) for one micro-batch of one rank; a pure function of its arguments."""
+        first = self._first_sample(step, dp_rank, layout) + micro_step * layout.micro_batch
+        return _to_device(self._train_rows(seed, first, layout.micro_batch), device)
+
+    def step_batches(self, seed: int, step: int, dp_rank: int, layout, device) -> list:
+        """The rank's micro-batches of a step, train_batch for each micro-step: its samples are contiguous,
+        so they are read, pinned and copied to the device at once, then split into views."""
+        rows = self._train_rows(seed, self._first_sample(step, dp_rank, layout), layout.grad_accum * layout.micro_batch)
+        inputs, targets = _to_device(rows, device)
+        return list(zip(inputs.split(layout.micro_batch), targets.split(layout.micro_batch)))
+
+    @staticmethod
+    def _first_sample(step: int, dp_rank: int, layout) -> int:
         if step < 1:
             raise ValueError(f"training steps count from 1, not {step}")
-        first = (step - 1) * layout.global_batch + (dp_rank * layout.grad_accum + micro_step) * layout.micro_batch
-        source, index = self.blend.locate(np.arange(first, first + layout.micro_batch))
+        return (step - 1) * layout.global_batch + dp_rank * layout.grad_accum * layout.micro_batch
+
+    def _train_rows(self, seed: int, first: int, count: int) -> np.ndarray:
+        source, index = self.blend.locate(np.arange(first, first + count))
         starts = np.empty(len(index), dtype=np.int64)
         for i in np.unique(source):
             mask = source == i
             starts[mask] = self.epochs[i].starts(seed, index[mask])
-        return _to_device(self._windows("train", source, starts), device)
+        return self._windows("train", source, starts)
 
     def eval_windows(self, split: str, count: int) -> np.ndarray:
         """The fixed validation set of `split`: `count` rows of block_size + 1 tokens, blended like training."""
@@ -190,6 +205,20 @@ class TokenData:
             raise ConfigError(f"the checkpoint was trained on other data: {'; '.join(changes)}. Resume with the "
                               f"checkpoint's data, or set data.allow_changed=true to continue on this data anyway "
                               f"(the samples then differ from an uninterrupted run)")
+
+
+def prefetched(make, steps):
+    """make(step) for each of `steps` in order, the next one made on a background thread while the caller
+    works on the current one (reading, pinning and copying a step's batches overlaps the device's work)."""
+    steps = iter(steps)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches") as pool:
+        step = next(steps, None)
+        upcoming = pool.submit(make, step) if step is not None else None
+        while upcoming is not None:
+            current = upcoming.result()
+            step = next(steps, None)
+            upcoming = pool.submit(make, step) if step is not None else None
+            yield current
 
 
 def _move(batch: torch.Tensor, device) -> torch.Tensor:

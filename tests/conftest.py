@@ -10,6 +10,11 @@ import sys
 
 import pytest
 
+# The suite pins itself to the CPU, on a GPU machine too (its subprocesses inherit this): its equalities
+# (1e-5, bitwise) are those of CPU kernels over gloo. GPU checks are benchmarks/record.sh's.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ["DS_ACCELERATOR"] = "cpu"
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # $SHAKESPEARE_TXT, else the shared copy beside the repo (CI), else the quickstart's download.
 SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT") or next(

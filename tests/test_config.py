@@ -20,6 +20,16 @@ def test_shipped_ds_configs_pass_deepspeeds_parser(path):
     assert ds["train_micro_batch_size_per_gpu"] >= 1
 
 
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=os.path.basename)
+def test_shipped_ds_configs_switch_off_deepspeeds_throughput_timer(path):
+    # On by default, it synchronizes the device in every forward and every step(); train.py has its own meter.
+    from deepspeed.runtime.config import DeepSpeedConfig
+    ds = load_ds_config(path, [])
+    if ds.get("bf16", {}).get("enabled") == "auto":  # resolved on the device by train.py
+        ds["bf16"]["enabled"] = True
+    assert DeepSpeedConfig(ds).timers_config.enabled is False
+
+
 def test_all_advertised_ds_configs_are_shipped():
     names = {os.path.basename(p) for p in DS_CONFIGS}
     assert {"zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero2_fp16.json"} <= names

@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from conftest import run
 from corpora import byte_level_encoding, prepare_blend_sources
-from data.loader import IGNORE, TokenData
+from data.loader import IGNORE, TokenData, prefetched
 from data.prepare import prepare
 from data.sampler import Blend
 from data.tokenizers import CharTokenizer, TiktokenTokenizer, tokenizer_from_meta
@@ -81,6 +82,30 @@ def test_batches_are_a_pure_function_of_seed_step_and_rank(data):
     other_step = data.train_batch(7, step=6, micro_step=1, dp_rank=1, layout=LAYOUT_DP2, device=CPU)
     other_seed = data.train_batch(8, step=5, micro_step=1, dp_rank=1, layout=LAYOUT_DP2, device=CPU)
     assert not torch.equal(a[0], other_step[0]) and not torch.equal(a[0], other_seed[0])
+
+
+def test_a_steps_batches_read_at_once_are_its_micro_batches(data):
+    for step, rank in ((1, 0), (5, 1)):
+        batches = data.step_batches(7, step, rank, LAYOUT_DP2, CPU)
+        assert len(batches) == LAYOUT_DP2.grad_accum
+        for micro_step, (inputs, targets) in enumerate(batches):
+            one = data.train_batch(7, step, micro_step, rank, LAYOUT_DP2, CPU)
+            assert torch.equal(inputs, one[0]) and torch.equal(targets, one[1])
+
+
+def test_prefetched_yields_each_steps_batches_in_order_made_one_ahead():
+    made = []
+
+    def make(step):
+        made.append(step)
+        return step * 10
+
+    batches = prefetched(make, range(3, 7))
+    assert next(batches) == 30
+    time.sleep(0.2)
+    assert made == [3, 4]  # step 4's batches were made while step 3 trained
+    assert list(batches) == [40, 50, 60] and made == [3, 4, 5, 6]
+    assert list(prefetched(make, range(0))) == []
 
 
 def global_batch(data, layout, step=3):

@@ -12,11 +12,11 @@ from omegaconf import OmegaConf
 from model import build_model
 from model.config import ModelConfig
 from model.gpt import Block
-from training.config import RunConfig
+from training.config import RunConfig, load_ds_config
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.steps import lm_loss
 
-from conftest import expected_lr, free_port
+from conftest import REPO, expected_lr, free_port
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
 
@@ -122,6 +122,21 @@ def test_optimizer_class(offload):
     assert train_steps(engine, 2)[1] > 0  # and it steps
 
 
+@pytest.mark.parametrize("name", ["zero0.json", "zero1.json", "zero2.json", "zero3.json"])
+def test_shipped_configs_reduce_bf16_gradients_in_fp32(name):
+    """Gradients all-reduced (or reduce-scattered) in fp32 in every shipped bf16 config; under ZeRO-1 also
+    accumulated in fp32, through DeepSpeed's bf16 optimizer (flat fp32 gradients and master weights)."""
+    ds = load_ds_config(os.path.join(REPO, "ds_configs", name), ["bf16.enabled=true"])
+    for batch in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        del ds[batch]  # engine_for's batch
+    engine = engine_for(run_config(train={"max_steps": 2}), ds)
+    assert engine.communication_data_type == torch.float32
+    if name == "zero1.json":
+        assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+        assert type(engine.optimizer).__name__ == "BF16_Optimizer"
+    assert train_steps(engine, 2)[1] > 0
+
+
 def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():
     """checkpoint_interval=1: each block runs its forward twice (once more in backward), the embeddings
     and the head once; losses and gradients equal those without checkpointing, dropout included (DeepSpeed
@@ -148,3 +163,20 @@ def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():
     assert loss1 == loss0
     for name, grad in grads0.items():
         torch.testing.assert_close(grads1[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_the_whole_batch_loss_with_equal_gradients(dtype):
+    """The training loss a chunk of rows at a time (recomputed in backward) is the whole-batch cross-entropy."""
+    logits = torch.randn(4, 10, 70, generator=torch.Generator().manual_seed(0)).to(dtype)
+    targets = torch.randint(0, 70, (4, 10), generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunk_rows in (7, 40):  # 40 rows: one piece, F.cross_entropy as is
+        x = logits.clone().requires_grad_(True)
+        loss = lm_loss(x, targets, chunk_rows=chunk_rows)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    (chunked, chunked_grad), (whole, whole_grad) = results
+    assert chunked.dtype == torch.float32 and chunked_grad.dtype == dtype
+    assert torch.allclose(chunked, whole, rtol=1e-6) and torch.allclose(chunked_grad.float(), whole_grad.float(), atol=1e-6)
+    assert torch.equal(whole, torch.nn.functional.cross_entropy(logits.float().view(-1, 70), targets.view(-1)))

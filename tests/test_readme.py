@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from training.config import REPO_ROOT, load_ds_config, load_run_config
 from training.memory_plan import GB, plan
@@ -96,6 +97,16 @@ def test_shipped_ds_config_matches_the_readme_table(row):
         assert zero["stage3_gather_16bit_weights_on_model_save"] is True, name
     if "DeepSpeedCPUAdam" in row["notes"]:
         assert offloads, name  # the optimizer class itself: tests/test_engine.py::test_optimizer_class
+    if "gradients accumulated in fp32" in row["notes"]:
+        assert ds["data_types"]["grad_accum_dtype"] == "fp32", name
+    if bf16:
+        assert ds["communication_data_type"] == "fp32", name  # the README's sentence on bf16 reduction
+    sizes = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "sub_group_size")
+    parsed = DeepSpeedZeroConfig(**zero)
+    if "GPU-sized" in row["notes"]:
+        assert [getattr(parsed, k) for k in sizes] == [getattr(DeepSpeedZeroConfig(), k) for k in sizes], name
+    if "10M-element buckets, sub-groups and live parameters, no reuse" in row["notes"]:
+        assert [getattr(parsed, k) for k in sizes] == [10**7, 10**7, 10**7, 0, 10**7], name
 
 
 def test_shipped_batch_and_clipping_as_the_readme_says():

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -22,7 +23,11 @@ from training.checks import Checks, ConfigError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
-DEFAULT_DS_CONFIG = os.path.join(REPO_ROOT, "ds_configs", "zero0.json")
+# On a GPU, ZeRO-1: in bf16, ZeRO-0 steps through DeepSpeed's unfused optimizer, which checks every gradient
+# tensor for overflow with a host synchronization each (about 150 a step for GPT-2 124M); ZeRO-1 with fp32
+# gradient accumulation goes through its bf16 optimizer (flat fp32 gradients and master weights, one norm)
+# and at dp=1 holds what ZeRO-0 holds. On a CPU, where "auto" means fp32 unless it computes bf16, ZeRO-0.
+DEFAULT_DS_CONFIG = os.path.join(REPO_ROOT, "ds_configs", "zero1.json" if torch.cuda.is_available() else "zero0.json")
 DS_PREFIX = "ds."
 
 
@@ -95,7 +100,8 @@ class TrainConfig:
     # How long a rank waits in a collective for the others before the job ends with an error. Long enough
     # for a slow checkpoint save on a real cluster; tests make it seconds.
     dist_timeout_s: int = 1800
-    # torch.compile the model through DeepSpeed's engine.compile() (inductor; needs a C++ compiler on CPU).
+    # torch.compile each transformer block (inductor; needs a C++ compiler on CPU); evaluation and sampling
+    # run eager.
     compile: bool = False
     # fp32 matmuls on a GPU's tensor cores as TF32 (10-bit mantissa, several times faster); false for
     # bit-level fp32 parity checks. No effect on CPU.

@@ -116,11 +116,20 @@ def compute_dtype(ds: dict, device: torch.device) -> tuple[torch.dtype, str | No
                               f"times slower: use ds_configs/zero2_fp16.json, or set ds.bf16.enabled=false")
         note = ("WARNING: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX): bf16 trains many times slower "
                 "than fp32 here; set ds.bf16.enabled=auto or false")
+    plain_zero0 = ds.get("zero_optimization", {}).get("stage", 0) == 0 and "pipeline" not in ds
+    if bf16 and plain_zero0 and device.type == "cuda":  # see DEFAULT_DS_CONFIG in training/config.py
+        note = ("WARNING: bf16 with ZeRO-0 steps through DeepSpeed's unfused optimizer, one host synchronization "
+                "per gradient tensor: use ds_configs/zero1.json (the default on a GPU), same memory at dp=1")
     return (torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32), note
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory, or the process's peak resident memory on CPU."""
+def peak_memory_gb(device: torch.device) -> tuple[float, float]:
+    """Peak allocated and peak reserved (what the caching allocator holds, what an out-of-memory error
+    counts) accelerator memory since the last call, which resets the peaks: each log interval reports its
+    own. On CPU the process's peak resident memory, twice: it has no reset."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+        allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return allocated / 2**30, reserved / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    return rss, rss

@@ -8,8 +8,10 @@ Model states follow DeepSpeed's accounting for 16-bit mixed precision with AdamW
 ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators. Activations use Megatron-LM's count
 (Korthikanti et al. 2022) with flash attention, so no sequence-squared term: per layer and token,
 18 x d_model + 4 x ffn bytes in 16-bit (Llama: less for grouped-query k and v, 8 x ffn for SwiGLU;
-2 x d_model when the layer is checkpointed), plus the logits
-(16-bit, their fp32 copy for the loss, and its gradient: 10 bytes per vocabulary entry and token).
+2 x d_model when the layer is checkpointed), of which 2 x d_model are the two residual dropout masks
+(1 byte an element; none without dropout), plus the logits: 16-bit logits and their gradient (4 bytes per
+vocabulary entry and token) and the loss's fp32 copy and log-softmax for one chunk of LOSS_CHUNK_ROWS tokens
+(training/steps.py computes the loss a chunk at a time: 8 bytes per entry and token of the chunk).
 A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batches) micro-batches.
 Allocator fragmentation, communication buckets and the CUDA context (a few GB) come on top.
 """
@@ -24,6 +26,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from model import BLOCK_CLASS, model_layers
 from training.config import REPO_ROOT, load_ds_config, load_run_config
+from training.steps import LOSS_CHUNK_ROWS
 from training.topology import pipeline_settings, resolve_layout, stage_partition
 
 GB = 2**30
@@ -39,7 +42,8 @@ def layer_activation_bytes(cfg) -> int:
     grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its hidden input and
     GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn)."""
     kv = cfg.kv_heads * cfg.head_dim
-    return 14 * cfg.n_embd + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
+    masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
+    return 12 * cfg.n_embd + masks + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -89,7 +93,7 @@ def plan(cfg, ds: dict, gpus: int) -> dict:
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
-    activations += 10 * tokens * cfg.padded_vocab_size
+    activations += (4 * tokens + 8 * min(tokens, LOSS_CHUNK_ROWS)) * cfg.padded_vocab_size
     return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
             "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
             "cpu": cpu, "micro": layout.micro_batch}
@@ -100,10 +104,12 @@ def main() -> None:
     parser.add_argument("--config", required=True, help="a preset, e.g. configs/encoder_1b.yaml")
     parser.add_argument("--ds_config", action="append", help="default: every shipped ds_config")
     parser.add_argument("--gpus", type=int, action="append", help="default: 1 and 8")
-    parser.add_argument("--gpu_gb", type=float, default=80.0, help="memory of one GPU")
+    parser.add_argument("--gpu_gb", type=float, help="memory of one GPU (default: this machine's GPU 0, else 80)")
     parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. model.block_size=2048")
     args = parser.parse_args()
 
+    if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
+        args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
     cfg = load_run_config(args.config, args.overrides).model
     ds_paths = args.ds_config or sorted(glob.glob(os.path.join(REPO_ROOT, "ds_configs", "*.json")))
     print(f"{args.config}: {cfg.arch}, {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}\n")

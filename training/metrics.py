@@ -1,10 +1,8 @@
-"""What a run measures: model FLOPs for MFU, the device peak, memory, and the metrics sink."""
+"""What a run measures: model FLOPs per token, tokens/s and MFU, and the metrics sink (the device's peak
+and memory are in training/device.py)."""
 import json
 import os
-import resource
 import time
-
-import torch
 
 from model.config import ModelConfig
 
@@ -22,32 +20,6 @@ def flops_per_token(cfg: ModelConfig) -> float:
     return 6 * matmul_weights + 12 * layers * d * cfg.block_size
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, seconds: float = 0.5) -> float:
-    """FLOP/s of a large square matmul at `dtype`: the MFU denominator when none is configured."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    torch.matmul(a, b)  # warm-up
-    _synchronize(device)
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.matmul(a, b)
-        iters += 1
-        _synchronize(device)
-    return 2 * n**3 * iters / (time.perf_counter() - start)
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory, or the process's peak resident memory on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Throughput:
     """Tokens/s and MFU over the steps since the last read; pause() leaves out time that is not training."""
 
@@ -61,7 +33,9 @@ class Throughput:
     def step(self) -> None:
         self.steps += 1
 
-    def read(self) -> tuple[float, float]:
+    def read(self) -> tuple[float | None, float | None]:
+        if not self.steps:
+            return None, None
         elapsed = time.perf_counter() - self.start
         tokens_per_s = self.tokens_per_step * self.steps / elapsed
         mfu = self.flops_per_step * self.steps / elapsed / self.peak_flops
@@ -95,12 +69,12 @@ class MetricsLog:
     def log(self, step: int, **values) -> None:
         if not self.is_writer:
             return
+        values = {k: v for k, v in values.items() if v is not None}  # a measure with nothing to report is left out
         self.file.write(json.dumps({"step": step, **values}) + "\n")
         self.file.flush()
         if self.monitor is not None and self.monitor.enabled:
             samples = step * self.samples_per_step
-            self.monitor.write_events([(f"train/{k}", v, samples) for k, v in {"step": step, **values}.items()
-                                       if v is not None])
+            self.monitor.write_events([(f"train/{k}", v, samples) for k, v in {"step": step, **values}.items()])
 
     def close(self) -> None:
         if self.file is not None:
