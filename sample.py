@@ -15,7 +15,7 @@ from data.tokenizers import TokenizerError, tokenizer_from_meta
 from model import build_model
 from model.generate import generate
 from training import checkpoint
-from training.config import ConfigError
+from training.checks import ConfigError, exit_bad_input
 from training.export import consolidated_state_dict, load_export, model_config, tokenizer_dir
 
 
@@ -52,9 +52,9 @@ def main(argv=None) -> None:
         cfg, state, tokenizer = load(args)
         prompt_ids = tokenizer.encode(args.prompt)
     except (ConfigError, TokenizerError) as e:
-        raise SystemExit(f"error: {e}") from None
+        exit_bad_input(e)
     except ValueError as e:  # a prompt character outside a char tokenizer's vocabulary
-        raise SystemExit(f"error: --prompt {args.prompt!r}: {e}; use characters of the training text") from None
+        exit_bad_input(f"--prompt {args.prompt!r}: {e}; use characters of the training text")
     model = build_model(cfg)
     model.load_state_dict(state)
     model.to(args.device).eval()

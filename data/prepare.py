@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo 
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import CharTokenizer, TokenizerError, parse_spec, tokenizer_from_meta, train_bpe
 from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic
+from training.checks import exit_bad_input
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TRAIN_FRACTION = 0.9  # the single-document split
@@ -277,7 +278,7 @@ def main(argv=None) -> None:
         prepare(inputs, out_dir, args.tokenizer, args.text_key, args.split_blank_lines, args.val_fraction,
                 args.workers, args.chunk_mb)
     except (InputError, TokenizerError, OverflowError) as e:
-        raise SystemExit(f"error: {e}") from None
+        exit_bad_input(e)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def test_plot_writes_a_png_of_several_runs(tiny_run, tmp_path):
 
 def test_plot_names_a_directory_without_metrics(tmp_path):
     proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
-    assert proc.returncode == 1 and proc.stderr.strip() == f"error: {tmp_path}/metrics.jsonl not found: pass the " \
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {tmp_path}/metrics.jsonl not found: pass the " \
         "train.out_dir of a run"
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + '\n{"step": 2, "lo')
     proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)

@@ -193,8 +193,8 @@ def test_a_failed_preparation_keeps_the_earlier_dataset(tmp_path, corpus):
 def test_command_line_errors_name_the_fix(tmp_path):
     proc = run([sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "missing.txt"),
                 "--out_dir", str(tmp_path)], check=False)
-    assert proc.returncode == 1 and "missing.txt not found: pass a file, a folder or a glob" in proc.stderr
+    assert proc.returncode == 2 and "missing.txt not found: pass a file, a folder or a glob" in proc.stderr
     (tmp_path / "text.txt").write_text("some text")
     proc = run([sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "text.txt"), "--tokenizer", "bpe:12",
                 "--out_dir", str(tmp_path / "out")], check=False)
-    assert proc.returncode == 1 and "the BPE size must be an integer above 256" in proc.stderr
+    assert proc.returncode == 2 and "the BPE size must be an integer above 256" in proc.stderr

@@ -30,7 +30,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ModelConfig
-from training.config import ConfigError
+from training.checks import ConfigError, exit_bad_input
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -272,7 +272,7 @@ def main(argv=None) -> None:
     try:
         to_universal(args.out_dir, args.tag)
     except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        exit_bad_input(e)
 
 
 if __name__ == "__main__":

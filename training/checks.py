@@ -10,10 +10,17 @@ Messages read "<section.key>=<value>: must be ...; fix: ...". A value of None (a
 unset) passes every range check; the dataclass documents what None means.
 """
 import os
+import sys
 
 
 class ConfigError(ValueError):
     """A bad setting; the message names it and how to fix it."""
+
+
+def exit_bad_input(message) -> None:
+    """How a command-line tool ends on bad input, as train.py does: one line on stderr, exit 2, no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 class Checks:

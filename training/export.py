@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from model import build_model
 from model.config import ModelConfig
 from training import checkpoint
-from training.config import ConfigError
+from training.checks import ConfigError, exit_bad_input
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
 from training.optim import decay_split
 
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
         output = args.output or os.path.join(args.out_dir, "export", os.path.basename(tag_dir))
         print(f"wrote {export(tag_dir, output)}: model.safetensors, config.json")
     except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        exit_bad_input(e)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ import json
 import os
 import sys
 
+if __package__ in (None, ""):  # `python training/plot.py`: import from the repo root, as `python -m` does
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from training.checks import exit_bad_input  # noqa: E402
+
 
 class PlotError(ValueError):
     """A run directory that cannot be plotted; the message says why."""
@@ -96,7 +100,7 @@ def main(argv=None) -> None:
         output = args.output or os.path.join(args.run_dirs[0], "metrics.png")
         plot(runs, output, args.x)
     except PlotError as e:
-        raise SystemExit(f"error: {e}") from None  # exit 1, no traceback
+        exit_bad_input(e)
     print(f"wrote {output}")
 
 
