@@ -30,6 +30,14 @@ def test_shipped_ds_configs_switch_off_deepspeeds_throughput_timer(path):
     assert DeepSpeedConfig(ds).timers_config.enabled is False
 
 
+def test_the_default_ds_config_is_zero1_on_a_gpu_and_zero0_on_a_cpu():
+    """On a GPU bf16 ZeRO-0 would step through DeepSpeed's unfused optimizer (a host sync per gradient)."""
+    from training.config import DEFAULT_DS_CONFIG, default_ds_config
+    assert os.path.basename(default_ds_config(cuda=True)) == "zero1.json"
+    assert os.path.basename(default_ds_config(cuda=False)) == "zero0.json" == os.path.basename(DEFAULT_DS_CONFIG)
+    assert load_ds_config(default_ds_config(cuda=True), [])["data_types"]["grad_accum_dtype"] == "fp32"
+
+
 def test_all_advertised_ds_configs_are_shipped():
     names = {os.path.basename(p) for p in DS_CONFIGS}
     assert {"zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero2_fp16.json"} <= names

@@ -27,7 +27,11 @@ DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
 # tensor for overflow with a host synchronization each (about 150 a step for GPT-2 124M); ZeRO-1 with fp32
 # gradient accumulation goes through its bf16 optimizer (flat fp32 gradients and master weights, one norm)
 # and at dp=1 holds what ZeRO-0 holds. On a CPU, where "auto" means fp32 unless it computes bf16, ZeRO-0.
-DEFAULT_DS_CONFIG = os.path.join(REPO_ROOT, "ds_configs", "zero1.json" if torch.cuda.is_available() else "zero0.json")
+def default_ds_config(cuda: bool) -> str:
+    return os.path.join(REPO_ROOT, "ds_configs", "zero1.json" if cuda else "zero0.json")
+
+
+DEFAULT_DS_CONFIG = default_ds_config(torch.cuda.is_available())
 DS_PREFIX = "ds."
 
 
