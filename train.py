@@ -3,10 +3,11 @@
     python train.py                                             # one process, CPU quickstart
     deepspeed --num_gpus 8 train.py --ds_config ds_configs/zero2.json --config configs/gpt2_124m.yaml
     deepspeed --num_gpus 4 train.py --ds_config ds_configs/pipe2.json    # 2 stages x 2 data parallel
+    deepspeed --num_gpus 8 train.py --ds_config ds_configs/pipe2_tp2.json  # 2 stages x 2 data x 2 tensor
     python train.py train.max_steps=100 model.n_layer=2 ds.zero_optimization.stage=1
 
-The ds_config JSON owns the engine (batch, ZeRO, precision, clipping, pipeline stages); the run YAML
-owns everything else.
+The ds_config JSON owns the engine (batch, ZeRO, precision, clipping, pipeline stages, tensor-parallel
+degree); the run YAML owns everything else.
 """
 import dataclasses
 import functools
@@ -19,11 +20,13 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from omegaconf import OmegaConf
 
 from data.loader import TokenData, prefetched
 from model import BLOCK_CLASS, build_model, build_pipeline, compile_blocks, model_layers
 from model.generate import generate
+from model.parallel import SINGLE, TensorParallel, gather_vocab
 from training import checkpoint, hf
 from training.config import ConfigError, RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
@@ -31,10 +34,10 @@ from training.launcher_env import set_distributed_env
 from training.device import compute_dtype, peak_flops, peak_memory_gb
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
-from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks, tied_weights_in_sync,
-                            train_step)
-from training.topology import (Layout, Pipeline, describe_hosts, describe_stages, pipeline_settings, resolve_layout,
-                               stage_partition)
+from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks,
+                            replicated_weights_in_sync, tied_weights_in_sync, train_step)
+from training.topology import (Layout, Pipeline, describe_groups, describe_hosts, describe_rank, describe_stages,
+                               pipeline_settings, resolve_layout, stage_partition, tensor_parallel_size, topology)
 
 
 def main(argv=None) -> None:
@@ -59,17 +62,18 @@ def main(argv=None) -> None:
         torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")  # TF32 or full fp32 matmuls
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     pipe = pipeline_settings(ds)
-    if cfg.train.compile and pipe.stages > 1:
-        raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
-                          "stages or set train.compile=false")
-    layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), pipe.stages)
-    try:
-        specs = model_layers(cfg.model)
+    tp_size = tensor_parallel_size(ds)
+    if cfg.train.compile and (pipe.stages > 1 or tp_size > 1):
+        raise ConfigError("train.compile=true works on the plain module without tensor parallelism only: use a "
+                          "ds_config without pipeline stages or tensor_model_parallel_size, or set train.compile=false")
+    layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), pipe.stages, tp_size)
+    try:  # this rank's shapes, no process group yet: enough to check and partition the layer list
+        specs = model_layers(cfg.model, TensorParallel(tp_size))
     except ValueError as e:  # a shape the architecture cannot take (model/ knows no ConfigError)
         raise ConfigError(str(e)) from None
     parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.model.arch])
     ds.update(optimizer_and_schedule(cfg, ds))
-    layout_record = {"world": layout.world_size, "dp": layout.dp, "pp": layout.pipeline_stages,
+    layout_record = {"world": layout.world_size, "dp": layout.dp, "pp": layout.pipeline_stages, "tp": tp_size,
                      "zero_stage": ds.get("zero_optimization", {}).get("stage", 0)}
     resume_dir = checkpoint.plan_resume(cfg.train.out_dir, cfg.train.resume, dataclasses.asdict(cfg.model),
                                         layout_record, ds)
@@ -87,27 +91,38 @@ def main(argv=None) -> None:
     hostnames = [None] * layout.world_size
     torch.distributed.all_gather_object(hostnames, socket.gethostname())
     os.makedirs(cfg.train.out_dir, exist_ok=True)
+    topo = topology(layout)
     if rank == 0:
         save_effective_config(cfg, ds, layout)
         say(f"topology ({launcher}): {describe_hosts(hostnames)}; {layout.describe()}")
         say(describe_stages(specs, parts, layout))
+        if tp_size > 1:
+            say(describe_groups(topo))
+            say("\n".join(describe_rank(topo, r) for r in range(layout.world_size)))
+    # DeepSpeed's grid over the topology, the mpu of both builds (PipelineModule makes its own from the same
+    # topology). Without stages or tensor parallelism the engine needs none.
+    grid = PipelineParallelGrid(topology=topo) if tp_size > 1 or pipe.stages > 1 else None
+    tp = TensorParallel(tp_size, grid.get_tensor_model_parallel_rank(), grid.get_slice_parallel_group()) \
+        if tp_size > 1 else SINGLE
+    dp_rank = grid.get_data_parallel_rank() if grid else rank
 
     PHASE.now("building the model and the DeepSpeed engine")
 
-    model = build(cfg, pipe, ds)
+    model = build(cfg, pipe, ds, topo, tp, grid)
     if cfg.train.compile:
         say(f"compiling {compile_blocks(model, cfg.model.arch)} blocks (torch.compile) at the first step")
     if init_from:
         hf.load_into(model, init_from, cfg.model)
         say(f"initialized from {init_from}")
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+    # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
+    mpu = grid if tp_size > 1 and pipe.stages == 1 else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
     start_schedule(engine)
     pipelined = isinstance(engine, PipelineEngine)
     if pipelined:
         assert model.parts == parts, f"PipelineModule chose stage boundaries {model.parts}, expected {parts}"
-    dp_rank = engine.grid.get_data_parallel_rank() if pipelined else rank
 
     start_step = 0
     if resume_dir:
@@ -133,7 +148,7 @@ def main(argv=None) -> None:
     def evaluate(step: int) -> None:
         windows = cfg.train.eval_windows
         losses = {split: eval_loss(engine, list(data.eval_batches(split, windows, dp_rank, layout, device)),
-                                   windows * cfg.model.block_size)
+                                   windows * cfg.model.block_size, tp)
                   for split in ("train", "val")}
         log.log(step, train_loss=losses["train"], val_loss=losses["val"])
         say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -150,12 +165,14 @@ def main(argv=None) -> None:
     for step, micro_batches in zip(steps, batches):
         # Dropout masks, like the data, are a pure function of (seed, rank, step): a resumed run
         # draws what an uninterrupted one would. PipelineModule reseeds per micro-batch from its own count.
-        torch.manual_seed(hash((cfg.train.seed, rank, step)) % 2**63)
+        # The tensor ranks of a replica draw alike: their replicated activations must stay equal. (Megatron
+        # draws attention dropout per head slice from a second generator; here the slices' masks repeat.)
+        torch.manual_seed(hash((cfg.train.seed, rank // tp_size, step)) % 2**63)
         if pipelined:
             model.micro_offset = step * layout.grad_accum
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
-        loss = train_step(engine, micro_batches)
+        loss = train_step(engine, micro_batches, tp)
         meter.step()
         if step == start_step + 1:
             # The first step after start or resume pays for warm-up (allocations, kernel choices, a compiled
@@ -188,27 +205,39 @@ def main(argv=None) -> None:
         log.log(last_step, tied_weights_in_sync=in_sync)
         if not in_sync:
             say("WARNING: the tied embedding and LM head differ between the first and last stage")
+    if tp_size > 1:
+        in_sync = replicated_weights_in_sync(engine.module, tp)
+        log.log(last_step, replicated_weights_in_sync=in_sync)
+        if not in_sync:
+            say("WARNING: a replicated weight (a norm, a row-parallel bias) differs between tensor-parallel ranks")
     log.close()
 
     PHASE.now("sampling")
-    forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size) \
-        if pipelined else engine
+    if pipelined:
+        forward = PipelineLogits(engine, layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size, tp)
+    else:
+        forward = (lambda idx: gather_vocab(engine(idx), tp)) if tp_size > 1 else engine
     say(f"--- sample ---\n{sample(engine, forward, cfg, tokenizer, prompt_ids, device)}\n--------------")
     leave_process_group()
 
 
-def build(cfg: RunConfig, pipe: Pipeline, ds: dict) -> torch.nn.Module:
+def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo, tp: TensorParallel, grid) -> torch.nn.Module:
     """The model's layer list as a PipelineModule (more than one stage) or as a plain module."""
     if pipe.stages > 1:
-        return build_pipeline(cfg.model, cfg.train.seed, pipe.stages, pipe.partition, lm_loss, pipe.checkpoint_interval)
+        return build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
+                              pipe.checkpoint_interval, tp)
     # Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model. It is
     # built on the CPU, from the CPU generator, as in every other layout, then partitioned (zero.Init(module=)):
     # inside zero.Init's context it would be made on the GPU by the GPU's generator, other weights for a seed.
+    # Under tensor parallelism it is partitioned over the data-parallel replicas of each slice.
     if ds.get("zero_optimization", {}).get("stage", 0) == 3:
+        group = grid.get_data_parallel_group() if tp.size > 1 else None
+
         def partition(layer):
-            deepspeed.zero.Init(module=layer, config_dict_or_path=ds)
-        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition)
-    return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval)
+            deepspeed.zero.Init(module=layer, config_dict_or_path=ds, data_parallel_group=group,
+                                mpu=grid if tp.size > 1 else None)
+        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition, tp=tp)
+    return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp)
 
 
 def count_parameters(cfg: RunConfig) -> int:

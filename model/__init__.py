@@ -5,6 +5,7 @@ from model.config import ModelConfig
 from model.encoder import encoder_layers
 from model.gpt import gpt_layers
 from model.llama import llama_layers
+from model.parallel import SINGLE, TensorParallel
 from model.stack import LayerStack, pipeline_module
 
 LAYER_LISTS = {"gpt": gpt_layers, "llama": llama_layers, "encoder": encoder_layers}
@@ -13,19 +14,37 @@ LAYER_LISTS = {"gpt": gpt_layers, "llama": llama_layers, "encoder": encoder_laye
 BLOCK_CLASS = {"gpt": "Block", "llama": "LlamaBlock", "encoder": "CausalEncoderLayer"}
 
 
-def model_layers(cfg: ModelConfig) -> list:
+def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
     if cfg.arch not in LAYER_LISTS:
         raise ValueError(f"unknown model.arch={cfg.arch!r}; choose one of {sorted(LAYER_LISTS)}")
-    return LAYER_LISTS[cfg.arch](cfg)
+    check_tensor_parallel(cfg, tp.size)
+    return LAYER_LISTS[cfg.arch](cfg, tp)
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, place=None) -> nn.Module:
-    return LayerStack(model_layers(cfg), seed, checkpoint_interval, (BLOCK_CLASS[cfg.arch],), place)
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """What a tensor-parallel degree must divide: each rank holds whole heads (whole groups of query heads
+    under grouped-query attention), an equal share of the MLP's features and of the padded vocabulary."""
+    if size == 1:
+        return
+    shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
+              "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": cfg.mlp_hidden}
+    if cfg.arch == "llama":
+        shares["the key/value heads (model.n_kv_head)"] = cfg.kv_heads
+    for what, count in shares.items():
+        if count % size:
+            raise ValueError(f"tensor_model_parallel_size={size} does not divide {what} = {count}: every tensor-"
+                             f"parallel rank holds an equal share. Choose a degree that divides it")
 
 
-def build_pipeline(cfg: ModelConfig, seed: int, stages: int, partition: str, loss_fn,
-                   checkpoint_interval: int = 0) -> nn.Module:
-    return pipeline_module(model_layers(cfg), seed, stages, partition, loss_fn, checkpoint_interval,
+def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, place=None,
+                tp: TensorParallel = SINGLE) -> nn.Module:
+    return LayerStack(model_layers(cfg, tp), seed, checkpoint_interval, (BLOCK_CLASS[cfg.arch],), place)
+
+
+def build_pipeline(cfg: ModelConfig, seed: int, topology, partition: str, loss_fn, checkpoint_interval: int = 0,
+                   tp: TensorParallel = SINGLE) -> nn.Module:
+    """topology: DeepSpeed's PipeModelDataParallelTopology of the run (stages x data x tensor)."""
+    return pipeline_module(model_layers(cfg, tp), seed, topology, partition, loss_fn, checkpoint_interval,
                            (BLOCK_CLASS[cfg.arch],))
 
 

@@ -14,6 +14,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.zero import GatheredParameters
 
 from model.config import ModelConfig
+from model.parallel import COLUMN, ROW, SINGLE, TensorParallel, VocabParallelEmbedding, parallelize, vocab_logits
 
 INIT_STD = 0.02
 
@@ -34,22 +35,22 @@ def init_weights(module: nn.Module, n_layer: int, residual: tuple) -> None:
                 nn.init.normal_(p, mean=0.0, std=INIT_STD)
 
 
-class TokenEmbedding(nn.Module):
-    """Token embedding; its weight doubles as the LM head. Kept alone in its module because
-    TiedLayerSpec ties only `weight` across pipeline stages: anything else here would go stale."""
+def normal_init(weight: torch.Tensor) -> None:
+    nn.init.normal_(weight, mean=0.0, std=INIT_STD)
 
-    def __init__(self, padded_vocab_size: int, n_embd: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(padded_vocab_size, n_embd))
-        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.weight)
+class TokenEmbedding(VocabParallelEmbedding):
+    """Token embedding (split by vocabulary under tensor parallelism); its weight doubles as the LM head.
+    Kept alone in its module because TiedLayerSpec ties only `weight` across pipeline stages: anything
+    else here would go stale."""
+
+    def __init__(self, padded_vocab_size: int, n_embd: int, tp: TensorParallel = SINGLE):
+        super().__init__(padded_vocab_size, n_embd, tp, normal_init)
 
 
 def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
-    """Logits over the padded vocabulary through the tied embedding weight."""
-    return F.linear(x, embedding.weight)
+    """Logits over the padded vocabulary (this rank's slice of it) through the tied embedding weight."""
+    return vocab_logits(x, embedding.weight, embedding.tp)
 
 
 class PositionEmbedding(nn.Module):
@@ -68,18 +69,19 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}")
-        self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.dropout = dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # fused: one GEMM for q, k and v
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        B, T, _ = x.shape
+        # -1: the heads this rank holds (all of them, or its share under tensor parallelism)
+        q, k, v = self.qkv(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
@@ -93,29 +95,36 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
+# Tensor parallelism (model/parallel.py): q|k|v split by heads, the MLP's hidden features split, each
+# pair closed by a row-parallel projection.
+BLOCK_SPLITS = {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block."""
 
-    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, n_layer: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, n_layer: int, dropout: float, bias: bool,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, mlp_hidden, dropout, bias)
         init_weights(self, n_layer, residual=("attn.proj.weight", "mlp.proj.weight"))
+        parallelize(self, BLOCK_SPLITS, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
-def gpt_layers(cfg: ModelConfig) -> list:
+def gpt_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
     """Embedding, position embedding, n_layer blocks, final LayerNorm, tied LM head."""
-    embed = dict(padded_vocab_size=cfg.padded_vocab_size, n_embd=cfg.n_embd)
+    embed = dict(padded_vocab_size=cfg.padded_vocab_size, n_embd=cfg.n_embd, tp=tp)
     return [
         TiedLayerSpec("embed", TokenEmbedding, **embed),
         LayerSpec(PositionEmbedding, cfg.block_size, cfg.n_embd, cfg.dropout),
-        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.n_layer, cfg.dropout, cfg.bias)
+        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.n_layer, cfg.dropout, cfg.bias, tp)
           for _ in range(cfg.n_layer)],
         LayerSpec(nn.LayerNorm, cfg.n_embd, bias=cfg.bias),
         TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),

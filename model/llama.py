@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
-from deepspeed.runtime.zero import GatheredParameters
 
 from model.config import ModelConfig
-from model.gpt import INIT_STD, TokenEmbedding, init_weights, lm_head
+from model.gpt import TokenEmbedding, init_weights, lm_head, normal_init
+from model.parallel import COLUMN, ROW, SINGLE, TensorParallel, VocabParallelHead, parallelize
 
 
 def check_llama(cfg: ModelConfig) -> None:
@@ -63,7 +63,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.q = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
         self.k = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -76,14 +76,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # -1: the heads this rank holds (all, or its share of the query and of the key/value heads)
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # enable_gqa: query head h reads key/value head h // (n_head / n_kv_head), without copying them.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+                                           enable_gqa=k.size(1) != q.size(1))
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -98,39 +99,44 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+# Tensor parallelism (model/parallel.py): query and key/value heads split alike (each rank keeps whole
+# groups of grouped-query attention), the SwiGLU's hidden features split, o and down row-parallel.
+BLOCK_SPLITS = {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
+                "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW}
+
+
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.n_embd, cfg.mlp_hidden)
         init_weights(self, cfg.n_layer, residual=("attn.o.weight", "mlp.down.weight"))
+        parallelize(self, BLOCK_SPLITS, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LMHead(nn.Linear):
-    """The untied output matrix over the padded vocabulary."""
+class LMHead(VocabParallelHead):
+    """The untied output matrix over the padded vocabulary (split by vocabulary under tensor parallelism)."""
 
-    def __init__(self, n_embd: int, padded_vocab_size: int):
-        super().__init__(n_embd, padded_vocab_size, bias=False)
-        with GatheredParameters([self.weight], modifier_rank=0):
-            nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+    def __init__(self, n_embd: int, padded_vocab_size: int, tp: TensorParallel = SINGLE):
+        super().__init__(n_embd, padded_vocab_size, tp, normal_init)
 
 
-def llama_layers(cfg: ModelConfig) -> list:
+def llama_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
     """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding if asked)."""
     check_llama(cfg)
-    embed = dict(padded_vocab_size=cfg.padded_vocab_size, n_embd=cfg.n_embd)
+    embed = dict(padded_vocab_size=cfg.padded_vocab_size, n_embd=cfg.n_embd, tp=tp)
     if cfg.tie_embeddings:
         first, head = (TiedLayerSpec("embed", TokenEmbedding, **embed),
                        TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head))
     else:
-        first, head = LayerSpec(TokenEmbedding, **embed), LayerSpec(LMHead, cfg.n_embd, cfg.padded_vocab_size)
-    return [first, *[LayerSpec(LlamaBlock, cfg) for _ in range(cfg.n_layer)],
+        first, head = LayerSpec(TokenEmbedding, **embed), LayerSpec(LMHead, cfg.n_embd, cfg.padded_vocab_size, tp)
+    return [first, *[LayerSpec(LlamaBlock, cfg, tp) for _ in range(cfg.n_layer)],
             LayerSpec(nn.RMSNorm, cfg.n_embd, eps=cfg.norm_eps), head]

@@ -69,9 +69,9 @@ class LayerStack(nn.Module):
         return x
 
 
-def pipeline_module(specs: list, seed: int, stages: int, partition: str, loss_fn, checkpoint_interval: int = 0,
+def pipeline_module(specs: list, seed: int, topology, partition: str, loss_fn, checkpoint_interval: int = 0,
                     checkpointable: tuple = ()) -> PipelineModule:
-    return PipelineModule(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method=partition,
+    return PipelineModule(layers=specs, topology=topology, loss_fn=loss_fn, partition_method=partition,
                           activation_checkpoint_interval=checkpoint_interval,
                           checkpointable_layers=list(checkpointable), seed_layers=True, base_seed=seed,
                           seed_fn=seed_layer)

@@ -261,7 +261,8 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}") from None
         raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}") from None
-    unknown = sorted(set(ds) - probe.read - {"train_batch_size"})
+    # Our key beside DeepSpeed's (training/topology.py TP_KEY): the tensor-parallel degree of our own layers.
+    unknown = sorted(set(ds) - probe.read - {"train_batch_size", "tensor_model_parallel_size"})
     if unknown:
         hints = [f"'{k}'" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(k, probe.read, 1))
                              else "") for k in unknown]

@@ -1,11 +1,13 @@
 """What the training loop asks of a DeepSpeed engine: a training step, a loss estimate, and logits for
 sampling. The plain engine runs micro-batches one by one; the pipeline engine takes all of a step's
 micro-batches at once and returns the loss averaged over them and over data-parallel ranks."""
+import math
+
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.utils import clip_grad_norm_
+
+from model.parallel import SINGLE, TensorParallel, cross_entropy_sum, gather_vocab, split_rule
 
 
 # Rows (tokens) of logits whose fp32 copy and softmax exist at once in the training loss: 8192 x 50304 x 4
@@ -14,20 +16,18 @@ from deepspeed.runtime.utils import clip_grad_norm_
 LOSS_CHUNK_ROWS = 8192
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32. With gradients, a chunk of rows at a time under activation
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
+            tp: TensorParallel = SINGLE) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32, over logits of the whole vocabulary or, under tensor
+    parallelism, of this rank's slice of it. With gradients, a chunk of rows at a time under activation
     checkpointing: each chunk's fp32 logits and log-softmax are made in the forward pass, dropped, and made
     again in the backward pass, so they never exist for the whole batch (only the 16-bit logits do)."""
     logits, targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)
     if not torch.is_grad_enabled() or logits.size(0) <= chunk_rows:
-        return F.cross_entropy(logits.float(), targets)
-    sums = [checkpoint(_loss_sum, rows, row_targets, use_reentrant=False)
+        return cross_entropy_sum(logits, targets, tp) / targets.numel()
+    sums = [checkpoint(cross_entropy_sum, rows, row_targets, tp, use_reentrant=False)
             for rows, row_targets in zip(logits.split(chunk_rows), targets.split(chunk_rows))]
     return torch.stack(sums).sum() / targets.numel()
-
-
-def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -37,52 +37,76 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 
 
 def keep_fp32_grad_norm(engine) -> None:
-    """Work around DeepSpeed: in fp32 without ZeRO it clips the gradients (engine.clip_fp32_gradients) but
-    drops the norm it computed, so get_global_grad_norm() stays None. Clip the same way and keep it."""
+    """Work around DeepSpeed in fp32 without ZeRO: it clips the gradients (engine.clip_fp32_gradients) but
+    drops the norm it computed, so get_global_grad_norm() stays None; and its clip_grad_norm_ counts the
+    replicated parameters only where the grid's model-parallel rank is 0, which under a pipeline grid spans
+    stages x tensor ranks, so every stage but the first went uncounted. Clip with grad_norm, and keep it."""
     if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled() or not engine.gradient_clipping():
         return
 
     def clip_and_keep_norm() -> None:
-        engine._global_grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(), mpu=engine.mpu)
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        norm = grad_norm(params, engine.mpu)
+        engine._global_grad_norm = norm
+        scale = engine.gradient_clipping() / (norm + 1e-6)
+        if scale < 1:
+            torch._foreach_mul_([p.grad for p in params], scale)
 
     engine.clip_fp32_gradients = clip_and_keep_norm
 
 
-def train_step(engine, micro_batches: list) -> torch.Tensor:
+def grad_norm(params: list, mpu=None) -> float:
+    """The L2 norm of the whole model's gradient, counted as ZeRO counts it: a tensor-parallel slice on
+    every tensor rank, a replicated parameter on tensor rank 0 only, a tied copy (ds_pipe_replicated) once,
+    summed over the stages and tensor ranks of this data-parallel replica (the grid's model-parallel group)."""
+    tensor_rank = mpu.get_tensor_model_parallel_rank() if mpu is not None else 0
+    counted = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)
+               and (tensor_rank == 0 or split_rule(p) is not None)]
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
+    for g in counted:
+        total += g.detach().double().square().sum()
+    if mpu is not None:
+        torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
+    return math.sqrt(total.item())
+
+
+def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE) -> torch.Tensor:
     """One optimizer step over the step's micro-batches; returns their mean loss, still on the device."""
     if isinstance(engine, PipelineEngine):
         return engine.train_batch(iter(micro_batches))
     total = 0.0
     for inputs, targets in micro_batches:
-        loss = lm_loss(engine(inputs), targets)
+        loss = lm_loss(engine(inputs), targets, tp=tp)
         engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
         engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
         total += loss.detach()
     return total / len(micro_batches)
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel = SINGLE) -> torch.Tensor:
     """Summed loss of the target tokens; padding rows (target -100, cross_entropy's ignore_index) add nothing."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+    return cross_entropy_sum(logits.view(-1, logits.size(-1)), targets.reshape(-1), tp)
 
 
 @torch.no_grad()
-def eval_loss(engine, batches: list, tokens: int) -> float:
-    """Mean loss over the `tokens` target tokens of every rank's batches (a fixed validation set: see
-    data/loader.py), the same for any layout. The pipeline engine averages its loss function's outputs over
-    micro-batches and data-parallel ranks, so during evaluation that function returns the micro-batch's
-    summed loss scaled by micro-batches x dp / tokens: the average is then the mean over the set."""
+def eval_loss(engine, batches: list, tokens: int, tp: TensorParallel = SINGLE) -> float:
+    """Mean loss over the `tokens` target tokens of every data-parallel rank's batches (a fixed validation
+    set: see data/loader.py), the same for any layout. The pipeline engine averages its loss function's
+    outputs over micro-batches and data-parallel ranks, so during evaluation that function returns the
+    micro-batch's summed loss scaled by micro-batches x dp / tokens: the average is then the mean over the set."""
     if isinstance(engine, PipelineEngine):
         module, scale = engine.module, len(batches) * engine.dp_world_size / tokens
-        training_loss, module.loss_fn = module.loss_fn, lambda logits, targets: token_loss_sum(logits, targets) * scale
+        training_loss = module.loss_fn
+        module.loss_fn = lambda logits, targets: token_loss_sum(logits, targets, tp) * scale
         try:
             return float(engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
         finally:
             module.loss_fn = training_loss
     engine.eval()
-    total = sum(token_loss_sum(engine(inputs), targets).double() for inputs, targets in batches)
+    total = sum(token_loss_sum(engine(inputs), targets, tp).double() for inputs, targets in batches)
     engine.train()
-    torch.distributed.all_reduce(total)
+    # Over the data-parallel ranks only: the tensor ranks of a replica hold the same sum.
+    torch.distributed.all_reduce(total, group=engine.mpu.get_data_parallel_group() if engine.mpu else None)
     return total.item() / tokens
 
 
@@ -93,8 +117,9 @@ class PipelineLogits:
     right-padded in a batch of training shape (causal attention keeps the padding out of its logits).
     The last stage holds the logits and broadcasts the last position's row along its pipeline."""
 
-    def __init__(self, engine: PipelineEngine, micro_batch: int, block_size: int, padded_vocab_size: int):
-        self.engine, self.shape, self.vocab = engine, (micro_batch, block_size), padded_vocab_size
+    def __init__(self, engine: PipelineEngine, micro_batch: int, block_size: int, padded_vocab_size: int,
+                 tp: TensorParallel = SINGLE):
+        self.engine, self.shape, self.vocab, self.tp = engine, (micro_batch, block_size), padded_vocab_size, tp
         self.last_stage = engine.grid.stage_to_global(engine.num_stages - 1)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
@@ -107,7 +132,7 @@ class PipelineLogits:
         _, logits = self.engine.eval_batch(iter([(batch, batch)]), return_logits=True, bcast_loss=False,
                                            num_micro_batches=1)
         if self.engine.is_last_stage():
-            row.copy_(logits[0:1, t - 1: t].float())
+            row.copy_(gather_vocab(logits[0:1, t - 1: t].float(), self.tp))
         torch.distributed.broadcast(row, src=self.last_stage, group=self.engine.grid.get_pipe_parallel_group())
         return row
 
@@ -123,6 +148,22 @@ def tied_weights_in_sync(engine: PipelineEngine) -> bool:
             weight = module._recursive_getattr(comm["module"], attr).detach()
             reference = weight.clone()
             torch.distributed.broadcast(reference, src=min(comm["ranks"]), group=comm["group"])
+            in_sync &= int(torch.equal(reference, weight))
+    torch.distributed.all_reduce(in_sync, op=torch.distributed.ReduceOp.MIN)
+    return bool(in_sync.item())
+
+
+def replicated_weights_in_sync(module: torch.nn.Module, tp: TensorParallel) -> bool:
+    """Are the weights every tensor rank holds whole (norms, row-parallel biases, positions) bitwise equal
+    across the tensor ranks? Nothing in DeepSpeed re-synchronizes them: equal initialization, batches and
+    gradients keep them so, and this checks it. Under ZeRO-3 each rank compares its own partition."""
+    in_sync = torch.ones((), dtype=torch.int32, device=next(module.parameters()).device)
+    source = torch.distributed.get_global_rank(tp.group, 0)
+    for p in module.parameters():
+        if split_rule(p) is None:
+            weight = getattr(p, "ds_tensor", p).detach()
+            reference = weight.clone()
+            torch.distributed.broadcast(reference, src=source, group=tp.group)
             in_sync &= int(torch.equal(reference, weight))
     torch.distributed.all_reduce(in_sync, op=torch.distributed.ReduceOp.MIN)
     return bool(in_sync.item())

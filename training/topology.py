@@ -1,8 +1,9 @@
-"""Parallel layout maths, in one place: world = dp x pp, the batch triple, and the pipeline stages.
+"""Parallel layout maths, in one place: world = pp x dp x tp, the batch triple, the pipeline stages, and
+DeepSpeed's topology and grid over them.
 
 DeepSpeed requires train_batch_size == micro_batch x grad_accum x dp but its error names the world
-size; with pipelines dp = world / stages, so we derive and check the triple ourselves first. Every
-check here runs before any process group exists.
+size; with pipeline stages and tensor parallelism dp = world / (pp x tp), so we derive and check the
+triple ourselves first. Every check here runs before any process group exists.
 """
 import re
 from dataclasses import dataclass
@@ -20,26 +21,47 @@ class Layout:
     pipeline_stages: int
     micro_batch: int
     grad_accum: int
+    tensor_parallel: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.pipeline_stages
+        return self.world_size // (self.pipeline_stages * self.tensor_parallel)
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp
 
     def describe(self) -> str:
-        return (f"world {self.world_size} = dp {self.dp} x pp {self.pipeline_stages}; global batch "
+        tp = f" x tp {self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return (f"world {self.world_size} = dp {self.dp} x pp {self.pipeline_stages}{tp}; global batch "
                 f"{self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} x dp {self.dp}")
 
 
-def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1) -> Layout:
+# The ds_config's tensor-parallel degree. Ours, not DeepSpeed's: its "tensor_parallel" section switches on
+# AutoTP, which cannot be combined with pipeline stages (the layers are ours: model/parallel.py).
+TP_KEY = "tensor_model_parallel_size"
+
+
+def tensor_parallel_size(ds: dict) -> int:
+    """The degree, checked against what this repo can combine it with."""
+    tp = ds.get(TP_KEY, 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"{TP_KEY} must be a positive integer, got {tp!r}")
+    if tp > 1 and ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1:
+        raise ConfigError(f"{TP_KEY}={tp} and DeepSpeed's AutoTP (tensor_parallel.autotp_size) are both set: the "
+                          f"model's own tensor-parallel layers replace AutoTP here; remove the tensor_parallel section")
+    return tp
+
+
+def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tensor_parallel: int = 1) -> Layout:
     """Derive the missing member of the batch triple in `ds` (in place) and check that it holds."""
-    if world_size % pipeline_stages:
-        raise ConfigError(f"{pipeline_stages} pipeline stages do not divide the world size {world_size}: "
-                          f"launch a multiple of {pipeline_stages} processes or change pipeline.stages")
-    dp = world_size // pipeline_stages
+    if world_size % (pipeline_stages * tensor_parallel):
+        what = (f"{pipeline_stages} pipeline stages x tensor-parallel degree {tensor_parallel} = "
+                f"{pipeline_stages * tensor_parallel} do not" if tensor_parallel > 1 else
+                f"{pipeline_stages} pipeline stages do not")
+        raise ConfigError(f"{what} divide the world size {world_size}: launch a multiple of "
+                          f"{pipeline_stages * tensor_parallel} processes or change pipeline.stages / {TP_KEY}")
+    dp = world_size // (pipeline_stages * tensor_parallel)
     micro, accum, batch = ds.get(MICRO), ds.get(ACCUM), ds.get(GLOBAL)
     for key, value in ((MICRO, micro), (ACCUM, accum), (GLOBAL, batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -53,21 +75,21 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1) -> Layou
         accum = accum or 1
         if batch % (accum * dp):
             raise ConfigError(f"{GLOBAL}={batch} is not divisible by {ACCUM} ({accum}) x dp ({dp}, "
-                              f"= world {world_size} / pp {pipeline_stages}): no whole micro batch fits")
+                              f"= world {world_size} / pp {pipeline_stages} / tp {tensor_parallel}): no whole micro batch fits")
         micro = batch // (accum * dp)
     elif accum is None:
         if batch % (micro * dp):
             raise ConfigError(f"{GLOBAL}={batch} is not divisible by {MICRO} ({micro}) x dp ({dp}, "
-                              f"= world {world_size} / pp {pipeline_stages}): no whole number of "
+                              f"= world {world_size} / pp {pipeline_stages} / tp {tensor_parallel}): no whole number of "
                               f"accumulation steps fits")
         accum = batch // (micro * dp)
     if batch != micro * accum * dp:
         raise ConfigError(
             f"{GLOBAL} ({batch}) != {MICRO} ({micro}) x {ACCUM} ({accum}) x dp ({dp}, = world "
-            f"{world_size} / pp {pipeline_stages}) = {micro * accum * dp}. Fix one of them, or drop "
+            f"{world_size} / pp {pipeline_stages} / tp {tensor_parallel}) = {micro * accum * dp}. Fix one of them, or drop "
             f"{GLOBAL} from the ds_config and it is derived.")
     ds.update({MICRO: micro, ACCUM: accum, GLOBAL: batch})
-    return Layout(world_size, pipeline_stages, micro, accum)
+    return Layout(world_size, pipeline_stages, micro, accum, tensor_parallel)
 
 
 # The ds_config's "pipeline" section. DeepSpeed parses it (any keys, no checks) but builds nothing from
@@ -141,8 +163,9 @@ def describe_stages(specs: list, parts: list[int], layout: Layout) -> str:
     for stage in range(layout.pipeline_stages):
         names = [spec.typename.__name__ for spec in specs[parts[stage]: parts[stage + 1]]]
         counted = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n for n in dict.fromkeys(names))
-        # PipeDataParallelTopology orders ranks pipe-major: stage s holds ranks s*dp ... s*dp + dp - 1.
-        ranks = list(range(stage * layout.dp, (stage + 1) * layout.dp))
+        # DeepSpeed's topology orders ranks pipe-major (then data, then tensor): stage s holds a block of them.
+        per_stage = layout.dp * layout.tensor_parallel
+        ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
         lines.append(f"stage {stage}: layers {parts[stage]}-{parts[stage + 1] - 1} ({counted}) on ranks {ranks}")
     return "\n".join(lines)
 
@@ -154,3 +177,24 @@ def describe_hosts(hostnames: list[str]) -> str:
         ranks.setdefault(host, []).append(rank)
     return "; ".join(f"{host}: ranks {r[0]}-{r[-1]}" if len(r) > 1 else f"{host}: rank {r[0]}"
                      for host, r in ranks.items())
+
+
+def topology(layout: Layout):
+    """DeepSpeed's (pipe, data, model) topology: tensor-parallel peers are adjacent ranks (one node), then
+    data-parallel replicas, then stages."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    return PipeModelDataParallelTopology(num_pp=layout.pipeline_stages, num_mp=layout.tensor_parallel,
+                                         num_dp=layout.dp)
+
+
+def describe_groups(topo) -> str:
+    """Which ranks form each tensor-parallel, data-parallel and pipeline group."""
+    names = {"model": "tensor", "data": "data", "pipe": "pipeline"}
+    return "; ".join(f"{names[axis]} groups {topo.get_axis_comm_lists(axis) or [[r] for r in range(topo.world_size())]}"
+                     for axis in ("model", "data", "pipe"))
+
+
+def describe_rank(topo, rank: int) -> str:
+    coord = topo.get_coord(rank)
+    return f"rank {rank}: stage {coord.pipe}, tensor rank {coord.model}, data rank {coord.data}"

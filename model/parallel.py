@@ -1,0 +1,264 @@
+"""Megatron-style tensor parallelism, the layers every architecture in `model/` splits itself with.
+
+A layer is always built whole, from its seed, and initialized as at tp = 1; `parallelize` then swaps its
+linear maps for this rank's slice. So one seed gives the same full weights at every tensor-parallel degree
+(GPT-NeoX's way), at the cost of one whole layer in memory for a moment while the model is built.
+
+    column-parallel  y_r = x W_r^T + b_r         output features split: q/k/v heads, MLP up and gate
+    row-parallel     y = sum_r x_r W_r^T + b     input features split: attention and MLP output
+    vocab-parallel   embedding rows, LM-head logits and the cross-entropy split over the vocabulary
+
+A column-parallel map followed by a row-parallel one costs one all-reduce forward (after the row map) and
+one backward (before the column map), Megatron's f and g. Split parameters carry DeepSpeed's
+`tensor_model_parallel` mark (ZeRO and the bf16 optimizer count their gradient norm on every tensor rank);
+replicated ones (norms, row-parallel biases) stay bitwise equal across tensor ranks because those ranks see
+the same batches and gradients. At tp = 1 nothing here runs.
+"""
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its tensor-parallel group. `group` is None at size 1, and when only shapes are
+    wanted (a model built on the meta device before any process group exists)."""
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+    def shard(self, full: int) -> tuple[int, int]:
+        """[start, stop) of this rank's equal share of `full` rows, features or heads."""
+        part = full // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+
+SINGLE = TensorParallel()
+
+# How a linear map splits: "column", "row", or ("column", parts) for a fused weight of `parts` equal
+# blocks. Each architecture names its maps next to its block; every split parameter records its rule
+# (split_rule), which checkpoint resharding and export read back.
+COLUMN, ROW = "column", "row"
+
+
+def _all_reduce(x: torch.Tensor, tp: TensorParallel, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if tp.group is not None:
+        dist.all_reduce(x, op=op, group=tp.group)
+    return x
+
+
+class _CopyToTensorRanks(torch.autograd.Function):
+    """Megatron's f: identity forward; backward sums the input's gradient over the tensor ranks, each of
+    which used the input for its own slice of the output."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous(), ctx.tp), None
+
+
+class _ReduceFromTensorRanks(torch.autograd.Function):
+    """Megatron's g: forward sums the partial outputs of the tensor ranks; backward is the identity (what
+    follows is replicated, so every rank already holds the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        return _all_reduce(x.contiguous(), tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_ranks(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x if tp.size == 1 else _CopyToTensorRanks.apply(x, tp)
+
+
+def reduce_from_tensor_ranks(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceFromTensorRanks.apply(x, tp)
+
+
+def gather_vocab(logits: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Whole-vocabulary logits from each rank's slice (sampling and evaluation only: no gradient)."""
+    if tp.size == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(tp.size)]
+    dist.all_gather(parts, logits.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _mark_split(p: nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
+    # DeepSpeed's and Megatron's names (runtime/utils.py is_model_parallel_parameter, partition_dim), plus
+    # the block count of a fused weight: what split_rule reads back for resharding and export.
+    p.tensor_model_parallel, p.partition_dim, p.fused_parts = True, dim, parts
+    return p
+
+
+def split_rule(p: torch.Tensor):
+    """How a parameter is split: None (replicated), COLUMN, ROW or (COLUMN, parts)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    kind = COLUMN if p.partition_dim == 0 else ROW
+    return (kind, p.fused_parts) if p.fused_parts > 1 else kind
+
+
+def _rows(full: torch.Tensor, tp: TensorParallel, parts: int) -> torch.Tensor:
+    """This rank's share of each of the `parts` equal row blocks of `full` (a fused q|k|v weight has
+    three, each split by heads), concatenated: the local weight has the full weight's block layout."""
+    blocks = full.chunk(parts, dim=0)
+    start, stop = tp.shard(blocks[0].size(0))
+    return torch.cat([b[start:stop] for b in blocks]).clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's output features of `full` (bias included)."""
+
+    def __init__(self, full: nn.Linear, tp: TensorParallel, parts: int = 1):
+        super().__init__()
+        self.tp = tp
+        self.weight = _mark_split(nn.Parameter(_rows(full.weight.detach(), tp, parts)), 0, parts)
+        self.bias = None if full.bias is None else _mark_split(nn.Parameter(_rows(full.bias.detach(), tp, parts)), 0,
+                                                               parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tensor_ranks(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's input features of `full`; the bias is replicated and added once, after the sum."""
+
+    def __init__(self, full: nn.Linear, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        start, stop = tp.shard(full.in_features)
+        self.weight = _mark_split(nn.Parameter(full.weight.detach()[:, start:stop].clone()), 1)
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tensor_ranks(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+def parallelize(module: nn.Module, splits: dict, tp: TensorParallel) -> nn.Module:
+    """Swap the named nn.Linear submodules of `module` for this rank's slice of them, in place."""
+    if tp.size == 1:
+        return module
+    for name, how in splits.items():
+        parent, _, child = name.rpartition(".")
+        owner = module.get_submodule(parent) if parent else module
+        full = getattr(owner, child)
+        kind, parts = (how, 1) if isinstance(how, str) else how
+        setattr(owner, child, ColumnParallelLinear(full, tp, parts) if kind == COLUMN else RowParallelLinear(full, tp))
+    return module
+
+
+def column_parameter(full: torch.Tensor, tp: TensorParallel, parts: int = 1) -> nn.Parameter:
+    """This rank's rows of a weight or bias used as a column-parallel map outside an nn.Linear."""
+    if tp.size == 1:
+        return nn.Parameter(full)
+    return _mark_split(nn.Parameter(_rows(full.detach(), tp, parts)), 0, parts)
+
+
+def merge_parameter(slices: list[torch.Tensor], how) -> torch.Tensor:
+    """The whole parameter from every tensor rank's slice, in rank order (the inverse of split_parameter)."""
+    if how is None or len(slices) == 1:
+        return slices[0]
+    kind, parts = (how, 1) if isinstance(how, str) else how
+    if kind == ROW:
+        return torch.cat(slices, dim=1)
+    blocks = [s.chunk(parts, dim=0) for s in slices]
+    return torch.cat([torch.cat([b[i] for b in blocks]) for i in range(parts)])
+
+
+def vocab_rows(vocab: int, dim: int, tp: TensorParallel, init, bias: bool = False) -> list[nn.Parameter]:
+    """This rank's rows of a (vocab, dim) table, and of a (vocab,) zero bias if asked, the whole table
+    initialized by `init` first (equal weights at any degree)."""
+    full = torch.empty(vocab, dim)
+    init(full)
+    if tp.size == 1:
+        return [nn.Parameter(full)] + ([nn.Parameter(torch.zeros(vocab))] if bias else [])
+    start, stop = tp.shard(vocab)
+    params = [nn.Parameter(full[start:stop].clone())] + ([nn.Parameter(torch.zeros(stop - start))] if bias else [])
+    return [_mark_split(p, 0) for p in params]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [start, stop) of the (padded) vocabulary on this rank; a token outside them looks up
+    zeros here and its row on the rank that holds it, and the sum over ranks is the embedding."""
+
+    def __init__(self, vocab: int, dim: int, tp: TensorParallel, init):
+        super().__init__()
+        self.tp = tp
+        self.start = tp.shard(vocab)[0]
+        self.weight, = vocab_rows(vocab, dim, tp, init)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(idx, self.weight)
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.size(0))
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_ranks(x, self.tp)
+
+
+def vocab_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, bias=None) -> torch.Tensor:
+    """Logits of this rank's vocabulary slice (a tied embedding's rows or an LM head's)."""
+    return F.linear(copy_to_tensor_ranks(x, tp), weight, bias)
+
+
+class VocabParallelHead(nn.Module):
+    """An output layer over the vocabulary, its rows (and bias) split like the embedding's."""
+
+    def __init__(self, dim: int, vocab: int, tp: TensorParallel, init, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        params = vocab_rows(vocab, dim, tp, init, bias)
+        self.weight = params[0]
+        self.bias = params[1] if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return vocab_logits(x, self.weight, self.tp, self.bias)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy over logits split by vocabulary (Megatron's): three all-reduces of one number
+    per row (max, target logit, sum of exponentials) instead of gathering the vocabulary. Rows whose
+    target is -100 (padding) add zero loss and zero gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp):
+        logits = logits.float()
+        peak = _all_reduce(logits.max(dim=-1).values, tp, dist.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        start = tp.rank * logits.size(-1)
+        local = targets - start
+        here = (local >= 0) & (local < logits.size(-1))
+        rows = torch.arange(logits.size(0), device=logits.device)
+        target_logit = _all_reduce(shifted[rows, local.clamp(0, logits.size(-1) - 1)] * here, tp)
+        exp = shifted.exp()
+        total = _all_reduce(exp.sum(dim=-1), tp)
+        valid = targets != -100
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), local, here & valid, valid)
+        return (total.log() - target_logit) * valid
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, hit, valid = ctx.saved_tensors
+        rows = torch.arange(softmax.size(0), device=softmax.device)
+        softmax[rows[hit], local[hit]] -= 1.0
+        return softmax.mul_((grad * valid).unsqueeze(-1)), None, None
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Summed next-token loss, in fp32, of (rows, vocab or vocab slice) logits; -100 targets add nothing."""
+    if tp.size == 1:
+        return F.cross_entropy(logits.float(), targets, reduction="sum")
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp).sum()
