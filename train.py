@@ -119,6 +119,7 @@ def main(argv=None) -> None:
     mpu = grid if tp_size > 1 and pipe.stages == 1 else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
+    uc_info = checkpoint.universal_info(whole_model_parameters(cfg, tp_size), tp_size)
     start_schedule(engine)
     pipelined = isinstance(engine, PipelineEngine)
     if pipelined:
@@ -198,7 +199,7 @@ def main(argv=None) -> None:
             run_state = {"tag": checkpoint.tag_for(step), "step": step, "tokens_seen": step * tokens_per_step,
                          "config": OmegaConf.to_container(OmegaConf.structured(cfg)), "layout": layout_record,
                          "data": data.record()}
-            say(f"saved {checkpoint.save(engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints)}")
+            say(f"saved {checkpoint.save(engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints, uc_info)}")
             meter.pause()
     if pipelined:
         in_sync = tied_weights_in_sync(engine)
@@ -249,6 +250,13 @@ def count_parameters(cfg: RunConfig) -> int:
     except (ValueError, AssertionError, RuntimeError, TypeError) as e:
         raise ConfigError(f"the model.* settings do not build a model ({type(e).__name__}: {e}); fix: change "
                           f"the model settings named there") from None
+
+
+def whole_model_parameters(cfg: RunConfig, tp_size: int) -> list:
+    """Every layer's parameters as one tensor rank holds them, on the meta device: a pipeline stage holds only
+    its own, and DeepSpeed's universal converter reads one stage's file for the whole model's rules."""
+    with torch.device("meta"):
+        return list(build_model(cfg.model, tp=TensorParallel(tp_size)).named_parameters())
 
 
 def encode_prompt(prompt: str, tokenizer) -> list[int]:

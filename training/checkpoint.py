@@ -23,13 +23,17 @@ import subprocess
 import sys
 
 import torch
-from deepspeed.checkpoint.constants import (PIPELINE_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
+from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, PARAMETER_WITH_SUB_PARAMS,
+                                            PIPELINE_REPLICATED_PARAMETER_PATTERNS, SUB_PARAM_SHARD_WIDTHS,
+                                            TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
                                             UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ModelConfig
+from model.parallel import COLUMN, ROW, split_rule
 from training.checks import ConfigError, exit_bad_input
 
 CHECKPOINTS = "checkpoints"
@@ -38,10 +42,33 @@ MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 TAG = re.compile(r"^step_(\d+)(_universal)?$")
 
-# What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint: the tied embedding is
-# held by the first and the last pipeline stage, and only one copy must be kept.
-UNIVERSAL_INFO = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-                  PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"]}
+
+
+def universal_info(named_parameters: list, tp: int) -> dict:
+    """What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint, from this run's model
+    (its parameters as one rank holds them): the tied embedding is held by the first and the last pipeline
+    stage, and only one copy must be kept; under tensor parallelism each parameter's rule (model/parallel.py)
+    as DeepSpeed's patterns: replicated ones keep one slice, row-parallel ones join on dim 1, fused q|k|v
+    join block by block, the rest (column-parallel, vocabulary rows) on dim 0. The loader cuts them again
+    for the resuming run's degree."""
+    info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"]}
+    rules = {name: split_rule(p) for name, p in named_parameters}
+    if all(rule is None for rule in rules.values()):
+        return info  # tp = 1: nothing to join
+    exact = {name: f"^{re.escape(name)}$" for name in rules}
+    info[TP_REPLICATED_PARAMETER_PATTERNS] = [exact[n] for n, rule in rules.items() if rule is None]
+    info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [exact[n] for n, rule in rules.items() if rule == ROW]
+    fused = {n: rule for n, rule in rules.items() if isinstance(rule, tuple)}
+    info[PARAMETER_WITH_SUB_PARAMS], info[SUB_PARAM_SHARD_WIDTHS] = [], {}
+    shapes = {name: p.shape for name, p in named_parameters}
+    for name, (_, parts) in fused.items():
+        param = shapes[name]
+        block = param[0] // parts * tp  # rows of one of q, k, v in the whole weight
+        info[PARAMETER_WITH_SUB_PARAMS].append(
+            {"patterns": [exact[name]], "shape": ((block,) * parts, *param[1:]), "partition_dim": 0})
+        info[SUB_PARAM_SHARD_WIDTHS][exact[name]] = [[block // tp] * tp for _ in range(parts)]
+    return info
 
 
 def checkpoint_root(out_dir: str) -> str:
@@ -52,10 +79,10 @@ def tag_for(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def save(engine, out_dir: str, step: int, run_state: dict, keep: int) -> str:
-    """Collective: every rank calls it. Returns the new tag."""
+def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: dict) -> str:
+    """Collective: every rank calls it. uc_info: universal_info of the run. Returns the new tag."""
     root, tag = checkpoint_root(out_dir), tag_for(step)
-    engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: UNIVERSAL_INFO},
+    engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: uc_info},
                            save_latest=False)  # `latest` is ours to move, once the checkpoint is complete
     torch.distributed.barrier()  # every rank has written its files
     if torch.distributed.get_rank() == 0:
@@ -157,7 +184,8 @@ def read_run_state(tag_dir: str) -> dict:
 # Besides tensors and plain containers, DeepSpeed pickles only these into its checkpoint files (ZeRO 0-3,
 # bf16 and fp32, pipeline layer files, universal ones), as torch.serialization.get_unsafe_globals_in_checkpoint
 # lists them. Anything else could run code when unpickled, so it is refused.
-SAFE_GLOBALS = [LossScaler, ZeroStageEnum, fragment_address]  # fp16/fp32 loss scaler, ZeRO stage, bf16 ZeRO map
+# fp16/fp32 loss scaler, ZeRO stage, bf16 ZeRO map, a fused tensor-parallel weight's layout (universal files)
+SAFE_GLOBALS = [LossScaler, ZeroStageEnum, fragment_address, SubparamShape]
 
 
 def check_pickles(tag_dir: str, manifest: dict) -> None:
@@ -210,15 +238,19 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
                           f"checkpoint's model settings or start a new train.out_dir")
     if saved.get("universal"):
         return
-    was, now = saved["layout"], layout
-    if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1:
+    was, now = {"tp": 1, **saved["layout"]}, layout  # checkpoints from before tensor parallelism: tp 1
+    if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
         return  # without ZeRO every rank saves and loads the whole optimizer state: any dp fits
-    if (was["dp"], was["pp"], was["zero_stage"]) != (now["dp"], now["pp"], now["zero_stage"]):
+    if (was["dp"], was["pp"], was["tp"], was["zero_stage"]) != (now["dp"], now["pp"], now["tp"], now["zero_stage"]):
         raise ConfigError(
-            f"the checkpoint was saved at dp={was['dp']} x pp={was['pp']} with ZeRO-{was['zero_stage']}, this run is "
-            f"dp={now['dp']} x pp={now['pp']} with ZeRO-{now['zero_stage']}: its optimizer shards only fit the old "
-            f"layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
+            f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: its optimizer shards only "
+            f"fit the old layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
             f"{saved['tag']}, then resume with train.resume={saved['tag']}_universal")
+
+
+def _describe(layout: dict) -> str:
+    tp = f" x tp={layout['tp']}" if layout["tp"] > 1 else ""
+    return f"dp={layout['dp']} x pp={layout['pp']}{tp} with ZeRO-{layout['zero_stage']}"
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -249,6 +281,11 @@ def to_universal(out_dir: str, tag: str | None) -> str:
         raise ConfigError(f"no complete checkpoint in {checkpoint_root(out_dir)} to convert")
     tag = os.path.basename(source)
     saved = read_run_state(source)
+    layout = saved["layout"]
+    if layout.get("tp", 1) > 1 and layout["zero_stage"] == 3:
+        raise ConfigError(f"{source} is a ZeRO-3 checkpoint at tensor-parallel degree {layout['tp']}: DeepSpeed's "
+                          f"converter merges ZeRO-3 shards of one tensor slice only. Resume it at tp={layout['tp']}, "
+                          f"or train with ZeRO-1/2 to change the degree later")
     target = f"{source}_universal"
     if os.path.exists(os.path.join(target, MANIFEST)):
         print(f"{target} already exists")

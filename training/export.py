@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from model import build_model
 from model.config import ModelConfig
+from model.parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint
 from training.checks import ConfigError, exit_bad_input
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
@@ -32,8 +33,10 @@ def model_config(run_state: dict) -> ModelConfig:
 def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights (this repo's parameter names) from a complete checkpoint, on the CPU."""
     run_state = checkpoint.read_run_state(tag_dir)
+    tp = run_state["layout"].get("tp", 1)
     with torch.device("meta"):
         model = build_model(model_config(run_state))
+        sliced = build_model(model_config(run_state), tp=TensorParallel(tp))  # as each tensor rank held it
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if run_state.get("universal"):
         return _from_universal(tag_dir, shapes)
@@ -46,15 +49,21 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if run_state["layout"]["pp"] > 1:  # fp32 pipeline without ZeRO: the layer files hold fp32 weights
-        state = {}
+        slices = [{} for _ in range(tp)]  # per tensor rank: layer_<index>-model_<tensor rank>-model_states.pt
         for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))):
-            index = int(os.path.basename(path)[len("layer_"):].split("-")[0])
+            index, rank = (int(part.split("_")[1]) for part in os.path.basename(path).split("-")[:2])
             for name, tensor in checkpoint.load_state_file(path).items():
                 key = f"{index}.{name}" if f"{index}.{name}" in shapes else f"tied_modules.embed.{name}"
-                state.setdefault(key, tensor.float())
-        return state
-    # ZeRO-0: one file with the module (fp32, or bf16 with the fp32 masters kept by the optimizer).
-    saved = checkpoint.load_state_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+                slices[rank].setdefault(key, tensor.float())
+    else:  # ZeRO-0: one file per tensor rank with the module (fp32, or bf16 beside the optimizer's fp32 masters)
+        slices = [_module_state(os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"), sliced)
+                  for rank in range(tp)]
+    rules = {name: split_rule(p) for name, p in sliced.named_parameters()}
+    return {name: merge_parameter([s[name] for s in slices], rules[name]) for name in slices[0]}
+
+
+def _module_state(path: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    saved = checkpoint.load_state_file(path)
     masters = saved["optimizer"].get("fp32_groups") if isinstance(saved["optimizer"], dict) else None
     if masters is None:
         return {name: tensor.float() for name, tensor in saved["module"].items()}
