@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     if cfg.train.compile:
         say(f"compiling {compile_blocks(model, cfg.model.arch)} blocks (torch.compile) at the first step")
     if init_from:
-        hf.load_into(model, init_from, cfg.model)
+        hf.load_into(model, init_from, cfg.model, tp)
         say(f"initialized from {init_from}")
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.

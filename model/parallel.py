@@ -167,6 +167,17 @@ def column_parameter(full: torch.Tensor, tp: TensorParallel, parts: int = 1) -> 
     return _mark_split(nn.Parameter(_rows(full.detach(), tp, parts)), 0, parts)
 
 
+def shard_parameter(full: torch.Tensor, rule, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of a whole parameter, by its split rule (loading whole weights into a split model)."""
+    if rule is None or tp.size == 1:
+        return full
+    kind, parts = (rule, 1) if isinstance(rule, str) else rule
+    if kind == ROW:
+        start, stop = tp.shard(full.size(1))
+        return full[:, start:stop]
+    return _rows(full, tp, parts)
+
+
 def merge_parameter(slices: list[torch.Tensor], how) -> torch.Tensor:
     """The whole parameter from every tensor rank's slice, in rank order (the inverse of split_parameter)."""
     if how is None or len(slices) == 1:

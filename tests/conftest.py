@@ -96,6 +96,10 @@ def train_losses(out_dir) -> list[float]:
     return [m["loss"] for m in metrics(out_dir) if "loss" in m]
 
 
+def grad_norms(out_dir) -> list[float]:
+    return [m["grad_norm"] for m in metrics(out_dir) if "grad_norm" in m]
+
+
 def expected_lr(step: int, lr: float, min_lr: float, warmup: int, max_steps: int) -> float:
     """The README's schedule: linear warmup from 0 (step k at lr x k / warmup), then DeepSpeed's cosine,
     whose zero point is one step before the warmup's end (step 1 when warmup is 1), to min_lr at max_steps."""

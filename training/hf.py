@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from model import build_model
 from model.config import ModelConfig
+from model.parallel import SINGLE, TensorParallel, shard_parameter, split_rule
 from training.config import ConfigError
 
 SAME, TRANSPOSED, VOCAB = "same", "transposed", "vocab"
@@ -168,16 +169,16 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
 
 
 
-def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig) -> None:
+def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
     """Copy a checked Hugging Face checkpoint into a freshly built model, before deepspeed.initialize, one
     tensor at a time from the memory-mapped files. A pipeline stage holds, and so reads, only its own
-    layers; under ZeRO-3 (built in zero.Init) each partitioned parameter is gathered, written by rank 0 and
-    partitioned again (GatheredParameters is a no-op otherwise)."""
+    layers, a tensor rank its slice of each; under ZeRO-3 (built in zero.Init) each partitioned parameter is
+    gathered, written by rank 0 and partitioned again (GatheredParameters is a no-op otherwise)."""
     files, pairs = weight_files(folder), {ours: (theirs, how) for ours, theirs, how in tensor_pairs(cfg)}
     with torch.no_grad():
         for name, param in model.named_parameters():
             theirs, how = pairs[name]
             with safe_open(files[theirs], framework="pt") as f:
-                tensor = _to_ours(f.get_tensor(theirs), how, cfg)
+                tensor = shard_parameter(_to_ours(f.get_tensor(theirs), how, cfg), split_rule(param), tp)
             with GatheredParameters([param], modifier_rank=0):
                 param.copy_(tensor)

@@ -13,6 +13,10 @@ ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators. Activations use Megatron
 vocabulary entry and token) and the loss's fp32 copy and log-softmax for one chunk of LOSS_CHUNK_ROWS tokens
 (training/steps.py computes the loss a chunk at a time: 8 bytes per entry and token of the chunk).
 A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batches) micro-batches.
+Under tensor parallelism (degree t, no sequence parallelism) a rank holds its slice of each split weight and
+every replicated one whole, and per layer and token 8 x d_model replicated bytes (the norms' inputs and the
+column-parallel maps' inputs) plus the masks, and the rest divided by t: Megatron's 10 d + 24 d / t for the
+GPT; the logits are split by vocabulary.
 Allocator fragmentation, communication buckets and the CUDA context (a few GB) come on top.
 """
 import argparse
@@ -25,25 +29,29 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from model import BLOCK_CLASS, model_layers
+from model.parallel import TensorParallel
 from training.config import REPO_ROOT, load_ds_config, load_run_config
 from training.steps import LOSS_CHUNK_ROWS
-from training.topology import pipeline_settings, resolve_layout, stage_partition
+from training.topology import pipeline_settings, resolve_layout, stage_partition, tensor_parallel_size
 
 GB = 2**30
 
 
-def layer_params(cfg) -> list[int]:
+def layer_params(cfg, tp: int = 1) -> list[int]:
+    """Parameters of each layer as one tensor-parallel rank holds them."""
     with torch.device("meta"):
-        return [sum(p.numel() for p in spec.build().parameters()) for spec in model_layers(cfg)]
+        return [sum(p.numel() for p in spec.build().parameters()) for spec in model_layers(cfg, TensorParallel(tp))]
 
 
-def layer_activation_bytes(cfg) -> int:
-    """16-bit bytes a block keeps per token for its backward. Megatron's 18 d counts q, k and v at 2 d each:
-    grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its hidden input and
-    GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn)."""
+def layer_activation_bytes(cfg, tp: int = 1) -> float:
+    """16-bit bytes a block keeps per token for its backward on one tensor rank. Megatron's 18 d counts q, k
+    and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its
+    hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn).
+    The two norms' inputs and outputs (8 d) are whole on every tensor rank, the rest is split."""
     kv = cfg.kv_heads * cfg.head_dim
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
-    return 12 * cfg.n_embd + masks + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
+    split = 4 * cfg.n_embd + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
+    return 8 * cfg.n_embd + masks + split / tp
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -57,10 +65,10 @@ def repeated_ties(specs: list) -> list[int]:
 
 def plan(cfg, ds: dict, gpus: int) -> dict:
     """Bytes per GPU (the busiest one) for this model, ds_config and GPU count."""
-    pipe = pipeline_settings(ds)
-    layout = resolve_layout(dict(ds), gpus, pipe.stages)
-    counts = layer_params(cfg)
-    specs = model_layers(cfg)
+    pipe, tp = pipeline_settings(ds), tensor_parallel_size(ds)
+    layout = resolve_layout(dict(ds), gpus, pipe.stages, tp)
+    counts = layer_params(cfg, tp)
+    specs = model_layers(cfg, TensorParallel(tp))
     parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.arch])
     zero = ds.get("zero_optimization", {})
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
@@ -86,14 +94,14 @@ def plan(cfg, ds: dict, gpus: int) -> dict:
         cpu = cpu if offload else 0
 
     tokens = layout.micro_batch * cfg.block_size
-    full_layer = tokens * layer_activation_bytes(cfg)
+    full_layer = tokens * layer_activation_bytes(cfg, tp)
     checkpointed = pipe.checkpoint_interval > 0
     per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
     blocks = max(sum(spec.typename.__name__ == BLOCK_CLASS[cfg.arch] for spec in specs[parts[s]: parts[s + 1]])
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
-    activations += (4 * tokens + 8 * min(tokens, LOSS_CHUNK_ROWS)) * cfg.padded_vocab_size
+    activations += (4 * tokens + 8 * min(tokens, LOSS_CHUNK_ROWS)) * cfg.padded_vocab_size / tp
     return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
             "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
             "cpu": cpu, "micro": layout.micro_batch}

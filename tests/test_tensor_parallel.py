@@ -1,0 +1,221 @@
+"""Tensor parallelism: the split layers against the whole model in-process (GPT, Llama with grouped-query
+attention, the encoder), then training through the real launcher, fp32 and dropout 0: tp 2, tp 2 x dp 2 and
+pp 2 x tp 2 give the losses and gradient norms of one process; replicated weights stay bitwise equal; a
+tp 2 checkpoint resumes exactly at tp 2 and, through the universal format, at tp 1 (from pp 2 x tp 2 too);
+export merges the slices into weights transformers loads; bad layouts stop at start."""
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import FP32, grad_norms, launch, metrics, run, train_losses
+from hf_check import assert_export_matches_transformers
+from model import build_model, model_layers
+from model.config import ModelConfig
+from model.parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
+from training.config import ConfigError
+from training.topology import resolve_layout, tensor_parallel_size
+
+SMALL = {"gpt": ModelConfig(arch="gpt", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65),
+         "llama": ModelConfig(arch="llama", n_layer=2, n_head=8, n_kv_head=4, n_embd=64, ffn_hidden=64,
+                              block_size=16, vocab_size=65),
+         "encoder": ModelConfig(arch="encoder", n_layer=2, n_head=4, n_embd=32, ffn_hidden=64, block_size=16,
+                                vocab_size=65)}
+
+
+def merged(model: torch.nn.Module, tp: TensorParallel, grads: bool = False) -> dict:
+    """The whole tensors from every tensor rank's slices (collective)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.grad if grads else p.detach()).contiguous()
+        slices = [torch.empty_like(t) for _ in range(tp.size)]
+        dist.all_gather(slices, t, group=tp.group)
+        out[name] = merge_parameter(slices, split_rule(p))
+    return out
+
+
+def _split_against_whole(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tp = TensorParallel(world, rank, dist.new_group(list(range(world))))
+    torch.manual_seed(0)
+    idx, targets = torch.randint(0, 65, (2, 16)), torch.randint(0, 65, (2, 16))
+    targets[0, :3] = -100  # padding rows add no loss and no gradient
+    for arch, cfg in SMALL.items():
+        whole, split = build_model(cfg, seed=3), build_model(cfg, seed=3, tp=tp)
+        weights_equal = all(torch.equal(merged(split, tp)[n], p) for n, p in whole.named_parameters())
+        whole_loss = cross_entropy_sum(whole(idx).flatten(0, 1), targets.flatten(), TensorParallel())
+        split_loss = cross_entropy_sum(split(idx).flatten(0, 1), targets.flatten(), tp)
+        whole_loss.backward()
+        split_loss.backward()
+        grads = merged(split, tp, grads=True)
+        grad_error = max((grads[n] - p.grad).abs().max().item() for n, p in whole.named_parameters())
+        with torch.no_grad():
+            logit_error = (gather_vocab(split(idx), tp) - whole(idx)).abs().max().item()
+        if rank == 0:
+            results[arch] = (weights_equal, whole_loss.item(), split_loss.item(), grad_error, logit_error)
+    dist.destroy_process_group()
+
+
+def test_split_layers_compute_what_the_whole_model_does():
+    """Two gloo processes, no DeepSpeed: the same seed gives the same whole weights; the summed loss (with
+    padding targets), every gradient and the gathered logits equal the whole model's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_split_against_whole, args=(2, port, results), nprocs=2)
+    for arch in SMALL:
+        weights_equal, whole_loss, split_loss, grad_error, logit_error = results[arch]
+        assert weights_equal, arch
+        assert split_loss == pytest.approx(whole_loss, rel=1e-6), arch
+        assert grad_error < 1e-5 and logit_error < 1e-5, (arch, grad_error, logit_error)
+
+
+@pytest.mark.parametrize("arch", SMALL)
+def test_every_degree_holds_slices_of_the_same_weights(arch):
+    """Built rank by rank at tp 2 and 4 (no process group: building needs none), the slices merge into the
+    tp 1 weights bitwise, and each split rule is the one the layer applied."""
+    whole = dict(build_model(SMALL[arch], seed=5).named_parameters())
+    for size in (2, 4):
+        ranks = [dict(build_model(SMALL[arch], seed=5, tp=TensorParallel(size, r)).named_parameters())
+                 for r in range(size)]
+        for name, p in whole.items():
+            assert torch.equal(merge_parameter([r[name].detach() for r in ranks], split_rule(ranks[0][name])), p), name
+    rules = {n: split_rule(p) for n, p in build_model(SMALL["gpt"], tp=TensorParallel(2)).named_parameters()}
+    assert (rules["2.attn.qkv.weight"], rules["2.attn.proj.weight"], rules["2.attn.proj.bias"],
+            rules["tied_modules.embed.weight"], rules["2.ln_1.weight"]) == (("column", 3), "row", None, "column", None)
+
+
+def test_bad_tensor_parallel_layouts_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=4 does not divide model.n_head = 6"):
+        model_layers(ModelConfig(n_head=6, n_embd=48, vocab_size=65), TensorParallel(4))
+    with pytest.raises(ValueError, match=r"does not divide the key/value heads \(model.n_kv_head\) = 2"):
+        model_layers(ModelConfig(arch="llama", n_head=8, n_kv_head=2, n_embd=64, vocab_size=65), TensorParallel(4))
+    with pytest.raises(ConfigError, match=r"2 pipeline stages x tensor-parallel degree 2 = 4 do not divide the world "
+                                          r"size 6: launch a multiple of 4 processes"):
+        resolve_layout({"train_micro_batch_size_per_gpu": 1}, 6, 2, 2)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size must be a positive integer, got 0"):
+        tensor_parallel_size({"tensor_model_parallel_size": 0})
+    with pytest.raises(ConfigError, match=r"DeepSpeed's AutoTP .* remove the tensor_parallel section"):
+        tensor_parallel_size({"tensor_model_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}})
+
+
+def test_a_world_the_degree_does_not_divide_stops_at_start(tmp_path, char_data):
+    proc = launch(1, "tp2.json", tmp_path, char_data, FP32, check=False)
+    assert proc.returncode != 0
+    assert "1 pipeline stages x tensor-parallel degree 2 = 2 do not divide the world size 1" in proc.stdout + proc.stderr
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+# Global batch 8 in every layout (micro 2 x accumulation 4 / dp); a checkpoint at step 2 of 4.
+CONFIGS = {"gpt": "quickstart.yaml", "llama": "llama_quickstart.yaml", "encoder": "encoder_tiny.yaml"}
+FAST = ["model.n_layer=2", "train.max_steps=4", "train.save_interval=2", "optim.warmup_steps=2", "optim.lr=3e-3",
+        "ds.train_micro_batch_size_per_gpu=2", "sample.max_new_tokens=8", *FP32]
+# name: (arch, processes, ds_config, overrides); ZeRO 0-3 spread over the layouts.
+RUNS = {
+    "gpt_tp1": ("gpt", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
+    "gpt_tp2": ("gpt", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
+    "gpt_tp2_dp2": ("gpt", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=2"]),
+    "gpt_pp2_tp2": ("gpt", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4"]),
+    "llama_tp1": ("llama", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
+    "llama_tp2": ("llama", 2, "tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=3"]),
+    "llama_tp2_dp2": ("llama", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=0"]),
+    "llama_pp2_tp2": ("llama", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=0"]),
+    "encoder_tp1": ("encoder", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
+    "encoder_tp2": ("encoder", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, char_data):
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            arch, procs, ds, extra = RUNS[name]
+            out = tmp_path_factory.mktemp(name)
+            proc = launch(procs, ds, out, char_data, [*FAST, *extra], config=CONFIGS[arch])
+            done[name] = (out, proc.stdout)
+        return done[name]
+    return get
+
+
+def sample_of(stdout: str) -> str:
+    return stdout.split("--- sample ---")[1].split("-----")[0]
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("tp1")])
+def test_layouts_train_as_one_process_does(runs, name):
+    """Losses and gradient norms of tp 2, tp 2 x dp 2 and pp 2 x tp 2 (ZeRO 0-3, the fp32 ZeRO-0 pipeline
+    among them) equal one process's to 1e-5; the replicated weights end bitwise equal across tensor ranks,
+    the tie across stages holds, and the sample (gathered vocabulary logits) is the same text."""
+    arch = RUNS[name][0]
+    (out, stdout), (reference, reference_stdout) = runs(name), runs(f"{arch}_tp1")
+    assert len(train_losses(out)) == 4
+    assert train_losses(out) == pytest.approx(train_losses(reference), abs=1e-5)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), abs=1e-5)
+    assert train_losses(reference)[-1] < train_losses(reference)[0] - 0.05  # it really trains
+    assert [m["replicated_weights_in_sync"] for m in metrics(out) if "replicated_weights_in_sync" in m] == [True]
+    if "pp2" in name and arch == "gpt":
+        assert [m["tied_weights_in_sync"] for m in metrics(out) if "tied_weights_in_sync" in m] == [True]
+    assert sample_of(stdout) == sample_of(reference_stdout)
+
+
+def test_startup_names_each_ranks_coordinates_and_groups(runs):
+    stdout = runs("gpt_pp2_tp2")[1]
+    assert "world 4 = dp 1 x pp 2 x tp 2" in stdout
+    assert "tensor groups [[0, 1], [2, 3]]; data groups [[0], [1], [2], [3]]; pipeline groups [[0, 2], [1, 3]]" in stdout
+    assert "rank 3: stage 1, tensor rank 1, data rank 0" in stdout
+    assert "stage 1: layers" in stdout and "on ranks [2, 3]" in stdout
+
+
+def resume(char_data, out, checkpoint_dir, procs: int, ds_config: str, extra=()):
+    launch(procs, ds_config, out, char_data, [*FAST, "ds.gradient_accumulation_steps=4", *extra,
+                                              f"train.resume={checkpoint_dir}"])
+    return [m for m in metrics(out) if "loss" in m]
+
+
+def universal(run_dir, tag: str = "step_000002") -> str:
+    run([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", str(run_dir), "--tag", tag])
+    return os.path.join(run_dir, "checkpoints", f"{tag}_universal")
+
+
+@pytest.mark.parametrize("source,procs,ds_config", [("gpt_tp2", 2, "tp2.json"), ("gpt_tp2", 1, "zero1.json"),
+                                                    ("gpt_pp2_tp2", 1, "zero1.json")],
+                         ids=["tp2-exact", "tp2-to-tp1-universal", "pp2xtp2-to-pp1-universal"])
+def test_resumed_runs_continue_the_uninterrupted_one(runs, tmp_path, char_data, source, procs, ds_config):
+    run_dir = runs(source)[0]
+    checkpoint_dir = os.path.join(run_dir, "checkpoints", "step_000002") if procs == 2 else universal(run_dir)
+    steps = resume(char_data, tmp_path, checkpoint_dir, procs, ds_config)
+    uninterrupted = [m for m in metrics(run_dir) if "loss" in m][2:]
+    assert [m["step"] for m in steps] == [3, 4]
+    assert [m["loss"] for m in steps] == pytest.approx([m["loss"] for m in uninterrupted], abs=1e-5)
+    assert [m["grad_norm"] for m in steps] == pytest.approx([m["grad_norm"] for m in uninterrupted], abs=1e-5)
+
+
+def test_another_degree_without_the_universal_format_says_how_to_convert(runs, tmp_path, char_data):
+    checkpoint_dir = os.path.join(runs("gpt_tp2")[0], "checkpoints", "step_000002")
+    proc = launch(1, "zero1.json", tmp_path, char_data, [*FAST, f"train.resume={checkpoint_dir}"], check=False)
+    assert proc.returncode != 0
+    assert ("the checkpoint was saved at dp=1 x pp=1 x tp=2 with ZeRO-1, this run is dp=1 x pp=1 with ZeRO-1"
+            in proc.stdout + proc.stderr)
+
+
+def test_export_merges_the_slices_into_weights_transformers_loads(runs):
+    """The tp 2 run's final checkpoint, exported: its weights are the one-process run's, and transformers'
+    GPT2LMHeadModel computes with them what our model does."""
+    from training.export import consolidated_state_dict
+
+    run_dir = runs("gpt_tp2")[0]
+    state = consolidated_state_dict(os.path.join(run_dir, "checkpoints", "step_000004"))
+    reference = consolidated_state_dict(os.path.join(runs("gpt_tp1")[0], "checkpoints", "step_000004"))
+    assert state.keys() == reference.keys()
+    # Adam turns a 1e-7 difference in a near-zero gradient into up to lr x steps (1.2e-2) in a weight: 1e-4 is tight
+    assert max((state[k] - reference[k]).abs().max().item() for k in state) < 1e-4
+    run([sys.executable, "-m", "training.export", "--out_dir", str(run_dir)])
+    assert_export_matches_transformers(str(run_dir / "export" / "step_000004"), tokens=16)
