@@ -63,9 +63,9 @@ def main(argv=None) -> None:
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     pipe = pipeline_settings(ds)
     tp_size = tensor_parallel_size(ds)
-    if cfg.train.compile and (pipe.stages > 1 or tp_size > 1):
-        raise ConfigError("train.compile=true works on the plain module without tensor parallelism only: use a "
-                          "ds_config without pipeline stages or tensor_model_parallel_size, or set train.compile=false")
+    if cfg.train.compile and pipe.stages > 1:
+        raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
+                          "stages or set train.compile=false")
     layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), pipe.stages, tp_size)
     try:  # this rank's shapes, no process group yet: enough to check and partition the layer list
         specs = model_layers(cfg.model, TensorParallel(tp_size))
@@ -222,8 +222,9 @@ def main(argv=None) -> None:
     leave_process_group()
 
 
-def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo, tp: TensorParallel, grid) -> torch.nn.Module:
-    """The model's layer list as a PipelineModule (more than one stage) or as a plain module."""
+def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParallel = SINGLE, grid=None) -> torch.nn.Module:
+    """The model's layer list as a PipelineModule (more than one stage: topo is the run's topology) or as a
+    plain module (split over the tensor ranks of `tp`, whose `grid` partitions ZeRO-3 within each slice)."""
     if pipe.stages > 1:
         return build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
                               pipe.checkpoint_interval, tp)

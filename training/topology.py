@@ -62,6 +62,7 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tensor_p
         raise ConfigError(f"{what} divide the world size {world_size}: launch a multiple of "
                           f"{pipeline_stages * tensor_parallel} processes or change pipeline.stages / {TP_KEY}")
     dp = world_size // (pipeline_stages * tensor_parallel)
+    derived = f"= world {world_size} / pp {pipeline_stages}" + (f" / tp {tensor_parallel}" if tensor_parallel > 1 else "")
     micro, accum, batch = ds.get(MICRO), ds.get(ACCUM), ds.get(GLOBAL)
     for key, value in ((MICRO, micro), (ACCUM, accum), (GLOBAL, batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -75,18 +76,18 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tensor_p
         accum = accum or 1
         if batch % (accum * dp):
             raise ConfigError(f"{GLOBAL}={batch} is not divisible by {ACCUM} ({accum}) x dp ({dp}, "
-                              f"= world {world_size} / pp {pipeline_stages} / tp {tensor_parallel}): no whole micro batch fits")
+                              f"{derived}): no whole micro batch fits")
         micro = batch // (accum * dp)
     elif accum is None:
         if batch % (micro * dp):
             raise ConfigError(f"{GLOBAL}={batch} is not divisible by {MICRO} ({micro}) x dp ({dp}, "
-                              f"= world {world_size} / pp {pipeline_stages} / tp {tensor_parallel}): no whole number of "
+                              f"{derived}): no whole number of "
                               f"accumulation steps fits")
         accum = batch // (micro * dp)
     if batch != micro * accum * dp:
         raise ConfigError(
-            f"{GLOBAL} ({batch}) != {MICRO} ({micro}) x {ACCUM} ({accum}) x dp ({dp}, = world "
-            f"{world_size} / pp {pipeline_stages} / tp {tensor_parallel}) = {micro * accum * dp}. Fix one of them, or drop "
+            f"{GLOBAL} ({batch}) != {MICRO} ({micro}) x {ACCUM} ({accum}) x dp ({dp}, "
+            f"{derived}) = {micro * accum * dp}. Fix one of them, or drop "
             f"{GLOBAL} from the ds_config and it is derived.")
     ds.update({MICRO: micro, ACCUM: accum, GLOBAL: batch})
     return Layout(world_size, pipeline_stages, micro, accum, tensor_parallel)
