@@ -198,14 +198,6 @@ def test_resumed_runs_continue_the_uninterrupted_one(runs, tmp_path, char_data, 
     assert [m["grad_norm"] for m in steps] == pytest.approx([m["grad_norm"] for m in uninterrupted], abs=1e-5)
 
 
-def test_another_degree_without_the_universal_format_says_how_to_convert(runs, tmp_path, char_data):
-    checkpoint_dir = os.path.join(runs("gpt_tp2")[0], "checkpoints", "step_000002")
-    proc = launch(1, "zero1.json", tmp_path, char_data, [*FAST, f"train.resume={checkpoint_dir}"], check=False)
-    assert proc.returncode != 0
-    assert ("the checkpoint was saved at dp=1 x pp=1 x tp=2 with ZeRO-1, this run is dp=1 x pp=1 with ZeRO-1"
-            in proc.stdout + proc.stderr)
-
-
 def test_export_merges_the_slices_into_weights_transformers_loads(runs):
     """The tp 2 run's final checkpoint, exported: its weights are the one-process run's, and transformers'
     GPT2LMHeadModel computes with them what our model does."""

@@ -238,9 +238,14 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
                           f"checkpoint's model settings or start a new train.out_dir")
     if saved.get("universal"):
         return
-    was, now = {"tp": 1, **saved["layout"]}, layout  # checkpoints from before tensor parallelism: tp 1
+    was, now = {"tp": 1, **saved["layout"]}, {"tp": 1, **layout}  # layouts from before tensor parallelism: tp 1
     if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
         return  # without ZeRO every rank saves and loads the whole optimizer state: any dp fits
+    if was["zero_stage"] == 0 and was["tp"] != now["tp"]:
+        raise ConfigError(f"the checkpoint was saved at tensor-parallel degree {was['tp']} without ZeRO, this run has "
+                          f"{now['tp']}: DeepSpeed's universal converter, which reshards, needs ZeRO optimizer shards. "
+                          f"Resume it with tensor_model_parallel_size={was['tp']}, or start from its weights "
+                          f"(python -m training.export, then train.init_from=EXPORT_DIR)")
     if (was["dp"], was["pp"], was["tp"], was["zero_stage"]) != (now["dp"], now["pp"], now["tp"], now["zero_stage"]):
         raise ConfigError(
             f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: its optimizer shards only "
