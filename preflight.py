@@ -25,7 +25,7 @@ from data.loader import TokenData
 from training.config import ConfigError, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
 from training.launcher_env import set_distributed_env
-from training.topology import describe_hosts, pipeline_settings, resolve_layout
+from training.topology import describe_hosts, pipeline_settings, resolve_layout, tensor_parallel_size
 
 PROBE_DIR = ".preflight"
 BANDWIDTH_MB = {True: 256, False: 16}  # the all-reduce measured on GPUs (NCCL-tests' large-message range) and CPUs
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     ds = load_ds_config(args.ds_config, ds_overrides)
     set_distributed_env()
     world = int(os.environ["WORLD_SIZE"])
-    layout = resolve_layout(ds, world, pipeline_settings(ds).stages)
+    layout = resolve_layout(ds, world, pipeline_settings(ds).stages, tensor_parallel_size(ds))
 
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # before the process group: NCCL binds to it
     PHASE.now(f"joining the process group (world {world})")

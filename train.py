@@ -20,7 +20,6 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from omegaconf import OmegaConf
 
 from data.loader import TokenData, prefetched
@@ -36,7 +35,7 @@ from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks,
                             replicated_weights_in_sync, tied_weights_in_sync, train_step)
-from training.topology import (Layout, Pipeline, describe_groups, describe_hosts, describe_rank, describe_stages,
+from training.topology import (Layout, Pipeline, describe_hosts, describe_stages, describe_topology, parallel_groups,
                                pipeline_settings, resolve_layout, stage_partition, tensor_parallel_size, topology)
 
 
@@ -97,13 +96,8 @@ def main(argv=None) -> None:
         say(f"topology ({launcher}): {describe_hosts(hostnames)}; {layout.describe()}")
         say(describe_stages(specs, parts, layout))
         if tp_size > 1:
-            say(describe_groups(topo))
-            say("\n".join(describe_rank(topo, r) for r in range(layout.world_size)))
-    # DeepSpeed's grid over the topology, the mpu of both builds (PipelineModule makes its own from the same
-    # topology). Without stages or tensor parallelism the engine needs none.
-    grid = PipelineParallelGrid(topology=topo) if tp_size > 1 or pipe.stages > 1 else None
-    tp = TensorParallel(tp_size, grid.get_tensor_model_parallel_rank(), grid.get_slice_parallel_group()) \
-        if tp_size > 1 else SINGLE
+            say(describe_topology(topo))
+    grid, tp = parallel_groups(topo)
     dp_rank = grid.get_data_parallel_rank() if grid else rank
 
     PHASE.now("building the model and the DeepSpeed engine")

@@ -189,13 +189,28 @@ def topology(layout: Layout):
                                          num_dp=layout.dp)
 
 
-def describe_groups(topo) -> str:
-    """Which ranks form each tensor-parallel, data-parallel and pipeline group."""
+def parallel_groups(topo) -> tuple:
+    """DeepSpeed's grid over the topology, the engine's mpu in both builds (a PipelineModule makes its own
+    from the same topology), and this rank's tensor-parallel group. Collective. Without stages or tensor
+    parallelism there is neither."""
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    from model.parallel import SINGLE, TensorParallel
+
+    if topo.get_dim("pipe") == 1 and topo.get_dim("model") == 1:
+        return None, SINGLE
+    grid = PipelineParallelGrid(topology=topo)
+    size = grid.get_tensor_model_parallel_world_size()
+    tp = TensorParallel(size, grid.get_tensor_model_parallel_rank(), grid.get_slice_parallel_group()) if size > 1 \
+        else SINGLE
+    return grid, tp
+
+
+def describe_topology(topo) -> str:
+    """Which ranks form each tensor-parallel, data-parallel and pipeline group, and each rank's coordinates."""
     names = {"model": "tensor", "data": "data", "pipe": "pipeline"}
-    return "; ".join(f"{names[axis]} groups {topo.get_axis_comm_lists(axis) or [[r] for r in range(topo.world_size())]}"
-                     for axis in ("model", "data", "pipe"))
-
-
-def describe_rank(topo, rank: int) -> str:
-    coord = topo.get_coord(rank)
-    return f"rank {rank}: stage {coord.pipe}, tensor rank {coord.model}, data rank {coord.data}"
+    groups = "; ".join(f"{names[axis]} groups {topo.get_axis_comm_lists(axis) or [[r] for r in range(topo.world_size())]}"
+                       for axis in ("model", "data", "pipe"))
+    ranks = [f"rank {r}: stage {c.pipe}, tensor rank {c.model}, data rank {c.data}"
+             for r, c in ((r, topo.get_coord(r)) for r in range(topo.world_size()))]
+    return "\n".join([groups, *ranks])
