@@ -144,7 +144,7 @@ def main() -> None:
                      f"{worst['states'] / 2**20:.1f}", f"{expected['states'] / 2**20:.1f}",
                      f"{worst['tp_bytes'] / 2**20:.2f}", f"{expected['tp_bytes'] / 2**20:.2f}",
                      f"{expected['ring_bytes'] / 2**20:.2f}"])
-    print(f"\n{args.config}, {args.steps} steps, micro batch {args.micro_batch} per replica, one thread per rank")
+    print(f"\n{args.config}, {args.steps} steps, global batch {args.micro_batch}, one thread per rank")
     print_table(["layout", "tokens/s", "params/rank", "theory", "states kept MiB (live tensors)", "theory MiB",
                  "TP all-reduce payload MiB/step", "Megatron formula", "ring traffic per rank MiB"], rows)
     tp1, tp2, dp2 = (results[n] for n in ("tp1", "tp2", "dp2"))

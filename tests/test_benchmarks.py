@@ -6,7 +6,9 @@ import sys
 import pytest
 
 from benchmarks.memory import theory_bytes
+from benchmarks.tensor_parallel import theory as tensor_parallel_theory
 from conftest import run
+from training.config import load_run_config
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -30,6 +32,20 @@ def test_memory_theory_fp32():
     assert (zero0["weights"], zero0["grads"], zero0["optimizer"]) == (4 * PSI, 4 * PSI, 8 * PSI)
     assert zero3["total"] == 16 * PSI / RANKS
     assert zero0["step_fp32_grads"] == zero3["step_fp32_grads"] == 0
+
+
+def test_tensor_parallel_theory_is_megatrons_arithmetic():
+    """The baby GPT (6 layers, d 384, context 256, 128 padded vocabulary) at tp 2: every rank keeps the positions
+    and, per layer, two LayerNorms and two row-parallel biases whole, and half of everything else; per micro-batch
+    of 8 sequences, 4 all-reduces of b x s x d per layer, 2 more around the vocabulary, 3 per-token fp32 ones."""
+    cfg = load_run_config("configs/baby_gpt.yaml", ["model.vocab_size=65"]).model
+    whole, d, tokens = 10_795_008, 384, 8 * 256
+    replicated = 256 * d + 6 * (2 * d + 2 * d + d + d) + 2 * d
+    tp1, tp2 = tensor_parallel_theory(cfg, 1, 8, 4), tensor_parallel_theory(cfg, 2, 8, 4)
+    assert (tp1["params"], tp2["params"]) == (whole, replicated + (whole - replicated) // 2)
+    assert (tp1["states"], tp2["states"]) == (12 * whole, 12 * tp2["params"])
+    assert (tp1["tp_bytes"], tp2["tp_bytes"]) == (0, (4 * 6 + 2) * tokens * d * 4 + 3 * tokens * 4)
+    assert tp2["ring_bytes"] == tp2["tp_bytes"]  # 2 (t - 1) / t = 1 at t = 2
 
 
 def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
