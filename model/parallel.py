@@ -12,7 +12,7 @@ A column-parallel map followed by a row-parallel one costs one all-reduce forwar
 one backward (before the column map), Megatron's f and g. Split parameters carry DeepSpeed's
 `tensor_model_parallel` mark (ZeRO and the bf16 optimizer count their gradient norm on every tensor rank);
 replicated ones (norms, row-parallel biases) stay bitwise equal across tensor ranks because those ranks see
-the same batches and gradients. At tp = 1 nothing here runs.
+the same batches and gradients. At tp = 1 these are the plain layers, with no communication.
 """
 from dataclasses import dataclass
 from typing import Any
@@ -151,11 +151,11 @@ def parallelize(module: nn.Module, splits: dict, tp: TensorParallel) -> nn.Modul
     """Swap the named nn.Linear submodules of `module` for this rank's slice of them, in place."""
     if tp.size == 1:
         return module
-    for name, how in splits.items():
+    for name, rule in splits.items():
         parent, _, child = name.rpartition(".")
         owner = module.get_submodule(parent) if parent else module
         full = getattr(owner, child)
-        kind, parts = (how, 1) if isinstance(how, str) else how
+        kind, parts = (rule, 1) if isinstance(rule, str) else rule
         setattr(owner, child, ColumnParallelLinear(full, tp, parts) if kind == COLUMN else RowParallelLinear(full, tp))
     return module
 
@@ -178,11 +178,11 @@ def shard_parameter(full: torch.Tensor, rule, tp: TensorParallel) -> torch.Tenso
     return _rows(full, tp, parts)
 
 
-def merge_parameter(slices: list[torch.Tensor], how) -> torch.Tensor:
-    """The whole parameter from every tensor rank's slice, in rank order (the inverse of split_parameter)."""
-    if how is None or len(slices) == 1:
+def merge_parameter(slices: list[torch.Tensor], rule) -> torch.Tensor:
+    """The whole parameter from every tensor rank's slice, in rank order (the inverse of shard_parameter)."""
+    if rule is None or len(slices) == 1:
         return slices[0]
-    kind, parts = (how, 1) if isinstance(how, str) else how
+    kind, parts = (rule, 1) if isinstance(rule, str) else rule
     if kind == ROW:
         return torch.cat(slices, dim=1)
     blocks = [s.chunk(parts, dim=0) for s in slices]

@@ -18,7 +18,7 @@ from model import build_model, model_layers
 from model.config import ModelConfig
 from model.parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
 from training.config import ConfigError
-from training.topology import resolve_layout, tensor_parallel_size
+from training.topology import pipeline_settings, resolve_layout, tensor_parallel_size
 
 SMALL = {"gpt": ModelConfig(arch="gpt", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65),
          "llama": ModelConfig(arch="llama", n_layer=2, n_head=8, n_kv_head=4, n_embd=64, ffn_hidden=64,
@@ -99,6 +99,8 @@ def test_bad_tensor_parallel_layouts_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"2 pipeline stages x tensor-parallel degree 2 = 4 do not divide the world "
                                           r"size 6: launch a multiple of 4 processes"):
         resolve_layout({"train_micro_batch_size_per_gpu": 1}, 6, 2, 2)
+    with pytest.raises(ConfigError, match=r"ZeRO stage 2 cannot be combined with pipeline parallelism"):
+        pipeline_settings({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}, "tensor_model_parallel_size": 2})
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size must be a positive integer, got 0"):
         tensor_parallel_size({"tensor_model_parallel_size": 0})
     with pytest.raises(ConfigError, match=r"DeepSpeed's AutoTP .* remove the tensor_parallel section"):
