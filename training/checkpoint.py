@@ -33,7 +33,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ModelConfig
-from model.parallel import COLUMN, ROW, split_rule
+from model.parallel import ROW, split_rule
 from training.checks import ConfigError, exit_bad_input
 
 CHECKPOINTS = "checkpoints"
@@ -41,7 +41,6 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 TAG = re.compile(r"^step_(\d+)(_universal)?$")
-
 
 
 def universal_info(named_parameters: list, tp: int) -> dict:

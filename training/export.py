@@ -36,7 +36,7 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     tp = run_state["layout"].get("tp", 1)
     with torch.device("meta"):
         model = build_model(model_config(run_state))
-        sliced = build_model(model_config(run_state), tp=TensorParallel(tp))  # as each tensor rank held it
+        sliced = build_model(model_config(run_state), tp=TensorParallel(tp)) if tp > 1 else model  # a rank's view
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if run_state.get("universal"):
         return _from_universal(tag_dir, shapes)

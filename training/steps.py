@@ -1,8 +1,6 @@
 """What the training loop asks of a DeepSpeed engine: a training step, a loss estimate, and logits for
 sampling. The plain engine runs micro-batches one by one; the pipeline engine takes all of a step's
 micro-batches at once and returns the loss averaged over them and over data-parallel ranks."""
-import math
-
 import torch
 from torch.utils.checkpoint import checkpoint
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -46,28 +44,26 @@ def keep_fp32_grad_norm(engine) -> None:
 
     def clip_and_keep_norm() -> None:
         params = [p for p in engine.module.parameters() if p.grad is not None]
-        norm = grad_norm(params, engine.mpu)
-        engine._global_grad_norm = norm
-        scale = engine.gradient_clipping() / (norm + 1e-6)
-        if scale < 1:
-            torch._foreach_mul_([p.grad for p in params], scale)
+        engine._global_grad_norm = norm = grad_norm(params, engine.mpu)
+        # On the device, no host synchronization: the factor is 1 when the norm is within the limit.
+        torch._foreach_mul_([p.grad for p in params], (engine.gradient_clipping() / (norm + 1e-6)).clamp(max=1.0))
 
     engine.clip_fp32_gradients = clip_and_keep_norm
 
 
-def grad_norm(params: list, mpu=None) -> float:
+def grad_norm(params: list, mpu=None) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, counted as ZeRO counts it: a tensor-parallel slice on
     every tensor rank, a replicated parameter on tensor rank 0 only, a tied copy (ds_pipe_replicated) once,
     summed over the stages and tensor ranks of this data-parallel replica (the grid's model-parallel group)."""
     tensor_rank = mpu.get_tensor_model_parallel_rank() if mpu is not None else 0
-    counted = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)
+    counted = [p.grad.detach() for p in params if not getattr(p, "ds_pipe_replicated", False)
                and (tensor_rank == 0 or split_rule(p) is not None)]
-    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
-    for g in counted:
-        total += g.detach().double().square().sum()
+    device = params[0].device if params else None
+    total = torch.stack([g.double().square().sum() for g in counted]).sum() if counted else \
+        torch.zeros((), dtype=torch.float64, device=device)
     if mpu is not None:
         torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
-    return math.sqrt(total.item())
+    return total.sqrt()
 
 
 def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE) -> torch.Tensor:
