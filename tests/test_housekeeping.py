@@ -74,6 +74,24 @@ def test_a_changed_pipeline_tensor_parallel_or_zero_stage_is_refused(tmp_path, n
     assert ds == {}
 
 
+def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
+    """ZeRO-0 ones (no optimizer shards for DeepSpeed's converter) at another degree, and ZeRO-3 ones at tp > 1
+    sent to the converter: refused, with the way forward, the checkpoint untouched."""
+    root = str(tmp_path / "checkpoints")
+    fake_checkpoint(root, 3, layout={"world": 2, "dp": 1, "pp": 1, "tp": 2, "zero_stage": 0})
+    with pytest.raises(ConfigError) as error:
+        checkpoint.plan_resume(str(tmp_path), "step_000003", MODEL, {"world": 1, "dp": 1, "pp": 1, "zero_stage": 0}, {})
+    assert str(error.value) == (
+        "the checkpoint was saved at tensor-parallel degree 2 without ZeRO, this run has 1: DeepSpeed's universal "
+        "converter, which reshards, needs ZeRO optimizer shards. Resume it with tensor_model_parallel_size=2, or "
+        "start from its weights (python -m training.export, then train.init_from=EXPORT_DIR)")
+    fake_checkpoint(root, 4, layout={"world": 4, "dp": 2, "pp": 1, "tp": 2, "zero_stage": 3})
+    with pytest.raises(ConfigError, match=r"is a ZeRO-3 checkpoint at tensor-parallel degree 2: DeepSpeed's converter "
+                                          r"merges ZeRO-3 shards of one tensor slice only. Resume it at tp=2"):
+        checkpoint.to_universal(str(tmp_path), "step_000004")
+    assert sorted(os.listdir(root)) == ["step_000003", "step_000004"]
+
+
 def test_universal_checkpoints_resume_on_any_layout_and_zero0_at_any_dp(tmp_path):
     root = str(tmp_path / "checkpoints")
     tag = fake_checkpoint(root, 3, layout={"world": 4, "dp": 2, "pp": 2, "zero_stage": 1}, suffix="_universal")
