@@ -23,6 +23,52 @@ def exit_bad_input(message) -> None:
     raise SystemExit(2)
 
 
+# Every tool's path arguments go through these three, so one wrong path reads the same wherever it is given:
+# "<what> <path> <problem>; fix: <fix>".
+def existing_dir(path: str, what: str, fix: str) -> str:
+    """`path` must be a folder this process can list."""
+    problem = _path_problem(path, folder=True)
+    if problem:
+        raise ConfigError(f"{what} {path} {problem}; fix: {fix}")
+    return path
+
+
+def existing_file(path: str, what: str, fix: str) -> str:
+    """`path` must be a file this process can read, and not an empty one."""
+    problem = _path_problem(path, folder=False) or ("is empty" if os.path.getsize(path) == 0 else None)
+    if problem:
+        raise ConfigError(f"{what} {path} {problem}; fix: {fix}")
+    return path
+
+
+def new_output(path: str, what: str, fix: str, folder: bool = True) -> str:
+    """An output that must not overwrite earlier results: a path that is free (or, for a folder, an empty
+    folder) and whose parent folder exists or can be made."""
+    if os.path.isdir(path) != folder and os.path.exists(path):
+        raise ConfigError(f"{what} {path} is a {'file' if folder else 'folder'}, not a {'folder' if folder else 'file'}"
+                          f"; fix: {fix}")
+    if os.path.exists(path) and (not folder or os.listdir(path)):
+        raise ConfigError(f"{what} {path} already exists and would be overwritten; fix: {fix}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{what} {path} cannot be created: {parent} is a file; fix: {fix}")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{what} {path} cannot be created: {parent} is not writable; fix: {fix}")
+    return path
+
+
+def _path_problem(path: str, folder: bool) -> str | None:
+    if not os.path.exists(path):
+        return "does not exist"
+    if os.path.isdir(path) != folder:
+        return f"is a {'file' if folder else 'folder'}, not a {'folder' if folder else 'file'}"
+    if not os.access(path, os.R_OK | (os.X_OK if folder else 0)):
+        return "is not readable (permissions)"
+    return None
+
+
 class Checks:
     """The checks of one config section; `section` prefixes every key in the messages."""
 
