@@ -19,10 +19,27 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import at_least, load_inputs, print_table, run_main, run_tool  # noqa: E402
+from training.checks import new_output  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTARTS = {"gpt": "configs/quickstart.yaml", "llama": "configs/llama_quickstart.yaml"}
 BABY_LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
+THROUGHPUT = {"gpt": ["model.dropout=0", "ds.bf16.enabled=true"], "llama": ["model.dropout=0", "ds.bf16.enabled=true",
+                                                                            *BABY_LLAMA]}
+
+
+def check(args) -> dict:
+    """Everything the runs will read, checked before the first one starts: {model: (cfg, ds, data)}."""
+    at_least(args, 1, "steps", "chunk")
+    at_least(args, 0, "warmup")
+    new_output(os.path.join(REPO, args.out_dir), "--out_dir", "give a new or empty folder: each run starts afresh")
+    if args.what == "quality":
+        from training.config import DEFAULT_DS_CONFIG  # train.py's, which the quality runs use
+
+        return {arch: load_inputs(config, DEFAULT_DS_CONFIG, args.overrides, REPO) for arch, config in QUICKSTARTS.items()}
+    return {arch: load_inputs("configs/baby_gpt.yaml", "ds_configs/zero0.json", [*extra, *args.overrides], REPO)
+            for arch, extra in THROUGHPUT.items()}
 
 
 def quality(args) -> dict:
@@ -33,44 +50,37 @@ def quality(args) -> dict:
                *args.overrides]
         print(" ".join(cmd), flush=True)
         start = time.perf_counter()
-        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        run_tool(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
         with open(os.path.join(REPO, out_dir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
         val = [r for r in records if "val_loss" in r][-1]
         results[arch] = {"step": val["step"], "val_loss": val["val_loss"], "wall_s": time.perf_counter() - start}
-    from benchmarks.report import print_table
     print_table(["model", "preset", "step", "val loss", "wall time"],
                 [[arch, QUICKSTARTS[arch], r["step"], f"{r['val_loss']:.4f}", f"{r['wall_s']:.0f} s"]
                  for arch, r in results.items()])
     return results
 
 
-def throughput(args) -> dict:
+def throughput(args, inputs: dict) -> dict:
     import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from benchmarks.report import print_table
     from benchmarks.turns import timed_turns
-    from data.loader import TokenData
     from model import build_model
-    from training.config import load_ds_config, load_run_config
     from training.failure import leave_process_group
     from training.device import peak_flops
+    from training.launcher_env import set_single_process_env
     from training.metrics import flops_per_token
     from training.optim import optimizer_and_schedule, param_groups
     from training.steps import train_step
-    from training.topology import resolve_layout, set_single_process_env
+    from training.topology import resolve_layout
 
     set_single_process_env()
     deepspeed.init_distributed()
     device = torch.device(get_accelerator().device_name(0))
     runners = {}
-    for arch, extra in (("gpt", []), ("llama", BABY_LLAMA)):
-        cfg = load_run_config(os.path.join(REPO, "configs/baby_gpt.yaml"), ["model.dropout=0", *extra, *args.overrides])
-        ds = load_ds_config(os.path.join(REPO, "ds_configs/zero0.json"), ["bf16.enabled=true"])
-        data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
-        cfg.model.vocab_size = data.meta["vocab_size"]
+    for arch, (cfg, ds, data) in inputs.items():
         ds.update(optimizer_and_schedule(cfg, ds))
         model = build_model(cfg.model, cfg.train.seed)
         engine, *_ = deepspeed.initialize(model=model, config=ds,
@@ -106,11 +116,12 @@ def main() -> None:
     parser.add_argument("--out_dir", default=os.path.join("out", "llama_vs_gpt", time.strftime("%Y%m%d-%H%M%S")))
     parser.add_argument("overrides", nargs="*", help="run-config key=value for both models")
     args = parser.parse_intermixed_args()  # key=value overrides after --options too
-    results = quality(args) if args.what == "quality" else throughput(args)
+    inputs = check(args)
+    results = quality(args) if args.what == "quality" else throughput(args, inputs)
     os.makedirs(os.path.join(REPO, args.out_dir), exist_ok=True)
     with open(os.path.join(REPO, args.out_dir, f"{args.what}.json"), "w") as f:
         json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

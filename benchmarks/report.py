@@ -1,15 +1,91 @@
-"""What every benchmark records next to its figures: the device, the software and the date; and the
-markdown table it prints."""
+"""What every benchmark shares: the checks of its command line and inputs at start, the way its main ends on
+bad input, what it records next to its figures (the device, the software and the date), and the markdown
+table it prints."""
+from __future__ import annotations
+
 import datetime
 import json
 import os
 import platform
 import re
+import subprocess
+import sys
 
-import torch
+from training.checks import ConfigError, existing_dir, exit_bad_input, new_output
+
+# torch, DeepSpeed and the training modules are imported where they are used: a bad argument is refused, and
+# --help answered, before the seconds those imports take.
+
+
+def run_main(main) -> None:
+    """A benchmark's entry point, ending as train.py ends: bad input (a ConfigError from the checks at start)
+    is one `error:` line on stderr and exit 2, before anything is measured; main's return value is the exit code."""
+    try:
+        code = main()
+    except ConfigError as e:
+        exit_bad_input(e)
+    sys.exit(code)
+
+
+def run_tool(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(check=True) for a tool that takes the user's settings (train.py, the deepspeed launcher):
+    when it refuses them (exit 2, its `error:` line already on stderr) the benchmark ends the same way, not with
+    a traceback of its own."""
+    proc = subprocess.run(cmd, **kwargs)
+    if proc.returncode == 2:
+        raise SystemExit(2)
+    proc.check_returncode()
+    return proc
+
+
+def at_least(args, low, *names: str) -> None:
+    """Counts and sizes on a benchmark's command line (--steps, --nprocs, ...; each item of a list)."""
+    for name in names:
+        values = getattr(args, name)
+        for value in values if isinstance(values, list) else [values]:
+            if value < low:
+                raise ConfigError(f"--{name}={value}: must be >= {low}; fix: set --{name} to {low} or more")
+
+
+def results_file(path: str, what: str = "--json") -> str:
+    """A results file: a rerun overwrites the last figures (record.sh records under fixed names), so only a path
+    that cannot be written is refused."""
+    if os.path.isfile(path) and os.access(path, os.W_OK):
+        return path
+    return new_output(path, f"{what} file", f"give {what} a file path in a folder that exists or can be made",
+                      folder=False)
+
+
+def work_folder(path: str, what: str = "--work_dir") -> str:
+    """A folder the runs write fresh subfolders into: one that exists (earlier runs may be in it) or can be made."""
+    fix = f"point {what} at a writable folder"
+    if not os.path.exists(path):
+        return new_output(path, what, fix)
+    existing_dir(path, what, fix)
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"{what} {path} is not writable; fix: {fix}")
+    return path
+
+
+def load_inputs(config: str, ds_config: str, overrides: list[str], root: str = ""):
+    """(run config, ds_config, dataset) checked as train.py checks them, before any measurement: relative paths
+    (data.dir too) from `root`, the folder the measured processes run in."""
+    from data.loader import TokenData
+    from training.config import load_ds_config, load_run_config, split_overrides
+
+    run_overrides, ds_overrides = split_overrides(overrides)
+    cfg = load_run_config(os.path.join(root, config), run_overrides)
+    ds = load_ds_config(os.path.join(root, ds_config), ds_overrides)
+    sources = [{"dir": s.dir and os.path.join(root, s.dir), "weight": s.weight} for s in cfg.data.sources]
+    data = TokenData(os.path.join(root, cfg.data.dir), cfg.data.tokenizer, cfg.model.block_size, sources)
+    cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
+    data.check_vocab(cfg.model.vocab_size)
+    return cfg, ds, data
 
 
 def device_description(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     cpu = platform.processor() or platform.machine()
@@ -21,6 +97,8 @@ def device_description(device: torch.device) -> str:
 
 def device_slug() -> str:
     """The first accelerator's (else the CPU's) name as a folder name: benchmarks/results/<slug>/."""
+    import torch
+
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     name = device_description(device).split(" (")[0]
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
@@ -28,6 +106,8 @@ def device_slug() -> str:
 
 def environment(device: torch.device) -> dict:
     import deepspeed  # the GPU machine may lack it until its wheel is installed; only needed here
+    import torch
+
     return {"date": datetime.date.today().isoformat(), "device": device_description(device),
             "software": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "python": platform.python_version(), "cuda": torch.version.cuda}}

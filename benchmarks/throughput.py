@@ -26,7 +26,6 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from data.loader import TokenData  # noqa: E402
 from model import build_model, compile_blocks  # noqa: E402
-from training.config import load_ds_config, load_run_config, split_overrides  # noqa: E402
 from training.failure import leave_process_group  # noqa: E402
 from training.device import peak_flops  # noqa: E402
 from training.metrics import flops_per_token  # noqa: E402
@@ -34,7 +33,8 @@ from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
 from training.steps import lm_loss, train_step  # noqa: E402
 from training.launcher_env import set_single_process_env  # noqa: E402
 from training.topology import resolve_layout  # noqa: E402
-from benchmarks.report import environment, print_table, write_json  # noqa: E402
+from benchmarks.report import (at_least, environment, load_inputs, print_table, results_file, run_main,  # noqa: E402
+                               write_json)
 from benchmarks.turns import timed_turns  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -115,7 +115,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     for name in runners:
         tokens_per_s = tokens_per_step * args.steps / seconds[name]
         result[name] = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token(cfg.model) / peak,
-                        "final_loss": sum(float(x) for x in losses[name][-5:]) / 5}
+                        "final_loss": sum(float(x) for x in losses[name][-5:]) / len(losses[name][-5:])}
     result["ratio"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
     del engine, runners
     return result
@@ -133,11 +133,10 @@ def main() -> None:
     parser.add_argument("--json", default="out/benchmarks/throughput.json")
     parser.add_argument("overrides", nargs="*", help="run-config key=value (ds.* for the ds_config)")
     args = parser.parse_args()
-    run_overrides, ds_overrides = split_overrides(args.overrides)
-    cfg = load_run_config(args.config, run_overrides)
-    ds = load_ds_config(args.ds_config, ds_overrides)
-    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
-    cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
+    at_least(args, 1, "steps", "chunk")
+    at_least(args, 0, "warmup")
+    results_file(args.json)
+    cfg, ds, data = load_inputs(args.config, args.ds_config, args.overrides)
     set_single_process_env()
     deepspeed.init_distributed()
     device = torch.device(get_accelerator().device_name(0))
@@ -165,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

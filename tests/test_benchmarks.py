@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.memory import theory_bytes
 from benchmarks.tensor_parallel import theory as tensor_parallel_theory
-from conftest import run
+from conftest import TINY, run
 from training.config import load_run_config
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
@@ -65,3 +65,13 @@ def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
         assert result["peak_tflops"] > 0
         assert result["deepspeed"]["mfu"] == pytest.approx(
             result["deepspeed"]["tokens_per_s"] * written["flops_per_token"] / (result["peak_tflops"] * 1e12))
+
+
+def test_llama_throughput_builds_and_times_both_models(char_data, tmp_path):
+    """The mode whose import once moved away unnoticed: one timed step each of a tiny GPT and Llama."""
+    out = tmp_path / "out"
+    run([sys.executable, "benchmarks/llama.py", "throughput", "--steps", "1", "--warmup", "0", "--chunk", "1",
+         "--out_dir", str(out), f"data.dir={char_data}", *TINY])
+    written = json.loads((out / "throughput.json").read_text())
+    assert written["llama"]["parameters"] != written["gpt"]["parameters"]  # two models, not one twice
+    assert written["gpt"]["tokens_per_s"] > 0 and written["llama"]["tokens_per_s"] > 0 and written["mfu_ratio"] > 0
