@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from omegaconf import OmegaConf
 
 from data.loader import TokenData, prefetched
+from data.tokenizers import sampling_start
 from model import BLOCK_CLASS, build_model, build_pipeline, compile_blocks, model_layers
 from model.generate import generate
 from model.parallel import SINGLE, TensorParallel, gather_vocab
@@ -32,6 +33,7 @@ from training.failure import JOB, PHASE, collective_timeout, leave_process_group
 from training.launcher_env import set_distributed_env
 from training.device import compute_dtype, peak_flops, peak_memory_gb
 from training.metrics import MetricsLog, Throughput, flops_per_token
+from training.noise import silence_known_noise
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.steps import (PipelineLogits, eval_loss, keep_fp32_grad_norm, lm_loss, mean_over_ranks,
                             replicated_weights_in_sync, tied_weights_in_sync, train_step)
@@ -40,6 +42,7 @@ from training.topology import (Layout, Pipeline, describe_hosts, describe_stages
 
 
 def main(argv=None) -> None:
+    silence_known_noise()
     args = parse_args(argv)
     run_overrides, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(args.config, run_overrides)
@@ -49,7 +52,7 @@ def main(argv=None) -> None:
         cfg.model.vocab_size = data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
     tokenizer = data.tokenizer()
-    prompt_ids = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
+    prompt_ids, prompt_note = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
     n_params = count_parameters(cfg)  # builds the model on the meta device: a bad architecture stops here
     launcher = set_distributed_env()  # deepspeed, torchrun, mpiexec, srun or none: RANK, WORLD_SIZE, ...
     # The device before anything touches it (NCCL binds a process group to the current device), then the
@@ -93,7 +96,8 @@ def main(argv=None) -> None:
     topo = topology(layout)
     if rank == 0:
         save_effective_config(cfg, ds, layout)
-        say(f"topology ({launcher}): {describe_hosts(hostnames)}; {layout.describe()}")
+        started = "one process, no launcher" if launcher == "none" else launcher
+        say(f"topology ({started}): {describe_hosts(hostnames)}; {layout.describe()}")
         say(describe_stages(specs, parts, layout))
         if tp_size > 1:
             say(describe_topology(topo))
@@ -136,8 +140,9 @@ def main(argv=None) -> None:
     meter = Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak)
     say(f"model: {n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; {dtype}; "
         f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
-    if precision_note:
-        say(precision_note)
+    for note in (precision_note, prompt_note):
+        if note:
+            say(note)
 
     @torch.compiler.set_stance("force_eager")  # padded, variable batches: never worth a recompilation
     def evaluate(step: int) -> None:
@@ -254,9 +259,9 @@ def whole_model_parameters(cfg: RunConfig, tp_size: int) -> list:
         return list(build_model(cfg.model, tp=TensorParallel(tp_size)).named_parameters())
 
 
-def encode_prompt(prompt: str, tokenizer) -> list[int]:
+def encode_prompt(prompt: str, tokenizer) -> tuple[list[int], str | None]:
     try:
-        return tokenizer.encode(prompt)
+        return sampling_start(prompt, tokenizer)
     except ValueError as e:
         raise ConfigError(f"sample.prompt={prompt!r} does not encode with the dataset's {tokenizer.name} "
                           f"tokenizer: {e}; fix: use characters of the training text in sample.prompt") from None

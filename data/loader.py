@@ -37,8 +37,8 @@ class Dataset:
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int):
         self.dir, self.block_size = data_dir, block_size
         meta_path = os.path.join(data_dir, "meta.json")
-        self.prepare = (f"python -m data.prepare --tokenizer {tokenizer or 'TOKENIZER'} --input PATH/TO/text.txt "
-                        f"--out_dir {data_dir}")
+        self.prepare = (f"python -m data.prepare{f' --tokenizer {tokenizer}' if tokenizer else ''} --input "
+                        f"PATH/TO/text.txt --out_dir {data_dir}")
         if not os.path.exists(meta_path):
             raise ConfigError(f"no prepared dataset in {data_dir} (meta.json missing); prepare it with: "
                               f"{self.prepare}")

@@ -237,6 +237,26 @@ def tokenizer_from_meta(meta: dict, directory: str | None = None):
     return HFTokenizer.from_file(path, name)
 
 
+def delimiter_id(tokenizer) -> int | None:
+    """The id that separates documents (end-of-text, or begin-of-text for a tokenizer with only that); None for
+    a one-document char dataset."""
+    return getattr(tokenizer, "bos_id", None) if tokenizer.delimiter == "bos" else tokenizer.eot_id
+
+
+def sampling_start(text: str, tokenizer) -> tuple[list[int], str | None]:
+    """The ids a sample starts from, and a note when they are not the text's own. A prompt that encodes to no
+    tokens (a newline, for a tokenizer that splits on whitespace) starts from the document delimiter: what
+    sampling "from nothing" means for a model trained on delimited documents. ValueError when it cannot start."""
+    ids = tokenizer.encode(text)  # ValueError for a character outside a char vocabulary
+    if ids:
+        return ids, None
+    start = delimiter_id(tokenizer)
+    if start is None:
+        raise ValueError("it encodes to no tokens, and the dataset has no document delimiter to start from")
+    return [start], (f"the prompt {text!r} encodes to no tokens with the dataset's {tokenizer.name} tokenizer: the "
+                     f"sample starts from its document delimiter {tokenizer.decode([start])!r} (id {start})")
+
+
 def load_tokenizer(data_dir: str):
     """The tokenizer of the prepared dataset in `data_dir`: encode, decode, vocab_size, eot_id, save(dir).
     (For Hugging Face tokenizers, save(dir) writes dir/tokenizer.json.)"""

@@ -65,13 +65,29 @@ def byte_level_encoding(first_id: int = 0) -> tiktoken.Encoding:
                              mergeable_ranks={bytes([i]): first_id + i for i in range(256)}, special_tokens={})
 
 
-def prepare_blend_sources(root, shakespeare_path: str) -> tuple[str, str]:
-    """Two real domains prepared with one tokenizer: speeches (large) and a small set of stdlib docstrings."""
+def word_level_tokenizer(documents: list[str], size: int = 2000):
+    """A word-level tokenizer.json trained on `documents` (whitespace pre-tokenizer, end-of-text and unknown-word
+    tokens): a prompt of whitespace, such as the default newline, encodes to no tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from data.tokenizers import EOT, HFTokenizer
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(documents, trainers.WordLevelTrainer(vocab_size=size, special_tokens=[EOT, "[UNK]"],
+                                                                       show_progress=False))
+    return HFTokenizer(tokenizer, "tokenizer.json")
+
+
+def prepare_blend_sources(root, shakespeare_path: str, word_level: bool = False) -> tuple[str, str]:
+    """Two real domains prepared with one tokenizer: speeches (large) and a small set of stdlib docstrings; in
+    bytes (a tiktoken BPE of byte tokens), or with a word-level tokenizer.json trained on both."""
     from data.prepare import prepare
     from data.tokenizers import TiktokenTokenizer
 
-    tokenizer = TiktokenTokenizer(byte_level_encoding())
-    for name, docs in (("docs", docstrings()[:60]), ("plays", speeches(shakespeare_path)[:2000])):
+    corpora = (("docs", docstrings()[:60]), ("plays", speeches(shakespeare_path)[:2000]))
+    tokenizer = (word_level_tokenizer([d for _, docs in corpora for d in docs]) if word_level
+                 else TiktokenTokenizer(byte_level_encoding()))
+    for name, docs in corpora:
         os.makedirs(os.path.join(root, name), exist_ok=True)
         with open(os.path.join(root, name, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps({"text": d}) + "\n" for d in docs)

@@ -1,6 +1,8 @@
 """Training on a weighted blend of two prepared datasets through the real launcher: a stopped and resumed
 run equals an uninterrupted one, dp=1, dp=2 and pp=2 evaluate the same validation set (same val loss, fp32), the
-metrics count each source's epochs, and resuming on other data is refused."""
+metrics count each source's epochs, and resuming on other data is refused. The datasets are prepared with a
+word-level tokenizer.json, named nowhere in the run's settings, and the runs keep the default prompt, a newline
+that encodes to no tokens: every run samples from the end-of-text token instead."""
 import json
 import os
 import sys
@@ -14,23 +16,38 @@ STEPS = ["train.max_steps=6", "train.eval_interval=3", "train.save_interval=3", 
 
 
 def blend(plays, docs, w_plays=0.3, w_docs=0.7):
-    return [f"data.sources=[{{dir: {plays}, weight: {w_plays}}}, {{dir: {docs}, weight: {w_docs}}}]",
-            "data.tokenizer=null"]
+    return [f"data.sources=[{{dir: {plays}, weight: {w_plays}}}, {{dir: {docs}, weight: {w_docs}}}]"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shakespeare_path):
     root = tmp_path_factory.mktemp("blend_train")
-    plays, docs = prepare_blend_sources(str(root), shakespeare_path)
+    plays, docs = prepare_blend_sources(str(root), shakespeare_path, word_level=True)
     common = blend(plays, docs) + STEPS + FP32
     out = {name: str(root / name) for name in ("straight", "resumed", "dp1", "pp2")}
-    launch(2, "zero0.json", out["straight"], plays, common)
+    proc = launch(2, "zero0.json", out["straight"], plays, common)
+    with open(os.path.join(out["straight"], "launch.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
     launch(2, "zero0.json", out["resumed"], plays, common + ["train.stop_at_step=3"])
     launch(2, "zero0.json", out["resumed"], plays, common)  # train.resume=auto: continues from step 3
     launch(1, "zero0.json", out["dp1"], plays, common + ["ds.gradient_accumulation_steps=2"])  # same global batch
     # Two stages, micro-batches of 4: the 10 windows take 3 micro-batches, the last one half padding.
     launch(2, "pipe2.json", out["pp2"], plays, common + ["train.max_steps=1"])
     return plays, docs, out
+
+
+def test_a_prompt_that_encodes_to_nothing_samples_from_the_end_of_text_token(runs):
+    """The default prompt, a newline, has no word in it: the run says at start that it samples from the
+    dataset's end-of-text token, trains, saves and ends with the sample (exit 0: launch checks it)."""
+    _, _, out = runs
+    with open(os.path.join(out["straight"], "launch.log")) as f:
+        output = f.read()
+    note = ("the prompt '\\n' encodes to no tokens with the dataset's tokenizer.json tokenizer: the sample starts "
+            "from its document delimiter '<|endoftext|>' (id 0)")
+    assert note in output and output.index(note) < output.index("step 0:")
+    sample = output.split("--- sample ---\n")[1].split("\n--------------")[0]
+    assert sample.startswith("<|endoftext|> ") and len(sample.split()) == 1 + 16  # sample.max_new_tokens words
+    assert "Traceback" not in output
 
 
 def val_losses(out_dir):

@@ -47,8 +47,8 @@ def test_all_advertised_ds_configs_are_shipped():
 def test_presets_load(path):
     cfg = load_run_config(path, [])
     assert cfg.model.n_embd % cfg.model.n_head == 0
-    # tokenizer.json and bpe:SIZE: the Llama presets' datasets, prepared with the data work's tokenizers
-    assert cfg.data.tokenizer in ("char", "gpt2", "tokenizer.json") or cfg.data.tokenizer.startswith("bpe:")
+    # None: the dataset's own (the character presets); a preset that names one is defined by it
+    assert cfg.data.tokenizer in (None, "gpt2", "tokenizer.json") or cfg.data.tokenizer.startswith("bpe:")
 
 
 def test_overrides_reach_both_files():
@@ -159,7 +159,7 @@ def test_cli_fp16_on_cpu_is_refused(char_data, tmp_path):
 def test_cli_missing_data_says_how_to_prepare(tmp_path):
     proc = cli(f"data.dir={tmp_path}/none", f"train.out_dir={tmp_path}")
     assert_fails_before_training(proc, f"no prepared dataset in {tmp_path}/none (meta.json missing); prepare it "
-                                       f"with: python -m data.prepare --tokenizer char")
+                                       f"with: python -m data.prepare --input PATH/TO/text.txt --out_dir {tmp_path}/none")
 
 
 def test_cli_compile_with_pipeline_stages_is_refused(char_data, tmp_path):

@@ -133,10 +133,31 @@ def test_config_files_may_come_anywhere_among_the_overrides():
 def test_prompt_outside_the_vocabulary_is_refused_at_start():
     import train
     tokenizer = CharTokenizer(list("\n abc"))
-    assert train.encode_prompt("ab c", tokenizer) == [2, 3, 1, 4]
+    assert train.encode_prompt("ab c", tokenizer) == ([2, 3, 1, 4], None)
     with pytest.raises(ConfigError, match=r"sample.prompt='abé' does not encode with the dataset's char tokenizer: "
                                           r"character 'é' is not in this dataset's vocabulary; fix: use characters"):
         train.encode_prompt("abé", tokenizer)
+
+
+@pytest.mark.parametrize("delimiter", ["<|endoftext|>", "<s>"])
+def test_a_prompt_that_encodes_to_nothing_starts_from_the_document_delimiter(delimiter):
+    """A whitespace-splitting tokenizer encodes the default prompt, a newline, to no tokens: the sample starts from
+    the token that separates documents, end-of-text or (a tokenizer with only that) begin-of-text."""
+    import train
+    from corpora import word_level_tokenizer
+    tokenizer = word_level_tokenizer(["to be or not to be"])
+    if delimiter == "<s>":  # the same words behind a begin-of-text token only, as Llama-2's tokenizer has
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        from data.tokenizers import HFTokenizer
+        inner = Tokenizer(models.WordLevel({"<s>": 0, "[UNK]": 1, "to": 2, "be": 3}, unk_token="[UNK]"))
+        inner.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer = HFTokenizer(inner, "tokenizer.json")
+    start = tokenizer.tokenizer.token_to_id(delimiter)
+    assert train.encode_prompt("\n", tokenizer) == ([start], f"the prompt '\\n' encodes to no tokens with the dataset's "
+                                                    f"tokenizer.json tokenizer: the sample starts from its document "
+                                                    f"delimiter {delimiter!r} (id {start})")
+    assert train.encode_prompt("to be", tokenizer)[1] is None
 
 
 def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):
@@ -187,7 +208,37 @@ def test_eval_interval_zero_evaluates_at_start_and_end_only(char_data, tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003"]
 
 
-def test_negative_gradient_clipping_is_refused():
-    with pytest.raises(ConfigError, match=r"gradient_clipping=-1 in .*zero0.json: must be a number >= 0 \(0 disables "
-                                          r"clipping\); fix: set ds.gradient_clipping=1.0 or 0"):
-        load_ds_config(os.path.join(REPO, "ds_configs", "zero0.json"), ["gradient_clipping=-1"])
+# (ds override, the message's start): the ds_config's numbers that DeepSpeed's typed models do not check.
+BAD_DS_NUMBERS = [
+    ("train_micro_batch_size_per_gpu=four", "train_micro_batch_size_per_gpu='four' in {path}: must be an integer >= 1; "
+                                           "fix: set ds.train_micro_batch_size_per_gpu to one"),
+    ("train_micro_batch_size_per_gpu=true", "train_micro_batch_size_per_gpu=True in {path}: must be an integer >= 1"),
+    ("train_micro_batch_size_per_gpu=2.5", "train_micro_batch_size_per_gpu=2.5 in {path}: must be an integer >= 1"),
+    ("train_micro_batch_size_per_gpu=0", "train_micro_batch_size_per_gpu=0 in {path}: must be an integer >= 1"),
+    ("gradient_accumulation_steps=two", "gradient_accumulation_steps='two' in {path}: must be an integer >= 1"),
+    ("train_batch_size=-8", "train_batch_size=-8 in {path}: must be an integer >= 1"),
+    ("tensor_model_parallel_size=two", "tensor_model_parallel_size='two' in {path}: must be an integer >= 1"),
+    ("steps_per_print=0", "steps_per_print=0 in {path}: must be an integer >= 1"),
+    ("pipeline.stages=two", "pipeline.stages='two' in {path}: must be an integer >= 1"),
+    ("pipeline.activation_checkpoint_interval=-1", "pipeline.activation_checkpoint_interval=-1 in {path}: must be an "
+                                                   "integer >= 0 (0 disables it)"),
+    ("gradient_clipping=-1", "gradient_clipping=-1 in {path}: must be a number >= 0 (0 disables clipping); fix: set "
+                             "ds.gradient_clipping to one"),
+    ("gradient_clipping=big", "gradient_clipping='big' in {path}: must be a number >= 0"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_DS_NUMBERS, ids=[row[0] for row in BAD_DS_NUMBERS])
+def test_bad_ds_config_number_is_refused_with_its_message(override, message):
+    path = os.path.join(REPO, "ds_configs", "zero0.json")
+    with pytest.raises(ConfigError) as caught:
+        load_ds_config(path, [override])
+    assert message.format(path=path) in str(caught.value)
+
+
+def test_the_ds_number_table_covers_the_keys_the_layout_reads():
+    """topology.py reads these without checking their types: their one check is DS_NUMBERS."""
+    from training.config import DS_NUMBERS
+    from training.topology import ACCUM, GLOBAL, MICRO, TP_KEY
+    assert {MICRO, ACCUM, GLOBAL, TP_KEY, "pipeline.stages", "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)
+    assert {row[0].split("=")[0] for row in BAD_DS_NUMBERS} == set(DS_NUMBERS)

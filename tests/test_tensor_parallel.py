@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import FP32, grad_norms, launch, metrics, run, train_losses
+from conftest import FP32, REPO, grad_norms, launch, metrics, run, train_losses
 from hf_check import assert_export_matches_transformers
 from model import build_model, model_layers
 from model.config import ModelConfig
 from model.parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
-from training.config import ConfigError
+from training.config import ConfigError, load_ds_config
 from training.topology import pipeline_settings, resolve_layout, tensor_parallel_size
 
 SMALL = {"gpt": ModelConfig(arch="gpt", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65),
@@ -101,8 +101,8 @@ def test_bad_tensor_parallel_layouts_are_refused_with_the_fix():
         resolve_layout({"train_micro_batch_size_per_gpu": 1}, 6, 2, 2)
     with pytest.raises(ConfigError, match=r"ZeRO stage 2 cannot be combined with pipeline parallelism"):
         pipeline_settings({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}, "tensor_model_parallel_size": 2})
-    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size must be a positive integer, got 0"):
-        tensor_parallel_size({"tensor_model_parallel_size": 0})
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=0 in .*tp2.json: must be an integer >= 1"):
+        load_ds_config(os.path.join(REPO, "ds_configs", "tp2.json"), ["tensor_model_parallel_size=0"])
     with pytest.raises(ConfigError, match=r"DeepSpeed's AutoTP .* remove the tensor_parallel section"):
         tensor_parallel_size({"tensor_model_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}})
 

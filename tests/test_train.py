@@ -20,9 +20,28 @@ def zero_runs(tmp_path_factory, char_data):
         out = tmp_path_factory.mktemp(f"zero{stage}")
         # Threshold 0: ZeRO-3 partitions every parameter, the tied embedding included.
         extra = ["ds.zero_optimization.stage3_param_persistence_threshold=0"] if stage == 3 else []
-        launch(2, f"zero{stage}.json", out, char_data, [*STEPS, *FP32, *extra])
+        proc = launch(2, f"zero{stage}.json", out, char_data, [*STEPS, *FP32, *extra])
+        (out / "launch.log").write_text(proc.stdout + proc.stderr)
         runs[stage] = out
     return runs
+
+
+# Known, harmless messages that every run printed, silenced where they arise (training/noise.py): DeepSpeed's
+# scheduler warning at start, torch's deprecation of the name ZeRO-1/2 gather with, the bf16 optimizer's
+# memory printout, and a launcher named "none".
+KNOWN_NOISE = ["Attempting to get learning rate from scheduler before it has started",
+               "`torch.distributed.all_gather_into_tensor` is deprecated", "CPU Virtual Memory", "topology (none)"]
+
+
+def assert_quiet(output: str) -> None:
+    assert [noise for noise in KNOWN_NOISE if noise in output] == []
+
+
+def test_a_run_prints_none_of_the_known_noise(zero_runs):
+    for stage in (0, 1, 2, 3):
+        output = (zero_runs[stage] / "launch.log").read_text()
+        assert "topology (deepspeed): " in output and "saved step_000006" in output
+        assert_quiet(output)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -95,9 +114,10 @@ def test_bf16_with_fp32_gradient_reduction_stays_within_bf16_noise_of_a_bf16_red
     reducing and accumulating in bf16 trains to losses within bf16's noise of it, and not bitwise the same."""
     losses = {}
     for name, extra in (("fp32", []), ("bf16", ["ds.communication_data_type=bf16", "ds.data_types.grad_accum_dtype=bf16"])):
-        launch(2, "zero1.json", tmp_path / name, char_data,
-               [*STEPS, *BF16, "ds.gradient_accumulation_steps=2", "ds.train_micro_batch_size_per_gpu=2", *extra])
+        proc = launch(2, "zero1.json", tmp_path / name, char_data,
+                      [*STEPS, *BF16, "ds.gradient_accumulation_steps=2", "ds.train_micro_batch_size_per_gpu=2", *extra])
         losses[name] = train_losses(tmp_path / name)
+        assert_quiet(proc.stdout + proc.stderr)  # the bf16 optimizer's memory printout among them
     assert len(losses["fp32"]) == 6 and losses["fp32"] == pytest.approx(losses["bf16"], abs=0.03)
     assert losses["fp32"] != losses["bf16"]
     assert losses["fp32"][-1] < losses["fp32"][0] - 0.1
@@ -133,6 +153,8 @@ def test_single_process_without_launcher_trains_and_samples(tmp_path, char_data)
     assert len(losses) == 30 and losses[-1] < losses[0] - 0.5
     sample = proc.stdout.split("--- sample ---\n")[1].split("\n----")[0]
     assert len(sample) == 41  # the one-character prompt plus 40 generated characters
+    assert "topology (one process, no launcher): " in proc.stdout
+    assert_quiet(proc.stdout + proc.stderr)
 
 
 def test_compiled_model_trains_like_the_eager_one(tmp_path, char_data):

@@ -44,9 +44,9 @@ class SourceConfig:
 @dataclass
 class DataConfig:
     dir: str = "data/shakespeare_char"  # holds train.bin, val.bin and meta.json (python -m data.prepare)
-    # Must match the dataset's meta.json ("char", "gpt2", "tiktoken:NAME", "bpe:SIZE", "tokenizer.json");
-    # null: whatever the dataset was prepared with.
-    tokenizer: Optional[str] = "char"
+    # null: whatever the dataset was prepared with (every source of a blend alike). A name ("char", "gpt2",
+    # "tiktoken:NAME", "bpe:SIZE", "tokenizer.json") must match the dataset's meta.json.
+    tokenizer: Optional[str] = None
     # A weighted blend, [{dir: ..., weight: ...}, ...], used instead of `dir` when given.
     sources: list[SourceConfig] = field(default_factory=list)
     # Resume a checkpoint on other data (another dataset, tokenizer or weights) than it was trained on.
@@ -237,12 +237,36 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
         if section in ds:
             raise ConfigError(f"{path}: the '{section}' section is a run setting here: set {home} in the "
                               f"run YAML or on the command line, and remove it from the ds_config")
+    check_numbers(ds, path)
     check_with_deepspeed(ds, path)
-    clip = ds.get("gradient_clipping", 0.0)  # DeepSpeed's parser takes any number; below 0 would flip gradients
-    if not isinstance(clip, (int, float)) or clip < 0:
-        raise ConfigError(f"gradient_clipping={clip!r} in {path}: must be a number >= 0 (0 disables clipping); "
-                          f"fix: set ds.gradient_clipping=1.0 or 0")
     return ds
+
+
+# The ds_config's numbers that no typed model of DeepSpeed's checks (and our own keys): a string there fails
+# deep inside its parser ("'>' not supported between instances of 'str' and 'int'"), true passes as 1, and a
+# negative clip would flip the gradients. key -> (integer only, lowest value, what the lowest value means).
+DS_NUMBERS = {
+    "train_batch_size": (True, 1, ""),
+    "train_micro_batch_size_per_gpu": (True, 1, ""),
+    "gradient_accumulation_steps": (True, 1, ""),
+    "tensor_model_parallel_size": (True, 1, ""),
+    "steps_per_print": (True, 1, ""),
+    "pipeline.stages": (True, 1, ""),
+    "pipeline.activation_checkpoint_interval": (True, 0, "0 disables it"),
+    "gradient_clipping": (False, 0, "0 disables clipping"),
+}
+
+
+def check_numbers(ds: dict, path: str) -> None:
+    for key, (integer, low, meaning) in DS_NUMBERS.items():
+        section, _, name = key.rpartition(".")
+        value = (ds.get(section) if section else ds)
+        value = value.get(name) if isinstance(value, dict) else None
+        kinds = (int,) if integer else (int, float)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds) or value < low):
+            must = f"{'an integer' if integer else 'a number'} >= {low}" + (f" ({meaning})" if meaning else "")
+            raise ConfigError(f"{key}={value!r} in {path}: must be {must}; fix: set ds.{key} to one, in the "
+                              f"ds_config or on the command line")
 
 
 def check_with_deepspeed(ds: dict, path: str) -> None:

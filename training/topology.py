@@ -44,9 +44,7 @@ TP_KEY = "tensor_model_parallel_size"
 
 def tensor_parallel_size(ds: dict) -> int:
     """The degree, checked against what this repo can combine it with."""
-    tp = ds.get(TP_KEY, 1)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ConfigError(f"{TP_KEY} must be a positive integer, got {tp!r}")
+    tp = ds.get(TP_KEY, 1)  # a positive integer (training/config.py DS_NUMBERS)
     if tp > 1 and ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1:
         raise ConfigError(f"{TP_KEY}={tp} and DeepSpeed's AutoTP (tensor_parallel.autotp_size) are both set: the "
                           f"model's own tensor-parallel layers replace AutoTP here; remove the tensor_parallel section")
@@ -63,10 +61,7 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tensor_p
                           f"{pipeline_stages * tensor_parallel} processes or change pipeline.stages / {TP_KEY}")
     dp = world_size // (pipeline_stages * tensor_parallel)
     derived = f"= world {world_size} / pp {pipeline_stages}" + (f" / tp {tensor_parallel}" if tensor_parallel > 1 else "")
-    micro, accum, batch = ds.get(MICRO), ds.get(ACCUM), ds.get(GLOBAL)
-    for key, value in ((MICRO, micro), (ACCUM, accum), (GLOBAL, batch)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    micro, accum, batch = ds.get(MICRO), ds.get(ACCUM), ds.get(GLOBAL)  # positive integers or None (DS_NUMBERS)
     if micro is None and batch is None:
         raise ConfigError(f"the ds_config sets neither {MICRO} nor {GLOBAL}: set at least one")
     if batch is None:
@@ -111,12 +106,8 @@ def pipeline_settings(ds: dict) -> Pipeline:
     unknown = sorted(set(section) - PIPELINE_KEYS)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in the ds_config's pipeline section; known: {sorted(PIPELINE_KEYS)}")
-    stages = section.get("stages", 1)
+    stages = section.get("stages", 1)  # numbers checked with the ds_config's others (training/config.py DS_NUMBERS)
     interval = section.get("activation_checkpoint_interval", 0)
-    if not isinstance(stages, int) or stages < 1:
-        raise ConfigError(f"pipeline.stages must be a positive integer, got {stages!r}")
-    if not isinstance(interval, int) or interval < 0:
-        raise ConfigError(f"pipeline.activation_checkpoint_interval must be an integer >= 0, got {interval!r}")
     partition = section.get("partition", "parameters")
     if partition == "best":  # DeepSpeed's placeholder default; not a PipelineModule method
         partition = "parameters"
