@@ -107,9 +107,11 @@ def test_badly_typed_value_is_rejected():
 
 
 def test_missing_files_name_where_to_look():
-    with pytest.raises(ConfigError, match=r"ds_config nope.json not found; shipped ones: .*zero2.json"):
+    with pytest.raises(ConfigError, match=r"ds_config nope.json does not exist; fix: pass a DeepSpeed config JSON; "
+                                          r"shipped ones: .*zero2.json"):
         load_ds_config("nope.json", [])
-    with pytest.raises(ConfigError, match=r"run config nope.yaml not found"):
+    with pytest.raises(ConfigError, match=r"run config nope.yaml does not exist; fix: pass a YAML preset, e.g. one of "
+                                          r".*configs"):
         load_run_config("nope.yaml", [])
 
 

@@ -208,6 +208,36 @@ def test_eval_interval_zero_evaluates_at_start_and_end_only(char_data, tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003"]
 
 
+# (the run config file's text, the message after its path): a file that is not a run config.
+BAD_RUN_CONFIG_FILES = [
+    ("", "run config {path} is empty; fix: pass a YAML preset"),
+    ("model: [\n", "{path}, line 2, column 1: malformed YAML: did not find expected node content; fix: correct the "
+                   "file"),
+    ("\x00binary", "{path}: malformed YAML: unacceptable character #x0000"),
+    ("- 1\n- 2\n", "{path} holds a YAML list, not a mapping: a run config maps data, model, optim, sample, train to "
+                   "their settings"),
+    ("model: 3\n", "{path}: 'model' holds 3, not a mapping of settings; fix: write its settings under it"),
+    ("modle:\n  n_layer: 2\n", "unknown setting 'modle' in {path}; did you mean 'model'?"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_RUN_CONFIG_FILES, ids=["empty", "malformed", "binary", "list", "scalar",
+                                                                    "typo"])
+def test_a_file_that_is_not_a_run_config_is_refused(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_run_config(str(path), [])
+    assert message.format(path=path) in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("loader,what", [(load_run_config, "run config"), (load_ds_config, "ds_config")])
+def test_a_config_path_that_is_a_folder_or_missing_is_refused(tmp_path, loader, what):
+    for path, problem in ((tmp_path, "is a folder, not a file"), (tmp_path / "nope", "does not exist")):
+        with pytest.raises(ConfigError, match=f"^{what} {path} {problem}; fix: pass a "):
+            loader(str(path), [])
+
+
 # (ds override, the message's start): the ds_config's numbers that DeepSpeed's typed models do not check.
 BAD_DS_NUMBERS = [
     ("train_micro_batch_size_per_gpu=four", "train_micro_batch_size_per_gpu='four' in {path}: must be an integer >= 1; "

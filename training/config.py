@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig
-from training.checks import Checks, ConfigError
+from training.checks import Checks, ConfigError, existing_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -173,10 +174,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     """Dataclass defaults <- YAML preset <- command line; returns the typed RunConfig object."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"run config {path} not found; presets are in {os.path.join(REPO_ROOT, 'configs')}")
     cfg = OmegaConf.structured(RunConfig)
-    for source, layer in ((path, lambda: OmegaConf.load(path)),
+    for source, layer in ((path, lambda: _read_yaml(path)),
                           ("the command line", lambda: OmegaConf.from_dotlist(overrides))):
         try:
             cfg = OmegaConf.merge(cfg, layer())
@@ -185,6 +184,29 @@ def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     cfg = OmegaConf.to_object(cfg)
     check_run_config(cfg)
     return cfg
+
+
+def _read_yaml(path: str) -> DictConfig:
+    """A run config file: a YAML mapping of sections (model, data, ...) to mappings of settings."""
+    existing_file(path, "run config", f"pass a YAML preset, e.g. one of {os.path.join(REPO_ROOT, 'configs')}")
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, as every error here
+        raise ConfigError(f"{path}{where}: malformed YAML: {problem}; fix: correct the "
+                          f"file (a mapping of sections, as in configs/quickstart.yaml)") from None
+    sections = {f.name for f in fields(RunConfig)}
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"{path} holds a YAML {type(layer).__name__.removesuffix('Config').lower()}, not a "
+                          f"mapping: a run config maps {', '.join(sorted(sections))} to their settings, as in "
+                          f"configs/quickstart.yaml")
+    for section, value in layer.items_ex(resolve=False):
+        if section in sections and not isinstance(value, DictConfig):
+            raise ConfigError(f"{path}: '{section}' holds {value!r}, not a mapping of settings; fix: write its "
+                              f"settings under it, e.g. {section}: {{key: value}}")
+    return layer
 
 
 def check_run_config(cfg: RunConfig) -> None:
@@ -215,9 +237,8 @@ def _known_keys(section: str) -> list[str]:
 
 def load_ds_config(path: str, overrides: list[str]) -> dict:
     """The ds_config JSON with `ds.` overrides applied, checked by DeepSpeed's own parser."""
-    if not os.path.isfile(path):
-        shipped = sorted(os.listdir(os.path.join(REPO_ROOT, "ds_configs")))
-        raise ConfigError(f"ds_config {path} not found; shipped ones: {', '.join(shipped)}")
+    shipped = sorted(os.listdir(os.path.join(REPO_ROOT, "ds_configs")))
+    existing_file(path, "ds_config", f"pass a DeepSpeed config JSON; shipped ones: {', '.join(shipped)}")
     with open(path) as f:
         text = f.read()
     try:
