@@ -22,13 +22,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import print_table, write_json  # noqa: E402
+from benchmarks.report import at_least, print_table, results_file, run_main, work_folder, write_json  # noqa: E402
+from training.checks import existing_file  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # $SHAKESPEARE_TXT, else the shared copy beside the repo, else the quickstart's download (as the tests).
-SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT") or next(
-    (p for p in (os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt"),
-                 os.path.join(REPO, "data", "shakespeare_char", "input.txt")) if os.path.isfile(p)), "")
+TEXTS = (os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt"),
+         os.path.join(REPO, "data", "shakespeare_char", "input.txt"))
+SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT") or next((p for p in TEXTS if os.path.isfile(p)), TEXTS[-1])
 
 
 def corpus_documents() -> list[str]:
@@ -129,6 +130,16 @@ def measure_batches(plays: str, docs: str, iters: int = 2000) -> dict:
     return {"mean_ms": 1e3 * float(np.mean(times)), "p99_ms": 1e3 * float(np.percentile(times, 99))}
 
 
+def check(args) -> None:
+    """The arguments and the text, before any corpus is written."""
+    at_least(args, 1, "small_mb")  # its validation split (0.5%) must hold a window of 1,025 tokens, blended below
+    at_least(args, args.small_mb, "large_mb")  # the memory ratio is large over small
+    at_least(args, 257, "bpe_size")  # the 256 byte tokens and <|endoftext|>
+    results_file(args.json)
+    existing_file(SHAKESPEARE, "the text", "set SHAKESPEARE_TXT to the path of tinyshakespeare.txt")
+    work_folder(args.work_dir)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small_mb", type=float, default=100)
@@ -138,6 +149,7 @@ def main(argv=None) -> None:
     parser.add_argument("--work_dir", default="/tmp")
     parser.add_argument("--json", default=os.path.join(REPO, "out", "benchmarks", "data.json"))
     args = parser.parse_args(argv)
+    check(args)
     work = tempfile.mkdtemp(prefix="megalite_data_bench_", dir=args.work_dir)
     try:
         documents = corpus_documents()
@@ -176,4 +188,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

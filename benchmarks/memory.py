@@ -37,6 +37,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import (at_least, environment, load_inputs, print_table, results_file, run_main,  # noqa: E402
+                               run_tool, write_json)
+from training.checks import ConfigError  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
 # puts no `deepspeed` script beside the interpreter.
@@ -155,8 +159,6 @@ def worker(args) -> None:
     cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
     ds.update(optimizer_and_schedule(cfg, ds))
     layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), 1)
-    if layout.grad_accum != 1:
-        raise SystemExit("the memory benchmark takes one micro-batch per step: set ds.gradient_accumulation_steps=1")
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
@@ -207,6 +209,22 @@ def worker(args) -> None:
     leave_process_group()
 
 
+def check(args) -> None:
+    """What every rank will read, checked once before the first launch: the run config, the dataset, and each
+    stage's ds_config, which must give one micro-batch per step."""
+    from training.topology import resolve_layout
+
+    at_least(args, 1, "nprocs", "steps")
+    results_file(args.json)
+    for name in args.stages:
+        _, ds, _ = load_inputs(args.config, f"ds_configs/{name}.json", args.overrides, REPO)
+        accum = resolve_layout(ds, args.nprocs, 1).grad_accum
+        if accum != 1:
+            raise ConfigError(f"ds_configs/{name}.json gives {accum} micro-batches per step at --nprocs "
+                              f"{args.nprocs}: the memory benchmark measures one; fix: set "
+                              f"ds.gradient_accumulation_steps=1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/gpt2_124m.yaml")
@@ -221,8 +239,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    check(args)
 
-    from benchmarks.report import environment, print_table, write_json
     from deepspeed.accelerator import get_accelerator
 
     rows, results = [], {}
@@ -237,7 +255,7 @@ def main() -> None:
         # rank keeps memory that torch already freed, and the CPU figures would not be comparable to a GPU's.
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nprocs)),
                "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"), "MALLOC_TRIM_THRESHOLD_": "0"}
-        subprocess.run(cmd, cwd=REPO, check=True, env=env, stdout=subprocess.DEVNULL)
+        run_tool(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
         with open(record) as f:
             ranks = json.load(f)
         worst = max(ranks, key=lambda r: r["peak"])
@@ -270,4 +288,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -19,25 +19,43 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import print_table, write_json  # noqa: E402
+from benchmarks.report import (at_least, load_inputs, print_table, results_file, run_main, run_tool,  # noqa: E402
+                               work_folder, write_json)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
 # puts no `deepspeed` script beside the interpreter.
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
+DS_CONFIG = "ds_configs/pipe2.json"
+
+
+def settings(stages: int, micro_batches: int, args) -> list[str]:
+    """train.py's key=value for one layout: timed steps, hardly any evaluation, saving or sampling."""
+    return ["train.resume=none", f"train.max_steps={args.steps}", f"train.log_interval={args.steps // 2}",
+            "train.eval_interval=1000000", "train.eval_windows=1", "train.save_interval=0", "sample.max_new_tokens=1",
+            f"ds.pipeline.stages={stages}", f"ds.gradient_accumulation_steps={micro_batches}",
+            f"ds.train_micro_batch_size_per_gpu={args.micro_batch}", *args.overrides]
+
+
+def check(args) -> None:
+    """Every layout's settings, as train.py will read them, before the first run; work_dir made absolute."""
+    at_least(args, 2, "stages")  # pp=1 is the reference
+    at_least(args, 1, "micro_batches", "micro_batch")
+    at_least(args, 2, "steps")  # tokens/s is logged every steps / 2
+    results_file(args.json)
+    for stages in (1, args.stages):
+        for m in args.micro_batches:
+            load_inputs(args.config, DS_CONFIG, settings(stages, m, args), REPO)
+    args.work_dir = work_folder(os.path.join(REPO, args.work_dir))
 
 
 def tokens_per_s(stages: int, micro_batches: int, args) -> float:
     out_dir = tempfile.mkdtemp(prefix=f"pipeline_pp{stages}_m{micro_batches}_", dir=args.work_dir)
-    cmd = [*DEEPSPEED, "--num_gpus", str(stages), "train.py",
-           "--config", args.config, "--ds_config", "ds_configs/pipe2.json", f"train.out_dir={out_dir}",
-           "train.resume=none", f"train.max_steps={args.steps}", f"train.log_interval={args.steps // 2}",
-           "train.eval_interval=1000000", "train.eval_windows=1", "train.save_interval=0", "sample.max_new_tokens=1",
-           f"ds.pipeline.stages={stages}", f"ds.gradient_accumulation_steps={micro_batches}",
-           f"ds.train_micro_batch_size_per_gpu={args.micro_batch}", *args.overrides]
+    cmd = [*DEEPSPEED, "--num_gpus", str(stages), "train.py", "--config", args.config, "--ds_config", DS_CONFIG,
+           f"train.out_dir={out_dir}", *settings(stages, micro_batches, args)]
     print("deepspeed", " ".join(cmd[len(DEEPSPEED):]), flush=True)
     threads = os.environ.get("OMP_NUM_THREADS", "1")  # the same compute per stage in every layout
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": threads})
+    run_tool(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": threads})
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "tokens_per_s" in r][-1]["tokens_per_s"]
 
@@ -53,7 +71,7 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join("out", "benchmarks", "pipeline.json"))
     parser.add_argument("overrides", nargs="*", help="key=value for train.py, e.g. model.dropout=0")
     args = parser.parse_args()
-    os.makedirs(os.path.join(REPO, args.work_dir), exist_ok=True)
+    check(args)
 
     p, rows, results = args.stages, [], []
     for m in args.micro_batches:
@@ -71,4 +89,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

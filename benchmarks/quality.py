@@ -10,11 +10,15 @@ writes them to <out_dir>/quality.json. Exits 1 if the val loss misses the target
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import load_inputs, run_main, run_tool  # noqa: E402
+from training.checks import new_output  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "configs/quickstart.yaml"
 
 
 def main() -> int:
@@ -25,12 +29,15 @@ def main() -> int:
                         help="a new folder: the benchmark always trains from scratch")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    new_output(os.path.join(REPO, args.out_dir), "--out_dir", "give a new or empty folder: the benchmark trains from "
+               "scratch")
+    load_inputs(CONFIG, args.ds_config, args.overrides, REPO)
 
-    cmd = [sys.executable, "train.py", "--config", "configs/quickstart.yaml", "--ds_config", args.ds_config,
+    cmd = [sys.executable, "train.py", "--config", CONFIG, "--ds_config", args.ds_config,
            f"train.out_dir={args.out_dir}", "train.resume=none", *args.overrides]
     print(" ".join(cmd), flush=True)
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True)
+    run_tool(cmd, cwd=REPO)
     wall = time.perf_counter() - start
 
     with open(os.path.join(REPO, args.out_dir, "metrics.jsonl")) as f:
@@ -50,4 +57,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -57,10 +57,12 @@ def results_file(path: str, what: str = "--json") -> str:
 
 
 def work_folder(path: str, what: str = "--work_dir") -> str:
-    """A folder the runs write fresh subfolders into: one that exists (earlier runs may be in it) or can be made."""
+    """A folder the runs write fresh subfolders into: one that exists (earlier runs may be in it), or is made
+    here. The last check at start, so that a refused command leaves no folder behind."""
     fix = f"point {what} at a writable folder"
     if not os.path.exists(path):
-        return new_output(path, what, fix)
+        new_output(path, what, fix)
+        os.makedirs(path)
     existing_dir(path, what, fix)
     if not os.access(path, os.W_OK):
         raise ConfigError(f"{what} {path} is not writable; fix: {fix}")

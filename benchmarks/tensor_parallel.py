@@ -27,6 +27,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import (at_least, load_inputs, print_table, results_file, run_main, run_tool,  # noqa: E402
+                               work_folder, write_json)
+from training.checks import ConfigError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]  # as benchmarks/pipeline.py
@@ -70,19 +73,42 @@ def counted_rank(record: str) -> None:
     train.run_rank(train.main)
 
 
+def settings(name: str, args) -> list[str]:
+    """train.py's key=value for one layout: the same global batch in every layout, hardly any evaluation, saving
+    or sampling."""
+    micro = args.micro_batch // 2 if name == "dp2" else args.micro_batch
+    return ["train.resume=none", f"train.max_steps={args.steps}", f"train.log_interval={args.steps}",
+            "train.eval_interval=1000000", "train.eval_windows=1", "train.save_interval=0", "sample.max_new_tokens=1",
+            "ds.gradient_accumulation_steps=1", f"ds.train_micro_batch_size_per_gpu={micro}", *args.overrides]
+
+
+def check(args):
+    """Every layout's settings, as train.py will read them, before the first run; returns the model settings the
+    theory is computed for."""
+    at_least(args, 2, "steps")  # the first step is not timed
+    at_least(args, 2, "micro_batch")
+    if args.micro_batch % 2:
+        raise ConfigError(f"--micro_batch={args.micro_batch}: must be even (dp2 splits it over its 2 replicas); "
+                          f"fix: set --micro_batch to {args.micro_batch + 1}")
+    if not args.link_gb_s > 0:
+        raise ConfigError(f"--link_gb_s={args.link_gb_s}: must be > 0; fix: give the link's bandwidth in GB/s")
+    results_file(args.json)
+    for name, (_, ds_config) in LAYOUTS.items():
+        cfg, _, _ = load_inputs(args.config, f"ds_configs/{ds_config}", settings(name, args), REPO)
+    if args.work_dir:
+        args.work_dir = work_folder(os.path.join(REPO, args.work_dir))
+    return cfg.model  # the same in every layout: only the ds_config and the micro-batch differ
+
+
 def measure(name: str, args) -> dict:
     ranks, ds_config = LAYOUTS[name]
-    micro = args.micro_batch // 2 if name == "dp2" else args.micro_batch  # the same global batch in every layout
     out_dir = tempfile.mkdtemp(prefix=f"tensor_parallel_{name}_", dir=args.work_dir)
     record = os.path.join(out_dir, "counts")
     cmd = [*DEEPSPEED, "--num_gpus", str(ranks), os.path.abspath(__file__), "--record", record, "--",
            "--config", args.config, "--ds_config", f"ds_configs/{ds_config}", f"train.out_dir={out_dir}",
-           "train.resume=none", f"train.max_steps={args.steps}", f"train.log_interval={args.steps}",
-           "train.eval_interval=1000000", "train.eval_windows=1", "train.save_interval=0", "sample.max_new_tokens=1",
-           "ds.gradient_accumulation_steps=1", f"ds.train_micro_batch_size_per_gpu={micro}",
-           *args.overrides]
+           *settings(name, args)]
     print("deepspeed", " ".join(cmd[len(DEEPSPEED):]), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_tool(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         tokens_per_s = [r for r in map(json.loads, f) if r.get("tokens_per_s")][-1]["tokens_per_s"]
     per_rank = []
@@ -125,14 +151,9 @@ def main() -> None:
         args, _ = parser.parse_known_args(sys.argv[1:sys.argv.index("--")])
         return counted_rank(args.record)
     args = parser.parse_args()
-
-    from benchmarks.report import print_table, write_json
-    from training.config import load_run_config, split_overrides
+    cfg = check(args)
 
     results = {name: measure(name, args) for name in LAYOUTS}
-    run_overrides, _ = split_overrides(args.overrides)
-    cfg = load_run_config(args.config, run_overrides).model
-    cfg.vocab_size = cfg.vocab_size or 65
     activation_bytes = 2 if any(o == "ds.bf16.enabled=true" for o in args.overrides) else 4
     rows = []
     for name, result in results.items():
@@ -161,4 +182,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -15,8 +15,13 @@
 # are expected from the machine's image, as torch's own images ship them; the check at the end of the install
 # line below names any that is missing.
 set -euo pipefail
+case "${1:-}" in -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0;; esac
+fail() { echo "error: $*" >&2; exit 2; }  # bad input ends as in the Python tools: one line, exit 2
 dir=${1:-.whl}
 python_version=${2:-3.12}
+[ -f "$dir" ] && fail "wheel folder $dir is a file, not a folder; fix: name a folder (made if missing)"
+[[ "$python_version" =~ ^3\.[0-9]+$ ]] || fail "PYTHON_VERSION $python_version is not of the form 3.N; fix: give" \
+                                               "the target's Python, e.g. 3.12"
 python=${PYTHON:-python3}
 version() { "$python" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 

@@ -1,14 +1,24 @@
 """The benchmarks: the memory theory is the ZeRO paper's arithmetic, and the throughput comparison trains the
-same model on the same data with the same optimizer in the DeepSpeed engine and in the plain loop."""
+same model on the same data with the same optimizer in the DeepSpeed engine and in the plain loop. Every
+benchmark starts (--help), the cheap ones run once at a tiny size, and each refuses bad input at start with one
+line and exit 2."""
+import glob
 import json
+import os
+import runpy
+import subprocess
 import sys
 
 import pytest
 
 from benchmarks.memory import theory_bytes
 from benchmarks.tensor_parallel import theory as tensor_parallel_theory
-from conftest import TINY, run
+from conftest import REPO, TINY, run
 from training.config import load_run_config
+
+# Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
+SCRIPTS = ["data.py", "llama.py", "memory.py", "pipeline.py", "quality.py", "tensor_parallel.py", "throughput.py",
+           "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -75,3 +85,146 @@ def test_llama_throughput_builds_and_times_both_models(char_data, tmp_path):
     written = json.loads((out / "throughput.json").read_text())
     assert written["llama"]["parameters"] != written["gpt"]["parameters"]  # two models, not one twice
     assert written["gpt"]["tokens_per_s"] > 0 and written["llama"]["tokens_per_s"] > 0 and written["mfu_ratio"] > 0
+
+
+def benchmark(script: str, *args: str, env: dict | None = None):
+    shell = ["bash"] if script.endswith(".sh") else [sys.executable]
+    # PYTHON: the shell scripts' interpreter, this one (with torch and DeepSpeed) rather than the first python3
+    return run([*shell, os.path.join("benchmarks", script), *args], check=False, timeout=120,
+               env={"PYTHON": sys.executable, **(env or {})})
+
+
+def test_the_list_covers_every_benchmark():
+    mains = {os.path.basename(path) for path in glob.glob(os.path.join(REPO, "benchmarks", "*.py"))
+             if '__name__ == "__main__"' in open(path).read()}
+    shell = {os.path.basename(path) for path in glob.glob(os.path.join(REPO, "benchmarks", "*.sh"))}
+    assert mains | shell == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_starts(script):
+    """--help runs what a script runs before its arguments are read: its imports, for the Python ones."""
+    proc = benchmark(script, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout if script.endswith(".py") else "bash benchmarks/" + script in proc.stdout
+
+
+def test_memory_measures_one_stage(char_data, tmp_path):
+    """The launcher, a worker rank and the table, at the smallest size: the worker's imports run only there."""
+    report = tmp_path / "memory.json"
+    run([sys.executable, "benchmarks/memory.py", "--config", "configs/quickstart.yaml", "--nprocs", "1", "--stages",
+         "zero0", "--steps", "1", "--json", str(report), f"data.dir={char_data}", *TINY,
+         "ds.train_micro_batch_size_per_gpu=2"], env={"OMP_NUM_THREADS": "1"})
+    zero0 = json.loads(report.read_text())["results"]["zero0"]
+    assert len(zero0["ranks"]) == 1 and zero0["ranks"][0]["peak"] > 0 and zero0["theory"]["total"] > 0
+
+
+def test_quality_trains_and_judges_the_val_loss(char_data, tmp_path):
+    out = tmp_path / "quality"
+    proc = benchmark("quality.py", "--target", "100", "--out_dir", str(out), f"data.dir={char_data}", *TINY,
+                     "train.max_steps=2", "train.eval_windows=2", "sample.max_new_tokens=1", "ds.bf16.enabled=false")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout
+    assert json.loads((out / "quality.json").read_text())["step"] == 2
+
+
+def test_data_prepares_and_loads_at_the_smallest_size(tmp_path):
+    report = tmp_path / "data.json"
+    run([sys.executable, "benchmarks/data.py", "--small_mb", "1", "--large_mb", "1", "--bpe_size", "257",
+         "--work_dir", str(tmp_path / "work"), "--json", str(report)])
+    written = json.loads(report.read_text())
+    assert [r["workers"] for r in written["prepare"]] == [1, 2, 2]
+    assert written["batch"]["mean_ms"] > 0
+    assert os.listdir(tmp_path / "work") == []  # the corpora are deleted after
+
+
+# (script, arguments, the message's start). {file} is a file where a folder or a file's folder is wanted,
+# {data} a prepared dataset, {tmp} a fresh folder, {repo} the repository.
+BAD_INPUTS = [
+    ("throughput.py", ["--config", "nope.yaml"], "run config nope.yaml does not exist"),
+    ("throughput.py", ["--ds_config", "nope.json"], "ds_config nope.json does not exist"),
+    ("throughput.py", ["data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
+    ("throughput.py", ["--json", "{file}/out.json"], "--json file {file}/out.json cannot be created: {file} is a file"),
+    ("throughput.py", ["--steps", "0"], "--steps=0: must be >= 1; fix: set --steps to 1 or more"),
+    ("throughput.py", ["--chunk", "0"], "--chunk=0: must be >= 1"),
+    ("throughput.py", ["--warmup", "-1"], "--warmup=-1: must be >= 0"),
+    ("llama.py", ["throughput", "--steps", "0"], "--steps=0: must be >= 1"),
+    ("llama.py", ["throughput", "--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists and would "
+                                                                 "be overwritten"),
+    ("llama.py", ["quality", "--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
+    ("llama.py", ["throughput", "--out_dir", "{tmp}/t", "model.n_kv_head=4"], "model.n_kv_head=4: must divide "
+                                                                              "model.n_head=6"),
+    ("memory.py", ["--nprocs", "0"], "--nprocs=0: must be >= 1"),
+    ("memory.py", ["--steps", "0"], "--steps=0: must be >= 1"),
+    ("memory.py", ["--json", "{file}/m.json"], "--json file {file}/m.json cannot be created"),
+    ("memory.py", ["--config", "nope.yaml"], "run config {repo}/nope.yaml does not exist"),
+    ("memory.py", ["--config", "configs/quickstart.yaml", "data.dir={data}", "ds.gradient_accumulation_steps=2"],
+     "ds_configs/zero0.json gives 2 micro-batches per step at --nprocs 2: the memory benchmark measures one"),
+    ("data.py", ["--small_mb", "0.5"], "--small_mb=0.5: must be >= 1"),
+    ("data.py", ["--small_mb", "2", "--large_mb", "1"], "--large_mb=1.0: must be >= 2.0"),
+    ("data.py", ["--bpe_size", "256"], "--bpe_size=256: must be >= 257"),
+    ("data.py", ["--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
+    ("data.py", ["--json", "{file}/d.json"], "--json file {file}/d.json cannot be created"),
+    ("pipeline.py", ["--stages", "1"], "--stages=1: must be >= 2"),
+    ("pipeline.py", ["--micro_batches", "2", "0"], "--micro_batches=0: must be >= 1"),
+    ("pipeline.py", ["--micro_batch", "0"], "--micro_batch=0: must be >= 1"),
+    ("pipeline.py", ["--steps", "1"], "--steps=1: must be >= 2"),
+    ("pipeline.py", ["--config", "nope.yaml"], "run config {repo}/nope.yaml does not exist"),
+    ("pipeline.py", ["data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
+    ("pipeline.py", ["--work_dir", "{file}", "data.dir={data}"], "--work_dir {file} is a file, not a folder"),
+    ("tensor_parallel.py", ["--steps", "1"], "--steps=1: must be >= 2"),
+    ("tensor_parallel.py", ["--micro_batch", "3"], "--micro_batch=3: must be even"),
+    ("tensor_parallel.py", ["--link_gb_s", "0"], "--link_gb_s=0.0: must be > 0"),
+    ("tensor_parallel.py", ["--config", "nope.yaml"], "run config {repo}/nope.yaml does not exist"),
+    ("tensor_parallel.py", ["data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
+    ("tensor_parallel.py", ["--work_dir", "{file}", "data.dir={data}"], "--work_dir {file} is a file, not a folder"),
+    ("quality.py", ["--ds_config", "nope.json"], "ds_config {repo}/nope.json does not exist"),
+    ("quality.py", ["--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists"),
+    ("quality.py", ["--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
+    ("record.sh", ["nope"], "preset configs/nope.yaml does not exist"),
+    ("wheelhouse.sh", ["{file}"], "wheel folder {file} is a file, not a folder"),
+    ("wheelhouse.sh", ["{tmp}/wheels", "312"], "PYTHON_VERSION 312 is not of the form 3.N"),
+]
+
+
+@pytest.mark.parametrize("script, args, message", BAD_INPUTS,
+                         ids=[f"{row[0]}:{' '.join(row[1])[-30:]}" for row in BAD_INPUTS])
+def test_bad_input_is_refused_at_start(script, args, message, char_data, tmp_path, monkeypatch, capsys):
+    """The Python benchmarks run in this process (their imports are paid once): as `python benchmarks/X.py`
+    would, through the `__main__` block; any exception but the SystemExit fails the test with its traceback."""
+    names = {"file": os.path.join(REPO, "README.md"), "data": char_data, "tmp": str(tmp_path), "repo": REPO}
+    args, message = [a.format(**names) for a in args], message.format(**names)
+    if script.endswith(".sh"):
+        proc = benchmark(script, *args)
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        with pytest.raises(SystemExit) as ended:
+            runpy.run_path(os.path.join(REPO, "benchmarks", script), run_name="__main__")
+        code, stderr = ended.value.code, capsys.readouterr().err
+    assert code == 2, stderr
+    assert f"error: {message}" in stderr
+    assert "Traceback" not in stderr
+    assert not os.listdir(tmp_path)  # refused before anything is written
+
+
+@pytest.mark.parametrize("script, env, message", [
+    ("data.py", {"SHAKESPEARE_TXT": "/nonexistent.txt"}, "the text /nonexistent.txt does not exist"),
+    ("record.sh", {"DS_CONFIG": "ds_configs/pipe2.json"}, "DS_CONFIG=ds_configs/pipe2.json: the memory benchmark "
+                                                          "measures ds_configs/<name>.json for the names in"),
+])
+def test_bad_environment_is_refused_at_start(script, env, message):
+    proc = benchmark(script, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {message}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_tool_that_refuses_its_input_ends_the_benchmark_the_same_way():
+    """What the checks at start cannot see, train.py or the launcher refuses (exit 2, its line on stderr): the
+    benchmark ends with that exit code and no traceback of its own; any other failure stays one."""
+    from benchmarks.report import run_tool
+    with pytest.raises(SystemExit) as ended:
+        run_tool([sys.executable, "-c", "import sys; sys.exit(2)"])
+    assert ended.value.code == 2
+    with pytest.raises(subprocess.CalledProcessError):
+        run_tool([sys.executable, "-c", "import sys; sys.exit(1)"])
