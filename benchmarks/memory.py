@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -245,8 +246,8 @@ def main() -> None:
 
     rows, results = [], {}
     for name in args.stages:
-        record = os.path.abspath(os.path.join("out", "benchmarks", f"memory_{name}.json"))
-        os.makedirs(os.path.dirname(record), exist_ok=True)
+        fd, record = tempfile.mkstemp(prefix=f"memory_{name}_", suffix=".json")  # rank 0 hands the ranks' figures
+        os.close(fd)  # back through it; they all go into --json
         cmd = [*DEEPSPEED, "--num_gpus", str(args.nprocs),
                os.path.abspath(__file__), "--worker", name, "--record", record, "--config", args.config,
                "--steps", str(args.steps), *args.overrides]
@@ -258,6 +259,7 @@ def main() -> None:
         run_tool(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
         with open(record) as f:
             ranks = json.load(f)
+        os.remove(record)
         worst = max(ranks, key=lambda r: r["peak"])
         theory = theory_bytes(worst["params"], name, args.nprocs, worst["mixed"], worst["sub_group_size"])
         expected_peak = worst["baseline"] + theory["total"] + worst["activations"]

@@ -199,6 +199,7 @@ def test_bad_input_is_refused_at_start(script, args, message, char_data, tmp_pat
         code, stderr = proc.returncode, proc.stderr
     else:
         monkeypatch.setattr(sys, "argv", [script, *args])
+        monkeypatch.setattr(sys, "path", list(sys.path))  # each script puts the repo on it again
         with pytest.raises(SystemExit) as ended:
             runpy.run_path(os.path.join(REPO, "benchmarks", script), run_name="__main__")
         code, stderr = ended.value.code, capsys.readouterr().err
