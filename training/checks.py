@@ -9,6 +9,7 @@ value stops the run before any data is read or any process starts. A new setting
 Messages read "<section.key>=<value>: must be ...; fix: ...". A value of None (an Optional setting left
 unset) passes every range check; the dataclass documents what None means.
 """
+import json
 import os
 import sys
 
@@ -57,6 +58,38 @@ def new_output(path: str, what: str, fix: str, folder: bool = True) -> str:
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"{what} {path} cannot be created: {parent} is not writable; fix: {fix}")
     return path
+
+
+def writable_dir(path: str, what: str, fix: str) -> str:
+    """A folder a tool writes into beside what it holds (a dataset it replaces only at the end): an existing
+    folder this process can write to, or a path new_output would accept."""
+    if not os.path.isdir(path):
+        return new_output(path, what, fix, folder=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path} is not writable (permissions); fix: {fix}")
+    return path
+
+
+def json_file(path: str, what: str, fix: str, keys=()) -> dict:
+    """A JSON object read from `path`, checked as existing_file checks it, holding every one of `keys` ("a.b":
+    key b of the object under a): a file from another tool or another version of this repo stops here."""
+    existing_file(path, what, fix)
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+    except ValueError as e:  # malformed JSON, or bytes that are not text at all
+        raise ConfigError(f"{what} {path} is not JSON ({e}); fix: {fix}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} {path} holds a JSON {type(value).__name__}, not an object; fix: {fix}")
+    missing = [key for key in keys if not _has(value, key.split("."))]
+    if missing:
+        raise ConfigError(f"{what} {path} lacks {', '.join(missing)} (written by another version of this repo, or "
+                          f"another tool); fix: {fix}")
+    return value
+
+
+def _has(value, path: list[str]) -> bool:
+    return not path or (isinstance(value, dict) and path[0] in value and _has(value[path[0]], path[1:]))
 
 
 def _path_problem(path: str, folder: bool) -> str | None:
