@@ -34,13 +34,15 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ModelConfig
 from model.parallel import ROW, split_rule
-from training.checks import ConfigError, exit_bad_input
+from training.checks import ConfigError, existing_dir, exit_bad_input, json_file
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 RUN_STATE = "run_state.json"
 TAG = re.compile(r"^step_(\d+)(_universal)?$")
+# What resuming, export and sampling read from run_state.json before any file of DeepSpeed's ("a.b": key b of a).
+RUN_STATE_KEYS = ("tag", "step", "config.model", "layout.dp", "layout.pp", "layout.zero_stage")
 
 
 def universal_info(named_parameters: list, tp: int) -> dict:
@@ -123,8 +125,9 @@ def prune(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
 
 
-def find_resume(out_dir: str, resume: str) -> str | None:
-    """The tag directory to resume from, or None to start fresh. resume: 'auto', 'none', a tag, or a path."""
+def find_resume(out_dir: str, resume: str, what: str = "train.resume") -> str | None:
+    """The tag directory to resume from, or None to start fresh. resume: 'auto', 'none', a tag, or a path;
+    `what`: the setting or flag that named it, for the messages."""
     root = checkpoint_root(out_dir)
     available = complete_tags(root)
     if resume == "none":
@@ -138,12 +141,25 @@ def find_resume(out_dir: str, resume: str) -> str | None:
             return None
         with open(latest) as f:
             tag = f.read().strip()
+        if not TAG.match(tag):
+            raise ConfigError(f"{latest} names no checkpoint ({tag!r}): it is damaged; fix: write the newest complete "
+                              f"tag into it ({', '.join(available[-1:]) or 'none'}), or name one with {what}=TAG")
         return os.path.join(root, tag)
     path = resume if os.path.isdir(resume) else os.path.join(root, resume)
     if not os.path.isdir(path):
-        raise ConfigError(f"train.resume={resume}: no such checkpoint. Complete ones in {root}: "
+        raise ConfigError(f"{what}={resume}: no such checkpoint. Complete ones in {root}: "
                           f"{', '.join(available) or 'none'}")
     return path
+
+
+def find_checkpoint(out_dir: str, tag: str | None) -> str:
+    """The tag directory a tool reads (export, sampling, conversion): --tag, else the run's newest checkpoint."""
+    existing_dir(out_dir, "--out_dir", "pass the train.out_dir of a run")
+    tag_dir = find_resume(out_dir, tag or "auto", "--tag")
+    if tag_dir is None:
+        raise ConfigError(f"--out_dir {out_dir} holds no complete checkpoint (no {checkpoint_root(out_dir)}/{LATEST})"
+                          f"; fix: pass the train.out_dir of a run that saved one, or name one with --tag")
+    return tag_dir
 
 
 def plan_resume(out_dir: str, resume: str, model_cfg: dict, layout: dict, ds: dict) -> str | None:
@@ -162,22 +178,33 @@ def read_run_state(tag_dir: str) -> dict:
     """Check that the checkpoint is complete and intact on this machine, and return its run state."""
     manifest_path = os.path.join(tag_dir, MANIFEST)
     if not os.path.exists(manifest_path):
+        advice = elsewhere(tag_dir, "resume from an earlier tag")
         raise ConfigError(f"{tag_dir} is not a complete checkpoint (no {MANIFEST}: its save never finished). "
-                          f"Resume from an earlier tag: {', '.join(complete_tags(os.path.dirname(tag_dir))) or 'none'}")
-    with open(manifest_path) as f:
-        manifest = json.load(f)["files"]
+                          f"{advice[0].upper()}{advice[1:]}")
+    manifest = json_file(manifest_path, "checkpoint manifest", elsewhere(tag_dir), keys=("files",))["files"]
     for name, size in manifest.items():
         path = os.path.join(tag_dir, name)
         if not os.path.exists(path):
-            raise ConfigError(f"checkpoint file {path} is missing (a ZeRO shard or layer file this run needs). "
-                              f"Checkpoints must sit on storage every node can read; restore the file or resume "
-                              f"from another tag")
+            raise ConfigError(f"checkpoint file {path} is missing (a ZeRO shard or layer file this run needs; "
+                              f"checkpoints must sit on storage every node can read); fix: "
+                              f"{elsewhere(tag_dir, 'restore the file, or resume from another tag')}")
         if os.path.getsize(path) != size:
             raise ConfigError(f"checkpoint file {path} is corrupt: {os.path.getsize(path):,} bytes, {size:,} when "
-                              f"saved. Resume from another tag: {', '.join(complete_tags(os.path.dirname(tag_dir)))}")
+                              f"saved; fix: {elsewhere(tag_dir)}")
     check_pickles(tag_dir, manifest)
-    with open(os.path.join(tag_dir, RUN_STATE)) as f:
-        return json.load(f)
+    return json_file(os.path.join(tag_dir, RUN_STATE), "checkpoint run state", elsewhere(tag_dir),
+                     keys=RUN_STATE_KEYS)
+
+
+def elsewhere(tag_dir: str, advice: str = "resume from another tag") -> str:
+    """What to do about a broken checkpoint: `advice` and the run's other complete tags, or, when there is none,
+    that there is none and what is left."""
+    root, tag = os.path.split(os.path.normpath(tag_dir))
+    others = [t for t in complete_tags(root) if t != tag]
+    if others:
+        return f"{advice}: {', '.join(others)}"
+    return (f"there is no other complete checkpoint in {root}: start fresh with train.resume=none in another "
+            f"train.out_dir, or restore the checkpoint's files from a copy")
 
 
 # Besides tensors and plain containers, DeepSpeed pickles only these into its checkpoint files (ZeRO 0-3,
@@ -198,8 +225,9 @@ def check_pickles(tag_dir: str, manifest: dict) -> None:
                 try:
                     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
                 except Exception as e:  # noqa: BLE001 (torch raises ValueError, RuntimeError, EOFError, ...)
-                    raise ConfigError(f"checkpoint file {path} is corrupt: it is not a torch file ({e}). Resume from "
-                                      f"another tag: {', '.join(complete_tags(os.path.dirname(tag_dir)))}") from None
+                    why = " ".join(str(e).split())  # one line, whatever torch's message
+                    raise ConfigError(f"checkpoint file {path} is corrupt: it is not a torch file ({why}); fix: "
+                                      f"{elsewhere(tag_dir)}") from None
                 if unsafe:
                     raise ConfigError(f"checkpoint file {path} pickles {', '.join(sorted(unsafe))}, which is not a "
                                       f"tensor or a setting DeepSpeed saves: refused, since unpickling it could run "
@@ -275,16 +303,21 @@ def convert(source: str, target: str) -> None:
                            "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"],
                           capture_output=True, text=True)
     if proc.returncode:
-        raise ConfigError(f"DeepSpeed's universal converter failed on {source}:\n{proc.stderr[-3000:]}")
+        shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ConfigError(f"DeepSpeed's universal converter failed on {source} ({last}); fix: see its whole output "
+                          f"with python -m deepspeed.checkpoint.ds_to_universal --input_folder {source} "
+                          f"--output_folder {target}, or convert another tag")
 
 
 def to_universal(out_dir: str, tag: str | None) -> str:
     """Convert a complete checkpoint to DeepSpeed's universal format, as <tag>_universal beside it."""
-    source = find_resume(out_dir, tag or "auto")
-    if source is None:
-        raise ConfigError(f"no complete checkpoint in {checkpoint_root(out_dir)} to convert")
+    source = find_checkpoint(out_dir, tag)
     tag = os.path.basename(source)
     saved = read_run_state(source)
+    if saved.get("universal"):
+        raise ConfigError(f"--tag {tag} is already in the universal format; fix: resume it with train.resume={tag}, "
+                          f"or convert the tag it was made from")
     layout = saved["layout"]
     if layout.get("tp", 1) > 1 and layout["zero_stage"] == 3:
         raise ConfigError(f"{source} is a ZeRO-3 checkpoint at tensor-parallel degree {layout['tp']}: DeepSpeed's "
