@@ -36,6 +36,9 @@ def main(argv=None) -> None:
     # 10 GB/s: far below NVLink (hundreds) and InfiniBand NDR (about 45), above TCP over 25-100 GbE.
     own.add_argument("--min_busbw", type=float, default=10.0, help="GB/s below which the all-reduce warns (GPUs)")
     preflight_args, rest = own.parse_known_args(argv)
+    if not preflight_args.min_busbw >= 0:  # NaN included
+        raise ConfigError(f"--min_busbw {preflight_args.min_busbw}: must be >= 0 (GB/s; 0 never warns); fix: pass the "
+                          f"bus bandwidth below which to warn, e.g. --min_busbw 10")
     args = parse_args(rest)
     run_overrides, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(args.config, run_overrides)
@@ -94,7 +97,7 @@ def local_checks(cfg, token: str) -> dict:
               "local_rank": int(os.environ["LOCAL_RANK"]), "device": device_name(), "problems": [], "writable": True}
     try:
         TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources)
-    except ConfigError as e:
+    except (ValueError, OSError, KeyError) as e:  # ConfigError, and what a damaged dataset's files raise: reported
         report["problems"].append(f"data: {e}")
     probe = os.path.join(cfg.train.out_dir, PROBE_DIR, f"{report['host']}-rank{report['rank']}-{token}")
     try:

@@ -5,8 +5,6 @@
     python sample.py --export out/quickstart/export/step_002000   # an export (safetensors + config.json)
 """
 import argparse
-import json
-import os
 import sys
 
 import torch
@@ -16,22 +14,31 @@ from model import build_model
 from model.generate import generate
 from training import checkpoint
 from training.checks import ConfigError, exit_bad_input
-from training.export import consolidated_state_dict, load_export, model_config, tokenizer_dir
+from training.export import consolidated_state_dict, load_export, run_dataset, run_model
 
 
 def load(args) -> tuple:
-    """(model config, state dict, tokenizer) from an export or a run's checkpoint."""
+    """(model config, model with its weights, tokenizer) from an export or a run's checkpoint."""
     if args.export:
         cfg, state, meta = load_export(args.export)
-        return cfg, state, tokenizer_from_meta(meta, args.export)
-    tag_dir = checkpoint.find_resume(args.out_dir, args.tag or "auto")
-    if tag_dir is None:
-        raise ConfigError(f"no complete checkpoint in {checkpoint.checkpoint_root(args.out_dir)}")
+        return cfg, with_weights(cfg, state, args.export), tokenizer_from_meta(meta, args.export)
+    tag_dir = checkpoint.find_checkpoint(args.out_dir, args.tag)
     run_state = checkpoint.read_run_state(tag_dir)
-    data_dir = tokenizer_dir(run_state)
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
-    return model_config(run_state), consolidated_state_dict(tag_dir), tokenizer_from_meta(meta, data_dir)
+    meta, data_dir = run_dataset(tag_dir, run_state)
+    cfg = run_model(tag_dir, run_state)
+    return cfg, with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir), tokenizer_from_meta(meta, data_dir)
+
+
+def with_weights(cfg, state: dict, source: str):
+    """The model of `cfg` holding `state`, the weights read from `source`."""
+    model = build_model(cfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # names or shapes that another model's export would have
+        why = " ".join(str(e).split())[:300]
+        raise ConfigError(f"the weights of {source} do not fit its model settings ({why}); fix: export the "
+                          f"checkpoint again with python -m training.export") from None
+    return model
 
 
 def main(argv=None) -> None:
@@ -49,14 +56,13 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
-        cfg, state, tokenizer = load(args)
-        prompt_ids = tokenizer.encode(args.prompt)
+        cfg, model, tokenizer = load(args)
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
+    try:
+        prompt_ids = tokenizer.encode(args.prompt)
     except ValueError as e:  # a prompt character outside a char tokenizer's vocabulary
         exit_bad_input(f"--prompt {args.prompt!r}: {e}; use characters of the training text")
-    model = build_model(cfg)
-    model.load_state_dict(state)
     model.to(args.device).eval()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)
     generator = torch.Generator().manual_seed(args.seed)

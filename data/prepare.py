@@ -15,6 +15,7 @@ tokenize, each streaming its piece in batches into its own shard: memory is boun
 corpus, and the dataset is byte-identical whatever the number of workers. An interrupted preparation
 resumes (finished shards kept). The dataset's files are replaced only at the end, meta.json last: its
 presence marks a complete dataset, so a killed or failed preparation never leaves one that training trusts.
+An out_dir that holds a dataset of other inputs or options is refused, unless --force says to replace it.
 """
 import argparse
 import hashlib
@@ -32,7 +33,7 @@ if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo 
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import CharTokenizer, TokenizerError, parse_spec, tokenizer_from_meta, train_bpe
 from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic
-from training.checks import exit_bad_input
+from training.checks import ConfigError, existing_dir, existing_file, exit_bad_input, json_file, writable_dir
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TRAIN_FRACTION = 0.9  # the single-document split
@@ -61,21 +62,53 @@ def download_shakespeare(out_dir: str) -> str:
     return path
 
 
+def read_meta(data_dir: str, what: str, fix: str) -> dict:
+    """The meta.json of the prepared dataset in data_dir, checked (check_meta); `what` names the folder."""
+    existing_dir(data_dir, what, fix)
+    path = os.path.join(data_dir, "meta.json")
+    return check_meta(json_file(path, "dataset meta", fix), f"dataset meta {path}", fix)
+
+
+def check_meta(meta: dict, where: str, fix: str) -> dict:
+    """A dataset's meta (its meta.json, or the copy an export carries) of a format this version reads, holding
+    what its readers need: the tokenizer, the vocabulary size and, for characters, the characters."""
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{where} is not a JSON object; fix: {fix}")
+    version = meta.get("format", 1)  # the meta.json of format 1 has no "format"
+    if version not in range(1, FORMAT + 1):
+        raise ConfigError(f"{where} is of format {version!r}, this version reads 1 to {FORMAT} (written by another "
+                          f"version of data.prepare); fix: {fix}")
+    needed = ("tokenizer", "vocab_size") + (("chars",) if meta.get("tokenizer") == "char" else ())
+    missing = [key for key in needed if key not in meta]
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)} (written by another version of data.prepare, or "
+                          f"another tool); fix: {fix}")
+    return meta
+
+
 def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: str = "text",
             split_blank_lines: bool = False, val_fraction: float = 0.01, workers: int = 1,
-            chunk_mb: float = 16) -> dict:
-    """Write the dataset of `inputs` to out_dir unless it is already there; returns its meta."""
+            chunk_mb: float = 16, force: bool = False) -> dict:
+    """Write the dataset of `inputs` to out_dir unless it is already there; returns its meta. A dataset of other
+    inputs or options in out_dir is replaced only with `force`."""
     if not 0 < val_fraction < 1:
         raise InputError(f"--val_fraction {val_fraction} must be between 0 and 1 (e.g. 0.01)")
+    if workers < 1:
+        raise InputError(f"--workers {workers}: must be >= 1; fix: pass the number of processes that tokenize "
+                         f"(default: all cores)")
+    if not chunk_mb > 0:
+        raise InputError(f"--chunk_mb {chunk_mb}: must be > 0; fix: pass the size of the pieces JSONL is cut into "
+                         f"(default: 16)")
     files = expand_inputs(inputs)
     job = _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb)
-    meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("job") == job and all(os.path.exists(os.path.join(out_dir, f"{s}.bin")) for s in SPLITS):
-            print(f"{out_dir} already holds these inputs with the {meta['tokenizer']} tokenizer; nothing to do")
-            return meta
+    meta = _earlier_dataset(out_dir)
+    if meta is not None and meta.get("job") == job and all(os.path.exists(os.path.join(out_dir, f"{s}.bin"))
+                                                           for s in SPLITS):
+        print(f"{out_dir} already holds these inputs with the {meta['tokenizer']} tokenizer; nothing to do")
+        return meta
+    if meta is not None and not force:
+        raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
+                         f"would replace; fix: pass --force to replace it, or another --out_dir")
     single = len(files) == 1 and kind_of(files[0]) == "txt" and not split_blank_lines
     kind, ready = parse_spec(tokenizer)  # an unreadable tokenizer fails here, before anything is written
     workspace = _workspace(out_dir, job)
@@ -88,6 +121,18 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: 
         prefixes = _tokenize_pieces(pieces, tok, workspace, options, workers)
     split = f"{TRAIN_FRACTION:.0%} of the characters" if single else f"documents by hash, val_fraction {val_fraction}"
     return _finish(out_dir, workspace, prefixes, tok, job, files, split, None if single else tok.delimiter)
+
+
+def _earlier_dataset(out_dir: str) -> dict | None:
+    """The meta of the dataset in out_dir ({} for a meta.json that does not read), None where there is none."""
+    try:
+        with open(os.path.join(out_dir, "meta.json"), "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb) -> str:
@@ -271,13 +316,18 @@ def main(argv=None) -> None:
     parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents held out (by hash)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (default: all cores)")
     parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
+    parser.add_argument("--force", action="store_true", help="replace a dataset of other inputs or options in "
+                                                             "--out_dir")
     args = parser.parse_args(argv)
     out_dir = args.out_dir or default_out_dir(args.tokenizer)
     try:
+        writable_dir(out_dir, "--out_dir", "pass a folder for the dataset (it is made if missing)")
+        if os.sep in args.tokenizer and os.path.isdir(args.tokenizer):  # a path (data.tokenizers.parse_spec)
+            existing_file(args.tokenizer, "--tokenizer", "pass the path of a Hugging Face tokenizer.json file")
         inputs = args.input or [download_shakespeare(out_dir)]
         prepare(inputs, out_dir, args.tokenizer, args.text_key, args.split_blank_lines, args.val_fraction,
-                args.workers, args.chunk_mb)
-    except (InputError, TokenizerError, OverflowError) as e:
+                args.workers, args.chunk_mb, args.force)
+    except (InputError, TokenizerError, OverflowError, ConfigError) as e:
         exit_bad_input(e)
 
 

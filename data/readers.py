@@ -7,13 +7,15 @@
     hf:NAME[:CONFIG]          a Hugging Face dataset through `datasets` (streaming), one piece per data file
 
 A piece is a pure description (file, byte range or row group), so the pieces and the documents in each
-are the same whatever the number of workers. Every error names the file (and line, for JSONL) and the fix.
+are the same whatever the number of workers. Every error names the file (and line, for JSONL) and the fix,
+a file that is not what its name says (a .jsonl.gz that is not gzip, a cut-off .jsonl.zst) included.
 """
 import glob
 import gzip
 import io
 import json
 import os
+import zlib
 from dataclasses import dataclass
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -79,14 +81,47 @@ def plan_pieces(files: list[str], chunk_bytes: int) -> list[Piece]:
 
 def documents(piece: Piece, text_key: str = "text", split_blank_lines: bool = False):
     """The piece's documents (str), in file order."""
-    if piece.kind == "txt":
-        yield from _txt(piece.path, split_blank_lines)
-    elif piece.kind == "parquet":
-        yield from _parquet(piece, text_key)
-    elif piece.kind == "hf":
-        yield from _hf(piece, text_key)
-    else:
-        yield from _jsonl(piece, text_key)
+    try:
+        if piece.kind == "txt":
+            yield from _txt(piece.path, split_blank_lines)
+        elif piece.kind == "parquet":
+            yield from _parquet(piece, text_key)
+        elif piece.kind == "hf":
+            yield from _hf(piece, text_key)
+        else:
+            yield from _jsonl(piece, text_key)
+    except _read_errors(piece.kind) as e:
+        raise InputError(_unreadable(piece, e)) from None
+
+
+# What each kind of file is, for the message when it does not read as one.
+FORMATS = {"jsonl.gz": ("gzip", "gzip FILE"), "jsonl.zst": ("zstd", "zstd FILE"),
+           "parquet": ("Parquet", "re-export it")}
+
+
+def _read_errors(kind: str) -> tuple:
+    """What reading a damaged file of `kind` raises: gzip's BadGzipFile (an OSError), a cut stream (EOFError) or
+    a bad block (zlib.error); zstd's and pyarrow's own errors; an OSError for any file."""
+    errors = (OSError, EOFError, zlib.error)
+    try:
+        if kind == "jsonl.zst":
+            import zstandard
+            errors += (zstandard.ZstdError,)
+        elif kind == "parquet":
+            import pyarrow
+            errors += (pyarrow.ArrowException,)
+    except ImportError:  # the reader said which package is missing
+        pass
+    return errors
+
+
+def _unreadable(piece: Piece, e: Exception) -> str:
+    why = " ".join(f"{type(e).__name__}: {e}".split())
+    if piece.kind not in FORMATS:
+        return f"input {piece.path} cannot be read ({why}); fix: check the file, or leave it out of --input"
+    name, remake = FORMATS[piece.kind]
+    return (f"input {piece.path} is not {name} data, or is cut short ({why}); fix: make it again ({remake}), or "
+            f"leave it out of --input")
 
 
 def _txt(path: str, split_blank_lines: bool):
@@ -119,8 +154,46 @@ def _open_lines(piece: Piece):
         except ImportError:
             raise InputError(f"{piece.path}: reading .zst needs the zstandard package: pip install "
                              f"'megalite[corpora]'") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(piece.path, "rb")))
+        return io.BufferedReader(_ZstdFrames(piece.path, zstandard.ZstdDecompressor()), 1 << 20)
     return open(piece.path, "rb")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The frames of a .zst file, one after another. zstandard's own stream reader ends quietly where a file
+    is cut short inside a frame; this one raises EOFError, so a truncated file is not read as a shorter one."""
+
+    def __init__(self, path: str, decompressor):
+        self.file, self.decompressor, self.frame = open(path, "rb"), decompressor, None
+        self.out, self.position = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.position == len(self.out):
+            compressed = self.file.read(1 << 18)
+            if not compressed:
+                if self.frame is not None and not self.frame.eof:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            self.out, self.position = self._decompress(compressed), 0
+        n = min(len(buffer), len(self.out) - self.position)
+        buffer[:n] = self.out[self.position:self.position + n]
+        self.position += n
+        return n
+
+    def _decompress(self, compressed: bytes) -> bytes:
+        out = []
+        while compressed:
+            if self.frame is None or self.frame.eof:
+                self.frame = self.decompressor.decompressobj()
+            out.append(self.frame.decompress(compressed))
+            compressed = self.frame.unused_data if self.frame.eof else b""
+        return b"".join(out)
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
 
 
 def _jsonl(piece: Piece, text_key: str):

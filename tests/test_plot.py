@@ -38,8 +38,8 @@ def test_plot_writes_a_png_of_several_runs(tiny_run, tmp_path):
 
 def test_plot_names_a_directory_without_metrics(tmp_path):
     proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {tmp_path}/metrics.jsonl not found: pass the " \
-        "train.out_dir of a run"
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: metrics file {tmp_path}/metrics.jsonl does not " \
+        "exist; fix: pass the train.out_dir of a run that has logged a step"
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + '\n{"step": 2, "lo')
     proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
     assert "metrics.jsonl, line 2: not JSON" in proc.stderr

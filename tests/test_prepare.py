@@ -185,8 +185,8 @@ def test_a_failed_preparation_keeps_the_earlier_dataset(tmp_path, corpus):
     prepare([corpus[0]], str(tmp_path / "out"), TiktokenTokenizer(byte_level_encoding()), val_fraction=0.1)
     before = {n: (tmp_path / "out" / n).read_bytes() for n in FILES}
     (tmp_path / "bad.jsonl").write_text('{"text": "one"}\n{"oops": 1}\n')
-    with pytest.raises(InputError):
-        prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "out"), "char")
+    with pytest.raises(InputError, match="no text field"):
+        prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "out"), "char", force=True)
     assert before == {n: (tmp_path / "out" / n).read_bytes() for n in FILES}
 
 

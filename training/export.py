@@ -1,42 +1,59 @@
 """Export a checkpoint as one safetensors file of full fp32 weights plus a config.json.
 
-    python -m training.export --out_dir out/gpt2_124m [--tag step_005000] [--output DIR]
+    python -m training.export --out_dir out/gpt2_124m [--tag step_005000] [--output DIR] [--force]
 
 Any checkpoint works: ZeRO 0-3, pipelined or not, or already universal. GPT and Llama weights are written
 in Hugging Face's layout (training/hf.py), so `GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(DIR)`
 load them; encoder weights keep this repo's names. config.json also carries this repo's model settings
 and the tokenizer, for `sample.py --export DIR`.
+
+The export is written into a scratch folder beside DIR and renamed into place, so a failed export never
+leaves half of one; an existing DIR is refused (--force replaces an earlier export), unless it already holds
+the export of this very checkpoint (nothing to do).
 """
 import argparse
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import shutil
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from data.prepare import check_meta, read_meta
 from model import build_model
 from model.config import ModelConfig
 from model.parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint
-from training.checks import ConfigError, exit_bad_input
+from training.checks import ConfigError, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
 from training.optim import decay_split
 
 
-def model_config(run_state: dict) -> ModelConfig:
-    return ModelConfig(**run_state["config"]["model"])
+def model_config(settings: dict, source: str) -> ModelConfig:
+    """The ModelConfig of saved model settings; `source` names the file they were read from."""
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ConfigError(f"{source} holds model settings this version does not know ({', '.join(unknown)}): it was "
+                          f"written by a newer version of this repo; fix: read it with that version")
+    return ModelConfig(**settings)
+
+
+def run_model(tag_dir: str, run_state: dict) -> ModelConfig:
+    return model_config(run_state["config"]["model"], f"checkpoint run state {tag_dir}/{checkpoint.RUN_STATE}")
 
 
 def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights (this repo's parameter names) from a complete checkpoint, on the CPU."""
     run_state = checkpoint.read_run_state(tag_dir)
     tp = run_state["layout"].get("tp", 1)
+    cfg = run_model(tag_dir, run_state)
     with torch.device("meta"):
-        model = build_model(model_config(run_state))
-        sliced = build_model(model_config(run_state), tp=TensorParallel(tp)) if tp > 1 else model  # a rank's view
+        model = build_model(cfg)
+        sliced = build_model(cfg, tp=TensorParallel(tp)) if tp > 1 else model  # a rank's view
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if run_state.get("universal"):
         return _from_universal(tag_dir, shapes)
@@ -87,56 +104,132 @@ def tokenizer_dir(run_state: dict) -> str:
     return data["sources"][0]["dir"] if data.get("sources") else data["dir"]
 
 
-def export(tag_dir: str, output: str) -> str:
-    run_state = checkpoint.read_run_state(tag_dir)
+def run_dataset(tag_dir: str, run_state: dict) -> tuple[dict, str]:
+    """The checked meta.json, and the folder, of the dataset whose tokenizer a checkpoint's run used."""
+    data = run_state["config"].get("data")
+    if not isinstance(data, dict) or not (data.get("sources") or data.get("dir")):
+        raise ConfigError(f"checkpoint run state {tag_dir}/{checkpoint.RUN_STATE} names no dataset (config.data.dir): "
+                          f"it was written by another version of this repo; fix: export it with that version")
     data_dir = tokenizer_dir(run_state)
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
-    return write_export(output, model_config(run_state), consolidated_state_dict(tag_dir), meta, run_state["step"],
-                        data_dir)
+    fix = (f"run this from the folder the run was started in, or prepare its dataset again at {data_dir} "
+           f"(python -m data.prepare ... --out_dir {data_dir})")
+    return read_meta(data_dir, "the run's dataset (data.dir)", fix), data_dir
+
+
+def export(tag_dir: str, output: str, force: bool = False) -> str:
+    """The checkpoint at tag_dir as an export in `output`: a new folder, the export of the same checkpoint (left as
+    it is), or, with `force`, an earlier export (replaced)."""
+    run_state = checkpoint.read_run_state(tag_dir)
+    source = {"tag": os.path.basename(tag_dir), "sha256": _fingerprint(tag_dir)}
+    earlier = _export_record(output)
+    if earlier is not None and earlier.get("source") == source:
+        print(f"{output} already holds the export of {tag_dir}; nothing to do")
+        return output
+    if not (force and earlier is not None):  # --force replaces an export, never any other folder
+        new_output(output, "--output", "pass --force to replace that export, or another --output" if earlier is not None
+                   else "pass another --output (--force replaces only an earlier export)")
+    meta, data_dir = run_dataset(tag_dir, run_state)
+    write_export(output, run_model(tag_dir, run_state), consolidated_state_dict(tag_dir), meta, run_state["step"],
+                 data_dir, source)
+    print(f"wrote {output}: model.safetensors, config.json")
+    return output
+
+
+def _fingerprint(tag_dir: str) -> str:
+    """A checkpoint's identity, wherever its run folder is moved or copied: the digest of its run state (run
+    config, step, data) and its manifest (every file and its size)."""
+    digest = hashlib.sha256()
+    for name in (checkpoint.RUN_STATE, checkpoint.MANIFEST):
+        with open(os.path.join(tag_dir, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _export_record(folder: str) -> dict | None:
+    """The "megalite" section of the config.json of an export in `folder`; None where there is none."""
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as f:
+            record = json.loads(f.read()).get("megalite")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 # A tokenizer a dataset keeps beside its data in a Hugging Face or tiktoken file goes with the weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.tiktoken")
 
 
-def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: int, data_dir: str | None = None) -> str:
-    """model.safetensors (Hugging Face's layout where it has one) and config.json in `output`."""
+def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: int, data_dir: str | None = None,
+                 source: dict | None = None) -> str:
+    """model.safetensors (Hugging Face's layout where it has one) and config.json in `output`, whole or not at
+    all; `source`: the checkpoint they come from, recorded in config.json."""
     in_hf_layout = cfg.arch in ARCHITECTURES
     config = hf_config(cfg, meta) if in_hf_layout else {}
-    config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step}
-    os.makedirs(output, exist_ok=True)
-    weights = to_hf(state, cfg) if in_hf_layout else state
-    save_file(weights, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    for name in TOKENIZER_FILES:
-        if data_dir and os.path.isfile(os.path.join(data_dir, name)):
-            shutil.copyfile(os.path.join(data_dir, name), os.path.join(output, name))
+    config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step,
+                          **({"source": source} if source else {})}
+    parent, name = os.path.split(os.path.abspath(output))
+    scratch = os.path.join(parent, f".{name}.tmp{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    try:
+        weights = to_hf(state, cfg) if in_hf_layout else state
+        save_file(weights, os.path.join(scratch, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(scratch, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        for file in TOKENIZER_FILES:
+            if data_dir and os.path.isfile(os.path.join(data_dir, file)):
+                shutil.copyfile(os.path.join(data_dir, file), os.path.join(scratch, file))
+        _replace_folder(scratch, output)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return output
+
+
+def _replace_folder(new: str, old: str) -> None:
+    """Folder `new` renamed to `old`; an earlier `old` with files in it is moved aside first and removed after,
+    so `old` is never half of one export and half of another."""
+    aside = f"{new}.old" if os.path.isdir(old) and os.listdir(old) else None
+    if aside:
+        os.rename(old, aside)
+    os.replace(new, old)  # onto nothing, or onto an empty folder
+    if aside:
+        shutil.rmtree(aside)
 
 
 def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
     """(model config, state dict with this repo's names, tokenizer meta) of an export."""
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    cfg = ModelConfig(**config["megalite"]["model"])
-    weights = load_file(os.path.join(folder, "model.safetensors"))
-    return cfg, from_hf(weights, cfg) if cfg.arch in ARCHITECTURES else weights, config["megalite"]["tokenizer"]
+    fix = "pass a folder written by python -m training.export, or export the checkpoint again"
+    existing_dir(folder, "--export", fix)
+    path = os.path.join(folder, "config.json")
+    record = json_file(path, "export config", fix, keys=("megalite.model", "megalite.tokenizer"))["megalite"]
+    cfg = model_config(record["model"], f"export config {path}")
+    weights = _read_weights(os.path.join(folder, "model.safetensors"), fix)
+    try:
+        state = from_hf(weights, cfg) if cfg.arch in ARCHITECTURES else weights
+    except KeyError as e:
+        raise ConfigError(f"export weights {folder}/model.safetensors lack the tensor {e} that its config.json's "
+                          f"model needs; fix: {fix}") from None
+    return cfg, state, check_meta(record["tokenizer"], f"the tokenizer record of export config {path}", fix)
+
+
+def _read_weights(path: str, fix: str) -> dict:
+    existing_file(path, "export weights", fix)
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"export weights {path} are not a safetensors file ({e}); fix: {fix}") from None
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", required=True, help="the run's train.out_dir")
     parser.add_argument("--tag", help="default: the newest complete checkpoint")
-    parser.add_argument("--output", help="default: <out_dir>/export/<tag>")
+    parser.add_argument("--output", help="a new folder (default: <out_dir>/export/<tag>)")
+    parser.add_argument("--force", action="store_true", help="replace an earlier export in --output")
     args = parser.parse_args(argv)
     try:
-        tag_dir = checkpoint.find_resume(args.out_dir, args.tag or "auto")
-        if tag_dir is None:
-            raise ConfigError(f"no complete checkpoint in {checkpoint.checkpoint_root(args.out_dir)}")
-        output = args.output or os.path.join(args.out_dir, "export", os.path.basename(tag_dir))
-        print(f"wrote {export(tag_dir, output)}: model.safetensors, config.json")
+        tag_dir = checkpoint.find_checkpoint(args.out_dir, args.tag)
+        export(tag_dir, args.output or os.path.join(args.out_dir, "export", os.path.basename(tag_dir)), args.force)
     except ConfigError as e:
         exit_bad_input(e)
 

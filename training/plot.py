@@ -6,6 +6,7 @@ MFU against steps (or tokens), several runs overlaid for comparison.
 
 Tokens per step come from the run's saved ds_config.json (global batch) and config.yaml (context), so
 runs with different batch sizes line up on the tokens axis. Needs matplotlib (`pip install '.[plot]'`).
+An existing output is refused unless --force says to replace it; the image is written whole or not at all.
 """
 import argparse
 import json
@@ -14,7 +15,7 @@ import sys
 
 if __package__ in (None, ""):  # `python training/plot.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from training.checks import exit_bad_input  # noqa: E402
+from training.checks import ConfigError, existing_dir, existing_file, exit_bad_input, new_output  # noqa: E402
 
 
 class PlotError(ValueError):
@@ -25,16 +26,20 @@ PANELS = [("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"
 
 def read_run(run_dir: str) -> dict:
     """The run's metrics as {key: ([steps], [values])} and its tokens per step (None if unknown)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise PlotError(f"{path} not found: pass the train.out_dir of a run")
+    existing_dir(run_dir, "run folder", "pass the train.out_dir of a run")
+    path = existing_file(os.path.join(run_dir, "metrics.jsonl"), "metrics file", "pass the train.out_dir of a run "
+                         "that has logged a step")
     series = {}
-    with open(path) as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                raise PlotError(f"{path}, line {number}: not JSON (a torn last line of a killed run?)") from None
+            except ValueError:  # malformed JSON, or bytes that are not text
+                raise PlotError(f"{path}, line {number}: not JSON (a torn last line of a killed run?); fix: remove "
+                                f"that line") from None
+            if not isinstance(record, dict) or "step" not in record:
+                raise PlotError(f"{path}, line {number}: not a metrics record (a JSON object with a step); fix: pass "
+                                f"the train.out_dir of a run, whose metrics.jsonl train.py writes")
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     steps, values = series.setdefault(key, ([], []))
@@ -50,7 +55,7 @@ def tokens_per_step(run_dir: str) -> int | None:
         with open(os.path.join(run_dir, "ds_config.json")) as f:
             batch = json.load(f)["train_batch_size"]
         return batch * OmegaConf.load(os.path.join(run_dir, "config.yaml")).model.block_size
-    except (OSError, KeyError, ValueError):
+    except Exception:  # noqa: BLE001 (a missing or unreadable file, whatever the parser raises: unknown)
         return None
 
 
@@ -62,6 +67,11 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
     if x == "tokens" and any(run["tokens_per_step"] is None for run in runs):
         raise PlotError("--x tokens needs each run's ds_config.json and config.yaml (written by train.py)")
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    image = os.path.splitext(output)[1][1:].lower()
+    if image not in fig.canvas.get_supported_filetypes():
+        plt.close(fig)
+        raise PlotError(f"--output {output} is not an image file matplotlib writes; fix: end it in .png (or .pdf, "
+                        f".svg)")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         scale = run["tokens_per_step"] if x == "tokens" else 1
@@ -85,8 +95,23 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
     per_step = {run["tokens_per_step"] for run in runs}
     if x == "step" and len(per_step) == 1 and None not in per_step:
         fig.suptitle(f"{', '.join(run['name'] for run in runs)} ({per_step.pop():,} tokens/step)")
-    fig.savefig(output, dpi=80)
-    plt.close(fig)
+    try:
+        save_whole(fig, output, image)
+    finally:
+        plt.close(fig)
+
+
+def save_whole(fig, output: str, image: str) -> None:
+    """The figure written beside `output`, then renamed to it: a failed write leaves the earlier file or none."""
+    folder, name = os.path.split(os.path.abspath(output))
+    os.makedirs(folder, exist_ok=True)
+    scratch = os.path.join(folder, f".{name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(scratch, dpi=80, format=image)
+        os.replace(scratch, output)
+    finally:
+        if os.path.exists(scratch):
+            os.remove(scratch)
 
 
 def main(argv=None) -> None:
@@ -94,12 +119,16 @@ def main(argv=None) -> None:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.out_dir of each run")
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the horizontal axis")
     parser.add_argument("--output", help="PNG to write (default: RUN_DIR/metrics.png of the first run)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output file")
     args = parser.parse_args(argv)
     try:
         runs = [read_run(d) for d in args.run_dirs]
         output = args.output or os.path.join(args.run_dirs[0], "metrics.png")
+        if not (args.force and os.path.isfile(output)):  # --force replaces a file, never a folder
+            new_output(output, "--output", "pass --force to replace it, or another --output" if os.path.isfile(output)
+                       else "pass another --output", folder=False)
         plot(runs, output, args.x)
-    except PlotError as e:
+    except (PlotError, ConfigError) as e:
         exit_bad_input(e)
     print(f"wrote {output}")
 
