@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from training.checks import ConfigError, existing_dir, exit_bad_input, new_output
+from training.checks import ConfigError, exit_bad_input, new_output, writable_dir
 
 # torch, DeepSpeed and the training modules are imported where they are used: a bad argument is refused, and
 # --help answered, before the seconds those imports take.
@@ -57,15 +57,14 @@ def results_file(path: str, what: str = "--json") -> str:
 
 
 def work_folder(path: str, what: str = "--work_dir") -> str:
-    """A folder the runs write fresh subfolders into: one that exists (earlier runs may be in it), or is made
-    here. The last check at start, so that a refused command leaves no folder behind."""
-    fix = f"point {what} at a writable folder"
-    if not os.path.exists(path):
-        new_output(path, what, fix)
-        os.makedirs(path)
-    existing_dir(path, what, fix)
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"{what} {path} is not writable; fix: {fix}")
+    """A folder the runs write fresh subfolders into (earlier runs may be there), made here if missing: the last
+    check at start, so that a refused command leaves no folder behind."""
+    fix = f"point {what} at a folder you can write to"
+    writable_dir(path, what, fix)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # what the permission bits do not tell (a read-only or special file system)
+        raise ConfigError(f"{what} {path} cannot be created ({e.strerror}); fix: {fix}") from None
     return path
 
 
