@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from data.tokenizers import TokenizerError, tokenizer_from_meta
+from data.tokenizers import TokenizerError, sampling_start, tokenizer_from_meta
 from model import build_model
 from model.generate import generate
 from training import checkpoint
@@ -60,9 +60,11 @@ def main(argv=None) -> None:
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
     try:
-        prompt_ids = tokenizer.encode(args.prompt)
+        prompt_ids, note = sampling_start(args.prompt, tokenizer)
     except ValueError as e:  # a prompt character outside a char tokenizer's vocabulary
         exit_bad_input(f"--prompt {args.prompt!r}: {e}; use characters of the training text")
+    if note:
+        print(note, file=sys.stderr)
     model.to(args.device).eval()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)
     generator = torch.Generator().manual_seed(args.seed)

@@ -23,10 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from data.prepare import read_meta
 from data.sampler import Blend, Epochs
 from data.tokenizers import TokenizerError, tokenizer_from_meta
 from training.config import ConfigError
 
+LOADER_KEYS = ("dtype", "train_tokens", "val_tokens", "max_token_id")  # beside what every reader needs (check_meta)
 EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val losses compare
 IGNORE = -100  # target of a padding row: F.cross_entropy's ignore_index
 
@@ -42,9 +44,14 @@ class Dataset:
         if not os.path.exists(meta_path):
             raise ConfigError(f"no prepared dataset in {data_dir} (meta.json missing); prepare it with: "
                               f"{self.prepare}")
+        fix = f"prepare the dataset again with: {self.prepare}"
+        self.meta = read_meta(data_dir, "data.dir", fix)
+        missing = [key for key in LOADER_KEYS if key not in self.meta]
+        if missing:
+            raise ConfigError(f"dataset meta {meta_path} lacks {', '.join(missing)} (written by another version of "
+                              f"data.prepare, or another tool); fix: {fix}")
         with open(meta_path, "rb") as f:
-            body = f.read()
-        self.meta, self.id = json.loads(body), hashlib.sha256(body).hexdigest()[:16]
+            self.id = hashlib.sha256(f.read()).hexdigest()[:16]
         if tokenizer is not None and self.meta.get("tokenizer") != tokenizer:
             raise ConfigError(f"{meta_path} was prepared with the {self.meta.get('tokenizer')!r} tokenizer but the "
                               f"run config asks for data.tokenizer={tokenizer!r}: point data.dir at a "

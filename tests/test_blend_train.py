@@ -50,6 +50,13 @@ def test_a_prompt_that_encodes_to_nothing_samples_from_the_end_of_text_token(run
     assert "Traceback" not in output
 
 
+def test_sample_py_starts_from_the_end_of_text_token_too(runs):
+    _, _, out = runs
+    proc = run([sys.executable, "sample.py", "--out_dir", out["straight"], "--max_new_tokens", "5"])
+    assert "the prompt '\\n' encodes to no tokens with the dataset's tokenizer.json tokenizer" in proc.stderr
+    assert proc.stdout.startswith("<|endoftext|> ") and len(proc.stdout.split()) == 1 + 5
+
+
 def val_losses(out_dir):
     return [(m["step"], m["val_loss"]) for m in metrics(out_dir) if "val_loss" in m]
 

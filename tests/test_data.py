@@ -261,6 +261,30 @@ def test_truncated_token_file_is_reported_as_corrupt(tmp_path, char_data):
         TokenData(broken, "char", 16)
 
 
+# (meta.json's text, the message's words): a dataset meta that is not one of this version's, refused at start.
+BAD_META = [
+    ("", "dataset meta {path} is empty; fix: prepare the dataset again with: python -m data.prepare"),
+    ("{not json", "dataset meta {path} is not JSON"),
+    ("[1, 2]", "dataset meta {path} holds a JSON list, not an object"),
+    ('{"format": 9, "tokenizer": "char", "vocab_size": 65, "chars": []}', "dataset meta {path} is of format 9, this "
+                                                                         "version reads 1 to 2"),
+    ('{"format": 2, "tokenizer": "char", "vocab_size": 65}', "dataset meta {path} lacks chars"),
+    ('{"format": 2, "tokenizer": "gpt2", "vocab_size": 50257}', "dataset meta {path} lacks dtype, train_tokens, "
+                                                                "val_tokens, max_token_id"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_META, ids=["empty", "not-json", "list", "format", "chars", "loader-keys"])
+def test_a_meta_json_that_is_not_a_datasets_is_refused(tmp_path, char_data, text, message):
+    broken = copy_dataset(char_data, tmp_path / "broken")
+    path = os.path.join(broken, "meta.json")
+    with open(path, "w") as f:
+        f.write(text)
+    with pytest.raises(ConfigError) as caught:
+        TokenData(broken, None, 16)
+    assert message.format(path=path) in str(caught.value)
+
+
 def test_empty_token_file(tmp_path, char_data):
     empty = copy_dataset(char_data, tmp_path / "empty")
     open(os.path.join(empty, "val.bin"), "w").close()

@@ -3,6 +3,7 @@ Hugging Face's layout load in GPT2LMHeadModel / LlamaForCausalLM with equal logi
 transformers builds (random weights, no download) load here with equal logits; bad folders are refused."""
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -89,3 +90,23 @@ def test_tied_run_from_untied_folder_names_the_head(llama_folder, tmp_path):
     with pytest.raises(ConfigError, match=r"tensor lm_head\.weight is missing there"):
         hf.check_hf_folder(str(folder), LLAMA)
     assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("damage,message", [
+    (("config.json", b"{not json"), "train.init_from's config {folder}/config.json is not JSON"),
+    (("config.json", b"[]"), "train.init_from's config {folder}/config.json holds a JSON list, not an object"),
+    (("model.safetensors", b""), "train.init_from's weights {folder}/model.safetensors is empty"),
+    (("model.safetensors", b"PK\x03\x04 a zip, say"), "train.init_from's weights {folder}/model.safetensors are not a "
+                                                     "safetensors file"),
+    (("model.safetensors.index.json", b'{"metadata": {}}'), "train.init_from's index {folder}/model.safetensors.index.json "
+                                                           "lacks weight_map"),
+])
+def test_a_damaged_folder_is_refused_in_one_line(llama_folder, tmp_path, damage, message):
+    """The files of train.init_from are read at start: one that is not what its name says ends the run there."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(llama_folder, folder)
+    name, body = damage
+    (folder / name).write_bytes(body)
+    with pytest.raises(ConfigError) as caught:
+        hf.check_hf_folder(str(folder), LLAMA)
+    assert message.format(folder=folder) in str(caught.value) and "fix: point train.init_from at" in str(caught.value)

@@ -59,6 +59,10 @@ BAD_SETTINGS = [
     (["train.log_interval=0"], "train.log_interval=0: must be >= 1"),
     (["train.out_dir=" + os.path.join(REPO, "README.md")], "must be a directory, but it is a file; fix: point "
                                                            "train.out_dir at a directory"),
+    (["train.out_dir=" + os.path.join(REPO, "README.md", "run")], "train.out_dir " + os.path.join(REPO, "README.md",
+                                                                                               "run") +
+     " cannot be created: " + os.path.join(REPO, "README.md") + " is a file; fix: point train.out_dir at a folder you "
+                                                                 "can write to"),
     (["train.seed=-1"], "train.seed=-1: must be >= 0"),
     (["train.peak_tflops=0"], "train.peak_tflops=0.0: must be > 0"),
     (["train.save_interval=-100"], "train.save_interval=-100: must be >= 0 (0 saves only at the end)"),

@@ -149,3 +149,9 @@ class Checks:
         self.not_empty(key)
         if os.path.exists(path) and not os.path.isdir(path):
             self.fail(key, "be a directory, but it is a file", f"point {self.section}.{key} at a directory")
+
+    def writable_directory(self, key: str) -> None:
+        """A folder the run writes into: directory() and, whether it exists or not yet, writable."""
+        self.directory(key)
+        writable_dir(getattr(self.values, key), f"{self.section}.{key}",
+                     f"point {self.section}.{key} at a folder you can write to")

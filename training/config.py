@@ -117,7 +117,7 @@ class TrainConfig:
         c.at_least("eval_interval", 0, "0 evaluates only at step 0 and at the end")
         c.at_least("eval_windows", 1)
         c.at_least("log_interval", 1)
-        c.directory("out_dir")
+        c.writable_directory("out_dir")
         c.at_least("seed", 0)
         c.above("peak_tflops", 0)
         c.at_least("save_interval", 0, "0 saves only at the end")

@@ -12,12 +12,12 @@ import os
 
 import torch
 from deepspeed.runtime.zero import GatheredParameters
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from model import build_model
 from model.config import ModelConfig
 from model.parallel import SINGLE, TensorParallel, shard_parameter, split_rule
-from training.config import ConfigError
+from training.checks import ConfigError, existing_file, json_file
 
 SAME, TRANSPOSED, VOCAB = "same", "transposed", "vocab"
 ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
@@ -116,16 +116,28 @@ def hf_config(cfg: ModelConfig, meta: dict) -> dict:
 
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+FOLDER_FIX = ("point train.init_from at a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
+              "python -m training.export")
 
 
 def weight_files(folder: str) -> dict[str, str]:
     """Each tensor's safetensors file: one model.safetensors, or the shards its index names."""
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            return {name: os.path.join(folder, file) for name, file in json.load(f)["weight_map"].items()}
-    with safe_open(os.path.join(folder, WEIGHTS), framework="pt") as f:
-        return {name: os.path.join(folder, WEIGHTS) for name in f.keys()}
+        weight_map = json_file(index, "train.init_from's index", FOLDER_FIX, keys=("weight_map",))["weight_map"]
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    return {name: os.path.join(folder, WEIGHTS) for name in tensor_shapes(os.path.join(folder, WEIGHTS))}
+
+
+def tensor_shapes(path: str) -> dict[str, tuple]:
+    """The tensors of a safetensors file and their shapes, read from its header; one line if it is not one."""
+    existing_file(path, "train.init_from's weights", FOLDER_FIX)
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"train.init_from's weights {path} are not a safetensors file ({e}); fix: "
+                          f"{FOLDER_FIX}") from None
 
 
 def _rope_theta(config: dict):
@@ -140,8 +152,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
         raise ConfigError(f"train.init_from={folder}: no config.json and {WEIGHTS} (or {INDEX} and its shards) "
                           f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
                           f"python -m training.export")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = json_file(config_path, "train.init_from's config", FOLDER_FIX)
     family = MODEL_TYPES.get(config.get("model_type"))
     if family != cfg.arch:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
@@ -149,9 +160,8 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
     found = {}
-    for name, path in weight_files(folder).items():
-        with safe_open(path, framework="pt") as f:
-            found[name] = tuple(f.get_slice(name).get_shape())
+    for path in sorted(set(weight_files(folder).values())):
+        found.update(tensor_shapes(path))
     for name, tensor in expected.items():
         if name not in found:
             raise ConfigError(f"train.init_from={folder}: tensor {name} is missing there; this run's model config "
