@@ -37,7 +37,8 @@ def check(args) -> dict:
     if args.what == "quality":
         from training.config import DEFAULT_DS_CONFIG  # train.py's, which the quality runs use
 
-        return {arch: load_inputs(config, DEFAULT_DS_CONFIG, args.overrides, REPO) for arch, config in QUICKSTARTS.items()}
+        return {arch: load_inputs(config, DEFAULT_DS_CONFIG, args.overrides, REPO)
+                for arch, config in QUICKSTARTS.items()}
     return {arch: load_inputs("configs/baby_gpt.yaml", "ds_configs/zero0.json", [*extra, *args.overrides], REPO)
             for arch, extra in THROUGHPUT.items()}
 
