@@ -59,7 +59,26 @@ def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None
 
 
 def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True, timeout=600,
-           env: dict | None = None, config: str = "quickstart.yaml", script: str = "train.py"):
+           env: dict | None = None, config: str = "quickstart.yaml"):
+    """train.py's N ranks, each with the torch.distributed variables a launcher sets, forked from a server that
+    has imported torch, DeepSpeed and train.py once (tests/ranks.py): what `deepspeed --num_gpus N train.py ...`
+    runs, without the launcher's start-up. The launchers themselves are tested with deepspeed_launch and in
+    test_launch.py / test_launchers.py."""
+    from ranks import run_ranks
+    argv = launch_cmd([], "train.py", ds_config, out_dir, data_dir, overrides, config)[2:]
+    port = free_port()
+    try:
+        proc = run_ranks(nprocs, argv, port, {**ONE_THREAD, "WANDB_MODE": "disabled", **(env or {})}, timeout)
+    finally:
+        release_shm(["--master_port", str(port)])
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{nprocs} ranks of train.py {' '.join(argv)} exited {proc.returncode}\n--- output\n"
+                             f"{proc.stdout[-8000:]}")
+    return proc
+
+
+def deepspeed_launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True,
+                     timeout=600, env: dict | None = None, config: str = "quickstart.yaml", script: str = "train.py"):
     """`deepspeed --num_gpus N train.py ...`, as a user types it."""
     cmd = launch_cmd(["--num_gpus", str(nprocs), "--master_port", str(free_port())], script, ds_config, out_dir,
                      data_dir, overrides, config)
