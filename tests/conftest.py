@@ -77,6 +77,16 @@ def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), ch
     return proc
 
 
+def train_py(args: list[str], check: bool = True, timeout=600, env: dict | None = None):
+    """`python train.py ARGS`: one process without a launcher, forked from the rank server (tests/ranks.py)."""
+    from ranks import run_ranks
+    proc = run_ranks(None, list(args), 0, {"WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}, timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def deepspeed_launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True,
                      timeout=600, env: dict | None = None, config: str = "quickstart.yaml", script: str = "train.py"):
     """`deepspeed --num_gpus N train.py ...`, as a user types it."""

@@ -2,17 +2,21 @@
 a run of N ranks costs its training, not N interpreters importing DeepSpeed behind a launcher.
 
 Each rank gets the five torch.distributed variables a launcher sets (train.py reads them as it reads the
-deepspeed launcher's) and writes to one log, as ranks sharing a launcher's pipe do; run_ranks returns it as a
-CompletedProcess whose return code is the first rank's non-zero exit code. The server is forked before the
-parent runs any torch work, so no rank inherits a thread pool or a process group.
+deepspeed launcher's) and writes to one stdout and one stderr, as ranks sharing a launcher's pipes do; run_ranks
+returns them as a CompletedProcess whose return code is the first rank's non-zero exit code. The server is a
+fresh interpreter (multiprocessing's forkserver): no rank inherits the test process's threads or process groups.
 """
 import atexit
 import multiprocessing
 import os
 import subprocess
+import sys
 import tempfile
+from multiprocessing import forkserver
 
 _SERVER = None
+HERE = os.path.dirname(os.path.abspath(__file__))
+TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _server():
@@ -20,14 +24,24 @@ def _server():
     if _SERVER is None:
         _SERVER = multiprocessing.get_context("forkserver")
         _SERVER.set_forkserver_preload(["ranks_preload"])
+        # Python 3.11's forkserver imports its preload on the interpreter's default path, not ours (and skips an
+        # ImportError in silence): it finds tests/ and the repo through PYTHONPATH, set while it starts.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE)] + ([saved] if saved else []))
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop("PYTHONPATH") if saved is None else os.environ.update(PYTHONPATH=saved)
     return _SERVER
 
 
-def _rank(argv: list[str], env: dict, log: str) -> None:
+def _rank(argv: list[str], env: dict, logs: tuple[str, str]) -> None:
+    assert "ranks_preload" in sys.modules, "the rank server did not preload torch, DeepSpeed and train.py"
+    for name in TORCH_VARS:  # a one-process run without a launcher finds none of them, as `python train.py`
+        os.environ.pop(name, None)
     os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    for stream, log in enumerate(logs, start=1):
+        os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), stream)
     import torch  # imported by the server already: OMP_NUM_THREADS set now would not reach its thread pool
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
@@ -39,22 +53,25 @@ def _rank(argv: list[str], env: dict, log: str) -> None:
         atexit._run_exitfuncs()
 
 
-def run_ranks(nprocs: int, argv: list[str], port: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    with tempfile.NamedTemporaryFile("r", prefix="ranks_", suffix=".log") as log:
+def run_ranks(nprocs: int | None, argv: list[str], port: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """train.py's `argv` in `nprocs` ranks on `port`, or as one process without a launcher (nprocs None)."""
+    with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
         ranks = []
-        for rank in range(nprocs):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-                        "LOCAL_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            ranks.append(_server().Process(target=_rank, args=(argv, rank_env, log.name), daemon=True))
+        for rank in range(nprocs or 1):
+            rank_env = env if nprocs is None else {
+                **env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                "LOCAL_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            ranks.append(_server().Process(target=_rank, args=(argv, rank_env, (out.name, err.name)), daemon=True))
             ranks[-1].start()
         try:
             for process in ranks:
                 process.join(timeout)
             hung = [r for r, process in enumerate(ranks) if process.is_alive()]
             if hung:
-                raise subprocess.TimeoutExpired(f"ranks {hung} of train.py {' '.join(argv)}", timeout, log.read())
+                raise subprocess.TimeoutExpired(f"ranks {hung} of train.py {' '.join(argv)}", timeout,
+                                                out.read() + err.read())
         finally:
             for process in ranks:
                 process.kill()
         codes = [process.exitcode for process in ranks]
-        return subprocess.CompletedProcess(argv, next((c for c in codes if c), 0), log.read(), "")
+        return subprocess.CompletedProcess(argv, next((c for c in codes if c), 0), out.read(), err.read())

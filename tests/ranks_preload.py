@@ -1,5 +1,12 @@
-"""What the rank server imports before it forks any rank (tests/ranks.py)."""
+"""What the rank server loads before it forks any rank (tests/ranks.py): modules, and compiled ops that a
+rank would otherwise import or load on its own at start. Loading only: no thread, process group or tensor
+work, which a fork would not carry over."""
 import deepspeed  # noqa: F401
+import functorch.compile  # noqa: F401  (deepspeed.initialize calls torch.compile's configuration: ~1.4 s a rank)
 import torch  # noqa: F401
+import torch._inductor.compile_fx  # noqa: F401
+from deepspeed.accelerator import get_accelerator
 
 import train  # noqa: F401
+
+get_accelerator().create_op_builder("ShareMemCommBuilder").load()  # the CPU all-reduce op (cached after a load)

@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FP32, REPO, TINY, free_port, launch, metrics, run
+from conftest import FP32, REPO, TINY, free_port, launch, metrics, run, train_py
 from hf_check import assert_export_matches_transformers
 from training import checkpoint
+
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
 # Global batch 8 in every layout; 6 steps with a checkpoint at step 3.
 RUN = ["train.max_steps=6", "train.save_interval=3", "optim.warmup_steps=2", "optim.lr=3e-3", *FP32]
@@ -156,7 +158,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, cha
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory, char_data):
     out = tmp_path_factory.mktemp("one_process")
-    run([sys.executable, "train.py", "--ds_config", "ds_configs/zero1.json", f"train.out_dir={out}",
+    train_py(["--ds_config", "ds_configs/zero1.json", f"train.out_dir={out}",
          f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=4", "train.save_interval=2"])
     return out
 
@@ -167,7 +169,7 @@ def snapshot(folder):
 
 def resume_fails(out_dir, char_data, *overrides, ds_config="zero1.json"):
     before = snapshot(out_dir)
-    proc = run([sys.executable, "train.py", "--ds_config", f"ds_configs/{ds_config}", f"train.out_dir={out_dir}",
+    proc = train_py(["--ds_config", f"ds_configs/{ds_config}", f"train.out_dir={out_dir}",
                 f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=6", *overrides], check=False, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "step 0" not in proc.stdout and "Traceback" not in proc.stderr
@@ -184,7 +186,7 @@ def damaged(one_process_run, tmp_path):
 
 def test_a_run_already_at_max_steps_only_samples(damaged, char_data):
     checkpoints, records = snapshot(damaged / "checkpoints"), (damaged / "metrics.jsonl").read_bytes()
-    proc = run([sys.executable, "train.py", "--ds_config", "ds_configs/zero1.json", f"train.out_dir={damaged}",
+    proc = train_py(["--ds_config", "ds_configs/zero1.json", f"train.out_dir={damaged}",
                 f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=4"])
     assert f"resumed from {damaged}/checkpoints/step_000004 at step 4" in proc.stdout
     assert "--- sample ---" in proc.stdout and "step 5" not in proc.stdout and "saved" not in proc.stdout

@@ -2,11 +2,10 @@
 import glob
 import json
 import os
-import sys
 
 import pytest
 
-from conftest import REPO, launch, run
+from conftest import REPO, launch, train_py
 from training.config import ConfigError, load_ds_config, load_run_config, split_overrides
 from training.topology import resolve_layout
 
@@ -143,7 +142,7 @@ def test_stages_must_divide_world():
 
 
 def cli(*args, ds_config="zero0.json"):
-    return run([sys.executable, "train.py", "--ds_config", os.path.join(REPO, "ds_configs", ds_config), *args],
+    return train_py(["--ds_config", os.path.join(REPO, "ds_configs", ds_config), *args],
                check=False, timeout=120)
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BF16, TINY, run
+from conftest import BF16, TINY, run, train_py
 from hf_check import assert_export_matches_transformers
 from training import checkpoint
 from training.export import load_export
@@ -18,7 +18,7 @@ from training.export import load_export
 def bf16_run(tmp_path_factory, char_data):
     """`python train.py` as the quickstart runs it (one process, ZeRO-0) in bf16, tiny, then exported."""
     out = tmp_path_factory.mktemp("bf16_zero0")
-    run([sys.executable, "train.py", f"train.out_dir={out}", f"data.dir={char_data}", *TINY, *BF16,
+    train_py([f"train.out_dir={out}", f"data.dir={char_data}", *TINY, *BF16,
          "train.max_steps=4", "optim.warmup_steps=1", "optim.lr=3e-3"])
     run([sys.executable, "-m", "training.export", "--out_dir", str(out)])
     return out
@@ -70,8 +70,8 @@ def test_checkpoint_pickling_an_arbitrary_object_is_refused(bf16_run, tmp_path, 
     expected = f"checkpoint file {path} pickles posix.system, which is not a tensor or a setting DeepSpeed saves: refused"
     for cmd in ([sys.executable, "-m", "training.export", "--out_dir", str(copy)],
                 [sys.executable, "sample.py", "--out_dir", str(copy)],
-                [sys.executable, "train.py", f"train.out_dir={copy}", f"data.dir={char_data}", *TINY, "train.max_steps=6"]):
-        proc = run(cmd, check=False, timeout=120)
+                ["train.py", f"train.out_dir={copy}", f"data.dir={char_data}", *TINY, "train.max_steps=6"]):
+        proc = train_py(cmd[1:], check=False, timeout=120) if cmd[0] == "train.py" else run(cmd, check=False, timeout=120)
         assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
     with pytest.raises(Exception, match="Weights only load failed"):  # and our loader alone refuses it too

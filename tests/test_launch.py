@@ -14,6 +14,8 @@ import pytest
 from conftest import FP32, ONE_THREAD, REPO, free_port, launch, launch_cmd, release_shm, train_losses
 from training import checkpoint
 
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
+
 # pp=2 x dp=2 over two "nodes" of two ranks each; global batch 8 = micro 2 x accum 2 x dp 2.
 PIPE = ["model.n_layer=4", "train.max_steps=4", "optim.warmup_steps=2", "optim.lr=3e-3",
         "ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2", *FP32]

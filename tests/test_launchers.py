@@ -16,6 +16,8 @@ import pytest
 from conftest import FP32, ONE_THREAD, REPO, free_port, launch, launch_cmd, train_losses
 from training.launcher_env import detect_launcher, launcher_rank, slurm_env
 
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
+
 STEPS = ["train.max_steps=3", "optim.warmup_steps=1", "optim.lr=3e-3", "ds.train_micro_batch_size_per_gpu=2",
          "ds.gradient_accumulation_steps=2", *FP32]
 LAYOUTS = {"dp2": "zero1.json", "pp2": "pipe2.json"}

@@ -1,12 +1,11 @@
 """The Llama layer list: shapes, causality, RoPE, grouped-query attention, exact parameter counts, the FLOP
 count, and the shapes it refuses."""
 import dataclasses
-import sys
 
 import pytest
 import torch
 
-from conftest import run
+from conftest import train_py
 from model import BLOCK_CLASS, build_model, model_layers
 from model.config import ModelConfig
 from model.llama import Attention, apply_rope, rope_frequencies, rope_tables
@@ -126,7 +125,7 @@ def test_bad_shapes_are_refused(override, message):
 
 
 def test_train_refuses_a_bad_shape_at_start(char_data, tmp_path):
-    proc = run([sys.executable, "train.py", "--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}",
+    proc = train_py(["--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}",
                 f"train.out_dir={tmp_path}", "model.n_kv_head=3"], check=False, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: model.n_kv_head=3: must divide model.n_head=4" in proc.stderr

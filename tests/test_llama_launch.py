@@ -11,6 +11,8 @@ from conftest import FP32, launch, metrics, run
 from hf_check import assert_export_matches_transformers, load_in_transformers, transformers_model
 from model.config import ModelConfig
 
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
+
 # TINY's 2 layers x 32 wide and 2 heads, with 1 key/value head (multi-query) and SwiGLU 64; global batch 8.
 LLAMA = ["model.arch=llama", "model.n_kv_head=1", "model.ffn_hidden=64", "train.max_steps=6", "optim.warmup_steps=2",
          "optim.lr=3e-3", *FP32]

@@ -10,6 +10,8 @@ from model.config import ModelConfig
 from training.config import ConfigError
 from training.topology import Layout, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
+
 ARCHS = {"gpt": "quickstart.yaml", "encoder": "encoder_tiny.yaml"}
 # Global batch 8 in every layout: micro 2 x accumulation (8 / 2 / dp).
 FAST = ["model.n_layer=4", "train.max_steps=6", "optim.warmup_steps=2", "optim.lr=3e-3",

@@ -4,14 +4,14 @@ import sys
 
 import pytest
 
-from conftest import FP32, TINY, metrics, run
+from conftest import FP32, TINY, metrics, run, train_py
 from training.plot import read_run
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, char_data):
     out = tmp_path_factory.mktemp("plotted_run")
-    run([sys.executable, "train.py", f"data.dir={char_data}", f"train.out_dir={out}", *TINY, *FP32,
+    train_py([f"data.dir={char_data}", f"train.out_dir={out}", *TINY, *FP32,
          "train.max_steps=4", "train.eval_interval=2", "ds.train_micro_batch_size_per_gpu=2"], env={"OMP_NUM_THREADS": "1"})
     return out
 

@@ -14,7 +14,7 @@ from conftest import run
 from corpora import byte_level_encoding, speeches, write_corpus
 from data.prepare import in_val, prepare
 from data.readers import InputError
-from data.tokenizers import EOT, HFTokenizer, TiktokenTokenizer, TokenizerError, load_tokenizer, train_bpe
+from data.tokenizers import EOT, TiktokenTokenizer, TokenizerError, load_tokenizer, train_bpe
 from data.loader import TokenData
 from data.writer import ShardWriter, read_index
 from training.topology import Layout

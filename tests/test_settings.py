@@ -2,12 +2,11 @@
 (in-process, through load_run_config), and a few train.py runs that show the table is what it applies."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, run
+from conftest import REPO, train_py
 from data.tokenizers import CharTokenizer
 from training.config import ConfigError, load_ds_config, load_run_config, parse_args
 
@@ -174,8 +173,8 @@ def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):
         train.count_parameters(cfg)
 
 
-def train_py(*args):
-    return run([sys.executable, "train.py", *args], check=False, timeout=120)
+def train_py_as_typed(*args):
+    return train_py([*args], check=False, timeout=120)
 
 
 def assert_refused(proc, message):
@@ -186,12 +185,13 @@ def assert_refused(proc, message):
 
 def test_train_py_applies_the_table_with_config_after_the_overrides(char_data, tmp_path):
     """The issue's command: --config among the overrides; the table's row for a negative max_steps."""
-    proc = train_py("train.max_steps=-5", "--config", ENCODER, f"train.out_dir={tmp_path}", f"data.dir={char_data}")
+    proc = train_py_as_typed("train.max_steps=-5", "--config", ENCODER, f"train.out_dir={tmp_path}",
+                             f"data.dir={char_data}")
     assert_refused(proc, "train.max_steps=-5: must be >= 1; fix: set train.max_steps to 1 or more")
 
 
 def test_train_py_refuses_a_prompt_it_could_not_sample_from(char_data, tmp_path):
-    proc = train_py(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "sample.prompt=naïve")
+    proc = train_py_as_typed(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "sample.prompt=naïve")
     assert_refused(proc, "sample.prompt='naïve' does not encode with the dataset's char tokenizer")
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
@@ -199,13 +199,13 @@ def test_train_py_refuses_a_prompt_it_could_not_sample_from(char_data, tmp_path)
 def test_train_py_refuses_a_ds_config_that_is_not_an_object(char_data, tmp_path):
     path = tmp_path / "list.json"
     path.write_text(json.dumps([{"train_micro_batch_size_per_gpu": 4}]))
-    proc = train_py(f"data.dir={char_data}", "--ds_config", str(path), f"train.out_dir={tmp_path}/out")
+    proc = train_py_as_typed(f"data.dir={char_data}", "--ds_config", str(path), f"train.out_dir={tmp_path}/out")
     assert_refused(proc, f"{path} holds a JSON list, not an object")
 
 
 def test_eval_interval_zero_evaluates_at_start_and_end_only(char_data, tmp_path):
     from conftest import FP32, TINY, metrics
-    run([sys.executable, "train.py", f"data.dir={char_data}", f"train.out_dir={tmp_path}", *TINY, *FP32,
+    train_py([f"data.dir={char_data}", f"train.out_dir={tmp_path}", *TINY, *FP32,
          "train.max_steps=3", "train.eval_interval=0", "train.save_interval=0", "ds.train_micro_batch_size_per_gpu=2"],
         env={"OMP_NUM_THREADS": "1"})
     assert [m["step"] for m in metrics(tmp_path) if "val_loss" in m] == [0, 3]

@@ -20,6 +20,8 @@ from model.parallel import TensorParallel, cross_entropy_sum, gather_vocab, merg
 from training.config import ConfigError, load_ds_config
 from training.topology import pipeline_settings, resolve_layout, tensor_parallel_size
 
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
+
 SMALL = {"gpt": ModelConfig(arch="gpt", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65),
          "llama": ModelConfig(arch="llama", n_layer=2, n_head=8, n_kv_head=4, n_embd=64, ffn_hidden=64,
                               block_size=16, vocab_size=65),

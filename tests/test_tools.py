@@ -18,7 +18,7 @@ import sample
 import training.checkpoint
 import training.export
 import training.plot
-from conftest import FP32, TINY, run
+from conftest import FP32, TINY, run, train_py
 from data.readers import Piece, documents
 
 TAG = "checkpoints/step_000002"  # the newest of the run's two checkpoints
@@ -30,7 +30,7 @@ EXPORT = "export/step_000001"  # the run's first checkpoint, exported
 def tiny_run(tmp_path_factory, char_data):
     """Two steps of one process (ZeRO-0), a checkpoint after each, and the export of the first."""
     out = tmp_path_factory.mktemp("tools_run")
-    run([sys.executable, "train.py", f"data.dir={char_data}", f"train.out_dir={out}", *TINY, *FP32,
+    train_py([f"data.dir={char_data}", f"train.out_dir={out}", *TINY, *FP32,
          "train.max_steps=2", "train.save_interval=1", "ds.train_micro_batch_size_per_gpu=2",
          "sample.max_new_tokens=1"], env={"OMP_NUM_THREADS": "1"})
     training.export.main(["--out_dir", str(out), "--tag", "step_000001"])

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from conftest import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, run, train_losses
+from conftest import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, run, train_losses, train_py
+
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
 STEPS = ["train.max_steps=6", "optim.warmup_steps=2"]
 
@@ -146,7 +148,7 @@ def test_grad_accumulation_4x1_matches_1x4(tmp_path, char_data):
 
 def test_single_process_without_launcher_trains_and_samples(tmp_path, char_data):
     """`python train.py` (no launcher, precision as shipped): loss falls and a sample is printed."""
-    proc = run([sys.executable, "train.py", "--ds_config", "ds_configs/zero0.json", f"train.out_dir={tmp_path}",
+    proc = train_py(["--ds_config", "ds_configs/zero0.json", f"train.out_dir={tmp_path}",
                 f"data.dir={char_data}", *TINY, "train.max_steps=30", "optim.lr=3e-3", "optim.warmup_steps=5",
                 "sample.max_new_tokens=40"])
     losses = train_losses(tmp_path)

@@ -7,7 +7,6 @@ One table per family pairs each of our tensor names with Hugging Face's and how 
 transposed (GPT-2's Conv1D stores (in, out)), or cut to / padded from the real vocabulary (our embedding
 and head have `padded_vocab_size` rows; the padding is exported away and imported as zeros).
 """
-import json
 import os
 
 import torch
