@@ -26,7 +26,6 @@ import shutil
 import sys
 import urllib.request
 
-
 if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces

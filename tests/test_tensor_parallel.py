@@ -18,6 +18,7 @@ from model import build_model, model_layers
 from model.config import ModelConfig
 from model.parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
 from training.config import ConfigError, load_ds_config
+from training.steps import replicated_weights_in_sync
 from training.topology import pipeline_settings, resolve_layout, tensor_parallel_size
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
@@ -58,22 +59,29 @@ def _split_against_whole(rank: int, world: int, port: int, results) -> None:
         grad_error = max((grads[n] - p.grad).abs().max().item() for n, p in whole.named_parameters())
         with torch.no_grad():
             logit_error = (gather_vocab(split(idx), tp) - whole(idx)).abs().max().item()
+            in_sync = replicated_weights_in_sync(split, tp)
+            replicated = next(p for p in split.parameters() if split_rule(p) is None)  # a norm's gain, say
+            replicated.data[0] += rank  # tensor rank 1's copy drifts
+            drifted = replicated_weights_in_sync(split, tp)
         if rank == 0:
-            results[arch] = (weights_equal, whole_loss.item(), split_loss.item(), grad_error, logit_error)
+            results[arch] = (weights_equal, whole_loss.item(), split_loss.item(), grad_error, logit_error,
+                             in_sync, drifted)
     dist.destroy_process_group()
 
 
 def test_split_layers_compute_what_the_whole_model_does():
     """Two gloo processes, no DeepSpeed: the same seed gives the same whole weights; the summed loss (with
-    padding targets), every gradient and the gathered logits equal the whole model's."""
+    padding targets), every gradient and the gathered logits equal the whole model's; the replicated-weight
+    check holds, and fails once one rank's copy of a replicated weight drifts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
     mp.spawn(_split_against_whole, args=(2, port, results), nprocs=2)
     for arch in SMALL:
-        weights_equal, whole_loss, split_loss, grad_error, logit_error = results[arch]
+        weights_equal, whole_loss, split_loss, grad_error, logit_error, in_sync, drifted = results[arch]
         assert weights_equal, arch
+        assert (in_sync, drifted) == (True, False), arch  # the replicated-weight check sees one rank's drift
         assert split_loss == pytest.approx(whole_loss, rel=1e-6), arch
         assert grad_error < 1e-5 and logit_error < 1e-5, (arch, grad_error, logit_error)
 
