@@ -1,15 +1,16 @@
-"""Training on a weighted blend of two prepared datasets through the real launcher: a stopped and resumed
-run equals an uninterrupted one, dp=1, dp=2 and pp=2 evaluate the same validation set (same val loss, fp32), the
-metrics count each source's epochs, and resuming on other data is refused. The datasets are prepared with a
-word-level tokenizer.json, named nowhere in the run's settings, and the runs keep the default prompt, a newline
-that encodes to no tokens: every run samples from the end-of-text token instead."""
+"""Training on a weighted blend of two prepared datasets at dp=2 (the uninterrupted run through the deepspeed
+launcher, the others as forked ranks): a stopped and resumed run equals an uninterrupted one, dp=1, dp=2 and
+pp=2 evaluate the same validation set (same val loss, fp32), the metrics count each source's epochs, and
+resuming on other data is refused. The datasets are prepared with a word-level tokenizer.json, named nowhere in
+the run's settings, and the runs keep the default prompt, a newline that encodes to no tokens: every run samples
+from the end-of-text token instead."""
 import json
 import os
 import sys
 
 import pytest
 
-from conftest import FP32, TINY, launch, metrics, run, train_losses, train_py
+from conftest import FP32, TINY, deepspeed_launch, launch, metrics, run, train_losses, train_py
 from corpora import prepare_blend_sources
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
@@ -27,7 +28,7 @@ def runs(tmp_path_factory, shakespeare_path):
     plays, docs = prepare_blend_sources(str(root), shakespeare_path, word_level=True)
     common = blend(plays, docs) + STEPS + FP32
     out = {name: str(root / name) for name in ("straight", "resumed", "dp1", "pp2")}
-    proc = launch(2, "zero0.json", out["straight"], plays, common)
+    proc = deepspeed_launch(2, "zero0.json", out["straight"], plays, common)  # the crash's own command, as typed
     with open(os.path.join(out["straight"], "launch.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     launch(2, "zero0.json", out["resumed"], plays, common + ["train.stop_at_step=3"])
