@@ -11,7 +11,6 @@ and the NCCL version, and the job measures its all-reduce bus bandwidth (NCCL-te
 below --min_busbw (GB/s). Rank 0 prints one line per rank and the world = dp x pp layout; the exit code is 0
 only if every check passed on every rank.
 """
-import argparse
 import os
 import socket
 import time
@@ -22,6 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from data.loader import TokenData
+from training.checks import ToolParser
 from training.config import ConfigError, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
 from training.launcher_env import set_distributed_env
@@ -32,7 +32,7 @@ BANDWIDTH_MB = {True: 256, False: 16}  # the all-reduce measured on GPUs (NCCL-t
 
 
 def main(argv=None) -> None:
-    own = argparse.ArgumentParser(add_help=False)
+    own = ToolParser(add_help=False)
     # 10 GB/s: far below NVLink (hundreds) and InfiniBand NDR (about 45), above TCP over 25-100 GbE.
     own.add_argument("--min_busbw", type=float, default=10.0, help="GB/s below which the all-reduce warns (GPUs)")
     preflight_args, rest = own.parse_known_args(argv)

@@ -13,7 +13,7 @@ from data.tokenizers import TokenizerError, sampling_start, tokenizer_from_meta
 from model import build_model
 from model.generate import generate
 from training import checkpoint
-from training.checks import ConfigError, exit_bad_input
+from training.checks import ConfigError, ToolParser, exit_bad_input
 from training.export import consolidated_state_dict, load_export, run_dataset, run_model
 
 
@@ -42,7 +42,7 @@ def with_weights(cfg, state: dict, source: str):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--out_dir", help="a run's train.out_dir: sample from its checkpoint")
     source.add_argument("--export", help="a folder written by python -m training.export")

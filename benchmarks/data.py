@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import at_least, print_table, results_file, run_main, work_folder, write_json  # noqa: E402
-from training.checks import existing_file  # noqa: E402
+from training.checks import ToolParser, existing_file  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # $SHAKESPEARE_TXT, else the shared copy beside the repo, else the quickstart's download (as the tests).
@@ -141,7 +141,7 @@ def check(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small_mb", type=float, default=100)
     parser.add_argument("--large_mb", type=float, default=1000)
     parser.add_argument("--tokenizer", default="local", help="local (built here, offline) or gpt2 / tiktoken:NAME")

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import at_least, load_inputs, print_table, run_main, run_tool  # noqa: E402
-from training.checks import new_output  # noqa: E402
+from training.checks import ToolParser, new_output  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTARTS = {"gpt": "configs/quickstart.yaml", "llama": "configs/llama_quickstart.yaml"}
@@ -109,7 +109,7 @@ def throughput(args, inputs: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["quality", "throughput"])
     parser.add_argument("--steps", type=int, default=20, help="throughput: timed steps per model, after warm-up")
     parser.add_argument("--warmup", type=int, default=3)

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (at_least, environment, load_inputs, print_table, results_file, run_main,  # noqa: E402
                                run_tool, write_json)
-from training.checks import ConfigError  # noqa: E402
+from training.checks import ConfigError, ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
@@ -227,7 +227,7 @@ def check(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/gpt2_124m.yaml")
     parser.add_argument("--stages", nargs="+", default=DEFAULT_STAGES, choices=list(STAGES))
     parser.add_argument("--nprocs", type=int, default=2)

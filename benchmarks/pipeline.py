@@ -11,7 +11,6 @@ single device had to do. It includes what the theory leaves out: stage imbalance
 stages. Tokens/s is train.py's own meter over the last log interval (warm-up, evaluation and saving
 excluded). Prints a table, writes JSON.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (at_least, load_inputs, print_table, results_file, run_main, run_tool,  # noqa: E402
                                work_folder, write_json)
+from training.checks import ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
@@ -61,7 +61,7 @@ def tokens_per_s(stages: int, micro_batches: int, args) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/baby_gpt.yaml")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro_batches", type=int, nargs="+", default=[2, 4, 8], help="m: micro-batches per step")

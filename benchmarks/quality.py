@@ -15,14 +15,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import load_inputs, run_main, run_tool  # noqa: E402
-from training.checks import new_output  # noqa: E402
+from training.checks import ToolParser, new_output  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/quickstart.yaml"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ds_config", default="ds_configs/zero0.json")
     parser.add_argument("--target", type=float, default=1.90)
     parser.add_argument("--out_dir", default=os.path.join("out", "quality", time.strftime("%Y%m%d-%H%M%S")),

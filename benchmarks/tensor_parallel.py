@@ -29,7 +29,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (at_least, load_inputs, print_table, results_file, run_main, run_tool,  # noqa: E402
                                work_folder, write_json)
-from training.checks import ConfigError  # noqa: E402
+from training.checks import ConfigError, ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]  # as benchmarks/pipeline.py
@@ -134,7 +134,7 @@ def theory(cfg, tp: int, micro_batch: int, activation_bytes: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/baby_gpt.yaml")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--micro_batch", type=int, default=8, help="sequences per step (split over dp2's replicas)")

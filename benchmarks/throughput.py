@@ -13,7 +13,6 @@ both. After --warmup untimed steps, tokens/s is measured over --steps steps; MFU
 flops_per_token: 6N + 12 x layers x width x context per token) over train.py's peak for the device and
 precision (training/device.py: a datasheet figure, train.peak_tflops, or a matmul peak measured here). Prints a table and writes JSON (--json).
 """
-import argparse
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from data.loader import TokenData  # noqa: E402
 from model import build_model, compile_blocks  # noqa: E402
 from training.failure import leave_process_group  # noqa: E402
+from training.checks import ToolParser  # noqa: E402
 from training.device import peak_flops  # noqa: E402
 from training.metrics import flops_per_token  # noqa: E402
 from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
@@ -123,7 +123,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/baby_gpt.yaml")
     parser.add_argument("--ds_config", default="ds_configs/zero0.json")
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=DTYPES)

@@ -12,7 +12,6 @@ trip over (another architecture, a changed data-parallel layout, a missing shard
 that does not exist, a file that pickles more than tensors and DeepSpeed's settings) is found here, before
 DeepSpeed loads anything, and nothing is overwritten.
 """
-import argparse
 import dataclasses
 import glob
 import json
@@ -34,7 +33,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ModelConfig
 from model.parallel import ROW, split_rule
-from training.checks import ConfigError, existing_dir, exit_bad_input, json_file
+from training.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -336,7 +335,7 @@ def to_universal(out_dir: str, tag: str | None) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Checkpoint tools.")
+    parser = ToolParser(description="Checkpoint tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     universal = commands.add_parser("universal", help="convert a checkpoint to DeepSpeed's universal format, "
                                                       "to resume it on another layout")

@@ -9,6 +9,7 @@ value stops the run before any data is read or any process starts. A new setting
 Messages read "<section.key>=<value>: must be ...; fix: ...". A value of None (an Optional setting left
 unset) passes every range check; the dataclass documents what None means.
 """
+import argparse
 import json
 import os
 import sys
@@ -22,6 +23,21 @@ def exit_bad_input(message) -> None:
     """How a command-line tool ends on bad input, as train.py does: one line on stderr, exit 2, no traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for every tool: a bad command line ends as any bad input does, in one `error:` line and exit 2
+    (argparse's own error prints the usage first, over several lines). A tool run as `python -m data.prepare`
+    is named so, not "prepare.py"."""
+
+    def __init__(self, *args, **kwargs):
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if spec is not None and spec.name.split(".")[0] in ("data", "training", "benchmarks"):
+            kwargs.setdefault("prog", f"python -m {spec.name}")
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        exit_bad_input(f"{self.prog}: {message}; fix: see {self.prog} --help")
 
 
 # Every tool's path arguments go through these three, so one wrong path reads the same wherever it is given:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from model.config import ModelConfig
-from training.checks import Checks, ConfigError, existing_file
+from training.checks import Checks, ConfigError, ToolParser, existing_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -160,7 +160,7 @@ class RunConfig:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         description="Train a GPT with DeepSpeed.",
         epilog="Overrides: section.key=value for the run config (e.g. train.max_steps=100), "
                "ds.key=value for the ds_config (e.g. ds.zero_optimization.stage=3).")

@@ -28,7 +28,7 @@ from model import build_model
 from model.config import ModelConfig
 from model.parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint
-from training.checks import ConfigError, existing_dir, existing_file, exit_bad_input, json_file, new_output
+from training.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
 from training.optim import decay_split
 
@@ -221,7 +221,7 @@ def _read_weights(path: str, fix: str) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", required=True, help="the run's train.out_dir")
     parser.add_argument("--tag", help="default: the newest complete checkpoint")
     parser.add_argument("--output", help="a new folder (default: <out_dir>/export/<tag>)")

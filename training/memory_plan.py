@@ -30,6 +30,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from model import BLOCK_CLASS, model_layers
 from model.parallel import TensorParallel
+from training.checks import ToolParser
 from training.config import REPO_ROOT, load_ds_config, load_run_config
 from training.steps import LOSS_CHUNK_ROWS
 from training.topology import pipeline_settings, resolve_layout, stage_partition, tensor_parallel_size
@@ -108,7 +109,7 @@ def plan(cfg, ds: dict, gpus: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a preset, e.g. configs/encoder_1b.yaml")
     parser.add_argument("--ds_config", action="append", help="default: every shipped ds_config")
     parser.add_argument("--gpus", type=int, action="append", help="default: 1 and 8")

@@ -15,7 +15,7 @@ import sys
 
 if __package__ in (None, ""):  # `python training/plot.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from training.checks import ConfigError, existing_dir, existing_file, exit_bad_input, new_output  # noqa: E402
+from training.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, new_output  # noqa: E402
 
 
 class PlotError(ValueError):
@@ -115,7 +115,7 @@ def save_whole(fig, output: str, image: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.out_dir of each run")
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the horizontal axis")
     parser.add_argument("--output", help="PNG to write (default: RUN_DIR/metrics.png of the first run)")
