@@ -43,10 +43,13 @@ BAD_SETTINGS = [
     (["data.dir=" + os.path.join(REPO, "README.md")], "data.dir='" + os.path.join(REPO, "README.md") + "': must be "
                                                       "a directory, but it is a file; fix: point data.dir at a directory"),
     (["data.tokenizer=''"], "data.tokenizer='': must not be empty"),
-    (["optim.lr=-1e-3"], "optim.lr=-0.001: must be >= 0"),
-    (["optim.min_lr=-1"], "optim.min_lr=-1.0: must be >= 0"),
+    (["optim.lr=-1e-3"], "optim.lr=-0.001: must be > 0"),
+    (["optim.lr=0"], "optim.lr=0.0: must be > 0"),
+    (["optim.min_lr=-1"], "optim.min_lr=-1.0: must be >= 0 (0 decays to zero)"),
     (["optim.min_lr=0.01"], "optim.min_lr=0.01: must be <= optim.lr=0.001; fix: lower optim.min_lr or raise optim.lr"),
-    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be >= 0"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be >= 1"),
+    (["optim.warmup_steps=0"], "optim.warmup_steps=0: must be >= 1 (DeepSpeed's schedule warms up over one step at "
+                               "least)"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1: must be >= 0"),
     (["optim.beta1=1.0"], "optim.beta1=1.0: must be in [0.0, 1.0)"),
     (["optim.beta2=-0.5"], "optim.beta2=-0.5: must be in [0.0, 1.0)"),
@@ -111,6 +114,13 @@ def test_encoder_width_must_be_even():
 def test_every_shipped_preset_passes_the_checks():
     for name in os.listdir(os.path.join(REPO, "configs")):
         load_run_config(os.path.join(REPO, "configs", name), [])
+
+
+def test_a_min_lr_of_zero_decays_to_zero():
+    """What the range check accepts, the schedule takes: checks and schedule have one home for the ranges."""
+    from training.optim import optimizer_and_schedule
+    cfg = load_run_config(QUICKSTART, ["optim.min_lr=0"])
+    assert optimizer_and_schedule(cfg, {})["scheduler"]["params"]["cos_min_ratio"] == 0.0
 
 
 def test_zero_intervals_are_accepted():

@@ -73,8 +73,10 @@ class OptimConfig:
     eps: float = 1e-8
 
     def check(self, c: Checks) -> None:
-        for key in ("lr", "min_lr", "warmup_steps", "weight_decay"):
-            c.at_least(key, 0)
+        c.above("lr", 0)
+        c.at_least("min_lr", 0, "0 decays to zero")
+        c.at_least("warmup_steps", 1, "DeepSpeed's schedule warms up over one step at least")
+        c.at_least("weight_decay", 0)
         c.that(self.min_lr <= self.lr, "min_lr", f"be <= optim.lr={self.lr}", "lower optim.min_lr or raise optim.lr")
         c.in_range("beta1", 0.0, 1.0, high_open=True)
         c.in_range("beta2", 0.0, 1.0, high_open=True)

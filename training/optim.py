@@ -1,6 +1,6 @@
 """The optimizer and schedule of a run (optim.* in the run YAML), handed to DeepSpeed to build."""
 
-from training.config import ConfigError, RunConfig
+from training.config import RunConfig
 
 
 def decay_split(named_parameters) -> tuple[list, list]:
@@ -28,10 +28,7 @@ def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
         # of DeepSpeed's FusedAdam: no op to JIT-build. Offload keeps DeepSpeedCPUAdam.
         params["torch_adam"] = True
         params["fused"] = True
-    if not 0 < opt.min_lr <= opt.lr:
-        raise ConfigError(f"optim.min_lr={opt.min_lr} must be in (0, optim.lr={opt.lr}]")
-    if opt.warmup_steps < 1:
-        raise ConfigError(f"optim.warmup_steps={opt.warmup_steps} must be at least 1")
+    # The ranges (lr > 0, 0 <= min_lr <= lr, warmup_steps >= 1) are OptimConfig.check's, at start.
     # DeepSpeed's WarmupCosineLR at iteration i: linear warmup i / warmup (i < warmup), then cosine to
     # min_lr at progress (i - warmup + 1) / (total - warmup). Iteration 0 is the schedule's start (lr 0)
     # and training step k runs at iteration k (start_schedule), so steps 1..max_steps are iterations
