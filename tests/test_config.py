@@ -6,7 +6,8 @@ import os
 import pytest
 
 from conftest import REPO, launch, train_py
-from training.config import ConfigError, load_ds_config, load_run_config, split_overrides
+from training.checks import ConfigError
+from training.config import load_ds_config, load_run_config, split_overrides
 from training.topology import resolve_layout
 
 DS_CONFIGS = sorted(glob.glob(os.path.join(REPO, "ds_configs", "*.json")))

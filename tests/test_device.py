@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from training import device as dev
-from training.config import ConfigError
+from training.checks import ConfigError
 
 
 @pytest.mark.parametrize("name,dtype,tf32,tflops", [

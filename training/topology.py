@@ -8,7 +8,7 @@ triple ourselves first. Every check here runs before any process group exists.
 import re
 from dataclasses import dataclass
 
-from training.config import ConfigError
+from training.checks import ConfigError
 
 MICRO = "train_micro_batch_size_per_gpu"
 ACCUM = "gradient_accumulation_steps"
