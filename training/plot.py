@@ -9,12 +9,14 @@ runs with different batch sizes line up on the tokens axis. Needs matplotlib (`p
 An existing output is refused unless --force says to replace it; the image is written whole or not at all.
 """
 import argparse
+import io
 import json
 import os
 import sys
 
 if __package__ in (None, ""):  # `python training/plot.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from data.writer import write_atomic  # noqa: E402
 from training.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, new_output  # noqa: E402
 
 
@@ -95,23 +97,13 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
     per_step = {run["tokens_per_step"] for run in runs}
     if x == "step" and len(per_step) == 1 and None not in per_step:
         fig.suptitle(f"{', '.join(run['name'] for run in runs)} ({per_step.pop():,} tokens/step)")
+    image_bytes = io.BytesIO()  # drawn whole first: a failed drawing leaves the earlier file, or none
     try:
-        save_whole(fig, output, image)
+        fig.savefig(image_bytes, dpi=80, format=image)
     finally:
         plt.close(fig)
-
-
-def save_whole(fig, output: str, image: str) -> None:
-    """The figure written beside `output`, then renamed to it: a failed write leaves the earlier file or none."""
-    folder, name = os.path.split(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
-    scratch = os.path.join(folder, f".{name}.tmp{os.getpid()}")
-    try:
-        fig.savefig(scratch, dpi=80, format=image)
-        os.replace(scratch, output)
-    finally:
-        if os.path.exists(scratch):
-            os.remove(scratch)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    write_atomic(output, image_bytes.getvalue())
 
 
 def main(argv=None) -> None:
