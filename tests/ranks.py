@@ -31,7 +31,10 @@ def _server():
         try:
             forkserver.ensure_running()
         finally:
-            os.environ.pop("PYTHONPATH") if saved is None else os.environ.update(PYTHONPATH=saved)
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     return _SERVER
 
 
