@@ -21,7 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from data.loader import TokenData
-from training.checks import ConfigError, ToolParser
+from common.checks import ConfigError, ToolParser
 from training.config import load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
 from training.launcher_env import set_distributed_env

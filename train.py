@@ -26,9 +26,9 @@ from data.loader import TokenData, prefetched
 from data.tokenizers import sampling_start
 from model import BLOCK_CLASS, build_model, build_pipeline, compile_blocks, model_layers
 from model.generate import generate
-from model.parallel import SINGLE, TensorParallel, gather_vocab
+from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
 from training import checkpoint, hf
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.config import RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.launcher_env import set_distributed_env

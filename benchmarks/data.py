@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import at_least, print_table, results_file, run_main, work_folder, write_json  # noqa: E402
-from training.checks import ToolParser, existing_file  # noqa: E402
+from common.checks import ToolParser, existing_file  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # $SHAKESPEARE_TXT, else the shared copy beside the repo, else the quickstart's download (as the tests).

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (at_least, environment, load_inputs, print_table, results_file, run_main,  # noqa: E402
                                run_tool, write_json)
-from training.checks import ConfigError, ToolParser  # noqa: E402
+from common.checks import ConfigError, ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)

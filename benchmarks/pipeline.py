@@ -20,7 +20,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (at_least, load_inputs, print_table, results_file, run_main, run_tool,  # noqa: E402
                                work_folder, write_json)
-from training.checks import ToolParser  # noqa: E402
+from common.checks import ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)

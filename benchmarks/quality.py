@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import load_inputs, run_main, run_tool  # noqa: E402
-from training.checks import ToolParser, new_output  # noqa: E402
+from common.checks import ToolParser, new_output  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/quickstart.yaml"

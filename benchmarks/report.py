@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from training.checks import ConfigError, exit_bad_input, new_output, writable_dir
+from common.checks import ConfigError, exit_bad_input, new_output, writable_dir
 
 # torch, DeepSpeed and the training modules are imported where they are used: a bad argument is refused, and
 # --help answered, before the seconds those imports take.

@@ -6,7 +6,7 @@ and the tensor-parallel communication per step next to the theory.
 
 Each layout is a real `deepspeed --num_gpus N train.py` run (one thread per rank on CPU, so each rank is one
 "device"): tp 1 on one rank, dp 2 and tp 2 on two. Every rank runs train.py under this file, which counts the
-bytes each rank sends through the tensor-parallel all-reduces of model/parallel.py and the live tensor
+bytes each rank sends through the tensor-parallel all-reduces of model/tensor_parallel.py and the live tensor
 storage after each optimizer step, without changing what train.py does. Theory:
 - model states kept between steps per rank: bytes per parameter (12 in fp32 with AdamW and no ZeRO: the
   weights and two moments; DeepSpeed frees the gradients at the step) x the parameters a rank holds, every
@@ -29,7 +29,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (at_least, load_inputs, print_table, results_file, run_main, run_tool,  # noqa: E402
                                work_folder, write_json)
-from training.checks import ConfigError, ToolParser  # noqa: E402
+from common.checks import ConfigError, ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]  # as benchmarks/pipeline.py
@@ -40,7 +40,7 @@ FP32_ADAMW_KEPT_BYTES = 12  # fp32 weights and Adam's two moments
 
 def counted_rank(record: str) -> None:
     """One rank of train.py, with its tensor-parallel all-reduces and its live tensors after each step counted."""
-    import model.parallel as parallel
+    import model.tensor_parallel as parallel
     import train
     from benchmarks.memory import live_tensor_bytes
 
@@ -122,7 +122,7 @@ def theory(cfg, tp: int, micro_batch: int, activation_bytes: int) -> dict:
     import torch
 
     from model import build_model
-    from model.parallel import TensorParallel, split_rule
+    from model.tensor_parallel import TensorParallel, split_rule
 
     with torch.device("meta"):
         params = [(p.numel(), split_rule(p)) for p in build_model(cfg, tp=TensorParallel(tp)).parameters()]

@@ -26,7 +26,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from data.loader import TokenData  # noqa: E402
 from model import build_model, compile_blocks  # noqa: E402
 from training.failure import leave_process_group  # noqa: E402
-from training.checks import ToolParser  # noqa: E402
+from common.checks import ToolParser  # noqa: E402
 from training.device import peak_flops  # noqa: E402
 from training.metrics import flops_per_token  # noqa: E402
 from training.optim import optimizer_and_schedule, param_groups  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 from data.prepare import read_meta
 from data.sampler import Blend, Epochs
 from data.tokenizers import TokenizerError, tokenizer_from_meta
-from training.checks import ConfigError
+from common.checks import ConfigError
 
 LOADER_KEYS = ("dtype", "train_tokens", "val_tokens", "max_token_id")  # beside what every reader needs (check_meta)
 EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val losses compare

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo 
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import CharTokenizer, TokenizerError, parse_spec, tokenizer_from_meta, train_bpe
 from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic
-from training.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, writable_dir
+from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, writable_dir
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TRAIN_FRACTION = 0.9  # the single-document split

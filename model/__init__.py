@@ -5,7 +5,7 @@ from model.config import ModelConfig
 from model.encoder import encoder_layers
 from model.gpt import gpt_layers
 from model.llama import llama_layers
-from model.parallel import SINGLE, TensorParallel
+from model.tensor_parallel import SINGLE, TensorParallel
 from model.stack import LayerStack, pipeline_module
 
 LAYER_LISTS = {"gpt": gpt_layers, "llama": llama_layers, "encoder": encoder_layers}

@@ -36,7 +36,7 @@ class ModelConfig:
     tie_embeddings: bool = False  # Llama's LM head shares the token embedding (the GPT always ties)
 
     def check(self, c) -> None:
-        """Range checks (c: training.checks.Checks), run by load_run_config."""
+        """Range checks (c: common.checks.Checks), run by load_run_config."""
         c.one_of("arch", ("gpt", "llama", "encoder"))
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden",
                     "ffn_multiple_of", "n_kv_head", "rope_original_context"):

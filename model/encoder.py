@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 
 from model.config import ModelConfig
-from model.parallel import (COLUMN, ROW, SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead,
+from model.tensor_parallel import (COLUMN, ROW, SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead,
                             column_parameter, copy_to_tensor_ranks, parallelize)
 
 INIT_RANGE = 0.1  # the tutorial's uniform init for the embedding and decoder
@@ -67,7 +67,7 @@ class SelfAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-# Tensor parallelism (model/parallel.py): q|k|v split by heads (SelfAttention), the feed-forward hidden
+# Tensor parallelism (model/tensor_parallel.py): q|k|v split by heads (SelfAttention), the feed-forward hidden
 # features split, each closed by a row-parallel map.
 BLOCK_SPLITS = {"self_attn.out_proj": ROW, "linear1": COLUMN, "linear2": ROW}
 

@@ -14,7 +14,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.zero import GatheredParameters
 
 from model.config import ModelConfig
-from model.parallel import COLUMN, ROW, SINGLE, TensorParallel, VocabParallelEmbedding, parallelize, vocab_logits
+from model.tensor_parallel import COLUMN, ROW, SINGLE, TensorParallel, VocabParallelEmbedding, parallelize, vocab_logits
 
 INIT_STD = 0.02
 
@@ -95,7 +95,7 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
-# Tensor parallelism (model/parallel.py): q|k|v split by heads, the MLP's hidden features split, each
+# Tensor parallelism (model/tensor_parallel.py): q|k|v split by heads, the MLP's hidden features split, each
 # pair closed by a row-parallel projection.
 BLOCK_SPLITS = {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}
 

@@ -16,7 +16,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from model.config import ModelConfig
 from model.gpt import TokenEmbedding, init_weights, lm_head, normal_init
-from model.parallel import COLUMN, ROW, SINGLE, TensorParallel, VocabParallelHead, parallelize
+from model.tensor_parallel import COLUMN, ROW, SINGLE, TensorParallel, VocabParallelHead, parallelize
 
 
 def check_llama(cfg: ModelConfig) -> None:
@@ -99,7 +99,7 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-# Tensor parallelism (model/parallel.py): query and key/value heads split alike (each rank keeps whole
+# Tensor parallelism (model/tensor_parallel.py): query and key/value heads split alike (each rank keeps whole
 # groups of grouped-query attention), the SwiGLU's hidden features split, o and down row-parallel.
 BLOCK_SPLITS = {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
                 "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW}

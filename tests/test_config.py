@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import REPO, launch, train_py
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.config import load_ds_config, load_run_config, split_overrides
 from training.topology import resolve_layout
 

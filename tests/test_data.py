@@ -14,7 +14,7 @@ from data.loader import IGNORE, TokenData, prefetched
 from data.prepare import prepare
 from data.sampler import Blend
 from data.tokenizers import CharTokenizer, TiktokenTokenizer, tokenizer_from_meta
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.topology import Layout
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from training import device as dev
-from training.checks import ConfigError
+from common.checks import ConfigError
 
 
 @pytest.mark.parametrize("name,dtype,tf32,tflops", [

@@ -12,7 +12,7 @@ from hf_check import assert_export_matches_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
 from training import hf
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.export import write_export
 
 GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65)

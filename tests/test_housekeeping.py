@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from training import checkpoint
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.metrics import MetricsLog
 
 MODEL = {"arch": "gpt", "n_layer": 2, "n_embd": 32, "dropout": 0.0}

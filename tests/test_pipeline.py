@@ -7,7 +7,7 @@ import pytest
 from conftest import BF16, FP32, launch, metrics, train_losses, grad_norms
 from model import BLOCK_CLASS, model_layers
 from model.config import ModelConfig
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.topology import Layout, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)

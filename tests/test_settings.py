@@ -8,7 +8,7 @@ import torch
 
 from conftest import REPO, train_py
 from data.tokenizers import CharTokenizer
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.config import load_ds_config, load_run_config, parse_args
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")

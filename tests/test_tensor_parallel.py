@@ -16,8 +16,8 @@ from conftest import FP32, REPO, grad_norms, launch, metrics, run, train_losses
 from hf_check import assert_export_matches_transformers
 from model import build_model, model_layers
 from model.config import ModelConfig
-from model.parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
-from training.checks import ConfigError
+from model.tensor_parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
+from common.checks import ConfigError
 from training.config import load_ds_config
 from training.steps import replicated_weights_in_sync
 from training.topology import pipeline_settings, resolve_layout, tensor_parallel_size

@@ -460,7 +460,7 @@ def test_each_tool_as_typed(paths, inputs, cmd, damage, message):
 
 
 # (the tool as typed, a command line argparse refuses, the error line's words): argparse's own errors end in one
-# `error:` line and exit 2 too, naming the tool as the user typed it (training.checks.ToolParser).
+# `error:` line and exit 2 too, naming the tool as the user typed it (common.checks.ToolParser).
 BAD_COMMAND_LINES = [
     ("train.py", ["--bogus"], "error: train.py: unrecognized arguments: --bogus; fix: see train.py --help"),
     ("preflight.py", ["--min_busbw", "x"], "error: preflight.py: argument --min_busbw: invalid float value: 'x'"),

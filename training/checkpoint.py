@@ -32,8 +32,8 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ModelConfig
-from model.parallel import ROW, split_rule
-from training.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
+from model.tensor_parallel import ROW, split_rule
+from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -47,7 +47,7 @@ RUN_STATE_KEYS = ("tag", "step", "config.model", "layout.dp", "layout.pp", "layo
 def universal_info(named_parameters: list, tp: int) -> dict:
     """What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint, from this run's model
     (its parameters as one rank holds them): the tied embedding is held by the first and the last pipeline
-    stage, and only one copy must be kept; under tensor parallelism each parameter's rule (model/parallel.py)
+    stage, and only one copy must be kept; under tensor parallelism each parameter's rule (model/tensor_parallel.py)
     as DeepSpeed's patterns: replicated ones keep one slice, row-parallel ones join on dim 1, fused q|k|v
     join block by block, the rest (column-parallel, vocabulary rows) on dim 0. The loader cuts them again
     for the resuming run's degree."""

@@ -12,7 +12,7 @@ import time
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from training.checks import ConfigError
+from common.checks import ConfigError
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s: 16-bit (bf16 and fp16), TF32 and plain fp32 tensor math.
 # Keys are matched against torch.cuda.get_device_name(), most specific first ("NVIDIA H100 80GB HBM3" is the

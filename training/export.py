@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 from data.prepare import check_meta, read_meta
 from model import build_model
 from model.config import ModelConfig
-from model.parallel import TensorParallel, merge_parameter, split_rule
+from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint
-from training.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
+from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
 from training.optim import decay_split
 

@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from training.checks import ConfigError
+from common.checks import ConfigError
 from training.launcher_env import launcher_rank
 
 

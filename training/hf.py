@@ -15,8 +15,8 @@ from safetensors import SafetensorError, safe_open
 
 from model import build_model
 from model.config import ModelConfig
-from model.parallel import SINGLE, TensorParallel, shard_parameter, split_rule
-from training.checks import ConfigError, existing_file, json_file
+from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
+from common.checks import ConfigError, existing_file, json_file
 
 SAME, TRANSPOSED, VOCAB = "same", "transposed", "vocab"
 ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}

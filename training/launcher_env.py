@@ -19,7 +19,7 @@ import os
 import socket
 import subprocess
 
-from training.checks import ConfigError
+from common.checks import ConfigError
 
 TORCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

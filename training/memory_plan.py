@@ -29,8 +29,8 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from model import BLOCK_CLASS, model_layers
-from model.parallel import TensorParallel
-from training.checks import ToolParser
+from model.tensor_parallel import TensorParallel
+from common.checks import ToolParser
 from training.config import REPO_ROOT, load_ds_config, load_run_config
 from training.steps import LOSS_CHUNK_ROWS
 from training.topology import pipeline_settings, resolve_layout, stage_partition, tensor_parallel_size

@@ -5,7 +5,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from model.parallel import SINGLE, TensorParallel, cross_entropy_sum, gather_vocab, split_rule
+from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_sum, gather_vocab, split_rule
 
 
 # Rows (tokens) of logits whose fp32 copy and softmax exist at once in the training loss: 8192 x 50304 x 4

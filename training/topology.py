@@ -8,7 +8,7 @@ triple ourselves first. Every check here runs before any process group exists.
 import re
 from dataclasses import dataclass
 
-from training.checks import ConfigError
+from common.checks import ConfigError
 
 MICRO = "train_micro_batch_size_per_gpu"
 ACCUM = "gradient_accumulation_steps"
@@ -38,7 +38,7 @@ class Layout:
 
 
 # The ds_config's tensor-parallel degree. Ours, not DeepSpeed's: its "tensor_parallel" section switches on
-# AutoTP, which cannot be combined with pipeline stages (the layers are ours: model/parallel.py).
+# AutoTP, which cannot be combined with pipeline stages (the layers are ours: model/tensor_parallel.py).
 TP_KEY = "tensor_model_parallel_size"
 
 
@@ -186,7 +186,7 @@ def parallel_groups(topo) -> tuple:
     parallelism there is neither."""
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-    from model.parallel import SINGLE, TensorParallel
+    from model.tensor_parallel import SINGLE, TensorParallel
 
     if topo.get_dim("pipe") == 1 and topo.get_dim("model") == 1:
         return None, SINGLE
