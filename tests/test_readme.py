@@ -1,5 +1,6 @@
-"""The README's tables against the code and files they describe, read at test time: the memory plan
-recomputed with training/memory_plan.py, and the shipped ds_configs. No processes."""
+"""The documentation against the code and files it describes, read at test time: the tables of README.md and
+docs/*.md (the memory plan recomputed with training/memory_plan.py, the shipped ds_configs), and every relative
+link and #anchor resolving. No processes."""
 import glob
 import json
 import os
@@ -14,11 +15,22 @@ from training.memory_plan import GB, plan
 DS_CONFIGS = os.path.join(REPO_ROOT, "ds_configs")
 
 
-def readme_table(header_start: str) -> list[dict]:
-    """The rows of the README table whose header line starts with `header_start`, as {column: cell}."""
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
-        lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+DOCS = [os.path.join(REPO_ROOT, "README.md")] + sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "*.md")))
+
+
+def read_lines(path: str) -> list[str]:
+    with open(path) as f:
+        return f.read().splitlines()
+
+
+def doc_table(header_start: str) -> list[dict]:
+    """The rows of the one table in README.md or docs/*.md whose header line starts with `header_start`, as
+    {column: cell}."""
+    found = [(path, lines, i) for path in DOCS for lines in [read_lines(path)]
+             for i, line in enumerate(lines) if line.startswith(header_start)]
+    assert len(found) == 1, (f"the table '{header_start}' is in {len(found)} places in README.md and docs/*.md: "
+                             f"{[os.path.relpath(p, REPO_ROOT) for p, _, _ in found]}; it must be in one")
+    path, lines, start = found[0]
     cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
     header = cells(lines[start])
     rows = []
@@ -26,7 +38,7 @@ def readme_table(header_start: str) -> list[dict]:
         if not line.startswith("|"):
             break
         rows.append(dict(zip(header, cells(line))))
-    assert rows, f"the README table '{header_start}' has no rows"
+    assert rows, f"the table '{header_start}' in {os.path.relpath(path, REPO_ROOT)} has no rows"
     return rows
 
 
@@ -38,16 +50,16 @@ def gb(cell: str) -> tuple[str, ...]:
 
 
 def as_written(value_bytes: float, written: str) -> str:
-    """A value in GB with as many decimals as the README figure it is compared with."""
+    """A value in GB with as many decimals as the documented figure it is compared with."""
     decimals = len(written.split(".")[1]) if "." in written else 0
     return f"{value_bytes / GB:.{decimals}f}"
 
 
-MEMORY_ROWS = readme_table("| preset | ds_config | GPUs | model states")
+MEMORY_ROWS = doc_table("| preset | ds_config | GPUs | model states")
 
 
 @pytest.mark.parametrize("row", MEMORY_ROWS, ids=lambda r: f"{r['preset']}-{r['ds_config']}-{r['GPUs']}")
-def test_memory_plan_reproduces_the_readme_table(row):
+def test_memory_plan_reproduces_the_documented_table(row):
     """Each row, recomputed for each ds_config it names ("zero0 / zero1 / zero2"); a layout in parentheses
     ("pipe2 (dp 4 x pp 2)") must be the one the plan derives."""
     cfg = load_run_config(os.path.join(REPO_ROOT, "configs", f"{row['preset']}.yaml"), []).model
@@ -64,7 +76,7 @@ def test_memory_plan_reproduces_the_readme_table(row):
         assert bool(cpu) == bool(p["cpu"]), name  # host memory shown exactly where the plan offloads
 
 
-DS_ROWS = readme_table("| file | ZeRO | precision |")
+DS_ROWS = doc_table("| file | ZeRO | precision |")
 
 
 def test_the_ds_config_table_lists_every_shipped_file():
@@ -73,7 +85,7 @@ def test_the_ds_config_table_lists_every_shipped_file():
 
 
 @pytest.mark.parametrize("row", DS_ROWS, ids=lambda r: r["file"].strip("`"))
-def test_shipped_ds_config_matches_the_readme_table(row):
+def test_shipped_ds_config_matches_the_documented_table(row):
     """ZeRO stage, offload and pipeline stages from the ZeRO column, precision from its column, and the
     notes' promises (16-bit weights gathered on save, DeepSpeedCPUAdam)."""
     name = row["file"].strip("`")
@@ -102,7 +114,7 @@ def test_shipped_ds_config_matches_the_readme_table(row):
     if "gradients accumulated in fp32" in row["notes"]:
         assert ds["data_types"]["grad_accum_dtype"] == "fp32", name
     if bf16:
-        assert ds["communication_data_type"] == "fp32", name  # the README's sentence on bf16 reduction
+        assert ds["communication_data_type"] == "fp32", name  # the docs' sentence on bf16 reduction
     sizes = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "sub_group_size")
     parsed = DeepSpeedZeroConfig(**zero)
     if "GPU-sized" in row["notes"]:
@@ -111,15 +123,18 @@ def test_shipped_ds_config_matches_the_readme_table(row):
         assert [getattr(parsed, k) for k in sizes] == [10**7, 10**7, 10**7, 0, 10**7], name
 
 
-def test_shipped_batch_and_clipping_as_the_readme_says():
+def test_shipped_batch_and_clipping_as_the_docs_say():
     """"The ZeRO configs use micro batch M per process and gradient accumulation A; the pipeline configs
-    micro batch P and 2 x stages micro-batches per step ... All clip gradients at C." """
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
-        text = " ".join(f.read().split())
-    said = re.search(r"The ZeRO configs use micro batch (\d+) per process and gradient accumulation (\d+); the "
-                     r"pipeline configs micro batch (\d+) and (\d+) x stages micro-batches per step.*?All clip "
-                     r"gradients at ([\d.]+)\.", text)
-    assert said, "the README's sentence about the shipped batch sizes changed: update this test with it"
+    micro batch P and 2 x stages micro-batches per step ... All clip gradients at C." (in README.md or
+    docs/*.md, once)"""
+    sentence = (r"The ZeRO configs use micro batch (\d+) per process and gradient accumulation (\d+); the "
+                r"pipeline configs micro batch (\d+) and (\d+) x stages micro-batches per step.*?All clip "
+                r"gradients at ([\d.]+)\.")
+    found = [said for path in DOCS for said in [re.search(sentence, " ".join(" ".join(read_lines(path)).split()))]
+             if said]
+    assert len(found) == 1, ("the sentence about the shipped batch sizes is in README.md and docs/*.md "
+                             f"{len(found)} times (changed? update this test with it)")
+    said = found[0]
     micro, accum, pipe_micro, per_stage, clip = int(said[1]), int(said[2]), int(said[3]), int(said[4]), float(said[5])
     for path in glob.glob(os.path.join(DS_CONFIGS, "*.json")):
         with open(path) as f:
@@ -131,3 +146,61 @@ def test_shipped_batch_and_clipping_as_the_readme_says():
             expected = (micro, accum)
         assert (ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1)) == expected, path
         assert ds["gradient_clipping"] == clip, path
+
+
+def heading_anchors(lines: list[str]) -> set[str]:
+    """The #anchors GitHub gives the headings of a markdown file (fenced code blocks left out): inline markup
+    dropped, lowercased, punctuation removed, spaces as hyphens, a repeated one suffixed -1, -2, ..."""
+    anchors, fenced = set(), False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = re.match(r"#{1,6} (.+)", line)
+        if heading and not fenced:
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).replace("`", "").strip().lower()
+            slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+            anchor, n = slug, 0
+            while anchor in anchors:
+                n += 1
+                anchor = f"{slug}-{n}"
+            anchors.add(anchor)
+    return anchors
+
+
+def relative_links(lines: list[str]) -> list[tuple[int, str]]:
+    """(line number, target) of every markdown link and image outside code (fenced blocks, `spans`) that
+    points into the repository: no scheme, no mailto."""
+    links, fenced = [], False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target):
+                links.append((number, target))
+    return links
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: os.path.relpath(p, REPO_ROOT))
+def test_every_relative_link_resolves(doc):
+    """Each relative link names a file or folder that exists, and each #anchor a heading of its target."""
+    broken = []
+    for number, target in relative_links(read_lines(doc)):
+        path, _, anchor = target.partition("#")
+        full = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+        where = f"{os.path.relpath(doc, REPO_ROOT)}:{number}: {target}"
+        if not os.path.exists(full):
+            broken.append(f"{where}: no such file")
+        elif anchor and anchor not in heading_anchors(read_lines(full) if full.endswith(".md") else []):
+            broken.append(f"{where}: no heading with that anchor")
+    assert not broken, "\n".join(broken)
+
+
+def test_heading_anchors_are_the_ones_github_makes():
+    assert heading_anchors(["# Shipped ds_configs", "## The Llama's throughput beside the GPT's", "```",
+                            "# not a heading", "```", "### PBS / PBS Pro (e.g. ALCF's Polaris)",
+                            "## Results", "## Results", "## `train.init_from` and [links](x.md)"]) == {
+        "shipped-ds_configs", "the-llamas-throughput-beside-the-gpts", "pbs--pbs-pro-eg-alcfs-polaris",
+        "results", "results-1", "traininit_from-and-links"}
