@@ -5,35 +5,22 @@ from model.config import ModelConfig
 from model.encoder import encoder_layers
 from model.gpt import gpt_layers
 from model.llama import llama_layers
+from model.parallelize import check_tensor_parallel, parallelize
+from model.stack import LayerStack, layer_names, pipeline_module
 from model.tensor_parallel import SINGLE, TensorParallel
-from model.stack import LayerStack, pipeline_module
 
 LAYER_LISTS = {"gpt": gpt_layers, "llama": llama_layers, "encoder": encoder_layers}
 # The layer class of each model's transformer blocks: every pipeline stage must hold one, and
 # activation checkpointing wraps only these (never the embedding: its input needs no grad).
 BLOCK_CLASS = {"gpt": "Block", "llama": "LlamaBlock", "encoder": "CausalEncoderLayer"}
 
+__all__ = ["BLOCK_CLASS", "build_model", "build_pipeline", "compile_blocks", "layer_names", "model_layers"]
+
 
 def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
-    if cfg.arch not in LAYER_LISTS:
-        raise ValueError(f"unknown model.arch={cfg.arch!r}; choose one of {sorted(LAYER_LISTS)}")
+    """The architecture's layer list, each layer splitting itself over `tp` as it is built."""
     check_tensor_parallel(cfg, tp.size)
-    return LAYER_LISTS[cfg.arch](cfg, tp)
-
-
-def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
-    """What a tensor-parallel degree must divide: each rank holds whole heads (whole groups of query heads
-    under grouped-query attention), an equal share of the MLP's features and of the padded vocabulary."""
-    if size == 1:
-        return
-    shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
-              "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": cfg.mlp_hidden}
-    if cfg.arch == "llama":
-        shares["the key/value heads (model.n_kv_head)"] = cfg.kv_heads
-    for what, count in shares.items():
-        if count % size:
-            raise ValueError(f"tensor_model_parallel_size={size} does not divide {what} = {count}: every tensor-"
-                             f"parallel rank holds an equal share. Choose a degree that divides it")
+    return parallelize(LAYER_LISTS[cfg.arch](cfg), cfg.arch, tp)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, place=None,

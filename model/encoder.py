@@ -17,19 +17,21 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 
 from model.config import ModelConfig
-from model.tensor_parallel import (COLUMN, ROW, SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelHead,
-                            column_parameter, copy_to_tensor_ranks, parallelize)
+from model.layers import LMHead, TokenEmbedding, causal_attention, merge_heads
 
 INIT_RANGE = 0.1  # the tutorial's uniform init for the embedding and decoder
+
+
+def uniform_init(weight: torch.Tensor) -> None:
+    nn.init.uniform_(weight, -INIT_RANGE, INIT_RANGE)
 
 
 class EncoderEmbedding(nn.Module):
     """Token embedding scaled by sqrt(d_model), plus fixed sinusoidal positions, then dropout."""
 
-    def __init__(self, padded_vocab_size: int, d_model: int, block_size: int, dropout: float,
-                 tp: TensorParallel = SINGLE):
+    def __init__(self, padded_vocab_size: int, d_model: int, block_size: int, dropout: float):
         super().__init__()
-        self.embedding = VocabParallelEmbedding(padded_vocab_size, d_model, tp, uniform_init)
+        self.embedding = TokenEmbedding(padded_vocab_size, d_model, uniform_init)
         self.scale = math.sqrt(d_model)
         position = torch.arange(block_size).unsqueeze(1)
         frequency = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
@@ -44,62 +46,51 @@ class EncoderEmbedding(nn.Module):
         return self.drop(x + self.positions[: idx.size(1)].to(x.dtype))
 
 
-def uniform_init(weight: torch.Tensor) -> None:
-    nn.init.uniform_(weight, -INIT_RANGE, INIT_RANGE)
-
-
 class SelfAttention(nn.Module):
     """nn.MultiheadAttention's parameters (in_proj_weight = q|k|v, in_proj_bias, out_proj), attending
-    causally through scaled_dot_product_attention; q|k|v split by heads under tensor parallelism."""
+    causally through scaled_dot_product_attention."""
 
-    def __init__(self, reference: nn.MultiheadAttention, tp: TensorParallel):
+    def __init__(self, reference: nn.MultiheadAttention):
         super().__init__()
-        self.tp, self.head_dim, self.dropout = tp, reference.head_dim, reference.dropout
-        self.in_proj_weight = column_parameter(reference.in_proj_weight.detach(), tp, parts=3)
-        self.in_proj_bias = column_parameter(reference.in_proj_bias.detach(), tp, parts=3)
+        self.head_dim, self.dropout = reference.head_dim, reference.dropout
+        self.in_proj_weight, self.in_proj_bias = reference.in_proj_weight, reference.in_proj_bias
         self.out_proj = reference.out_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        qkv = F.linear(copy_to_tensor_ranks(x, self.tp), self.in_proj_weight, self.in_proj_bias)
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-# Tensor parallelism (model/tensor_parallel.py): q|k|v split by heads (SelfAttention), the feed-forward hidden
-# features split, each closed by a row-parallel map.
-BLOCK_SPLITS = {"self_attn.out_proj": ROW, "linear1": COLUMN, "linear2": ROW}
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        return self.out_proj(merge_heads(y))
 
 
 class CausalEncoderLayer(nn.Module):
     """nn.TransformerEncoderLayer (post-LN, ReLU, as in the tutorial) that always attends causally. Built
     from the library layer, so a seed gives the library's initialization."""
 
-    def __init__(self, d_model: int, n_head: int, ffn_hidden: int, dropout: float, tp: TensorParallel = SINGLE):
+    def __init__(self, d_model: int, n_head: int, ffn_hidden: int, dropout: float):
         super().__init__()
         reference = nn.TransformerEncoderLayer(d_model, n_head, ffn_hidden, dropout, batch_first=True)
-        self.self_attn = SelfAttention(reference.self_attn, tp)
+        self.self_attn = SelfAttention(reference.self_attn)
         self.linear1, self.dropout, self.linear2 = reference.linear1, reference.dropout, reference.linear2
         self.norm1, self.norm2 = reference.norm1, reference.norm2
         self.dropout1, self.dropout2 = reference.dropout1, reference.dropout2
-        parallelize(self, BLOCK_SPLITS, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm1(x + self.dropout1(self.self_attn(x)))
         return self.norm2(x + self.dropout2(self.linear2(self.dropout(F.relu(self.linear1(x))))))
 
 
-class Decoder(VocabParallelHead):
-    def __init__(self, d_model: int, padded_vocab_size: int, tp: TensorParallel = SINGLE):
-        super().__init__(d_model, padded_vocab_size, tp, uniform_init, bias=True)
+class Decoder(LMHead):
+    def __init__(self, d_model: int, padded_vocab_size: int):
+        super().__init__(d_model, padded_vocab_size, uniform_init, bias=True)
 
 
-def encoder_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
+def encoder_layers(cfg: ModelConfig) -> list:
     vocab = cfg.padded_vocab_size
     return [
-        LayerSpec(EncoderEmbedding, vocab, cfg.n_embd, cfg.block_size, cfg.dropout, tp),
-        *[LayerSpec(CausalEncoderLayer, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.dropout, tp)
+        LayerSpec(EncoderEmbedding, vocab, cfg.n_embd, cfg.block_size, cfg.dropout),
+        *[LayerSpec(CausalEncoderLayer, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.dropout)
           for _ in range(cfg.n_layer)],
-        LayerSpec(Decoder, cfg.n_embd, vocab, tp),
+        LayerSpec(Decoder, cfg.n_embd, vocab),
     ]

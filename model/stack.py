@@ -17,6 +17,12 @@ def seed_layer(seed) -> None:
     torch.manual_seed(int(seed))
 
 
+def layer_names(specs: list) -> list[str]:
+    """Each layer's parameter-name prefix, as both builds name it: "<layer index>", or "tied_modules.<key>"
+    for a tied layer, wherever it recurs."""
+    return [f"tied_modules.{spec.key}" if isinstance(spec, TiedLayerSpec) else str(i) for i, spec in enumerate(specs)]
+
+
 class LayerStack(nn.Module):
     """The layer list run in order as one module. Parameters are named as PipelineModule names them
     ("<layer index>.<name>", tied layers "tied_modules.<key>.<name>"), so a checkpoint taken under

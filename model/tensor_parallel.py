@@ -1,7 +1,8 @@
-"""Megatron-style tensor parallelism, the layers every architecture in `model/` splits itself with.
+"""Megatron-style tensor parallelism: the split layers, their collectives and the vocab-parallel loss.
+model/parallelize.py puts these layers in place of an architecture's plain ones.
 
-A layer is always built whole, from its seed, and initialized as at tp = 1; `parallelize` then swaps its
-linear maps for this rank's slice. So one seed gives the same full weights at every tensor-parallel degree
+A layer is always built whole, from its seed, and initialized as at tp = 1; model/parallelize.py then swaps
+its linear maps for this rank's slice. So one seed gives the same full weights at every tensor-parallel degree
 (GPT-NeoX's way), at the cost of one whole layer in memory for a moment while the model is built.
 
     column-parallel  y_r = x W_r^T + b_r         output features split: q/k/v heads, MLP up and gate
@@ -40,9 +41,9 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 # How a linear map splits: "column", "row", or ("column", parts) for a fused weight of `parts` equal
-# blocks. Each architecture names its maps next to its block; every split parameter records its rule
-# (split_rule), which checkpoint resharding and export read back.
-COLUMN, ROW = "column", "row"
+# blocks; "vocab" for an embedding's rows. Every split parameter records its rule (split_rule), which
+# checkpoint resharding and export read back.
+COLUMN, ROW, VOCAB = "column", "row", "vocab"
 
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallel, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -147,23 +148,8 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def parallelize(module: nn.Module, splits: dict, tp: TensorParallel) -> nn.Module:
-    """Swap the named nn.Linear submodules of `module` for this rank's slice of them, in place."""
-    if tp.size == 1:
-        return module
-    for name, rule in splits.items():
-        parent, _, child = name.rpartition(".")
-        owner = module.get_submodule(parent) if parent else module
-        full = getattr(owner, child)
-        kind, parts = (rule, 1) if isinstance(rule, str) else rule
-        setattr(owner, child, ColumnParallelLinear(full, tp, parts) if kind == COLUMN else RowParallelLinear(full, tp))
-    return module
-
-
-def column_parameter(full: torch.Tensor, tp: TensorParallel, parts: int = 1) -> nn.Parameter:
+def column_slice(full: torch.Tensor, tp: TensorParallel, parts: int = 1) -> nn.Parameter:
     """This rank's rows of a weight or bias used as a column-parallel map outside an nn.Linear."""
-    if tp.size == 1:
-        return nn.Parameter(full)
     return _mark_split(nn.Parameter(_rows(full.detach(), tp, parts)), 0, parts)
 
 
@@ -189,54 +175,25 @@ def merge_parameter(slices: list[torch.Tensor], rule) -> torch.Tensor:
     return torch.cat([torch.cat([b[i] for b in blocks]) for i in range(parts)])
 
 
-def vocab_rows(vocab: int, dim: int, tp: TensorParallel, init, bias: bool = False) -> list[nn.Parameter]:
-    """This rank's rows of a (vocab, dim) table, and of a (vocab,) zero bias if asked, the whole table
-    initialized by `init` first (equal weights at any degree)."""
-    full = torch.empty(vocab, dim)
-    init(full)
-    if tp.size == 1:
-        return [nn.Parameter(full)] + ([nn.Parameter(torch.zeros(vocab))] if bias else [])
-    start, stop = tp.shard(vocab)
-    params = [nn.Parameter(full[start:stop].clone())] + ([nn.Parameter(torch.zeros(stop - start))] if bias else [])
-    return [_mark_split(p, 0) for p in params]
-
-
 class VocabParallelEmbedding(nn.Module):
-    """Embedding rows [start, stop) of the (padded) vocabulary on this rank; a token outside them looks up
-    zeros here and its row on the rank that holds it, and the sum over ranks is the embedding."""
+    """Rows [start, stop) of a whole token embedding (padded vocabulary) on this rank; a token outside them
+    looks up zeros here and its row on the rank that holds it, and the sum over ranks is the embedding.
+    As a tied LM head its rows give this rank's slice of the logits."""
 
-    def __init__(self, vocab: int, dim: int, tp: TensorParallel, init):
+    def __init__(self, full: nn.Module, tp: TensorParallel):
         super().__init__()
         self.tp = tp
-        self.start = tp.shard(vocab)[0]
-        self.weight, = vocab_rows(vocab, dim, tp, init)
+        self.start, stop = tp.shard(full.weight.size(0))
+        self.weight = _mark_split(nn.Parameter(full.weight.detach()[self.start:stop].clone()), 0)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(idx, self.weight)
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.size(0))
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_ranks(x, self.tp)
 
-
-def vocab_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, bias=None) -> torch.Tensor:
-    """Logits of this rank's vocabulary slice (a tied embedding's rows or an LM head's)."""
-    return F.linear(copy_to_tensor_ranks(x, tp), weight, bias)
-
-
-class VocabParallelHead(nn.Module):
-    """An output layer over the vocabulary, its rows (and bias) split like the embedding's."""
-
-    def __init__(self, dim: int, vocab: int, tp: TensorParallel, init, bias: bool = False):
-        super().__init__()
-        self.tp = tp
-        params = vocab_rows(vocab, dim, tp, init, bias)
-        self.weight = params[0]
-        self.bias = params[1] if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return vocab_logits(x, self.weight, self.tp, self.bias)
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tensor_ranks(x, self.tp), self.weight)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -1,16 +1,19 @@
 """The Llama layer list: shapes, causality, RoPE, grouped-query attention, exact parameter counts, the FLOP
 count, and the shapes it refuses."""
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from conftest import train_py
+from common.checks import ConfigError
 from model import BLOCK_CLASS, build_model, model_layers
 from model.config import ModelConfig
 from model.llama import Attention, apply_rope, rope_frequencies, rope_tables
 from test_model import assert_causal, count_on_meta, preset
 from training import memory_plan
+from training.config import REPO_ROOT, load_run_config
 from training.metrics import flops_per_token
 from training.topology import stage_partition
 
@@ -116,12 +119,14 @@ def test_flops_per_token_counts_every_matmul_weight(cfg):
 
 
 @pytest.mark.parametrize("override,message", [
-    (dict(n_kv_head=3), "model.n_kv_head=3 does not divide model.n_head=4"),
-    (dict(n_head=2, n_embd=34), "head size n_embd / n_head = 17 is odd: rotary embeddings rotate pairs"),
+    (["model.n_kv_head=3"], r"model.n_kv_head=3: must divide model.n_head=4"),
+    (["model.n_head=2", "model.n_embd=34"], r"model.n_embd=34: must give an even head size n_embd / n_head \(now "
+                                            r"17\): rotary embeddings rotate pairs"),
 ])
 def test_bad_shapes_are_refused(override, message):
-    with pytest.raises(ValueError, match=message):
-        build_model(dataclasses.replace(SMALL, **override))
+    """Checked once, with the run config (model/ builds what the config allows)."""
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(os.path.join(REPO_ROOT, "configs", "llama_quickstart.yaml"), override)
 
 
 def test_train_refuses_a_bad_shape_at_start(char_data, tmp_path):

@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from model import build_model
 from model.config import ModelConfig
 from model.generate import generate
-from model.gpt import Block, TokenEmbedding, lm_head
+from model.gpt import Block
+from model.layers import TokenEmbedding, lm_head
 from training.config import REPO_ROOT, RunConfig
 
 SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from data.prepare import check_meta, read_meta
-from model import build_model
+from model import build_model, layer_names, model_layers
 from model.config import ModelConfig
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint
@@ -49,11 +49,11 @@ def run_model(tag_dir: str, run_state: dict) -> ModelConfig:
 def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights (this repo's parameter names) from a complete checkpoint, on the CPU."""
     run_state = checkpoint.read_run_state(tag_dir)
-    tp = run_state["layout"].get("tp", 1)
+    tp_size = run_state["layout"].get("tp", 1)
     cfg = run_model(tag_dir, run_state)
     with torch.device("meta"):
         model = build_model(cfg)
-        sliced = build_model(cfg, tp=TensorParallel(tp)) if tp > 1 else model  # a rank's view
+        sliced = build_model(cfg, tp=TensorParallel(tp_size)) if tp_size > 1 else model  # a rank's view
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if run_state.get("universal"):
         return _from_universal(tag_dir, shapes)
@@ -66,15 +66,15 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if run_state["layout"]["pp"] > 1:  # fp32 pipeline without ZeRO: the layer files hold fp32 weights
-        slices = [{} for _ in range(tp)]  # per tensor rank: layer_<index>-model_<tensor rank>-model_states.pt
+        prefixes = layer_names(model_layers(cfg))
+        slices = [{} for _ in range(tp_size)]  # per tensor rank: layer_<index>-model_<tensor rank>-model_states.pt
         for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))):
             index, rank = (int(part.split("_")[1]) for part in os.path.basename(path).split("-")[:2])
             for name, tensor in checkpoint.load_state_file(path).items():
-                key = f"{index}.{name}" if f"{index}.{name}" in shapes else f"tied_modules.embed.{name}"
-                slices[rank].setdefault(key, tensor.float())
+                slices[rank].setdefault(f"{prefixes[index]}.{name}", tensor.float())
     else:  # ZeRO-0: one file per tensor rank with the module (fp32, or bf16 beside the optimizer's fp32 masters)
         slices = [_module_state(os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"), sliced)
-                  for rank in range(tp)]
+                  for rank in range(tp_size)]
     rules = {name: split_rule(p) for name, p in sliced.named_parameters()}
     return {name: merge_parameter([s[name] for s in slices], rules[name]) for name in slices[0]}
 

@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.zero import GatheredParameters
 from safetensors import SafetensorError, safe_open
 
-from model import build_model
+from model import BLOCK_CLASS, build_model, layer_names, model_layers
 from model.config import ModelConfig
 from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
 from common.checks import ConfigError, existing_file, json_file
@@ -22,6 +22,8 @@ SAME, TRANSPOSED, VOCAB = "same", "transposed", "vocab"
 ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
 
+# Per architecture and layer class: (our name within the layer, Hugging Face's, how it moves). "{i}" is the
+# block's index among the blocks.
 GPT2_BLOCK = [("ln_1.weight", "ln_1.weight", SAME), ("ln_1.bias", "ln_1.bias", SAME),
               ("attn.qkv.weight", "attn.c_attn.weight", TRANSPOSED), ("attn.qkv.bias", "attn.c_attn.bias", SAME),
               ("attn.proj.weight", "attn.c_proj.weight", TRANSPOSED), ("attn.proj.bias", "attn.c_proj.bias", SAME),
@@ -33,26 +35,34 @@ LLAMA_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight",
                ("attn.o.weight", "self_attn.o_proj.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"),
                ("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up_proj.weight"),
                ("mlp.down.weight", "mlp.down_proj.weight")]
+LAYERS = {
+    "gpt": {"TokenEmbedding": [("weight", "transformer.wte.weight", VOCAB)],
+            "PositionEmbedding": [("weight", "transformer.wpe.weight", SAME)],
+            "Block": [(ours, f"transformer.h.{{i}}.{theirs}", how) for ours, theirs, how in GPT2_BLOCK],
+            "LayerNorm": [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)]},
+    "llama": {"TokenEmbedding": [("weight", "model.embed_tokens.weight", VOCAB)],
+              "LlamaBlock": [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in LLAMA_BLOCK],
+              "RMSNorm": [("weight", "model.norm.weight", SAME)],
+              "LMHead": [("weight", "lm_head.weight", VOCAB)]},
+}
 
 
 def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
-    """(our name, Hugging Face's name, how it moves) for every tensor of the model, in layer order."""
-    n = cfg.n_layer
-    if cfg.arch == "gpt":
-        if not cfg.bias:
-            raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model has model.bias=false")
-        return [("tied_modules.embed.weight", "transformer.wte.weight", VOCAB),
-                ("1.weight", "transformer.wpe.weight", SAME),
-                *[(f"{2 + i}.{ours}", f"transformer.h.{i}.{theirs}", how) for i in range(n)
-                  for ours, theirs, how in GPT2_BLOCK],
-                (f"{2 + n}.weight", "transformer.ln_f.weight", SAME), (f"{2 + n}.bias", "transformer.ln_f.bias", SAME)]
-    if cfg.arch == "llama":
-        embed = "tied_modules.embed.weight" if cfg.tie_embeddings else "0.weight"
-        head = [] if cfg.tie_embeddings else [(f"{2 + n}.weight", "lm_head.weight", VOCAB)]
-        return [(embed, "model.embed_tokens.weight", VOCAB),
-                *[(f"{1 + i}.{ours}", f"model.layers.{i}.{theirs}", SAME) for i in range(n) for ours, theirs in LLAMA_BLOCK],
-                (f"{1 + n}.weight", "model.norm.weight", SAME), *head]
-    raise ConfigError(f"model.arch={cfg.arch!r} has no Hugging Face layout (the GPT and Llama have one)")
+    """(our name, Hugging Face's name, how it moves) for every tensor of the model, in layer order, read off
+    the model's layer list."""
+    if cfg.arch not in LAYERS:
+        raise ConfigError(f"model.arch={cfg.arch!r} has no Hugging Face layout (the GPT and Llama have one)")
+    if cfg.arch == "gpt" and not cfg.bias:
+        raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model has model.bias=false")
+    specs = model_layers(cfg)
+    pairs, block = [], 0
+    for prefix, spec in zip(layer_names(specs), specs):
+        if getattr(spec, "forward_fn", None):  # a tied layer's reuse (the LM head): its tensors are paired
+            continue
+        kind = spec.typename.__name__
+        pairs += [(f"{prefix}.{ours}", theirs.format(i=block), how) for ours, theirs, how in LAYERS[cfg.arch][kind]]
+        block += kind == BLOCK_CLASS[cfg.arch]
+    return pairs
 
 
 def to_hf(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:

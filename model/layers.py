@@ -1,0 +1,143 @@
+"""The pieces the architectures share: GPT-2 initialization, the token embedding and the LM head, causal
+attention, rotary position embeddings, and the two feed-forward networks (GELU and SwiGLU).
+
+Plain modules with no parallel code: model/parallelize.py splits them after they are built.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.runtime.zero import GatheredParameters
+
+INIT_STD = 0.02
+
+
+def normal_init(weight: torch.Tensor) -> None:
+    nn.init.normal_(weight, mean=0.0, std=INIT_STD)
+
+
+def init_weights(module: nn.Module, n_layer: int, residual: tuple) -> None:
+    """GPT-2 init, shared by the GPT and Llama blocks: matrices N(0, 0.02), the residual projections
+    (names ending in `residual`) scaled by 1/sqrt(2 x n_layer), one per residual add; biases zero; norm
+    weights keep their ones."""
+    # Under ZeRO-3's zero.Init each nn.Linear is partitioned as soon as its own constructor returns,
+    # so re-initializing it here needs the full tensors back (a no-op without ZeRO-3).
+    with GatheredParameters(list(module.parameters()), modifier_rank=0):
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(residual):
+                nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
+            elif p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=INIT_STD)
+
+
+class TokenEmbedding(nn.Module):
+    """Rows of the padded vocabulary. Kept alone in its module because TiedLayerSpec ties only `weight`
+    across pipeline stages (anything else here would go stale) when its weight doubles as the LM head."""
+
+    def __init__(self, padded_vocab_size: int, n_embd: int, init=normal_init):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(padded_vocab_size, n_embd))
+        init(self.weight)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied LM head: logits over the padded vocabulary through the token embedding's weight."""
+    return embedding.logits(x)
+
+
+class LMHead(nn.Module):
+    """An untied output matrix over the padded vocabulary (and a zero bias if asked)."""
+
+    def __init__(self, n_embd: int, padded_vocab_size: int, init=normal_init, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(padded_vocab_size, n_embd))
+        init(self.weight)
+        self.bias = nn.Parameter(torch.zeros(padded_vocab_size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+    """(batch, heads, time, head_dim) in and out. With fewer key/value heads than query heads (grouped-query
+    attention), query head h reads key/value head h // (heads / kv_heads), without copying them."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                          enable_gqa=k.size(1) != q.size(1))
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(batch, time, heads x head_dim) -> (batch, heads, time, head_dim). The heads are counted from the
+    tensor: all of them, or the share a tensor-parallel rank holds."""
+    B, T, _ = x.shape
+    return x.view(B, T, -1, head_dim).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """The inverse of split_heads."""
+    B, _, T, _ = y.shape
+    return y.transpose(1, 2).reshape(B, T, -1)
+
+
+def rope_frequencies(cfg) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d) of a ModelConfig's heads, with Llama 3.1's scaling when
+    rope_scale_factor is set: long wavelengths divided by the factor, short ones kept, a smooth blend between."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    if cfg.rope_scale_factor is None:
+        return inv_freq
+    factor, low, high, context = (cfg.rope_scale_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                  cfg.rope_original_context)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    return torch.where((wavelen >= context / high) & (wavelen <= context / low), blended, scaled)
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (len(positions), head_dim), computed in fp32."""
+    angles = torch.outer(positions.float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, time, head_dim) by position: dimension i pairs with i + head_dim / 2 (Hugging
+    Face's layout, so its checkpoints load without permuting q and k)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class MLP(nn.Module):
+    """GPT-2's feed-forward network: GELU (tanh approximation) between two linear maps."""
+
+    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class SwiGLU(nn.Module):
+    """Llama's feed-forward network: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(n_embd, hidden, bias=False)
+        self.up = nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))

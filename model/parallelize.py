@@ -1,0 +1,123 @@
+"""Tensor parallelism applied to an architecture's layer list, from its plan (torchtitan's way: the model
+has no parallel code; a plan names which of its maps split and how).
+
+Each layer is built whole from its seed, as at tp = 1, and then split: the split layers of
+model/tensor_parallel.py take this rank's slice of the whole weights. So one seed gives the same full
+weights at every degree.
+"""
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+import torch.nn as nn
+
+from common.checks import ConfigError
+from model.config import ModelConfig
+from model.tensor_parallel import (COLUMN, ROW, VOCAB, ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                                   VocabParallelEmbedding, column_slice, copy_to_tensor_ranks)
+
+# Per architecture, per layer class: the submodule (or parameter) at each path and how it splits. "" is the
+# layer itself. Attention splits by heads (q|k|v; under grouped-query attention query and key/value heads
+# alike, so each rank keeps whole groups), the MLP by hidden features, each pair closed by a row-parallel
+# map; embeddings and LM heads by vocabulary rows.
+PLANS = {
+    "gpt": {
+        "TokenEmbedding": {"": VOCAB},
+        "Block": {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW},
+    },
+    "llama": {
+        "TokenEmbedding": {"": VOCAB},
+        "LlamaBlock": {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
+                       "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW},
+        "LMHead": {"": COLUMN},
+    },
+    "encoder": {
+        "EncoderEmbedding": {"embedding": VOCAB},
+        # nn.MultiheadAttention's fused q|k|v is a bare parameter pair, not an nn.Linear.
+        "CausalEncoderLayer": {"self_attn.in_proj_weight": (COLUMN, 3), "self_attn.in_proj_bias": (COLUMN, 3),
+                               "self_attn.out_proj": ROW, "linear1": COLUMN, "linear2": ROW},
+        "Decoder": {"": COLUMN},
+    },
+}
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """What a tensor-parallel degree must divide: each rank holds whole heads (whole groups of query heads
+    under grouped-query attention), an equal share of the MLP's features and of the padded vocabulary."""
+    if size == 1:
+        return
+    shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
+              "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": cfg.mlp_hidden}
+    if cfg.arch == "llama":
+        shares["the key/value heads (model.n_kv_head)"] = cfg.kv_heads
+    for what, count in shares.items():
+        if count % size:
+            raise ConfigError(f"tensor_model_parallel_size={size} does not divide {what} = {count}: every tensor-"
+                              f"parallel rank holds an equal share. Choose a degree that divides it")
+
+
+def parallelize(specs: list, arch: str, tp: TensorParallel) -> list:
+    """The layer list whose layers split themselves over `tp` as they are built (PipelineModule builds each
+    stage's layers itself, so the plan travels with the specs)."""
+    if tp.size == 1:
+        return specs
+    plans = PLANS[arch]
+    return [_split_spec(spec, plans[spec.typename.__name__], tp) if spec.typename.__name__ in plans else spec
+            for spec in specs]
+
+
+class _SplitOnBuild:
+    def build(self, log=False) -> nn.Module:
+        return apply_plan(super().build(log), self.plan, self.tp)
+
+
+class _SplitLayerSpec(_SplitOnBuild, LayerSpec):
+    pass
+
+
+class _SplitTiedLayerSpec(_SplitOnBuild, TiedLayerSpec):
+    pass
+
+
+def _split_spec(spec: LayerSpec, plan: dict, tp: TensorParallel) -> LayerSpec:
+    if isinstance(spec, TiedLayerSpec):
+        split = _SplitTiedLayerSpec(spec.key, spec.typename, *spec.module_args, forward_fn=spec.forward_fn,
+                                    tied_weight_attr=spec.tied_weight_attr, **spec.module_kwargs)
+    else:
+        split = _SplitLayerSpec(spec.typename, *spec.module_args, **spec.module_kwargs)
+    split.plan, split.tp = plan, tp
+    return split
+
+
+def apply_plan(layer: nn.Module, plan: dict, tp: TensorParallel) -> nn.Module:
+    """Swap the planned maps of a freshly built layer for this rank's slice of them; returns the layer (a
+    new module where the plan splits the layer itself)."""
+    for path, rule in plan.items():
+        if not path:
+            return _split_module(layer, rule, tp)
+        parent, _, child = path.rpartition(".")
+        owner = layer.get_submodule(parent) if parent else layer
+        target = getattr(owner, child)
+        if isinstance(target, nn.Parameter):
+            kind, parts = _rule(rule)
+            assert kind == COLUMN, f"{path}: a bare parameter splits column-wise only"
+            setattr(owner, child, column_slice(target, tp, parts))
+            _copy_input_to_tensor_ranks(owner, tp)
+        else:
+            setattr(owner, child, _split_module(target, rule, tp))
+    return layer
+
+
+def _rule(rule) -> tuple[str, int]:
+    return (rule, 1) if isinstance(rule, str) else rule
+
+
+def _split_module(module: nn.Module, rule, tp: TensorParallel) -> nn.Module:
+    kind, parts = _rule(rule)
+    if kind == VOCAB:
+        return VocabParallelEmbedding(module, tp)
+    return ColumnParallelLinear(module, tp, parts) if kind == COLUMN else RowParallelLinear(module, tp)
+
+
+def _copy_input_to_tensor_ranks(module: nn.Module, tp: TensorParallel) -> None:
+    """Megatron's f in front of a module computing with bare column-split parameters, once per module."""
+    if not getattr(module, "_copies_input_to_tensor_ranks", False):
+        module.register_forward_pre_hook(lambda _, args: (copy_to_tensor_ranks(args[0], tp), *args[1:]))
+        module._copies_input_to_tensor_ranks = True
