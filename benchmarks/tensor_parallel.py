@@ -118,19 +118,19 @@ def measure(name: str, args) -> dict:
     return {"tokens_per_s": tokens_per_s, "ranks": per_rank}
 
 
-def theory(cfg, tp: int, micro_batch: int, activation_bytes: int) -> dict:
+def theory(cfg, tp_size: int, micro_batch: int, activation_bytes: int) -> dict:
     import torch
 
     from model import build_model
     from model.tensor_parallel import TensorParallel, split_rule
 
     with torch.device("meta"):
-        params = [(p.numel(), split_rule(p)) for p in build_model(cfg, tp=TensorParallel(tp)).parameters()]
+        params = [(p.numel(), split_rule(p)) for p in build_model(cfg, tp=TensorParallel(tp_size)).parameters()]
     per_rank = sum(n for n, _ in params)
     tokens = micro_batch * cfg.block_size
-    payload = (4 * cfg.n_layer + 2) * tokens * cfg.n_embd * activation_bytes + 3 * tokens * 4 if tp > 1 else 0
+    payload = (4 * cfg.n_layer + 2) * tokens * cfg.n_embd * activation_bytes + 3 * tokens * 4 if tp_size > 1 else 0
     return {"params": per_rank, "states": FP32_ADAMW_KEPT_BYTES * per_rank, "tp_bytes": payload,
-            "ring_bytes": 2 * (tp - 1) / tp * payload}
+            "ring_bytes": 2 * (tp_size - 1) / tp_size * payload}
 
 
 def main() -> None:
@@ -157,8 +157,8 @@ def main() -> None:
     activation_bytes = 2 if any(o == "ds.bf16.enabled=true" for o in args.overrides) else 4
     rows = []
     for name, result in results.items():
-        tp = 2 if name == "tp2" else 1
-        expected = theory(cfg, tp, args.micro_batch, activation_bytes)
+        tp_size = 2 if name == "tp2" else 1
+        expected = theory(cfg, tp_size, args.micro_batch, activation_bytes)
         worst = max(result["ranks"], key=lambda r: r["states"])
         result["theory"] = expected
         rows.append([name, f"{result['tokens_per_s']:,.0f}", f"{worst['params']:,}", f"{expected['params']:,}",

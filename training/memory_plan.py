@@ -38,13 +38,13 @@ from training.topology import pipeline_settings, resolve_layout, stage_partition
 GB = 2**30
 
 
-def layer_params(cfg, tp: int = 1) -> list[int]:
+def layer_params(cfg, tp_size: int = 1) -> list[int]:
     """Parameters of each layer as one tensor-parallel rank holds them."""
     with torch.device("meta"):
-        return [sum(p.numel() for p in spec.build().parameters()) for spec in model_layers(cfg, TensorParallel(tp))]
+        return [sum(p.numel() for p in spec.build().parameters()) for spec in model_layers(cfg, TensorParallel(tp_size))]
 
 
-def layer_activation_bytes(cfg, tp: int = 1) -> float:
+def layer_activation_bytes(cfg, tp_size: int = 1) -> float:
     """16-bit bytes a block keeps per token for its backward on one tensor rank. Megatron's 18 d counts q, k
     and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its
     hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn).
@@ -52,7 +52,7 @@ def layer_activation_bytes(cfg, tp: int = 1) -> float:
     kv = cfg.kv_heads * cfg.head_dim
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     split = 4 * cfg.n_embd + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
-    return 8 * cfg.n_embd + masks + split / tp
+    return 8 * cfg.n_embd + masks + split / tp_size
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -66,10 +66,10 @@ def repeated_ties(specs: list) -> list[int]:
 
 def plan(cfg, ds: dict, gpus: int) -> dict:
     """Bytes per GPU (the busiest one) for this model, ds_config and GPU count."""
-    pipe, tp = pipeline_settings(ds), tensor_parallel_size(ds)
-    layout = resolve_layout(dict(ds), gpus, pipe.stages, tp)
-    counts = layer_params(cfg, tp)
-    specs = model_layers(cfg, TensorParallel(tp))
+    pipe, tp_size = pipeline_settings(ds), tensor_parallel_size(ds)
+    layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size)
+    counts = layer_params(cfg, tp_size)
+    specs = model_layers(cfg, TensorParallel(tp_size))
     parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.arch])
     zero = ds.get("zero_optimization", {})
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
@@ -95,14 +95,14 @@ def plan(cfg, ds: dict, gpus: int) -> dict:
         cpu = cpu if offload else 0
 
     tokens = layout.micro_batch * cfg.block_size
-    full_layer = tokens * layer_activation_bytes(cfg, tp)
+    full_layer = tokens * layer_activation_bytes(cfg, tp_size)
     checkpointed = pipe.checkpoint_interval > 0
     per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
     blocks = max(sum(spec.typename.__name__ == BLOCK_CLASS[cfg.arch] for spec in specs[parts[s]: parts[s + 1]])
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
-    activations += (4 * tokens + 8 * min(tokens, LOSS_CHUNK_ROWS)) * cfg.padded_vocab_size / tp
+    activations += (4 * tokens + 8 * min(tokens, LOSS_CHUNK_ROWS)) * cfg.padded_vocab_size / tp_size
     return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
             "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
             "cpu": cpu, "micro": layout.micro_batch}
