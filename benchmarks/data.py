@@ -14,7 +14,6 @@ its peak resident memory is the largest of that process and its workers. Prints 
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -177,7 +176,8 @@ def main(argv=None) -> None:
     memory_ratio = runs[2]["peak_rss_mb"] / runs[1]["peak_rss_mb"]
     print_table(["corpus", "workers", "tokens", "seconds", "tokens/s", "tokens/s per worker", "peak RSS"],
                 [[f"{r['corpus_mb']:,.0f} MB JSONL", r["workers"], f"{r['tokens']:,}", f"{r['seconds']:.1f}",
-                  f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / r['workers']:,.0f}", f"{r['peak_rss_mb']:,.0f} MB"]
+                  f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / r['workers']:,.0f}",
+                  f"{r['peak_rss_mb']:,.0f} MB"]
                  for r in runs])
     print(f"\n2 workers / 1 worker: {speedup:.2f}x; peak RSS {args.large_mb:,.0f} MB / {args.small_mb:,.0f} MB corpus: "
           f"{memory_ratio:.3f}; micro-batch 12 x 1024 from a 0.3/0.7 blend: {batches['mean_ms']:.3f} ms mean, "

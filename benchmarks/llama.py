@@ -8,8 +8,8 @@ schedule and steps; 817,920 and 820,352 parameters) one after the other and prin
 throughput builds both models in DeepSpeed engines (as train.py does) in one process and lets them take
 turns every --chunk steps on the same batches after --warmup untimed steps each, so a slow spell of the
 machine hits both; MFU is model FLOP/s (training.metrics.flops_per_token, which counts grouped-query
-attention and the SwiGLU MLP) over train.py's peak for the device (training/device.py). The baby Llama: 6 layers, 6 heads, 2 key/value heads,
-384 wide, SwiGLU 1024 (Llama's rule), context 256.
+attention and the SwiGLU MLP) over train.py's peak for the device (training/device.py). The baby Llama: 6 layers,
+6 heads, 2 key/value heads, 384 wide, SwiGLU 1024 (Llama's rule), context 256.
 """
 import argparse
 import json
@@ -69,8 +69,8 @@ def throughput(args, inputs: dict) -> dict:
 
     from benchmarks.turns import timed_turns
     from model import build_model
-    from training.failure import leave_process_group
     from training.device import peak_flops
+    from training.failure import leave_process_group
     from training.launcher_env import set_single_process_env
     from training.metrics import flops_per_token
     from training.optim import optimizer_and_schedule, param_groups
@@ -84,8 +84,8 @@ def throughput(args, inputs: dict) -> dict:
     for arch, (cfg, ds, data) in inputs.items():
         ds.update(optimizer_and_schedule(cfg, ds))
         model = build_model(cfg.model, cfg.train.seed)
-        engine, *_ = deepspeed.initialize(model=model, config=ds,
-                                          model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
+        groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+        engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=groups)
         runners[arch] = (cfg, engine, data, resolve_layout(ds, 1, 1), sum(p.numel() for p in model.parameters()))
 
     def runner(cfg, engine, data, layout, _):

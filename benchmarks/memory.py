@@ -38,8 +38,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (at_least, environment, load_inputs, print_table, results_file, run_main,  # noqa: E402
-                               run_tool, write_json)
+from benchmarks.report import (  # noqa: E402
+    at_least,
+    environment,
+    load_inputs,
+    print_table,
+    results_file,
+    run_main,
+    run_tool,
+    write_json,
+)
 from common.checks import ConfigError, ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,7 +263,8 @@ def main() -> None:
         # A fixed mmap threshold makes glibc hand freed tensors back at once: otherwise the resident set of a CPU
         # rank keeps memory that torch already freed, and the CPU figures would not be comparable to a GPU's.
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nprocs)),
-               "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"), "MALLOC_TRIM_THRESHOLD_": "0"}
+               "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
+               "MALLOC_TRIM_THRESHOLD_": "0"}
         run_tool(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
         with open(record) as f:
             ranks = json.load(f)
@@ -266,21 +275,24 @@ def main() -> None:
         results[name] = {"ranks": ranks, "theory": theory, "states_vs_theory": worst["states"] / theory["total"] - 1,
                          "tensors_vs_theory": worst["states_in_tensors"] / theory["total"] - 1,
                          "peak_vs_baseline_theory_activations": worst["peak"] / expected_peak - 1,
-                         "peak_vs_with_step_fp32_grads": worst["peak"] / (expected_peak + theory["step_fp32_grads"]) - 1}
+                         "peak_vs_with_step_fp32_grads":
+                             worst["peak"] / (expected_peak + theory["step_fp32_grads"]) - 1}
         rows.append([name, *(f"{worst[k] / GB:.2f}" for k in ("peak", "baseline", "activations", "states",
                                                              "states_in_tensors")),
                      *(f"{theory[k] / GB:.2f}" for k in ("total", "step_fp32_grads")),
                      *(f"{100 * results[name][k]:+.1f}%" for k in ("states_vs_theory", "tensors_vs_theory",
                                                                    "peak_vs_baseline_theory_activations",
                                                                    "peak_vs_with_step_fp32_grads"))])
-    print(f"\n{args.config} {' '.join(args.overrides)}, dp={args.nprocs}: GiB per rank (the rank with the highest peak)")
+    print(f"\n{args.config} {' '.join(args.overrides)}, dp={args.nprocs}: GiB per rank "
+          f"(the rank with the highest peak)")
     print_table(["ds_config", "peak", "baseline", "activations", "model states: memory", "model states: live tensors",
                  "model states: theory", "step's fp32 gradients", "memory vs theory", "tensors vs theory",
                  "peak vs baseline + theory + activations", "the same + step's fp32 gradients"], rows)
     zero3 = next((name for name in results if STAGES[name] == 3), None)
     if "zero0" in results and zero3:
         for measure in ("states", "states_in_tensors"):
-            ratio = max(r[measure] for r in results[zero3]["ranks"]) / max(r[measure] for r in results["zero0"]["ranks"])
+            ratio = (max(r[measure] for r in results[zero3]["ranks"])
+                     / max(r[measure] for r in results["zero0"]["ranks"]))
             print(f"ZeRO-3 ({zero3}) / ZeRO-0 model states per rank, {measure.replace('_', ' ')}: {ratio:.1%}")
         print(f"ZeRO-3 / ZeRO-0 model states per rank, theory: "
               f"{results[zero3]['theory']['total'] / results['zero0']['theory']['total']:.1%}")

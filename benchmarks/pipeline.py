@@ -18,8 +18,16 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (at_least, load_inputs, print_table, results_file, run_main, run_tool,  # noqa: E402
-                               work_folder, write_json)
+from benchmarks.report import (  # noqa: E402
+    at_least,
+    load_inputs,
+    print_table,
+    results_file,
+    run_main,
+    run_tool,
+    work_folder,
+    write_json,
+)
 from common.checks import ToolParser  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,11 +10,14 @@ import platform
 import re
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from common.checks import ConfigError, exit_bad_input, new_output, writable_dir
 
 # torch, DeepSpeed and the training modules are imported where they are used: a bad argument is refused, and
 # --help answered, before the seconds those imports take.
+if TYPE_CHECKING:
+    import torch
 
 
 def run_main(main) -> None:

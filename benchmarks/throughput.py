@@ -11,7 +11,8 @@ master weights for the update, which is what DeepSpeed's bf16 optimizer does. Bo
 dropout seeds and learning rates; they take turns in chunks of steps, so a slow spell of the machine hits
 both. After --warmup untimed steps, tokens/s is measured over --steps steps; MFU is model FLOP/s (training.metrics.
 flops_per_token: 6N + 12 x layers x width x context per token) over train.py's peak for the device and
-precision (training/device.py: a datasheet figure, train.peak_tflops, or a matmul peak measured here). Prints a table and writes JSON (--json).
+precision (training/device.py: a datasheet figure, train.peak_tflops, or a matmul peak measured here). Prints a
+table and writes JSON (--json).
 """
 import json
 import os
@@ -23,19 +24,18 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
+from benchmarks.report import at_least, environment, load_inputs, print_table, results_file, run_main, write_json  # noqa: E402
+from benchmarks.turns import timed_turns  # noqa: E402
+from common.checks import ToolParser  # noqa: E402
 from data.loader import TokenData  # noqa: E402
 from model import build_model, compile_blocks  # noqa: E402
-from training.failure import leave_process_group  # noqa: E402
-from common.checks import ToolParser  # noqa: E402
 from training.device import peak_flops  # noqa: E402
+from training.failure import leave_process_group  # noqa: E402
+from training.launcher_env import set_single_process_env  # noqa: E402
 from training.metrics import flops_per_token  # noqa: E402
 from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
 from training.steps import lm_loss, train_step  # noqa: E402
-from training.launcher_env import set_single_process_env  # noqa: E402
 from training.topology import resolve_layout  # noqa: E402
-from benchmarks.report import (at_least, environment, load_inputs, print_table, results_file, run_main,  # noqa: E402
-                               write_json)
-from benchmarks.turns import timed_turns  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -117,7 +117,6 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
         result[name] = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token(cfg.model) / peak,
                         "final_loss": sum(float(x) for x in losses[name][-5:]) / len(losses[name][-5:])}
     result["ratio"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
-    del engine, runners
     return result
 
 
@@ -151,7 +150,8 @@ def main() -> None:
     print(f"\n{args.config} with {args.ds_config} {' '.join(args.overrides)} on {report['device']}: "
           f"{args.steps} steps after {args.warmup} warm-up")
     rows = [[r["precision"], name, f"{r[name]['tokens_per_s']:,.0f}", f"{100 * r[name]['mfu']:.1f}%",
-             f"{r['peak_tflops']:.3f}", f"{r[name]['final_loss']:.4f}", f"{r['ratio']:.3f}" if name == "deepspeed" else ""]
+             f"{r['peak_tflops']:.3f}", f"{r[name]['final_loss']:.4f}",
+             f"{r['ratio']:.3f}" if name == "deepspeed" else ""]
             for r in results for name in ("deepspeed", "reference")]
     print_table(["precision", "engine", "tokens/s", "MFU", "matmul peak TFLOP/s", "loss (last 5 steps)",
                  "DeepSpeed / reference"], rows)

@@ -11,8 +11,19 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from model.config import ModelConfig
-from model.layers import (LMHead, SwiGLU, TokenEmbedding, apply_rope, causal_attention, init_weights, lm_head,
-                          merge_heads, rope_frequencies, rope_tables, split_heads)
+from model.layers import (
+    LMHead,
+    SwiGLU,
+    TokenEmbedding,
+    apply_rope,
+    causal_attention,
+    init_weights,
+    lm_head,
+    merge_heads,
+    rope_frequencies,
+    rope_tables,
+    split_heads,
+)
 
 
 class Attention(nn.Module):

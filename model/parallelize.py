@@ -5,13 +5,22 @@ Each layer is built whole from its seed, as at tp = 1, and then split: the split
 model/tensor_parallel.py take this rank's slice of the whole weights. So one seed gives the same full
 weights at every degree.
 """
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 import torch.nn as nn
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from common.checks import ConfigError
 from model.config import ModelConfig
-from model.tensor_parallel import (COLUMN, ROW, VOCAB, ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                   VocabParallelEmbedding, column_slice, copy_to_tensor_ranks)
+from model.tensor_parallel import (
+    COLUMN,
+    ROW,
+    VOCAB,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    column_slice,
+    copy_to_tensor_ranks,
+)
 
 # Per architecture, per layer class: the submodule (or parameter) at each path and how it splits. "" is the
 # layer itself. Attention splits by heads (q|k|v; under grouped-query attention query and key/value heads

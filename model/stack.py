@@ -7,8 +7,8 @@ weights and the same losses whatever the layout.
 """
 import torch
 import torch.nn as nn
-from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
 from deepspeed.runtime.zero import register_external_parameter
 
 

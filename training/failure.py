@@ -56,7 +56,8 @@ class JobStore:
 
     @staticmethod
     def key() -> str:
-        return f"megalite/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun restarts reuse the store
+        # torchrun's restarts reuse the store: each restart gets its own key.
+        return f"megalite/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     @staticmethod
     def client(timeout_s: float):

@@ -13,10 +13,10 @@ import torch
 from deepspeed.runtime.zero import GatheredParameters
 from safetensors import SafetensorError, safe_open
 
+from common.checks import ConfigError, existing_file, json_file
 from model import BLOCK_CLASS, build_model, layer_names, model_layers
 from model.config import ModelConfig
 from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
-from common.checks import ConfigError, existing_file, json_file
 
 SAME, TRANSPOSED, VOCAB = "same", "transposed", "vocab"
 ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}

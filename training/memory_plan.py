@@ -1,6 +1,6 @@
 """Per-GPU memory plan for a preset under each ds_config layout: model states plus activations.
 
-    python -m training.memory_plan --config configs/encoder_1b.yaml                 # every shipped ds_config, 1 and 8 GPUs
+    python -m training.memory_plan --config configs/encoder_1b.yaml  # every shipped ds_config, 1 and 8 GPUs
     python -m training.memory_plan --config configs/gpt2_1.5b.yaml --ds_config ds_configs/zero3.json --gpus 8
 
 Model states follow DeepSpeed's accounting for 16-bit mixed precision with AdamW, 20 bytes a parameter:
@@ -28,9 +28,9 @@ from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
+from common.checks import ToolParser
 from model import BLOCK_CLASS, model_layers
 from model.tensor_parallel import TensorParallel
-from common.checks import ToolParser
 from training.config import REPO_ROOT, load_ds_config, load_run_config
 from training.steps import LOSS_CHUNK_ROWS
 from training.topology import pipeline_settings, resolve_layout, stage_partition, tensor_parallel_size
@@ -41,7 +41,8 @@ GB = 2**30
 def layer_params(cfg, tp_size: int = 1) -> list[int]:
     """Parameters of each layer as one tensor-parallel rank holds them."""
     with torch.device("meta"):
-        return [sum(p.numel() for p in spec.build().parameters()) for spec in model_layers(cfg, TensorParallel(tp_size))]
+        specs = model_layers(cfg, TensorParallel(tp_size))
+        return [sum(p.numel() for p in spec.build().parameters()) for spec in specs]
 
 
 def layer_activation_bytes(cfg, tp_size: int = 1) -> float:
@@ -134,7 +135,8 @@ def main() -> None:
                 continue
             cpu = f" (+{p['cpu'] / GB:.0f} GB CPU)" if p["cpu"] else ""
             print(f"| {os.path.basename(path)} | {gpus} | {p['layout']} | {p['zero']} | {p['micro']} | "
-                  f"{p['params_per_gpu'] / 1e9:.2f}B | {p['states'] / GB:.1f} GB{cpu} | {p['activations'] / GB:.1f} GB | "
+                  f"{p['params_per_gpu'] / 1e9:.2f}B | {p['states'] / GB:.1f} GB{cpu} | "
+                  f"{p['activations'] / GB:.1f} GB | "
                   f"{p['total'] / GB:.1f} GB | {'yes' if p['total'] < 0.9 * args.gpu_gb * GB else 'no'} |")
 
 

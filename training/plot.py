@@ -16,8 +16,8 @@ import sys
 
 if __package__ in (None, ""):  # `python training/plot.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from data.writer import write_atomic  # noqa: E402
 from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, new_output  # noqa: E402
+from data.writer import write_atomic  # noqa: E402
 
 
 class PlotError(ValueError):
