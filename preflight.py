@@ -20,12 +20,11 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from data.loader import TokenData
 from common.checks import ConfigError, ToolParser
-from training.config import load_ds_config, load_run_config, parse_args, split_overrides
+from data.loader import TokenData
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
-from training.launcher_env import set_distributed_env
-from training.topology import describe_hosts, pipeline_settings, resolve_layout, tensor_parallel_size
+from training.startup import configure, load_configs
+from training.topology import describe_hosts
 
 PROBE_DIR = ".preflight"
 BANDWIDTH_MB = {True: 256, False: 16}  # the all-reduce measured on GPUs (NCCL-tests' large-message range) and CPUs
@@ -39,15 +38,10 @@ def main(argv=None) -> None:
     if not preflight_args.min_busbw >= 0:  # NaN included
         raise ConfigError(f"--min_busbw {preflight_args.min_busbw}: must be >= 0 (GB/s; 0 never warns); fix: pass the "
                           f"bus bandwidth below which to warn, e.g. --min_busbw 10")
-    args = parse_args(rest)
-    run_overrides, ds_overrides = split_overrides(args.overrides)
-    cfg = load_run_config(args.config, run_overrides)
-    ds = load_ds_config(args.ds_config, ds_overrides)
-    set_distributed_env()
-    world = int(os.environ["WORLD_SIZE"])
-    layout = resolve_layout(ds, world, pipeline_settings(ds).stages, tensor_parallel_size(ds))
-
-    get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # before the process group: NCCL binds to it
+    # train.py's start-up, up to what needs the dataset (every rank reports on it below) or a checkpoint
+    cfg, ds = load_configs(rest)
+    layout = configure(cfg, ds).engine.layout
+    world = layout.world_size
     PHASE.now(f"joining the process group (world {world})")
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
     JOB.watch()

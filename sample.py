@@ -9,11 +9,11 @@ import sys
 
 import torch
 
+from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.tokenizers import TokenizerError, sampling_start, tokenizer_from_meta
 from model import build_model
 from model.generate import generate
 from training import checkpoint
-from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.export import consolidated_state_dict, load_export, run_dataset, run_model
 
 

@@ -15,7 +15,6 @@ Tokens are read with pread, not a long-lived memmap, so the process's resident m
 with the steps (nanoGPT #287).
 """
 import hashlib
-import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -23,18 +22,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from common.checks import ConfigError
 from data.prepare import read_meta
 from data.sampler import Blend, Epochs
 from data.tokenizers import TokenizerError, tokenizer_from_meta
-from common.checks import ConfigError
 
-LOADER_KEYS = ("dtype", "train_tokens", "val_tokens", "max_token_id")  # beside what every reader needs (check_meta)
+# What the loader reads from meta.json, beside what every reader needs (check_meta).
+LOADER_KEYS = ("dtype", "train_tokens", "val_tokens", "max_token_id", "tokenizer_fingerprint")
 EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val losses compare
 IGNORE = -100  # target of a padding row: F.cross_entropy's ignore_index
 
 
 class Dataset:
-    """One prepared dataset: meta.json, <split>.bin (and, from format 2, <split>.idx, the tokenizer)."""
+    """One prepared dataset: meta.json, <split>.bin and <split>.idx, the tokenizer's files."""
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int):
         self.dir, self.block_size = data_dir, block_size
@@ -82,10 +82,6 @@ class Dataset:
             os.close(fd)
         return np.frombuffer(body, dtype=self.dtype).reshape(len(starts), -1).astype(np.int64)
 
-    def tokenizer_fingerprint(self) -> str:
-        return self.meta.get("tokenizer_fingerprint") or json.dumps(
-            [self.meta["tokenizer"], self.meta.get("chars"), self.meta.get("encoding")])
-
 
 class TokenData:
     """data.dir, or the blend data.sources ([{dir, weight}, ...]) of datasets with one tokenizer."""
@@ -94,13 +90,14 @@ class TokenData:
         sources = [(s["dir"], s["weight"]) if isinstance(s, dict) else (s.dir, s.weight) for s in sources]
         for i, (path, weight) in enumerate(sources):
             if not path:
-                raise ConfigError(f"data.sources[{i}] has no dir: give each source {{dir: PREPARED_DATASET, weight: W}}")
+                raise ConfigError(f"data.sources[{i}] has no dir: give each source {{dir: PREPARED_DATASET, "
+                                  f"weight: W}}")
             if not weight > 0:
                 raise ConfigError(f"data.sources[{i}] ({path}) has weight {weight}: weights must be positive; "
                                   f"remove the source to leave it out of the blend")
         self.datasets = [Dataset(path, tokenizer, block_size) for path, _ in sources or [(data_dir, 1.0)]]
         self.weights = [w for _, w in sources] or [1.0]
-        fingerprints = {d.tokenizer_fingerprint() for d in self.datasets}
+        fingerprints = {d.meta["tokenizer_fingerprint"] for d in self.datasets}
         if len(fingerprints) > 1:
             names = ", ".join(f"{d.dir}: {d.meta['tokenizer']}, {d.meta['vocab_size']:,} ids" for d in self.datasets)
             raise ConfigError(f"the sources of data.sources were prepared with different tokenizers ({names}): "
@@ -196,9 +193,8 @@ class TokenData:
         return {"sources": [{"dir": d.dir, "dataset": d.id, "tokenizer": d.meta["tokenizer"], "weight": w}
                             for d, w in zip(self.datasets, self.weights)]}
 
-    def check_resume(self, saved: dict | None, allow_changed: bool) -> None:
-        if not saved:
-            return  # a checkpoint from before the data record: nothing to compare
+    def check_resume(self, saved: dict, allow_changed: bool) -> None:
+        """Refuse to resume a checkpoint whose record() differs from this data's, unless allowed."""
         now = self.record()["sources"]
         changes = []
         if len(saved["sources"]) != len(now):

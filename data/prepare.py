@@ -8,7 +8,7 @@
 Inputs and tokenizers: see data/readers.py and data/tokenizers.py. Each document goes to val when a hash of
 its text falls below --val_fraction (so the split does not depend on the order of the inputs), and ends
 with the end-of-text token. A single text file without --split_blank_lines is one document: it is split
-90/10 by characters as before, with no delimiter, so the quickstart's data does not change.
+90/10 by characters, with no delimiter (the quickstart's data: nanoGPT's shakespeare_char split).
 
 The inputs are cut into pieces (files, 16 MB ranges of JSONL, Parquet row groups) that --workers processes
 tokenize, each streaming its piece in batches into its own shard: memory is bounded by the chunk, not the
@@ -28,14 +28,14 @@ import urllib.request
 
 if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, writable_dir
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import CharTokenizer, TokenizerError, parse_spec, tokenizer_from_meta, train_bpe
 from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic
-from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, writable_dir
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TRAIN_FRACTION = 0.9  # the single-document split
-FORMAT = 2  # 1: train.bin/val.bin of one text (still read); 2: + document index and tokenizer files
+FORMAT = 2  # meta.json's "format": train/val tokens, document index and tokenizer files; only this one is read
 BATCH_CHARS = 1 << 22  # characters tokenized at once by a worker: its memory bound
 WORKSPACE = ".prepare"
 
@@ -72,10 +72,10 @@ def check_meta(meta: dict, where: str, fix: str) -> dict:
     what its readers need: the tokenizer, the vocabulary size and, for characters, the characters."""
     if not isinstance(meta, dict):
         raise ConfigError(f"{where} is not a JSON object; fix: {fix}")
-    version = meta.get("format", 1)  # the meta.json of format 1 has no "format"
-    if version not in range(1, FORMAT + 1):
-        raise ConfigError(f"{where} is of format {version!r}, this version reads 1 to {FORMAT} (written by another "
-                          f"version of data.prepare); fix: {fix}")
+    version = meta.get("format", 1)  # format 1, the first, wrote no "format"
+    if version != FORMAT:
+        raise ConfigError(f"{where} is of format {version!r}, this version reads format {FORMAT} only (written by "
+                          f"another version of data.prepare); fix: {fix}")
     needed = ("tokenizer", "vocab_size") + (("chars",) if meta.get("tokenizer") == "char" else ())
     missing = [key for key in needed if key not in meta]
     if missing:
@@ -156,7 +156,7 @@ def _workspace(out_dir: str, job: str) -> str:
 
 
 def _prepare_single(path: str, kind: str, ready, workspace: str):
-    """One document: 90/10 by characters, no delimiter (the quickstart's dataset, unchanged)."""
+    """One document: 90/10 by characters, no delimiter (the quickstart's dataset, as nanoGPT's shakespeare_char)."""
     text = next(documents(Piece(path, "txt")), "")
     if not text:
         raise InputError(f"input {path} is empty: pass a file with text")

@@ -141,8 +141,8 @@ def _decode(body: bytes, path: str) -> str:
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{path} (byte {e.start}) is not UTF-8 ({e.reason}): convert the file to UTF-8 (e.g. iconv -f latin1 "
-                         f"-t utf-8) or leave it out of --input") from None
+        raise InputError(f"{path} (byte {e.start}) is not UTF-8 ({e.reason}): convert the file to UTF-8 (e.g. iconv "
+                         f"-f latin1 -t utf-8) or leave it out of --input") from None
 
 
 def _open_lines(piece: Piece):
@@ -208,21 +208,25 @@ def _jsonl(piece: Piece, text_key: str):
             position += len(raw)
             if not raw.strip():
                 continue
-            where = lambda: f"{piece.path}, line {_line_number(piece, first) + index}"  # counted only on error
             try:
                 record = json.loads(raw)
             except UnicodeDecodeError as e:
-                raise InputError(f"{where()} is not UTF-8 ({e.reason}): convert the file to UTF-8 (e.g. iconv -f "
-                                 f"latin1 -t utf-8) or leave it out of --input") from None
+                raise InputError(f"{_where(piece, first, index)} is not UTF-8 ({e.reason}): convert the file to "
+                                 f"UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of --input") from None
             except json.JSONDecodeError as e:
-                raise InputError(f"{where()}: not a JSON record ({e.msg}): fix or remove the line "
+                raise InputError(f"{_where(piece, first, index)}: not a JSON record ({e.msg}): fix or remove the line "
                                  f"(each line of a .jsonl file must be one JSON object)") from None
             text = record.get(text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                raise InputError(f"{where()}: no text field {text_key!r} (record keys: {keys}): "
+                raise InputError(f"{_where(piece, first, index)}: no text field {text_key!r} (record keys: {keys}): "
                                  f"name the field with --text_key")
             yield text
+
+
+def _where(piece: Piece, first: int, index: int) -> str:
+    """A line of a JSONL piece, for a message: the line is counted only then (it reads the file up to it)."""
+    return f"{piece.path}, line {_line_number(piece, first) + index}"
 
 
 def _line_number(piece: Piece, offset: int) -> int:
@@ -245,14 +249,15 @@ def _parquet_file(path: str):
     try:
         return pq.ParquetFile(path)
     except Exception as e:
-        raise InputError(f"{path} is not a readable Parquet file ({e}): re-export it or leave it out of --input") from None
+        raise InputError(f"{path} is not a readable Parquet file ({e}): re-export it or leave it out of "
+                         f"--input") from None
 
 
 def _parquet(piece: Piece, text_key: str):
     parquet = _parquet_file(piece.path)
     if text_key not in parquet.schema_arrow.names:
-        raise InputError(f"{piece.path}: no text column {text_key!r} (columns: {', '.join(parquet.schema_arrow.names)}): "
-                         f"name the column with --text_key")
+        raise InputError(f"{piece.path}: no text column {text_key!r} (columns: "
+                         f"{', '.join(parquet.schema_arrow.names)}): name the column with --text_key")
     for batch in parquet.iter_batches(batch_size=4096, row_groups=[piece.start], columns=[text_key]):
         yield from (t for t in batch.column(0).to_pylist() if t)
 

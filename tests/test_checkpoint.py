@@ -83,14 +83,16 @@ def assert_resumed(proc, out_dir, tag_dir, step=3, last=6):
 def universal_copy(source_run, destination) -> str:
     """The step-3 checkpoint of a run, converted with `python -m training.checkpoint universal`."""
     shutil.copytree(source_run / "checkpoints", destination / "checkpoints")
-    run([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", str(destination), "--tag", "step_000003"])
+    run([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", str(destination),
+         "--tag", "step_000003"])
     return str(destination / "checkpoints" / "step_000003_universal")
 
 
 @pytest.fixture(scope="module")
 def pp2_dp2(tmp_path_factory, char_data):
     out = tmp_path_factory.mktemp("pp2_dp2")
-    launch(4, "pipe2.json", out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"])
+    launch(4, "pipe2.json", out, char_data,
+           [*RUN, "ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"])
     return out
 
 
@@ -201,7 +203,8 @@ def test_other_architecture_is_refused(damaged, char_data):
 
 def test_missing_tag_lists_the_complete_ones(damaged, char_data):
     assert ("train.resume=step_000099: no such checkpoint. Complete ones in "
-            f"{damaged}/checkpoints: step_000002, step_000004") in resume_fails(damaged, char_data, "train.resume=step_000099")
+            f"{damaged}/checkpoints: step_000002, step_000004") in resume_fails(damaged, char_data,
+                                                                                "train.resume=step_000099")
 
 
 def test_truncated_file_is_reported_corrupt(damaged, char_data):
@@ -221,6 +224,21 @@ def test_missing_zero_shard_is_an_error_not_a_warning(damaged, char_data):
 def test_fresh_start_never_overwrites_checkpoints(damaged, char_data):
     assert "already holds checkpoints (newest: step_000004); a fresh run would overwrite them" in \
         resume_fails(damaged, char_data, "train.resume=none")
+
+
+def test_a_checkpoint_of_an_earlier_version_is_refused_not_converted(damaged, char_data):
+    """A layout saved before tensor parallelism (no "tp"): one line that says what it is and what to do."""
+    tag = damaged / "checkpoints" / "step_000004"
+    state = json.loads((tag / "run_state.json").read_text())
+    del state["layout"]["tp"]
+    (tag / "run_state.json").write_text(json.dumps(state))
+    manifest = json.loads((tag / "manifest.json").read_text())
+    manifest["files"]["run_state.json"] = (tag / "run_state.json").stat().st_size
+    (tag / "manifest.json").write_text(json.dumps(manifest))
+    assert (f"error: checkpoint run state {tag}/run_state.json lacks layout.tp: it was saved by an earlier version of "
+            f"this repo, which this one does not read; fix: resume or export it with that version (python -m "
+            f"training.export), then start from the export with train.init_from=EXPORT_DIR\n") in resume_fails(damaged,
+                                                                                                    char_data)
 
 
 def test_other_layout_without_universal_format_says_how_to_convert(straight, tmp_path, char_data):

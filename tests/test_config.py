@@ -4,11 +4,15 @@ import json
 import os
 
 import pytest
+import torch
 
-from conftest import REPO, launch, train_py
 from common.checks import ConfigError
-from training.config import load_ds_config, load_run_config, split_overrides
+from conftest import REPO, launch, train_py
+from training.config import DEFAULT_CONFIG, load_ds_config, load_run_config, split_overrides
+from training.startup import effective_ds_config
 from training.topology import resolve_layout
+
+CPU = torch.device("cpu")
 
 DS_CONFIGS = sorted(glob.glob(os.path.join(REPO, "ds_configs", "*.json")))
 PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
@@ -123,11 +127,30 @@ def test_missing_files_name_where_to_look():
     ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 8, 2, (2, 2, 16)),
 ])
 def test_batch_triple_is_derived(given, world, pp, expected):
-    ds = dict(given)
-    layout = resolve_layout(ds, world, pp)
+    ds = {**given, "pipeline": {"stages": pp}}
+    engine = effective_ds_config(ds, load_run_config(DEFAULT_CONFIG, []), world, CPU)
+    layout = engine.layout
     assert (layout.micro_batch, layout.grad_accum, layout.global_batch) == expected
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == expected
+    assert (engine.ds["train_micro_batch_size_per_gpu"], engine.ds["gradient_accumulation_steps"],
+            engine.ds["train_batch_size"]) == expected
     assert layout.dp == world // pp
+    assert ds == {**given, "pipeline": {"stages": pp}}  # the loaded ds_config is left as it is
+
+
+def test_the_effective_ds_config_is_assembled_in_one_place():
+    """The loaded ds_config, untouched, and what DeepSpeed gets: the triple, bf16 "auto" resolved, the run's
+    optimizer and schedule, universal loading for a universal checkpoint."""
+    cfg = load_run_config(DEFAULT_CONFIG, ["optim.lr=1e-3"])
+    ds = load_ds_config(os.path.join(REPO, "ds_configs", "zero1.json"), [])
+    loaded = json.loads(json.dumps(ds))
+    engine = effective_ds_config(ds, cfg, 2, CPU, load_universal=True)
+    assert ds == loaded
+    assert engine.ds["bf16"]["enabled"] is (engine.dtype == torch.bfloat16)
+    assert engine.ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * engine.layout.grad_accum * 2
+    assert engine.ds["optimizer"]["params"]["lr"] == 1e-3 and engine.ds["scheduler"]["type"] == "WarmupCosineLR"
+    assert engine.ds["checkpoint"] == {"load_universal": True}
+    assert engine.layout_record() == {"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1}
+    assert "checkpoint" not in effective_ds_config(ds, cfg, 2, CPU).ds
 
 
 def test_impossible_batch_triple_names_all_four_numbers():
@@ -161,7 +184,8 @@ def test_cli_fp16_on_cpu_is_refused(char_data, tmp_path):
 def test_cli_missing_data_says_how_to_prepare(tmp_path):
     proc = cli(f"data.dir={tmp_path}/none", f"train.out_dir={tmp_path}")
     assert_fails_before_training(proc, f"no prepared dataset in {tmp_path}/none (meta.json missing); prepare it "
-                                       f"with: python -m data.prepare --input PATH/TO/text.txt --out_dir {tmp_path}/none")
+                                       f"with: python -m data.prepare --input PATH/TO/text.txt --out_dir "
+                                       f"{tmp_path}/none")
 
 
 def test_cli_compile_with_pipeline_stages_is_refused(char_data, tmp_path):

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from common.checks import ConfigError
 from conftest import run
 from corpora import byte_level_encoding, prepare_blend_sources
 from data.loader import IGNORE, TokenData, prefetched
 from data.prepare import prepare
 from data.sampler import Blend
-from data.tokenizers import CharTokenizer, TiktokenTokenizer, tokenizer_from_meta
-from common.checks import ConfigError
+from data.tokenizers import CharTokenizer, TiktokenTokenizer
 from training.topology import Layout
 
 CPU = torch.device("cpu")
@@ -26,7 +26,8 @@ def test_char_dataset_meta_and_split(char_data, shakespeare_path):
     assert meta["tokenizer"] == "char" and meta["vocab_size"] == 65 and meta["dtype"] == "uint16"
     assert meta["train_tokens"] == int(len(text) * 0.9) and meta["train_tokens"] + meta["val_tokens"] == len(text)
     tokenizer = CharTokenizer(meta["chars"])
-    tokens = np.concatenate([np.fromfile(os.path.join(char_data, f"{s}.bin"), dtype=np.uint16) for s in ("train", "val")])
+    tokens = np.concatenate([np.fromfile(os.path.join(char_data, f"{s}.bin"), dtype=np.uint16)
+                             for s in ("train", "val")])
     assert tokenizer.decode(tokens.tolist()) == text
     assert meta["max_token_id"] == tokens.max() == 64
 
@@ -48,8 +49,9 @@ def test_single_text_with_a_bpe_keeps_the_90_10_split(tmp_path, shakespeare_path
     assert tokenizer.decode(ids[0]) == text[:18000] and tokenizer.decode(ids[1]) == text[18000:]
 
 
-def test_a_dataset_in_the_old_format_still_loads(tmp_path, shakespeare_path):
-    """train.bin / val.bin and the meta.json that data.prepare wrote before document indexes existed."""
+def test_a_dataset_of_format_1_is_refused_with_the_command_that_prepares_it_again(tmp_path, shakespeare_path):
+    """train.bin / val.bin and the meta.json of data.prepare's first format (no "format", no document index):
+    refused, not read, with one line that says how to prepare the dataset again."""
     text = open(shakespeare_path, encoding="utf-8").read()
     tokenizer = CharTokenizer.from_text(text)
     split = int(len(text) * 0.9)
@@ -59,10 +61,12 @@ def test_a_dataset_in_the_old_format_still_loads(tmp_path, shakespeare_path):
     meta = {"tokenizer": "char", "vocab_size": 65, "max_token_id": 64, "dtype": "uint16", "train_tokens": split,
             "val_tokens": len(text) - split, "source": "x", "source_sha256": "0" * 64, "chars": tokenizer.chars}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    data = TokenData(str(tmp_path), "char", 16)
-    inputs, _ = data.train_batch(0, 1, 0, 0, Layout(1, 1, 4, 1), CPU)
-    assert inputs.shape == (4, 16)
-    assert tokenizer_from_meta(data.meta).decode(inputs[0].tolist()) in text
+    with pytest.raises(ConfigError) as caught:
+        TokenData(str(tmp_path), "char", 16)
+    assert str(caught.value) == (f"dataset meta {tmp_path}/meta.json is of format 1, this version reads format 2 only "
+                                 f"(written by another version of data.prepare); fix: prepare the dataset again with: "
+                                 f"python -m data.prepare --tokenizer char --input PATH/TO/text.txt --out_dir "
+                                 f"{tmp_path}")
 
 
 LAYOUT_DP2 = Layout(world_size=2, pipeline_stages=1, micro_batch=3, grad_accum=2)
@@ -179,7 +183,8 @@ def test_a_tiny_source_wraps_into_new_epochs(blend_sources):
         part = starts[epoch * windows: (epoch + 1) * windows]
         offset = part.min()
         assert 0 <= offset < 16 and np.array_equal(np.sort(part) - offset, np.arange(windows) * 16)
-    assert not np.array_equal(starts[:windows] - starts[:windows].min(), starts[windows: 2 * windows] - starts[windows: 2 * windows].min())
+    first, second = starts[:windows], starts[windows: 2 * windows]
+    assert not np.array_equal(first - first.min(), second - second.min())
     used = data.epochs_used(steps * 16)
     assert used["epochs_docs_data"] == pytest.approx(steps * 8 / windows, abs=1e-6) and used["epochs_docs_data"] > 3
     assert used["epochs_plays_data"] < 1
@@ -267,14 +272,17 @@ BAD_META = [
     ("{not json", "dataset meta {path} is not JSON"),
     ("[1, 2]", "dataset meta {path} holds a JSON list, not an object"),
     ('{"format": 9, "tokenizer": "char", "vocab_size": 65, "chars": []}', "dataset meta {path} is of format 9, this "
-                                                                         "version reads 1 to 2"),
+                                                                         "version reads format 2 only"),
+    ('{"format": 1, "tokenizer": "char", "vocab_size": 65, "chars": []}', "dataset meta {path} is of format 1, this "
+                                                                         "version reads format 2 only"),
     ('{"format": 2, "tokenizer": "char", "vocab_size": 65}', "dataset meta {path} lacks chars"),
     ('{"format": 2, "tokenizer": "gpt2", "vocab_size": 50257}', "dataset meta {path} lacks dtype, train_tokens, "
                                                                 "val_tokens, max_token_id"),
 ]
 
 
-@pytest.mark.parametrize("text,message", BAD_META, ids=["empty", "not-json", "list", "format", "chars", "loader-keys"])
+@pytest.mark.parametrize("text,message", BAD_META, ids=["empty", "not-json", "list", "format", "format-1", "chars",
+                                                       "loader-keys"])
 def test_a_meta_json_that_is_not_a_datasets_is_refused(tmp_path, char_data, text, message):
     broken = copy_dataset(char_data, tmp_path / "broken")
     path = os.path.join(broken, "meta.json")

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from training import device as dev
 from common.checks import ConfigError
+from training import device as dev
 
 
 @pytest.mark.parametrize("name,dtype,tf32,tflops", [
@@ -44,13 +44,18 @@ def test_an_emulated_bf16_cpu_is_measured_against_its_fp32_peak(monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_bf16_auto_follows_the_device_and_is_written_back(monkeypatch, native):
+def test_bf16_auto_follows_the_device_and_is_written_into_the_effective_ds_config(monkeypatch, native):
+    from training.config import DEFAULT_CONFIG, load_run_config
+    from training.startup import effective_ds_config
     monkeypatch.setattr(dev, "native_bf16", lambda device: native)
-    ds = {"bf16": {"enabled": "auto"}}
+    ds = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": 1}
     dtype, note = dev.compute_dtype(ds, torch.device("cpu"))
-    assert ds["bf16"]["enabled"] is native and dtype == (torch.bfloat16 if native else torch.float32)
+    assert dtype == (torch.bfloat16 if native else torch.float32)
     assert note == (None if native else "bf16 auto: fp32, since this cpu has no bf16 arithmetic (set "
                                         "ds.bf16.enabled=true to force it)")
+    engine = effective_ds_config(ds, load_run_config(DEFAULT_CONFIG, []), 1, torch.device("cpu"))
+    assert engine.ds["bf16"]["enabled"] is native and engine.dtype == dtype and engine.precision_note == note
+    assert ds["bf16"]["enabled"] == "auto"  # the loaded ds_config is left as it is
 
 
 def test_bf16_by_name_is_refused_on_a_gpu_that_emulates_it_and_warned_on_a_cpu(monkeypatch):

@@ -67,11 +67,13 @@ def test_checkpoint_pickling_an_arbitrary_object_is_refused(bf16_run, tmp_path, 
     saved = checkpoint.load_state_file(str(path))
     torch.save({**saved, "client_state": RunsCode(str(marker))}, path)
     checkpoint.mark_complete(str(tag_dir), json.loads((tag_dir / "run_state.json").read_text()))  # sizes match
-    expected = f"checkpoint file {path} pickles posix.system, which is not a tensor or a setting DeepSpeed saves: refused"
+    expected = (f"checkpoint file {path} pickles posix.system, which is not a tensor or a setting DeepSpeed saves: "
+                f"refused")
     for cmd in ([sys.executable, "-m", "training.export", "--out_dir", str(copy)],
                 [sys.executable, "sample.py", "--out_dir", str(copy)],
                 ["train.py", f"train.out_dir={copy}", f"data.dir={char_data}", *TINY, "train.max_steps=6"]):
-        proc = train_py(cmd[1:], check=False, timeout=120) if cmd[0] == "train.py" else run(cmd, check=False, timeout=120)
+        proc = (train_py(cmd[1:], check=False, timeout=120) if cmd[0] == "train.py"
+                else run(cmd, check=False, timeout=120))
         assert proc.returncode == 2 and expected in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
     with pytest.raises(Exception, match="Weights only load failed"):  # and our loader alone refuses it too

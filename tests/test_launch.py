@@ -68,11 +68,13 @@ def test_two_launchers_without_ssh_train_like_one(tmp_path, char_data, one_launc
 def test_preflight_fails_ranks_that_share_a_gpu():
     from preflight import shared_devices
     gpu = "cuda:{} (NVIDIA H100 80GB HBM3, GPU-{}, NCCL 2.21.5)"
-    reports = [{"rank": 0, "host": "a", "device": gpu.format(0, "aaa")}, {"rank": 1, "host": "a", "device": gpu.format(0, "aaa")},
-               {"rank": 2, "host": "b", "device": gpu.format(0, "aaa")}, {"rank": 3, "host": "b", "device": gpu.format(1, "bbb")},
+    reports = [{"rank": 0, "host": "a", "device": gpu.format(0, "aaa")},
+               {"rank": 1, "host": "a", "device": gpu.format(0, "aaa")},
+               {"rank": 2, "host": "b", "device": gpu.format(0, "aaa")},
+               {"rank": 3, "host": "b", "device": gpu.format(1, "bbb")},
                {"rank": 4, "host": "c", "device": "cpu"}, {"rank": 5, "host": "c", "device": "cpu"}]
-    assert shared_devices(reports) == [("GPU shared by ranks [0, 1]: give each rank its own GPU (--num_gpus, --include, "
-                                        "or CUDA_VISIBLE_DEVICES)", [0, 1])]
+    assert shared_devices(reports) == [("GPU shared by ranks [0, 1]: give each rank its own GPU (--num_gpus, "
+                                        "--include, or CUDA_VISIBLE_DEVICES)", [0, 1])]
 
 
 def test_a_failed_rank_whose_connections_stay_open_stops_every_node_within_seconds(tmp_path, char_data):
@@ -89,8 +91,8 @@ def test_a_failed_rank_whose_connections_stay_open_stops_every_node_within_secon
     assert code0 != 0 and code1 != 0
     assert "failed while training step 3: RuntimeError: injected failure on rank 2" in node1
     for rank in (0, 1):
-        assert re.search(rf"error: rank {rank} \(.*\) stopped by the job's abort \(rank [23] \(.*\) failed while training "
-                         rf"step 3\) while training step 3", node0), node0[-3000:]
+        assert re.search(rf"error: rank {rank} \(.*\) stopped by the job's abort \(rank [23] \(.*\) failed while "
+                         rf"training step 3\) while training step 3", node0), node0[-3000:]
     assert elapsed < 120, f"the job took {elapsed:.0f} s"
 
 
@@ -147,7 +149,8 @@ def loopback_sshd(tmp_path):
             "sshd needs /run/sshd, which only root can create here")
     port = free_port()
     server = subprocess.Popen([sshd, "-D", "-e", "-f", "/dev/null", "-p", str(port), "-o", "ListenAddress=127.0.0.1",
-                               "-o", f"HostKey={keys / 'host_key'}", "-o", f"AuthorizedKeysFile={keys / 'authorized_keys'}",
+                               "-o", f"HostKey={keys / 'host_key'}",
+                               "-o", f"AuthorizedKeysFile={keys / 'authorized_keys'}",
                                "-o", "StrictModes=no", "-o", "PasswordAuthentication=no"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 20

@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from conftest import BF16, FP32, launch, metrics, train_losses, grad_norms
+from common.checks import ConfigError
+from conftest import BF16, FP32, grad_norms, launch, metrics, train_losses
 from model import BLOCK_CLASS, model_layers
 from model.config import ModelConfig
-from common.checks import ConfigError
 from training.topology import Layout, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
@@ -137,7 +137,10 @@ def test_memory_plan_model_states():
     with __import__("torch").device("meta"):
         from model import build_model
         n = sum(p.numel() for p in build_model(cfg).parameters())  # the tied head counted once
-    zero = lambda stage: {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+
+    def zero(stage: int) -> dict:
+        return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+
     assert plan(cfg, zero(0), 1)["states"] == 20 * n  # 16-bit weights + grads, fp32 grads, master, Adam moments
     assert plan(cfg, zero(1), 4)["states"] == 4 * n + 16 * n / 4
     assert plan(cfg, zero(2), 4)["states"] == 2 * n + int(18 * n / 4)  # DeepSpeed's own estimator

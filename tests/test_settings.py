@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
+from common.checks import ConfigError
 from conftest import REPO, train_py
 from data.tokenizers import CharTokenizer
-from common.checks import ConfigError
 from training.config import load_ds_config, load_run_config, parse_args
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
@@ -42,7 +42,8 @@ BAD_SETTINGS = [
     (["model.rope_original_context=0"], "model.rope_original_context=0: must be >= 1"),
     (["data.dir=''"], "data.dir='': must not be empty; fix: set data.dir"),
     (["data.dir=" + os.path.join(REPO, "README.md")], "data.dir='" + os.path.join(REPO, "README.md") + "': must be "
-                                                      "a directory, but it is a file; fix: point data.dir at a directory"),
+                                                      "a directory, but it is a file; fix: point data.dir at a "
+                                                      "directory"),
     (["data.tokenizer=''"], "data.tokenizer='': must not be empty"),
     (["optim.lr=-1e-3"], "optim.lr=-0.001: must be > 0"),
     (["optim.lr=0"], "optim.lr=0.0: must be > 0"),
@@ -99,8 +100,8 @@ def test_the_table_covers_every_setting():
     from dataclasses import fields
 
     from training.config import RunConfig
-    no_range = {"model.bias", "model.tie_embeddings", "train.compile", "train.tf32",  # booleans: the type is the whole check
-                "data.allow_changed"}
+    # Booleans: the type is the whole check.
+    no_range = {"model.bias", "model.tie_embeddings", "train.compile", "train.tf32", "data.allow_changed"}
     no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
     tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
     settings = {f"{section.name}.{f.name}" for section in fields(RunConfig) for f in fields(section.type)}
@@ -145,20 +146,20 @@ def test_config_files_may_come_anywhere_among_the_overrides():
 
 
 def test_prompt_outside_the_vocabulary_is_refused_at_start():
-    import train
+    from training import startup
     tokenizer = CharTokenizer(list("\n abc"))
-    assert train.encode_prompt("ab c", tokenizer) == ([2, 3, 1, 4], None)
+    assert startup.encode_prompt("ab c", tokenizer) == ([2, 3, 1, 4], None)
     with pytest.raises(ConfigError, match=r"sample.prompt='abé' does not encode with the dataset's char tokenizer: "
                                           r"character 'é' is not in this dataset's vocabulary; fix: use characters"):
-        train.encode_prompt("abé", tokenizer)
+        startup.encode_prompt("abé", tokenizer)
 
 
 @pytest.mark.parametrize("delimiter", ["<|endoftext|>", "<s>"])
 def test_a_prompt_that_encodes_to_nothing_starts_from_the_document_delimiter(delimiter):
     """A whitespace-splitting tokenizer encodes the default prompt, a newline, to no tokens: the sample starts from
     the token that separates documents, end-of-text or (a tokenizer with only that) begin-of-text."""
-    import train
     from corpora import word_level_tokenizer
+    from training import startup
     tokenizer = word_level_tokenizer(["to be or not to be"])
     if delimiter == "<s>":  # the same words behind a begin-of-text token only, as Llama-2's tokenizer has
         from tokenizers import Tokenizer, models, pre_tokenizers
@@ -168,20 +169,20 @@ def test_a_prompt_that_encodes_to_nothing_starts_from_the_document_delimiter(del
         inner.pre_tokenizer = pre_tokenizers.Whitespace()
         tokenizer = HFTokenizer(inner, "tokenizer.json")
     start = tokenizer.tokenizer.token_to_id(delimiter)
-    assert train.encode_prompt("\n", tokenizer) == ([start], f"the prompt '\\n' encodes to no tokens with the dataset's "
-                                                    f"tokenizer.json tokenizer: the sample starts from its document "
-                                                    f"delimiter {delimiter!r} (id {start})")
-    assert train.encode_prompt("to be", tokenizer)[1] is None
+    assert startup.encode_prompt("\n", tokenizer) == ([start], f"the prompt '\\n' encodes to no tokens with the "
+                                                      f"dataset's tokenizer.json tokenizer: the sample starts from its "
+                                                      f"document delimiter {delimiter!r} (id {start})")
+    assert startup.encode_prompt("to be", tokenizer)[1] is None
 
 
 def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):
     """What the range checks miss still stops at start, before any process: torch's own assertion here."""
-    import train
-    monkeypatch.setattr(train, "build_model", lambda model_cfg: torch.nn.MultiheadAttention(33, 2))
+    from training import startup
+    monkeypatch.setattr(startup, "build_model", lambda model_cfg: torch.nn.MultiheadAttention(33, 2))
     cfg = load_run_config(QUICKSTART, ["model.vocab_size=65"])
     with pytest.raises(ConfigError, match=r"the model.\* settings do not build a model \(AssertionError: embed_dim "
                                           r"must be divisible by num_heads\)"):
-        train.count_parameters(cfg)
+        startup.count_parameters(cfg)
 
 
 def train_py_as_typed(*args):
@@ -285,5 +286,6 @@ def test_the_ds_number_table_covers_the_keys_the_layout_reads():
     """topology.py reads these without checking their types: their one check is DS_NUMBERS."""
     from training.config import DS_NUMBERS
     from training.topology import ACCUM, GLOBAL, MICRO, TP_KEY
-    assert {MICRO, ACCUM, GLOBAL, TP_KEY, "pipeline.stages", "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)
+    assert {MICRO, ACCUM, GLOBAL, TP_KEY, "pipeline.stages",
+            "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)
     assert {row[0].split("=")[0] for row in BAD_DS_NUMBERS} == set(DS_NUMBERS)

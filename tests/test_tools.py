@@ -128,6 +128,11 @@ def not_torch(run_dir):
     path.write_bytes(b"\0" * path.stat().st_size)  # the size the manifest holds
 
 
+# The model settings that came with Llama: a checkpoint saved before it lacks them.
+LLAMA_SETTINGS = ("arch", "n_kv_head", "norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor",
+                  "rope_high_freq_factor", "rope_original_context", "tie_embeddings")
+
+
 def dataset_of_another_version(state, run_dir):
     (run_dir / "data").mkdir()
     (run_dir / "data" / "meta.json").write_text(json.dumps({"format": 3, "tokenizer": "char", "vocab_size": 65}))
@@ -172,7 +177,17 @@ CHECKPOINTS = [
      "(data.dir) {run}/moved does not exist; fix: run this from the folder the run was started in, or prepare its "
      "dataset again", "export sample"),
     ("dataset-of-another-version", run_state(dataset_of_another_version), "dataset meta {run}/data/meta.json is of "
-     "format 3, this version reads 1 to 2 (written by another version of data.prepare)", "export sample"),
+     "format 3, this version reads format 2 only (written by another version of data.prepare)", "export sample"),
+    # Checkpoints of earlier versions: refused, not converted (no release ever wrote them).
+    ("before-llama", run_state(lambda s, _: [s["config"]["model"].pop(k) for k in LLAMA_SETTINGS]), "checkpoint run "
+     "state {tag}/run_state.json lacks " + ", ".join(f"config.model.{k}" for k in LLAMA_SETTINGS) + ": it was saved "
+     "by an earlier version of this repo, which this one does not read; fix: resume or export it with that version "
+     "(python -m training.export), then start from the export with train.init_from=EXPORT_DIR$", "all"),
+    ("before-tensor-parallelism", run_state(lambda s, _: s["layout"].pop("tp")), "checkpoint run state "
+     "{tag}/run_state.json lacks layout.tp: it was saved by an earlier version of this repo, which this one does not "
+     "read; fix: resume or export it with that version", "all"),
+    ("before-the-data-record", run_state(lambda s, _: s.pop("data")), "checkpoint run state {tag}/run_state.json "
+     "lacks data: it was saved by an earlier version of this repo", "all"),
 ]
 READERS = {"export": (training.export.main, {"--out_dir": "{run}", "--output": "{tmp}/new_export"}),
            "sample": (sample.main, {"--out_dir": "{run}"}),
@@ -301,7 +316,11 @@ SAMPLE_ROWS = [
     (export_config(lambda c: c["megalite"]["model"].update(n_future=3)), {}, "export config {export}/config.json "
      "holds model settings this version does not know (n_future)"),
     (export_config(lambda c: c["megalite"]["tokenizer"].update(format=9)), {}, "the tokenizer record of export "
-     "config {export}/config.json is of format 9, this version reads 1 to 2"),
+     "config {export}/config.json is of format 9, this version reads format 2 only"),
+    (export_config(lambda c: [c["megalite"]["model"].pop(k) for k in LLAMA_SETTINGS]), {}, "export config "
+     "{export}/config.json lacks the model settings " + ", ".join(LLAMA_SETTINGS) + ": it was written by an earlier "
+     "version of this repo, which this one does not read; fix: read it with that version, or start a run from its "
+     "weights with train.init_from (a GPT or Llama export is a Hugging Face folder)$"),
     (export_config(lambda c: c["megalite"]["tokenizer"].pop("chars")), {}, "the tokenizer record of export config "
      "{export}/config.json lacks chars"),
     (lambda r: (r / EXPORT / "model.safetensors").write_bytes(b"not safetensors"), {}, "export weights "

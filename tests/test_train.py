@@ -115,9 +115,11 @@ def test_bf16_with_fp32_gradient_reduction_stays_within_bf16_noise_of_a_bf16_red
     """zero1.json in bf16 reduces and accumulates gradients in fp32 (accumulation 2 here); the same run
     reducing and accumulating in bf16 trains to losses within bf16's noise of it, and not bitwise the same."""
     losses = {}
-    for name, extra in (("fp32", []), ("bf16", ["ds.communication_data_type=bf16", "ds.data_types.grad_accum_dtype=bf16"])):
+    bf16_everywhere = ["ds.communication_data_type=bf16", "ds.data_types.grad_accum_dtype=bf16"]
+    for name, extra in (("fp32", []), ("bf16", bf16_everywhere)):
         proc = launch(2, "zero1.json", tmp_path / name, char_data,
-                      [*STEPS, *BF16, "ds.gradient_accumulation_steps=2", "ds.train_micro_batch_size_per_gpu=2", *extra])
+                      [*STEPS, *BF16, "ds.gradient_accumulation_steps=2", "ds.train_micro_batch_size_per_gpu=2",
+                       *extra])
         losses[name] = train_losses(tmp_path / name)
         assert_quiet(proc.stdout + proc.stderr)  # the bf16 optimizer's memory printout among them
     assert len(losses["fp32"]) == 6 and losses["fp32"] == pytest.approx(losses["bf16"], abs=0.03)
@@ -214,7 +216,8 @@ def test_wandb_offline_records_one_run_from_rank_0(tmp_path, char_data):
     wandb_dir = tmp_path / "wandb_home"
     wandb_dir.mkdir()
     out = tmp_path / "run"
-    launch(2, "zero1.json", out, char_data, ["train.max_steps=2", "ds.wandb.enabled=true", "ds.wandb.project=megalite-test"],
+    launch(2, "zero1.json", out, char_data,
+           ["train.max_steps=2", "ds.wandb.enabled=true", "ds.wandb.project=megalite-test"],
            env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir)})
     runs = list((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1  # rank 1 never touched wandb

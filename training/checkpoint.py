@@ -22,18 +22,24 @@ import subprocess
 import sys
 
 import torch
-from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, PARAMETER_WITH_SUB_PARAMS,
-                                            PIPELINE_REPLICATED_PARAMETER_PATTERNS, SUB_PARAM_SHARD_WIDTHS,
-                                            TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
-                                            UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from deepspeed.checkpoint.constants import (
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    PARAMETER_WITH_SUB_PARAMS,
+    PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    SUB_PARAM_SHARD_WIDTHS,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
 from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
 from model.config import ModelConfig
 from model.tensor_parallel import ROW, split_rule
-from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -44,7 +50,7 @@ TAG = re.compile(r"^step_(\d+)(_universal)?$")
 RUN_STATE_KEYS = ("tag", "step", "config.model", "layout.dp", "layout.pp", "layout.zero_stage")
 
 
-def universal_info(named_parameters: list, tp: int) -> dict:
+def universal_info(named_parameters: list, tp_size: int) -> dict:
     """What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint, from this run's model
     (its parameters as one rank holds them): the tied embedding is held by the first and the last pipeline
     stage, and only one copy must be kept; under tensor parallelism each parameter's rule (model/tensor_parallel.py)
@@ -64,10 +70,10 @@ def universal_info(named_parameters: list, tp: int) -> dict:
     shapes = {name: p.shape for name, p in named_parameters}
     for name, (_, parts) in fused.items():
         param = shapes[name]
-        block = param[0] // parts * tp  # rows of one of q, k, v in the whole weight
+        block = param[0] // parts * tp_size  # rows of one of q, k, v in the whole weight
         info[PARAMETER_WITH_SUB_PARAMS].append(
             {"patterns": [exact[name]], "shape": ((block,) * parts, *param[1:]), "partition_dim": 0})
-        info[SUB_PARAM_SHARD_WIDTHS][exact[name]] = [[block // tp] * tp for _ in range(parts)]
+        info[SUB_PARAM_SHARD_WIDTHS][exact[name]] = [[block // tp_size] * tp_size for _ in range(parts)]
     return info
 
 
@@ -124,53 +130,46 @@ def prune(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
 
 
-def find_resume(out_dir: str, resume: str, what: str = "train.resume") -> str | None:
-    """The tag directory to resume from, or None to start fresh. resume: 'auto', 'none', a tag, or a path;
-    `what`: the setting or flag that named it, for the messages."""
+def find_checkpoint(out_dir: str, tag: str | None = None, what: str = "--tag", fresh_ok: bool = False) -> str | None:
+    """The directory of checkpoint `tag` of the run in out_dir (a tag, or the path of a checkpoint anywhere), or
+    without a tag the newest complete one, which `latest` names: the one lookup behind train.resume and every
+    tool's --out_dir/--tag. `what` names the setting or flag that gave the tag. A tag that is not there or a
+    damaged `latest` raise ConfigError; so do an out_dir that is no run's and one without a checkpoint, unless
+    `fresh_ok` (a run that starts fresh there: None)."""
     root = checkpoint_root(out_dir)
+    if not fresh_ok:
+        existing_dir(out_dir, "--out_dir", "pass the train.out_dir of a run")
     available = complete_tags(root)
-    if resume == "none":
-        if available:
-            raise ConfigError(f"{out_dir} already holds checkpoints (newest: {available[-1]}); a fresh run would "
-                              f"overwrite them. Continue with train.resume=auto, or pick another train.out_dir")
-        return None
-    if resume == "auto":
+    if tag is None:
         latest = os.path.join(root, LATEST)
         if not os.path.exists(latest):
-            return None
+            if fresh_ok:
+                return None
+            raise ConfigError(f"--out_dir {out_dir} holds no complete checkpoint (no {latest}); fix: pass the "
+                              f"train.out_dir of a run that saved one, or name one with --tag")
         with open(latest) as f:
             tag = f.read().strip()
         if not TAG.match(tag):
             raise ConfigError(f"{latest} names no checkpoint ({tag!r}): it is damaged; fix: write the newest complete "
                               f"tag into it ({', '.join(available[-1:]) or 'none'}), or name one with {what}=TAG")
         return os.path.join(root, tag)
-    path = resume if os.path.isdir(resume) else os.path.join(root, resume)
+    path = tag if os.path.isdir(tag) else os.path.join(root, tag)
     if not os.path.isdir(path):
-        raise ConfigError(f"{what}={resume}: no such checkpoint. Complete ones in {root}: "
+        raise ConfigError(f"{what}={tag}: no such checkpoint. Complete ones in {root}: "
                           f"{', '.join(available) or 'none'}")
     return path
 
 
-def find_checkpoint(out_dir: str, tag: str | None) -> str:
-    """The tag directory a tool reads (export, sampling, conversion): --tag, else the run's newest checkpoint."""
-    existing_dir(out_dir, "--out_dir", "pass the train.out_dir of a run")
-    tag_dir = find_resume(out_dir, tag or "auto", "--tag")
-    if tag_dir is None:
-        raise ConfigError(f"--out_dir {out_dir} holds no complete checkpoint (no {checkpoint_root(out_dir)}/{LATEST})"
-                          f"; fix: pass the train.out_dir of a run that saved one, or name one with --tag")
-    return tag_dir
-
-
-def plan_resume(out_dir: str, resume: str, model_cfg: dict, layout: dict, ds: dict) -> str | None:
-    """The checkpoint this run continues from (None: start fresh), checked against this run; a universal
-    checkpoint switches on DeepSpeed's universal loading in `ds`."""
-    tag_dir = find_resume(out_dir, resume)
-    if tag_dir:
-        saved = read_run_state(tag_dir)
-        check_compatible(saved, model_cfg, layout)
-        if saved.get("universal"):
-            ds.setdefault("checkpoint", {})["load_universal"] = True
-    return tag_dir
+def find_resume(out_dir: str, resume: str) -> str | None:
+    """The checkpoint train.resume names: 'auto' the newest (None where there is none yet: a fresh start), 'none'
+    none (refused where checkpoints are, which a fresh run would overwrite), else a tag or a path."""
+    if resume != "none":
+        return find_checkpoint(out_dir, None if resume == "auto" else resume, "train.resume", fresh_ok=True)
+    available = complete_tags(checkpoint_root(out_dir))
+    if available:
+        raise ConfigError(f"{out_dir} already holds checkpoints (newest: {available[-1]}); a fresh run would "
+                          f"overwrite them. Continue with train.resume=auto, or pick another train.out_dir")
+    return None
 
 
 def read_run_state(tag_dir: str) -> dict:
@@ -191,8 +190,25 @@ def read_run_state(tag_dir: str) -> dict:
             raise ConfigError(f"checkpoint file {path} is corrupt: {os.path.getsize(path):,} bytes, {size:,} when "
                               f"saved; fix: {elsewhere(tag_dir)}")
     check_pickles(tag_dir, manifest)
-    return json_file(os.path.join(tag_dir, RUN_STATE), "checkpoint run state", elsewhere(tag_dir),
-                     keys=RUN_STATE_KEYS)
+    path = os.path.join(tag_dir, RUN_STATE)
+    state = json_file(path, "checkpoint run state", elsewhere(tag_dir), keys=RUN_STATE_KEYS)
+    check_current(state, path)
+    return state
+
+
+# Every model setting: a run state records them all (the whole run config).
+MODEL_SETTINGS = [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def check_current(state: dict, path: str) -> None:
+    """Refuse the run state of a checkpoint saved by an earlier version of this repo (before the Llama settings,
+    tensor parallelism or the data record): the project has had no release, so old formats are not converted."""
+    missing = [f"config.model.{name}" for name in MODEL_SETTINGS if name not in state["config"]["model"]]
+    missing += [key for key, held in (("layout.tp", "tp" in state["layout"]), ("data", "data" in state)) if not held]
+    if missing:
+        raise ConfigError(f"checkpoint run state {path} lacks {', '.join(missing)}: it was saved by an earlier version "
+                          f"of this repo, which this one does not read; fix: resume or export it with that version "
+                          f"(python -m training.export), then start from the export with train.init_from=EXPORT_DIR")
 
 
 def elsewhere(tag_dir: str, advice: str = "resume from another tag") -> str:
@@ -255,16 +271,15 @@ def load(engine, tag_dir: str) -> int:
 
 def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
     """The checkpoint must hold this architecture; without the universal format, also this layout."""
-    # A setting newer than the checkpoint reads as its default there (checkpoints from before Llama's).
-    was = {**dataclasses.asdict(ModelConfig()), **saved["config"]["model"]}
-    changed = {k: (was.get(k), v) for k, v in model_cfg.items() if was.get(k) != v and k != "dropout"}
+    was = saved["config"]["model"]
+    changed = {k: (was[k], v) for k, v in model_cfg.items() if was[k] != v and k != "dropout"}
     if changed:
         diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())
         raise ConfigError(f"the checkpoint holds a different model architecture ({diff}): resume with the "
                           f"checkpoint's model settings or start a new train.out_dir")
     if saved.get("universal"):
         return
-    was, now = {"tp": 1, **saved["layout"]}, {"tp": 1, **layout}  # layouts from before tensor parallelism: tp 1
+    was, now = saved["layout"], layout
     if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
         return  # without ZeRO every rank saves and loads the whole optimizer state: any dp fits
     if was["zero_stage"] == 0 and was["tp"] != now["tp"]:
@@ -280,8 +295,8 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
 
 
 def _describe(layout: dict) -> str:
-    tp = f" x tp={layout['tp']}" if layout["tp"] > 1 else ""
-    return f"dp={layout['dp']} x pp={layout['pp']}{tp} with ZeRO-{layout['zero_stage']}"
+    tensor = f" x tp={layout['tp']}" if layout["tp"] > 1 else ""
+    return f"dp={layout['dp']} x pp={layout['pp']}{tensor} with ZeRO-{layout['zero_stage']}"
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -318,7 +333,7 @@ def to_universal(out_dir: str, tag: str | None) -> str:
         raise ConfigError(f"--tag {tag} is already in the universal format; fix: resume it with train.resume={tag}, "
                           f"or convert the tag it was made from")
     layout = saved["layout"]
-    if layout.get("tp", 1) > 1 and layout["zero_stage"] == 3:
+    if layout["tp"] > 1 and layout["zero_stage"] == 3:
         raise ConfigError(f"{source} is a ZeRO-3 checkpoint at tensor-parallel degree {layout['tp']}: DeepSpeed's "
                           f"converter merges ZeRO-3 shards of one tensor slice only. Resume it at tp={layout['tp']}, "
                           f"or train with ZeRO-1/2 to change the degree later")

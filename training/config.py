@@ -19,8 +19,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from model.config import ModelConfig
 from common.checks import Checks, ConfigError, ToolParser, existing_file
+from model.config import ModelConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -144,7 +144,8 @@ class SampleConfig:
     seed: int = 0
 
     def check(self, c: Checks) -> None:
-        # Whether the prompt encodes with the dataset's tokenizer is checked in train.py, once the data is open.
+        # Whether the prompt encodes with the dataset's tokenizer is checked once the data is open
+        # (training/startup.py).
         c.not_empty("prompt")
         c.at_least("max_new_tokens", 0)
         c.at_least("temperature", 0, "0 takes the most likely token")
@@ -299,8 +300,8 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
     probe = _KeyRecorder(ds)
     # DeepSpeedConfig checks the batch triple against world size 1; ours is checked in topology.py.
     probe.pop("train_batch_size", None)
-    if isinstance(ds.get("bf16"), dict) and ds["bf16"].get("enabled") == "auto":  # ours: resolved on the device
-        probe["bf16"] = {**ds["bf16"], "enabled": True}                              # (training/device.py)
+    if isinstance(ds.get("bf16"), dict) and ds["bf16"].get("enabled") == "auto":  # ours: resolved for the device
+        probe["bf16"] = {**ds["bf16"], "enabled": True}                              # (training/startup.py)
     try:
         DeepSpeedConfig(probe)
     except Exception as e:

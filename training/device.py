@@ -76,7 +76,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     if dtype != torch.float32 and device.type == "cpu":
         fp32 = measure_matmul_flops(device, torch.float32)
         if fp32 > measured:
-            return fp32, f"measured fp32 matmul peak: {precision} is emulated on this CPU ({measured / 1e9:.1f} GFLOP/s)"
+            return fp32, (f"measured fp32 matmul peak: {precision} is emulated on this CPU "
+                          f"({measured / 1e9:.1f} GFLOP/s)")
     return measured, f"measured {precision} matmul peak"
 
 
@@ -92,18 +93,19 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def compute_dtype(ds: dict, device: torch.device) -> tuple[torch.dtype, str | None]:
-    """The compute dtype the ds_config asks for, and a warning to print, if any. `"bf16": {"enabled":
-    "auto"}` (the shipped configs) becomes bf16 where the device computes it natively and fp32 elsewhere,
-    written back into `ds` for DeepSpeed. bf16 asked for by name is refused on a GPU that emulates it and
-    allowed, with a warning, on such a CPU (correct, only slow: the tests check bf16 everywhere)."""
-    section = ds.get("bf16", {})
-    if section.get("enabled") == "auto":
-        section["enabled"] = native_bf16(device)
-        note = None if section["enabled"] else (f"bf16 auto: fp32, since this {device.type} has no bf16 arithmetic "
-                                                f"(set ds.bf16.enabled=true to force it)")
-    else:
-        note = None
-    bf16, fp16 = section.get("enabled", False), ds.get("fp16", {}).get("enabled", False)
+    """The compute dtype the ds_config asks for on this device, and a warning to print, if any. `"bf16":
+    {"enabled": "auto"}` (the shipped configs) means bf16 where the device computes it natively and fp32
+    elsewhere (training/startup.py writes the choice into the ds_config DeepSpeed gets). bf16 asked for by
+    name is refused on a GPU that emulates it and allowed, with a warning, on such a CPU (correct, only slow:
+    the tests check bf16 everywhere)."""
+    note = None
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    if bf16 == "auto":
+        bf16 = native_bf16(device)
+        if not bf16:
+            note = (f"bf16 auto: fp32, since this {device.type} has no bf16 arithmetic (set ds.bf16.enabled=true to "
+                    f"force it)")
+    fp16 = ds.get("fp16", {}).get("enabled", False)
     accelerator = get_accelerator()
     if bf16 and fp16:
         raise ConfigError("the ds_config enables both bf16 and fp16: enable one")

@@ -23,22 +23,29 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from data.prepare import check_meta, read_meta
 from model import build_model, layer_names, model_layers
 from model.config import ModelConfig
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint
-from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
 from training.optim import decay_split
 
 
 def model_config(settings: dict, source: str) -> ModelConfig:
-    """The ModelConfig of saved model settings; `source` names the file they were read from."""
-    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(ModelConfig)})
+    """The ModelConfig of saved model settings; `source` names the file they were read from. Settings this
+    version does not know, or lacks, were written by another version: refused, not guessed."""
+    unknown = sorted(set(settings) - set(checkpoint.MODEL_SETTINGS))
     if unknown:
         raise ConfigError(f"{source} holds model settings this version does not know ({', '.join(unknown)}): it was "
                           f"written by a newer version of this repo; fix: read it with that version")
+    missing = [name for name in checkpoint.MODEL_SETTINGS if name not in settings]
+    if missing:
+        raise ConfigError(f"{source} lacks the model settings {', '.join(missing)}: it was written by an earlier "
+                          f"version of this repo, which this one does not read; fix: read it with that version, or "
+                          f"start a run from its weights with train.init_from (a GPT or Llama export is a Hugging "
+                          f"Face folder)")
     return ModelConfig(**settings)
 
 
@@ -49,7 +56,7 @@ def run_model(tag_dir: str, run_state: dict) -> ModelConfig:
 def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights (this repo's parameter names) from a complete checkpoint, on the CPU."""
     run_state = checkpoint.read_run_state(tag_dir)
-    tp_size = run_state["layout"].get("tp", 1)
+    tp_size = run_state["layout"]["tp"]
     cfg = run_model(tag_dir, run_state)
     with torch.device("meta"):
         model = build_model(cfg)

@@ -24,7 +24,8 @@ class Throughput:
     """Tokens/s and MFU over the steps since the last read; pause() leaves out time that is not training."""
 
     def __init__(self, tokens_per_step: int, flops_per_step_per_device: float, peak_flops: float):
-        self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step_per_device, peak_flops
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step_per_device
+        self.peak_flops = peak_flops
         self.pause()
 
     def pause(self) -> None:

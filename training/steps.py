@@ -2,11 +2,10 @@
 sampling. The plain engine runs micro-batches one by one; the pipeline engine takes all of a step's
 micro-batches at once and returns the loss averaged over them and over data-parallel ranks."""
 import torch
-from torch.utils.checkpoint import checkpoint
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from torch.utils.checkpoint import checkpoint
 
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_sum, gather_vocab, split_rule
-
 
 # Rows (tokens) of logits whose fp32 copy and softmax exist at once in the training loss: 8192 x 50304 x 4
 # bytes is 1.6 GB, against 13 GB for GPT-2's micro batch 12 x 1024 taken whole (and as much again saved for
@@ -38,8 +37,9 @@ def keep_fp32_grad_norm(engine) -> None:
     """Work around DeepSpeed in fp32 without ZeRO: it clips the gradients (engine.clip_fp32_gradients) but
     drops the norm it computed, so get_global_grad_norm() stays None; and its clip_grad_norm_ counts the
     replicated parameters only where the grid's model-parallel rank is 0, which under a pipeline grid spans
-    stages x tensor ranks, so every stage but the first went uncounted. Clip with grad_norm, and keep it."""
-    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled() or not engine.gradient_clipping():
+    stages x tensor ranks, so every stage but the first would go uncounted. Clip with grad_norm, and keep it."""
+    if (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
+            or not engine.gradient_clipping()):
         return
 
     def clip_and_keep_norm() -> None:

@@ -21,18 +21,18 @@ class Layout:
     pipeline_stages: int
     micro_batch: int
     grad_accum: int
-    tensor_parallel: int = 1
+    tp_size: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.pipeline_stages * self.tensor_parallel)
+        return self.world_size // (self.pipeline_stages * self.tp_size)
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp
 
     def describe(self) -> str:
-        tp = f" x tp {self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        tp = f" x tp {self.tp_size}" if self.tp_size > 1 else ""
         return (f"world {self.world_size} = dp {self.dp} x pp {self.pipeline_stages}{tp}; global batch "
                 f"{self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} x dp {self.dp}")
 
@@ -44,23 +44,24 @@ TP_KEY = "tensor_model_parallel_size"
 
 def tensor_parallel_size(ds: dict) -> int:
     """The degree, checked against what this repo can combine it with."""
-    tp = ds.get(TP_KEY, 1)  # a positive integer (training/config.py DS_NUMBERS)
-    if tp > 1 and ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1:
-        raise ConfigError(f"{TP_KEY}={tp} and DeepSpeed's AutoTP (tensor_parallel.autotp_size) are both set: the "
+    tp_size = ds.get(TP_KEY, 1)  # a positive integer (training/config.py DS_NUMBERS)
+    if tp_size > 1 and ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1:
+        raise ConfigError(f"{TP_KEY}={tp_size} and DeepSpeed's AutoTP (tensor_parallel.autotp_size) are both set: the "
                           f"model's own tensor-parallel layers replace AutoTP here; remove the tensor_parallel section")
-    return tp
+    return tp_size
 
 
-def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tensor_parallel: int = 1) -> Layout:
-    """Derive the missing member of the batch triple in `ds` (in place) and check that it holds."""
-    if world_size % (pipeline_stages * tensor_parallel):
-        what = (f"{pipeline_stages} pipeline stages x tensor-parallel degree {tensor_parallel} = "
-                f"{pipeline_stages * tensor_parallel} do not" if tensor_parallel > 1 else
+def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size: int = 1) -> Layout:
+    """The layout of the ds_config's batch triple at this world size, its missing member derived, checked
+    to hold. `ds` is left as it is: training/startup.py writes the triple into the ds_config it assembles."""
+    if world_size % (pipeline_stages * tp_size):
+        what = (f"{pipeline_stages} pipeline stages x tensor-parallel degree {tp_size} = "
+                f"{pipeline_stages * tp_size} do not" if tp_size > 1 else
                 f"{pipeline_stages} pipeline stages do not")
         raise ConfigError(f"{what} divide the world size {world_size}: launch a multiple of "
-                          f"{pipeline_stages * tensor_parallel} processes or change pipeline.stages / {TP_KEY}")
-    dp = world_size // (pipeline_stages * tensor_parallel)
-    derived = f"= world {world_size} / pp {pipeline_stages}" + (f" / tp {tensor_parallel}" if tensor_parallel > 1 else "")
+                          f"{pipeline_stages * tp_size} processes or change pipeline.stages / {TP_KEY}")
+    dp = world_size // (pipeline_stages * tp_size)
+    derived = f"= world {world_size} / pp {pipeline_stages}" + (f" / tp {tp_size}" if tp_size > 1 else "")
     micro, accum, batch = ds.get(MICRO), ds.get(ACCUM), ds.get(GLOBAL)  # positive integers or None (DS_NUMBERS)
     if micro is None and batch is None:
         raise ConfigError(f"the ds_config sets neither {MICRO} nor {GLOBAL}: set at least one")
@@ -84,8 +85,7 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tensor_p
             f"{GLOBAL} ({batch}) != {MICRO} ({micro}) x {ACCUM} ({accum}) x dp ({dp}, "
             f"{derived}) = {micro * accum * dp}. Fix one of them, or drop "
             f"{GLOBAL} from the ds_config and it is derived.")
-    ds.update({MICRO: micro, ACCUM: accum, GLOBAL: batch})
-    return Layout(world_size, pipeline_stages, micro, accum, tensor_parallel)
+    return Layout(world_size, pipeline_stages, micro, accum, tp_size)
 
 
 # The ds_config's "pipeline" section. DeepSpeed parses it (any keys, no checks) but builds nothing from
@@ -105,7 +105,8 @@ def pipeline_settings(ds: dict) -> Pipeline:
     section = ds.get("pipeline", {})
     unknown = sorted(set(section) - PIPELINE_KEYS)
     if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in the ds_config's pipeline section; known: {sorted(PIPELINE_KEYS)}")
+        raise ConfigError(f"unknown key(s) {unknown} in the ds_config's pipeline section; known: "
+                          f"{sorted(PIPELINE_KEYS)}")
     stages = section.get("stages", 1)  # numbers checked with the ds_config's others (training/config.py DS_NUMBERS)
     interval = section.get("activation_checkpoint_interval", 0)
     partition = section.get("partition", "parameters")
@@ -156,7 +157,7 @@ def describe_stages(specs: list, parts: list[int], layout: Layout) -> str:
         names = [spec.typename.__name__ for spec in specs[parts[stage]: parts[stage + 1]]]
         counted = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n for n in dict.fromkeys(names))
         # DeepSpeed's topology orders ranks pipe-major (then data, then tensor): stage s holds a block of them.
-        per_stage = layout.dp * layout.tensor_parallel
+        per_stage = layout.dp * layout.tp_size
         ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
         lines.append(f"stage {stage}: layers {parts[stage]}-{parts[stage + 1] - 1} ({counted}) on ranks {ranks}")
     return "\n".join(lines)
@@ -176,7 +177,7 @@ def topology(layout: Layout):
     data-parallel replicas, then stages."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    return PipeModelDataParallelTopology(num_pp=layout.pipeline_stages, num_mp=layout.tensor_parallel,
+    return PipeModelDataParallelTopology(num_pp=layout.pipeline_stages, num_mp=layout.tp_size,
                                          num_dp=layout.dp)
 
 
@@ -200,7 +201,8 @@ def parallel_groups(topo) -> tuple:
 def describe_topology(topo) -> str:
     """Which ranks form each tensor-parallel, data-parallel and pipeline group, and each rank's coordinates."""
     names = {"model": "tensor", "data": "data", "pipe": "pipeline"}
-    groups = "; ".join(f"{names[axis]} groups {topo.get_axis_comm_lists(axis) or [[r] for r in range(topo.world_size())]}"
+    alone = [[r] for r in range(topo.world_size())]  # an axis of size 1: DeepSpeed lists no groups
+    groups = "; ".join(f"{names[axis]} groups {topo.get_axis_comm_lists(axis) or alone}"
                        for axis in ("model", "data", "pipe"))
     ranks = [f"rank {r}: stage {c.pipe}, tensor rank {c.model}, data rank {c.data}"
              for r, c in ((r, topo.get_coord(r)) for r in range(topo.world_size()))]

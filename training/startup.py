@@ -1,0 +1,178 @@
+"""A run's start, before any process group: everything that can be checked first (`check_run`), and the
+ds_config DeepSpeed is given, assembled in one place (`effective_ds_config`).
+
+train.py runs all of it on every rank, so a bad setting stops the job before any process waits on another.
+preflight.py runs the part that needs no dataset or checkpoint: `load_configs` and `configure`.
+"""
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from common.checks import ConfigError
+from data.loader import TokenData
+from data.tokenizers import sampling_start
+from model import BLOCK_CLASS, build_model, model_layers
+from model.tensor_parallel import TensorParallel
+from training import checkpoint, hf
+from training.config import RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
+from training.device import compute_dtype
+from training.launcher_env import set_distributed_env
+from training.optim import optimizer_and_schedule
+from training.topology import (
+    ACCUM,
+    GLOBAL,
+    MICRO,
+    Layout,
+    Pipeline,
+    pipeline_settings,
+    resolve_layout,
+    stage_partition,
+    tensor_parallel_size,
+)
+
+
+@dataclass
+class Engine:
+    """The ds_config DeepSpeed is given, and what follows from it for this process."""
+    ds: dict
+    layout: Layout
+    pipe: Pipeline
+    dtype: torch.dtype
+    precision_note: str | None
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ds.get("zero_optimization", {}).get("stage", 0)
+
+    def layout_record(self) -> dict:
+        """The layout as checkpoints record it (run_state.json's "layout")."""
+        return {"world": self.layout.world_size, "dp": self.layout.dp, "pp": self.layout.pipeline_stages,
+                "tp": self.layout.tp_size, "zero_stage": self.zero_stage}
+
+
+def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch.device,
+                        load_universal: bool = False) -> Engine:
+    """The ds_config DeepSpeed is given, assembled here only, from the loaded one (left as it is): the batch
+    triple completed for this world size, bf16 "auto" resolved for the device, the run's optimizer and
+    schedule, and universal loading for a run that resumes a universal checkpoint. Raises ConfigError for what
+    the device, the world size or the run config cannot take."""
+    dtype, precision_note = compute_dtype(ds, device)
+    pipe = pipeline_settings(ds)
+    tp_size = tensor_parallel_size(ds)
+    if cfg.train.compile and pipe.stages > 1:
+        raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
+                          "stages or set train.compile=false")
+    layout = resolve_layout(ds, world_size, pipe.stages, tp_size)
+    effective = copy.deepcopy(ds)
+    if ds.get("bf16", {}).get("enabled") == "auto":
+        effective["bf16"]["enabled"] = dtype == torch.bfloat16
+    effective.update({MICRO: layout.micro_batch, ACCUM: layout.grad_accum, GLOBAL: layout.global_batch})
+    effective.update(optimizer_and_schedule(cfg, ds))
+    if load_universal:
+        effective.setdefault("checkpoint", {})["load_universal"] = True
+    return Engine(effective, layout, pipe, dtype, precision_note)
+
+
+def load_configs(argv=None) -> tuple[RunConfig, dict]:
+    """The run config and the ds_config of a command line (files, then key=value overrides), each checked."""
+    args = parse_args(argv)
+    run_overrides, ds_overrides = split_overrides(args.overrides)
+    return load_run_config(args.config, run_overrides), load_ds_config(args.ds_config, ds_overrides)
+
+
+@dataclass
+class Setup:
+    """This process placed in the job: the launcher that started it, its device, its engine's settings."""
+    launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launcher_env.py)
+    device: torch.device
+    engine: Engine
+
+
+def configure(cfg: RunConfig, ds: dict, load_universal: bool = False) -> Setup:
+    """The launcher's environment read (RANK, WORLD_SIZE, ...), this rank's device made current, and the ds_config
+    assembled for both."""
+    launcher = set_distributed_env()
+    # Current before anything touches the device: NCCL binds a process group to the current device.
+    device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
+    get_accelerator().set_device(device.index or 0)
+    engine = effective_ds_config(ds, cfg, int(os.environ["WORLD_SIZE"]), device, load_universal)
+    return Setup(launcher, device, engine)
+
+
+@dataclass
+class Run:
+    """Everything check_run settled, for the phases of train.py to share."""
+    cfg: RunConfig
+    setup: Setup
+    data: TokenData
+    tokenizer: object
+    prompt_ids: list[int]
+    notes: list[str]  # printed once the engine is built
+    n_params: int
+    specs: list  # this rank's layer list (its tensor slice), on no device yet
+    parts: list[int]  # the layer index where each pipeline stage starts, then the end
+    resume_dir: str | None
+    init_from: str | None
+
+    @property
+    def ds(self) -> dict:
+        return self.setup.engine.ds
+
+    @property
+    def layout(self) -> Layout:
+        return self.setup.engine.layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.setup.device
+
+
+def check_run(argv=None) -> Run:
+    """Everything checkable before any process group: configs, data, prompt, model, layout, resume, init_from."""
+    cfg, ds = load_configs(argv)
+    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = data.meta["vocab_size"]
+    data.check_vocab(cfg.model.vocab_size)
+    tokenizer = data.tokenizer()
+    prompt_ids, prompt_note = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
+    n_params = count_parameters(cfg)
+    resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
+    saved = checkpoint.read_run_state(resume_dir) if resume_dir else None
+    setup = configure(cfg, ds, load_universal=bool(saved and saved.get("universal")))
+    engine = setup.engine
+    specs = model_layers(cfg.model, TensorParallel(engine.layout.tp_size))  # this rank's shapes, no group needed
+    parts = stage_partition(specs, engine.pipe.stages, engine.pipe.partition, BLOCK_CLASS[cfg.model.arch])
+    if saved:
+        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), engine.layout_record())
+        data.check_resume(saved["data"], cfg.data.allow_changed)
+    init_from = None if resume_dir else cfg.train.init_from
+    if init_from:
+        hf.check_hf_folder(init_from, cfg.model)
+    notes = [note for note in (engine.precision_note, prompt_note) if note]
+    return Run(cfg, setup, data, tokenizer, prompt_ids, notes, n_params, specs, parts, resume_dir, init_from)
+
+
+def encode_prompt(prompt: str, tokenizer) -> tuple[list[int], str | None]:
+    """sample.prompt's ids, and a note when they are not the text's own (data.tokenizers.sampling_start)."""
+    try:
+        return sampling_start(prompt, tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"sample.prompt={prompt!r} does not encode with the dataset's {tokenizer.name} "
+                          f"tokenizer: {e}; fix: use characters of the training text in sample.prompt") from None
+
+
+def count_parameters(cfg: RunConfig) -> int:
+    """The whole model's parameters (tied ones once), whatever ZeRO-3 or the stages hold locally. Built on the
+    meta device, so a bad architecture stops here; the modules' own checks (torch's included) that the range
+    checks missed surface as a ConfigError."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in build_model(cfg.model).parameters())
+    except (ValueError, AssertionError, RuntimeError, TypeError) as e:
+        raise ConfigError(f"the model.* settings do not build a model ({type(e).__name__}: {e}); fix: change "
+                          f"the model settings named there") from None
