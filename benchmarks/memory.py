@@ -155,30 +155,28 @@ def worker(args) -> None:
     import train
     from data.loader import TokenData
     from training.config import load_ds_config, load_run_config, split_overrides
-    from training.device import compute_dtype
     from training.failure import leave_process_group
-    from training.optim import optimizer_and_schedule, param_groups
+    from training.optim import param_groups
+    from training.startup import effective_ds_config
     from training.steps import lm_loss
-    from training.topology import pipeline_settings, resolve_layout
 
     run_overrides, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(args.config, run_overrides)
     ds = load_ds_config(os.path.join(REPO, "ds_configs", args.worker + ".json"), ds_overrides)
     data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
     cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
-    ds.update(optimizer_and_schedule(cfg, ds))
-    layout = resolve_layout(ds, int(os.environ["WORLD_SIZE"]), 1)
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
-    compute_dtype(ds, device)  # bf16 "auto" resolved for this device, as train.py does
+    engine_config = effective_ds_config(ds, cfg, int(os.environ["WORLD_SIZE"]), device)  # the ds_config train.py uses
+    ds, layout = engine_config.ds, engine_config.layout
     probe = MemoryProbe(device)
     engine_runtime(ds, device)
     torch.distributed.barrier()
     baseline = probe.current()
 
-    model = train.build(cfg, pipeline_settings(ds), ds)
+    model = train.build(cfg, engine_config.pipe, ds)
     built = probe.current() - baseline
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
                                                                                   cfg.optim.weight_decay), config=ds)

@@ -226,8 +226,9 @@ def tokenizer_from_meta(meta: dict, directory: str | None = None):
     name = meta["tokenizer"]
     if name == "char":
         return CharTokenizer(meta["chars"], eot=meta.get("eot_id") is not None)
-    if "tokenizer_file" not in meta:  # datasets prepared before the tokenizer was stored beside them
-        return TiktokenTokenizer.by_name(meta.get("encoding", "gpt2"))
+    if "tokenizer_file" not in meta:
+        raise TokenizerError(f"the dataset's meta.json names no tokenizer_file for its {name} tokenizer: it is "
+                             f"damaged; prepare the dataset again")
     path = os.path.join(directory or ".", meta["tokenizer_file"])
     if not os.path.isfile(path):
         raise TokenizerError(f"{path} is missing: the dataset's tokenizer must stay beside its meta.json; "

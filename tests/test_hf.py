@@ -21,7 +21,7 @@ LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, f
 CASES = {"gpt": GPT, "llama_gqa": LLAMA,
          "llama_mqa_tied": dataclasses.replace(LLAMA, n_kv_head=1, tie_embeddings=True, norm_eps=1e-6),
          "llama3.1_rope_scaling": dataclasses.replace(LLAMA, rope_scale_factor=8.0, rope_original_context=16)}
-CHAR_META = {"tokenizer": "char", "vocab_size": 65, "chars": [chr(32 + i) for i in range(65)]}
+CHAR_META = {"format": 2, "tokenizer": "char", "vocab_size": 65, "chars": [chr(32 + i) for i in range(65)]}
 
 
 def randomized(cfg: ModelConfig) -> dict:

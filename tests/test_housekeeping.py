@@ -1,16 +1,27 @@
 """Checkpoint and metrics housekeeping on fabricated directories, in process: pruning, leftovers of a
 killed save, unfinished tags, layout changes refused, metrics.jsonl kept across runs."""
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
 
-from training import checkpoint
 from common.checks import ConfigError
+from model.config import ModelConfig
+from training import checkpoint
 from training.metrics import MetricsLog
 
-MODEL = {"arch": "gpt", "n_layer": 2, "n_embd": 32, "dropout": 0.0}
+MODEL = dataclasses.asdict(ModelConfig(n_layer=2, n_embd=32, vocab_size=65))
+
+
+def plan_resume(out_dir: str, resume: str, model: dict, layout: dict) -> tuple[str | None, dict | None]:
+    """What train.py's start-up does with a checkpoint (training/startup.py check_run): find, read, check."""
+    tag_dir = checkpoint.find_resume(out_dir, resume)
+    saved = checkpoint.read_run_state(tag_dir) if tag_dir else None
+    if saved:
+        checkpoint.check_compatible(saved, model, layout)
+    return tag_dir, saved
 
 
 def fake_checkpoint(root, step: int, complete: bool = True, layout=None, suffix: str = "") -> str:
@@ -20,8 +31,9 @@ def fake_checkpoint(root, step: int, complete: bool = True, layout=None, suffix:
     os.makedirs(tag_dir)
     torch.save({"module": {"weight": torch.zeros(4)}}, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if complete:
-        layout = layout or {"world": 2, "dp": 2, "pp": 1, "zero_stage": 1}
-        checkpoint.mark_complete(tag_dir, {"tag": tag, "step": step, "config": {"model": MODEL}, "layout": layout})
+        layout = layout or {"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1}
+        checkpoint.mark_complete(tag_dir, {"tag": tag, "step": step, "config": {"model": MODEL}, "layout": layout,
+                                           "data": {"sources": []}})
     return tag
 
 
@@ -51,27 +63,25 @@ def test_an_unfinished_tag_asked_for_by_name_is_refused(tmp_path):
     fake_checkpoint(root, 3)
     fake_checkpoint(root, 6, complete=False)
     with pytest.raises(ConfigError) as error:
-        checkpoint.plan_resume(str(tmp_path), "step_000006", MODEL, {"world": 2, "dp": 2, "pp": 1, "zero_stage": 1}, {})
+        plan_resume(str(tmp_path), "step_000006", MODEL, {"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1})
     assert str(error.value) == (f"{root}/step_000006 is not a complete checkpoint (no manifest.json: its save never "
                                 f"finished). Resume from an earlier tag: step_000003")
 
 
 @pytest.mark.parametrize("now,changed", [
-    ({"world": 2, "dp": 1, "pp": 2, "zero_stage": 1}, "dp=1 x pp=2 with ZeRO-1"),
-    ({"world": 2, "dp": 2, "pp": 1, "zero_stage": 2}, "dp=2 x pp=1 with ZeRO-2"),
-    ({"world": 2, "dp": 2, "pp": 1, "zero_stage": 0}, "dp=2 x pp=1 with ZeRO-0"),
+    ({"world": 2, "dp": 1, "pp": 2, "tp": 1, "zero_stage": 1}, "dp=1 x pp=2 with ZeRO-1"),
+    ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 2}, "dp=2 x pp=1 with ZeRO-2"),
+    ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 0}, "dp=2 x pp=1 with ZeRO-0"),
     ({"world": 4, "dp": 2, "pp": 1, "tp": 2, "zero_stage": 1}, "dp=2 x pp=1 x tp=2 with ZeRO-1"),
 ], ids=["pipeline", "zero-stage-up", "zero-stage-down", "tensor-parallel"])
 def test_a_changed_pipeline_tensor_parallel_or_zero_stage_is_refused(tmp_path, now, changed):
     root = str(tmp_path / "checkpoints")
-    fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "zero_stage": 1})
-    ds = {}
+    fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1})
     with pytest.raises(ConfigError) as error:
-        checkpoint.plan_resume(str(tmp_path), "step_000003", MODEL, now, ds)
+        plan_resume(str(tmp_path), "step_000003", MODEL, now)
     assert (f"the checkpoint was saved at dp=2 x pp=1 with ZeRO-1, this run is {changed}: its optimizer shards only "
             f"fit the old layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
             f"step_000003, then resume with train.resume=step_000003_universal") == str(error.value)
-    assert ds == {}
 
 
 def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
@@ -80,7 +90,7 @@ def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
     root = str(tmp_path / "checkpoints")
     fake_checkpoint(root, 3, layout={"world": 2, "dp": 1, "pp": 1, "tp": 2, "zero_stage": 0})
     with pytest.raises(ConfigError) as error:
-        checkpoint.plan_resume(str(tmp_path), "step_000003", MODEL, {"world": 1, "dp": 1, "pp": 1, "zero_stage": 0}, {})
+        plan_resume(str(tmp_path), "step_000003", MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0})
     assert str(error.value) == (
         "the checkpoint was saved at tensor-parallel degree 2 without ZeRO, this run has 1: DeepSpeed's universal "
         "converter, which reshards, needs ZeRO optimizer shards. Resume it with tensor_model_parallel_size=2, or "
@@ -94,16 +104,15 @@ def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
 
 def test_universal_checkpoints_resume_on_any_layout_and_zero0_at_any_dp(tmp_path):
     root = str(tmp_path / "checkpoints")
-    tag = fake_checkpoint(root, 3, layout={"world": 4, "dp": 2, "pp": 2, "zero_stage": 1}, suffix="_universal")
+    tag = fake_checkpoint(root, 3, layout={"world": 4, "dp": 2, "pp": 2, "tp": 1, "zero_stage": 1},
+                          suffix="_universal")
     with open(os.path.join(root, tag, checkpoint.RUN_STATE)) as f:
         state = json.load(f)
     checkpoint.mark_complete(os.path.join(root, tag), {**state, "universal": True})
-    ds = {}
-    assert checkpoint.plan_resume(str(tmp_path), tag, MODEL, {"world": 1, "dp": 1, "pp": 1, "zero_stage": 2}, ds)
-    assert ds == {"checkpoint": {"load_universal": True}}
-    fake_checkpoint(root, 4, layout={"world": 2, "dp": 2, "pp": 1, "zero_stage": 0})
-    assert checkpoint.plan_resume(str(tmp_path), "step_000004", MODEL, {"world": 1, "dp": 1, "pp": 1, "zero_stage": 0},
-                                  {})
+    tag_dir, saved = plan_resume(str(tmp_path), tag, MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 2})
+    assert tag_dir and saved["universal"]  # training/startup.py then asks DeepSpeed for universal loading
+    fake_checkpoint(root, 4, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 0})
+    assert plan_resume(str(tmp_path), "step_000004", MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0})[0]
 
 
 def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
@@ -123,5 +132,6 @@ def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
         [['{"step": 1, "loss": 1.0}'], ['{"step": 1, "loss": 2.0}'], ['{"step": 1, "loss": 3.0}']]
     write_run(4.0, append=True)  # a resumed run continues the current file
     assert lines("metrics.jsonl") == ['{"step": 1, "loss": 3.0}', '{"step": 1, "loss": 4.0}']
-    MetricsLog(str(tmp_path), None, is_writer=False, append=False, samples_per_step=8).log(1, loss=5.0)  # other ranks write nothing
+    other_rank = MetricsLog(str(tmp_path), None, is_writer=False, append=False, samples_per_step=8)
+    other_rank.log(1, loss=5.0)  # other ranks write nothing
     assert len(os.listdir(tmp_path)) == 3 and len(lines("metrics.jsonl")) == 2
