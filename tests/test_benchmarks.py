@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.memory import theory_bytes
 from benchmarks.tensor_parallel import theory as tensor_parallel_theory
-from conftest import REPO, TINY, run
+from harness import REPO, TINY, run
 from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.

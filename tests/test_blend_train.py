@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from conftest import FP32, TINY, deepspeed_launch, launch, metrics, run, train_losses, train_py
 from corpora import prepare_blend_sources
+from harness import FP32, TINY, deepspeed_launch, launch, metrics, run, train_losses, train_py
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -100,7 +100,7 @@ def test_metrics_count_the_epochs_of_each_source(runs):
 def test_resuming_on_other_weights_is_refused(runs):
     plays, docs, out = runs
     proc = train_py([f"train.out_dir={out['straight']}", *TINY, *FP32, *STEPS,
-                "train.max_steps=9", *blend(plays, docs, 0.5, 0.5)], check=False)
+                     "train.max_steps=9", *blend(plays, docs, 0.5, 0.5)], check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "the checkpoint was trained on other data: source 0" in proc.stdout + proc.stderr
     assert "the weight differs: 0.3 then, 0.5 now" in proc.stdout + proc.stderr

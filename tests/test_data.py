@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from common.checks import ConfigError
-from conftest import run
 from corpora import byte_level_encoding, prepare_blend_sources
 from data.loader import IGNORE, TokenData, prefetched
 from data.prepare import prepare
 from data.sampler import Blend
 from data.tokenizers import CharTokenizer, TiktokenTokenizer
+from harness import run
 from training.topology import Layout
 
 CPU = torch.device("cpu")

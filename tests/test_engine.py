@@ -9,15 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, expected_lr, free_port
+from harness import REPO, expected_lr, free_port
 from model import build_model
 from model.config import ModelConfig
 from model.gpt import Block
+from model_checks import SMALL_GPT
 from training.config import RunConfig, load_ds_config
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.steps import lm_loss
-
-TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,7 +39,7 @@ def engine_for(cfg: RunConfig, ds: dict, model=None):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2,
           "steps_per_print": 10**9, **ds}
     ds.update(optimizer_and_schedule(cfg, ds))
-    model = model if model is not None else build_model(TINY, seed=1)
+    model = model if model is not None else build_model(SMALL_GPT, seed=1)
     engine, *_ = deepspeed.initialize(model=model, config=ds,
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
     start_schedule(engine)
@@ -97,10 +96,10 @@ def test_weight_decay_only_on_matrices(stage):
     cfg = run_config(optim={"weight_decay": 0.1}, train={"max_steps": 3})
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path={**ds, "train_batch_size": 2}):
-            model = build_model(TINY, seed=1)
+            model = build_model(SMALL_GPT, seed=1)
         assert all(p.dim() == 1 for p in model.parameters())  # the shapes the split must see through
     else:
-        model = build_model(TINY, seed=1)
+        model = build_model(SMALL_GPT, seed=1)
     everything = {n for n, _ in model.named_parameters()}
     engine = engine_for(cfg, ds, model)
     assert named_groups(engine, model) == {0.1: MATRICES, 0.0: everything - MATRICES}

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BF16, TINY, run, train_py
+from harness import BF16, TINY, export, run, train_py
 from hf_check import assert_export_matches_transformers
 from training import checkpoint
 from training.export import load_export
@@ -19,8 +19,8 @@ def bf16_run(tmp_path_factory, char_data):
     """`python train.py` as the quickstart runs it (one process, ZeRO-0) in bf16, tiny, then exported."""
     out = tmp_path_factory.mktemp("bf16_zero0")
     train_py([f"train.out_dir={out}", f"data.dir={char_data}", *TINY, *BF16,
-         "train.max_steps=4", "optim.warmup_steps=1", "optim.lr=3e-3"])
-    run([sys.executable, "-m", "training.export", "--out_dir", str(out)])
+              "train.max_steps=4", "optim.warmup_steps=1", "optim.lr=3e-3"])
+    export(out, "step_000004")
     return out
 
 

@@ -3,7 +3,6 @@
 Each gives the DeepSpeed launcher's losses for the same layout (dp=2 and pp=2, fp32, to 1e-5), and a rank
 that raises ends each job non-zero within 60 s, naming the rank."""
 import getpass
-import glob
 import os
 import shutil
 import socket
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import FP32, ONE_THREAD, REPO, free_port, launch, launch_cmd, train_losses
+from harness import FP32, REPO, free_port, job_env, launch, launch_cmd, release_shm, train_losses
 from training.launcher_env import detect_launcher, launcher_rank, slurm_env
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
@@ -32,13 +31,11 @@ def script_args(script: str, ds_config: str, out_dir, data_dir: str, overrides) 
 
 
 def run_job(cmd: list[str], port: int, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
-           **(env or {})}
     try:
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=REPO, env=job_env({"MASTER_PORT": str(port), **(env or {})}),
+                              capture_output=True, text=True, timeout=timeout)
     finally:
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # see training/failure.py
-            os.remove(path)
+        release_shm(port)
 
 
 def assert_trained(proc, out_dir, expected, launcher: str):
@@ -51,8 +48,7 @@ def assert_trained(proc, out_dir, expected, launcher: str):
 def assert_fails_fast(cmd: list[str], port: int, env: dict | None = None):
     """Rank 1 raises in step 3 (tests/fault_train.py): the job must end non-zero within 60 s of training's first
     step, with the failing rank named. Output is read as it comes, to time it."""
-    env = {**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(port),
-           "MEGALITE_FAULT": "raise:1:3", **(env or {})}
+    env = job_env({"MASTER_PORT": str(port), "MEGALITE_FAULT": "raise:1:3", **(env or {})})
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, first_step, first_error = [], None, None
     try:
@@ -63,8 +59,7 @@ def assert_fails_fast(cmd: list[str], port: int, env: dict | None = None):
         proc.wait(timeout=120)
     finally:
         proc.kill()
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-            os.remove(path)
+        release_shm(port)
     end, output = time.monotonic(), "".join(lines)
     assert proc.returncode != 0 and first_step and first_error, output[-3000:]
     print(f"ended {end - first_step:.1f} s after step 1, {end - first_error:.1f} s after the error")

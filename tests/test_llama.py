@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from conftest import train_py
 from common.checks import ConfigError
+from harness import train_py
 from model import BLOCK_CLASS, build_model, model_layers
 from model.config import ModelConfig
 from model.llama import Attention, apply_rope, rope_frequencies, rope_tables
-from test_model import assert_causal, count_on_meta, preset
+from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
 from training import memory_plan
 from training.config import REPO_ROOT, load_run_config
 from training.metrics import flops_per_token
@@ -106,7 +106,7 @@ def test_llama_preset_parameter_counts(name, vocab, expected):
 
 
 @pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, n_kv_head=1, tie_embeddings=True),
-                                 ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)],
+                                 SMALL_GPT],
                          ids=["llama_gqa", "llama_mqa_tied", "gpt"])
 def test_flops_per_token_counts_every_matmul_weight(cfg):
     """6 x (every 2-D weight but the token embedding, plus the head: once more when tied) + attention."""
@@ -131,7 +131,7 @@ def test_bad_shapes_are_refused(override, message):
 
 def test_train_refuses_a_bad_shape_at_start(char_data, tmp_path):
     proc = train_py(["--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}",
-                f"train.out_dir={tmp_path}", "model.n_kv_head=3"], check=False, timeout=120)
+                     f"train.out_dir={tmp_path}", "model.n_kv_head=3"], check=False, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: model.n_kv_head=3: must divide model.n_head=4" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()

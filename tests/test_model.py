@@ -4,55 +4,32 @@ from unittest import mock
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from model import build_model
 from model.config import ModelConfig
 from model.generate import generate
 from model.gpt import Block
 from model.layers import TokenEmbedding, lm_head
-from training.config import REPO_ROOT, RunConfig
-
-SMALL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
-
-
-def preset(name: str) -> ModelConfig:
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(f"{REPO_ROOT}/configs/{name}.yaml"))
-    return OmegaConf.to_object(cfg).model
-
-
-def count_on_meta(cfg: ModelConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_model(cfg).parameters())
+from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
 
 
 def test_logits_shape_covers_padded_vocab():
-    model = build_model(SMALL)
+    model = build_model(SMALL_GPT)
     logits = model(torch.randint(0, 65, (3, 16)))
-    assert SMALL.padded_vocab_size == 128
+    assert SMALL_GPT.padded_vocab_size == 128
     assert logits.shape == (3, 16, 128)
 
 
 def test_shorter_sequences_than_block_size():
-    assert build_model(SMALL)(torch.randint(0, 65, (2, 5))).shape == (2, 5, 128)
+    assert build_model(SMALL_GPT)(torch.randint(0, 65, (2, 5))).shape == (2, 5, 128)
 
 
 def test_changing_a_token_never_changes_earlier_logits():
-    assert_causal(build_model(SMALL).eval())
-
-
-def assert_causal(model) -> None:
-    idx = torch.randint(0, 65, (1, 16))
-    for t in (0, 7, 15):
-        changed = idx.clone()
-        changed[0, t] = (idx[0, t] + 1) % 65
-        before, after = model(idx), model(changed)
-        torch.testing.assert_close(before[:, :t], after[:, :t], rtol=0, atol=0)
-        assert not torch.equal(before[:, t], after[:, t])
+    assert_causal(build_model(SMALL_GPT).eval())
 
 
 def test_head_is_the_token_embedding_tensor():
-    model = build_model(SMALL)
+    model = build_model(SMALL_GPT)
     embeddings = [m for m in model.modules() if isinstance(m, TokenEmbedding)]
     assert len(embeddings) == 1  # one module, used twice: the head has no weight of its own
     weight = embeddings[0].weight
@@ -68,7 +45,7 @@ def test_head_is_the_token_embedding_tensor():
 
 
 def test_parameter_names_follow_pipeline_module():
-    names = [n for n, _ in build_model(SMALL).named_parameters()]
+    names = [n for n, _ in build_model(SMALL_GPT).named_parameters()]
     assert names[:3] == ["tied_modules.embed.weight", "1.weight", "2.ln_1.weight"]
     assert "2.attn.qkv.weight" in names and names[-2:] == ["4.weight", "4.bias"]  # final LayerNorm
 
@@ -83,7 +60,7 @@ def test_gpt2_init_scales_residual_projections():
 
 
 def test_same_seed_same_weights_and_different_seed_differs():
-    a, b, c = build_model(SMALL, seed=1), build_model(SMALL, seed=1), build_model(SMALL, seed=2)
+    a, b, c = build_model(SMALL_GPT, seed=1), build_model(SMALL_GPT, seed=1), build_model(SMALL_GPT, seed=2)
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
     assert not torch.equal(next(a.parameters()), next(c.parameters()))
@@ -204,7 +181,7 @@ def test_mfu_flop_count_is_the_hand_count_for_the_gpt():
     forward, x 3 with backward (PaLM's 12 x layers x d x T)."""
     from training.metrics import flops_per_token
 
-    for cfg in (SMALL, preset("quickstart")):
+    for cfg in (SMALL_GPT, preset("quickstart")):
         cfg.vocab_size = 65
         model = build_model(cfg)
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))

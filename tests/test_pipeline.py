@@ -5,7 +5,7 @@ import os
 import pytest
 
 from common.checks import ConfigError
-from conftest import BF16, FP32, grad_norms, launch, metrics, train_losses
+from harness import BF16, FP32, grad_norms, launch, metrics, train_losses
 from model import BLOCK_CLASS, model_layers
 from model.config import ModelConfig
 from training.topology import Layout, describe_stages, pipeline_settings, resolve_layout, stage_partition

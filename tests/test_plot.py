@@ -1,10 +1,14 @@
-"""training.plot draws a real run's metrics.jsonl: every logged point, runs overlaid, steps or tokens."""
+"""training.plot draws a real run's metrics.jsonl: every logged point, runs overlaid, steps or tokens; a bad
+path or file is one `error:` line and exit code 2, with every file it would overwrite as it was (one table,
+in process on conftest's `checkpointed_run`)."""
 import json
 import sys
 
 import pytest
 
-from conftest import FP32, TINY, metrics, run, train_py
+import training.plot
+from harness import FP32, TINY, metrics, run, train_py
+from refusals import assert_refused, command
 from training.plot import read_run
 
 
@@ -12,7 +16,8 @@ from training.plot import read_run
 def tiny_run(tmp_path_factory, char_data):
     out = tmp_path_factory.mktemp("plotted_run")
     train_py([f"data.dir={char_data}", f"train.out_dir={out}", *TINY, *FP32,
-         "train.max_steps=4", "train.eval_interval=2", "ds.train_micro_batch_size_per_gpu=2"], env={"OMP_NUM_THREADS": "1"})
+              "train.max_steps=4", "train.eval_interval=2", "ds.train_micro_batch_size_per_gpu=2"],
+             env={"OMP_NUM_THREADS": "1"})
     return out
 
 
@@ -43,3 +48,48 @@ def test_plot_names_a_directory_without_metrics(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + '\n{"step": 2, "lo')
     proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
     assert "metrics.jsonl, line 2: not JSON" in proc.stderr
+
+
+def metrics_torn(run_dir):
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+
+
+
+# (damage, flags, message) of training.plot.
+PLOT_ROWS = [
+    (None, {"RUN": "{tmp}/missing"}, "run folder {tmp}/missing does not exist; fix: pass the train.out_dir of a run"),
+    (None, {"RUN": "{run}/metrics.jsonl"}, "run folder {run}/metrics.jsonl is a file, not a folder"),
+    (None, {"RUN": "{root}"}, "metrics file {root}/metrics.jsonl does not exist"),
+    (lambda r: (r / "metrics.jsonl").write_text(""), {}, "metrics file {run}/metrics.jsonl is empty; fix: pass the "
+                                                         "train.out_dir of a run that has logged a step"),
+    (metrics_torn, {}, "{run}/metrics.jsonl, line ... : not JSON (a torn last line of a killed run?); fix: remove "
+                       "that line"),
+    (lambda r: (r / "metrics.jsonl").write_text("[1, 2]\n"), {}, "{run}/metrics.jsonl, line 1: not a metrics record"),
+    (lambda r: (r / "metrics.png").write_bytes(b"an earlier plot"), {}, "--output {run}/metrics.png already exists "
+     "and would be overwritten; fix: pass --force to replace it, or another --output"),
+    (None, {"--output": "{run}/metrics.jsonl"}, "--output {run}/metrics.jsonl already exists and would be "
+                                                "overwritten; fix: pass --force"),
+    (None, {"--output": "{run}/metrics.jsonl", "--force": True}, "--output {run}/metrics.jsonl is not an image file "
+                                                                 "matplotlib writes; fix: end it in .png"),
+    (None, {"--output": "{run}/checkpoints", "--force": True}, "--output {run}/checkpoints is a folder, not a file; "
+                                                               "fix: pass another --output$"),
+    (None, {"--output": "{run}/metrics.jsonl/plot.png"}, "--output {run}/metrics.jsonl/plot.png cannot be created: "
+                                                         "{run}/metrics.jsonl is a file"),
+    (lambda r: (r / "ds_config.json").unlink(), {"--x": "tokens"}, "--x tokens needs each run's ds_config.json"),
+]
+
+
+@pytest.mark.parametrize("damage,flags,message", PLOT_ROWS, ids=[f"row{i}" for i in range(len(PLOT_ROWS))])
+def test_plot_refuses(paths, capsys, damage, flags, message):
+    if damage:
+        damage(paths["run"])
+    assert_refused(training.plot.main, command({"RUN": "{run}"}, flags, paths), message, paths, capsys,
+                   [paths["run"]])
+
+
+def test_plot_force_replaces_the_earlier_image(paths, capsys):
+    (paths["run"] / "metrics.png").write_bytes(b"an earlier plot")
+    training.plot.main([str(paths["run"]), "--force"])
+    assert (paths["run"] / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in paths["run"].iterdir() if p.name.startswith(".")) == []  # no scratch left

@@ -1,5 +1,7 @@
 """Preparation of real corpora: every input format, every kind of tokenizer, parallel and resumable, and a
-clear error for each bad input with nothing written that training would trust."""
+clear error for each bad input with nothing written that training would trust: one table of bad paths and
+files, in process through data.prepare's main(argv), each one `error:` line and exit code 2 with the inputs
+and the dataset it would replace as they were."""
 import json
 import os
 import shutil
@@ -8,15 +10,17 @@ import sys
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 import data.prepare
-from conftest import run
 from corpora import byte_level_encoding, speeches, write_corpus
 from data.loader import TokenData
 from data.prepare import in_val, prepare
-from data.readers import InputError
+from data.readers import InputError, Piece, documents
 from data.tokenizers import EOT, TiktokenTokenizer, TokenizerError, load_tokenizer, train_bpe
 from data.writer import ShardWriter, read_index
+from harness import run
+from refusals import assert_refused, command
 from training.topology import Layout
 
 CPU = torch.device("cpu")
@@ -199,3 +203,55 @@ def test_command_line_errors_name_the_fix(tmp_path):
     proc = run([sys.executable, "-m", "data.prepare", "--input", str(tmp_path / "text.txt"), "--tokenizer", "bpe:12",
                 "--out_dir", str(tmp_path / "out")], check=False)
     assert proc.returncode == 2 and "the BPE size must be an integer above 256" in proc.stderr
+
+
+# (flags, message) of data.prepare; each row changes one thing from --input text.txt --out_dir OUT.
+PREPARE_ROWS = [
+    ({"--input": "{inputs}/not_gzip.jsonl.gz"}, "input {inputs}/not_gzip.jsonl.gz is not gzip data, or is cut short "
+                                                "(BadGzipFile: Not a gzipped file ... fix: make it again (gzip FILE)"),
+    ({"--input": "{inputs}/cut.jsonl.gz"}, "input {inputs}/cut.jsonl.gz is not gzip data, or is cut short (EOFError"),
+    ({"--input": "{inputs}/not_zstd.jsonl.zst"}, "input {inputs}/not_zstd.jsonl.zst is not zstd data, or is cut "
+                                                 "short (ZstdError"),
+    ({"--input": "{inputs}/cut.jsonl.zst"}, "input {inputs}/cut.jsonl.zst is not zstd data, or is cut short "
+                                            "(EOFError: the file ends inside a zstd frame)"),
+    ({"--input": "{inputs}/not_parquet.parquet"}, "{inputs}/not_parquet.parquet is not a readable Parquet file"),
+    ({"--input": "{inputs}/empty.jsonl"}, "no documents in {inputs}/empty.jsonl: the inputs are empty"),
+    ({"--input": "{inputs}/missing.txt"}, "input {inputs}/missing.txt not found"),
+    ({"--out_dir": "{inputs}/text.txt"}, "--out_dir {inputs}/text.txt is a file, not a folder; fix: pass a folder "
+                                         "for the dataset"),
+    ({"--out_dir": "{inputs}/text.txt/out"}, "--out_dir {inputs}/text.txt/out cannot be created: {inputs}/text.txt "
+                                             "is a file"),
+    ({"--out_dir": "{data}"}, "--out_dir {data} already holds a dataset, of other inputs or options, that this one "
+                              "would replace; fix: pass --force to replace it, or another --out_dir"),
+    ({"--tokenizer": "{inputs}/tokenizer_folder"}, "--tokenizer {inputs}/tokenizer_folder is a folder, not a file"),
+    ({"--workers": "0"}, "--workers 0: must be >= 1; fix: pass the number of processes that tokenize"),
+    ({"--chunk_mb": "0"}, "--chunk_mb 0.0: must be > 0"),
+    ({"--chunk_mb": "-1"}, "--chunk_mb -1.0: must be > 0"),
+    ({"--val_fraction": "0"}, "--val_fraction 0.0 must be between 0 and 1"),
+]
+
+
+@pytest.mark.parametrize("flags,message", PREPARE_ROWS, ids=[next(iter(f)) + "=" + list(f.values())[0][-14:]
+                                                             for f, _ in PREPARE_ROWS])
+def test_prepare_refuses(inputs, char_data, tmp_path, capsys, flags, message):
+    paths = {"inputs": inputs, "data": char_data}
+    base = {"--input": "{inputs}/text.txt", "--out_dir": str(tmp_path / "out"), "--workers": "1"}
+    assert_refused(data.prepare.main, command(base, flags, paths), message, paths, capsys, [inputs, char_data])
+
+
+def test_prepare_force_replaces_a_dataset(inputs, tmp_path):
+    out, other = str(tmp_path / "out"), tmp_path / "other.txt"
+    other.write_text("another text, longer than the first one")
+    data.prepare.main(["--input", str(inputs / "text.txt"), "--out_dir", out])
+    data.prepare.main(["--input", str(other), "--out_dir", out, "--force"])
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["source"] == [str(other)]
+
+
+def test_a_zstd_file_of_several_frames_reads_whole(tmp_path):
+    lines = [json.dumps({"text": f"document {i}"}) + "\n" for i in range(3000)]
+    compress = zstandard.ZstdCompressor().compress
+    (tmp_path / "frames.jsonl.zst").write_bytes(b"".join(compress("".join(lines[i:i + 700]).encode())
+                                                         for i in range(0, 3000, 700)))
+    assert list(documents(Piece(str(tmp_path / "frames.jsonl.zst"), "jsonl.zst"))) == [f"document {i}"
+                                                                                       for i in range(3000)]
+

@@ -4,20 +4,18 @@ pp 2 x tp 2 give the losses and gradient norms of one process; replicated weight
 tp 2 checkpoint resumes exactly at tp 2 and, through the universal format, at tp 1 (from pp 2 x tp 2 too);
 export merges the slices into weights transformers loads; bad layouts stop at start."""
 import os
-import socket
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import FP32, REPO, grad_norms, launch, metrics, run, train_losses
+from common.checks import ConfigError
+from harness import FP32, REPO, export, free_port, grad_norms, launch, metrics, train_losses, universal
 from hf_check import assert_export_matches_transformers
 from model import build_model, model_layers
 from model.config import ModelConfig
 from model.tensor_parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
-from common.checks import ConfigError
 from training.config import load_ds_config
 from training.steps import replicated_weights_in_sync
 from training.topology import pipeline_settings, resolve_layout, tensor_parallel_size
@@ -74,9 +72,7 @@ def test_split_layers_compute_what_the_whole_model_does():
     """Two gloo processes, no DeepSpeed: the same seed gives the same whole weights; the summed loss (with
     padding targets), every gradient and the gathered logits equal the whole model's; the replicated-weight
     check holds, and fails once one rank's copy of a replicated weight drifts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.Manager().dict()
     mp.spawn(_split_against_whole, args=(2, port, results), nprocs=2)
     for arch in SMALL:
@@ -111,7 +107,8 @@ def test_bad_tensor_parallel_layouts_are_refused_with_the_fix():
                                           r"size 6: launch a multiple of 4 processes"):
         resolve_layout({"train_micro_batch_size_per_gpu": 1}, 6, 2, 2)
     with pytest.raises(ConfigError, match=r"ZeRO stage 2 cannot be combined with pipeline parallelism"):
-        pipeline_settings({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}, "tensor_model_parallel_size": 2})
+        pipeline_settings({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2},
+                           "tensor_model_parallel_size": 2})
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=0 in .*tp2.json: must be an integer >= 1"):
         load_ds_config(os.path.join(REPO, "ds_configs", "tp2.json"), ["tensor_model_parallel_size=0"])
     with pytest.raises(ConfigError, match=r"DeepSpeed's AutoTP .* remove the tensor_parallel section"):
@@ -121,7 +118,8 @@ def test_bad_tensor_parallel_layouts_are_refused_with_the_fix():
 def test_a_world_the_degree_does_not_divide_stops_at_start(tmp_path, char_data):
     proc = launch(1, "tp2.json", tmp_path, char_data, FP32, check=False)
     assert proc.returncode != 0
-    assert "1 pipeline stages x tensor-parallel degree 2 = 2 do not divide the world size 1" in proc.stdout + proc.stderr
+    assert ("1 pipeline stages x tensor-parallel degree 2 = 2 do not divide the world size 1"
+            in proc.stdout + proc.stderr)
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
@@ -138,7 +136,8 @@ RUNS = {
     "llama_tp1": ("llama", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
     "llama_tp2": ("llama", 2, "tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=3"]),
     "llama_tp2_dp2": ("llama", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=0"]),
-    "llama_pp2_tp2": ("llama", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=0"]),
+    "llama_pp2_tp2": ("llama", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4",
+                                                     "ds.zero_optimization.stage=0"]),
     "encoder_tp1": ("encoder", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
     "encoder_tp2": ("encoder", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
 }
@@ -182,7 +181,8 @@ def test_layouts_train_as_one_process_does(runs, name):
 def test_startup_names_each_ranks_coordinates_and_groups(runs):
     stdout = runs("gpt_pp2_tp2")[1]
     assert "world 4 = dp 1 x pp 2 x tp 2" in stdout
-    assert "tensor groups [[0, 1], [2, 3]]; data groups [[0], [1], [2], [3]]; pipeline groups [[0, 2], [1, 3]]" in stdout
+    assert ("tensor groups [[0, 1], [2, 3]]; data groups [[0], [1], [2], [3]]; pipeline groups [[0, 2], [1, 3]]"
+            in stdout)
     assert "rank 3: stage 1, tensor rank 1, data rank 0" in stdout
     assert "stage 1: layers" in stdout and "on ranks [2, 3]" in stdout
 
@@ -193,17 +193,13 @@ def resume(char_data, out, checkpoint_dir, procs: int, ds_config: str, extra=())
     return [m for m in metrics(out) if "loss" in m]
 
 
-def universal(run_dir, tag: str = "step_000002") -> str:
-    run([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", str(run_dir), "--tag", tag])
-    return os.path.join(run_dir, "checkpoints", f"{tag}_universal")
-
-
 @pytest.mark.parametrize("source,procs,ds_config", [("gpt_tp2", 2, "tp2.json"), ("gpt_tp2", 1, "zero1.json"),
                                                     ("gpt_pp2_tp2", 1, "zero1.json")],
                          ids=["tp2-exact", "tp2-to-tp1-universal", "pp2xtp2-to-pp1-universal"])
 def test_resumed_runs_continue_the_uninterrupted_one(runs, tmp_path, char_data, source, procs, ds_config):
     run_dir = runs(source)[0]
-    checkpoint_dir = os.path.join(run_dir, "checkpoints", "step_000002") if procs == 2 else universal(run_dir)
+    checkpoint_dir = (os.path.join(run_dir, "checkpoints", "step_000002") if procs == 2
+                      else universal(run_dir, "step_000002"))
     steps = resume(char_data, tmp_path, checkpoint_dir, procs, ds_config)
     uninterrupted = [m for m in metrics(run_dir) if "loss" in m][2:]
     assert [m["step"] for m in steps] == [3, 4]
@@ -222,5 +218,4 @@ def test_export_merges_the_slices_into_weights_transformers_loads(runs):
     assert state.keys() == reference.keys()
     # Adam turns a 1e-7 difference in a near-zero gradient into up to lr x steps (1.2e-2) in a weight: 1e-4 is tight
     assert max((state[k] - reference[k]).abs().max().item() for k in state) < 1e-4
-    run([sys.executable, "-m", "training.export", "--out_dir", str(run_dir)])
-    assert_export_matches_transformers(str(run_dir / "export" / "step_000004"), tokens=16)
+    assert_export_matches_transformers(export(run_dir, "step_000004"), tokens=16)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, run, train_losses, train_py
+from harness import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, run, train_losses, train_py
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -151,8 +151,8 @@ def test_grad_accumulation_4x1_matches_1x4(tmp_path, char_data):
 def test_single_process_without_launcher_trains_and_samples(tmp_path, char_data):
     """`python train.py` (no launcher, precision as shipped): loss falls and a sample is printed."""
     proc = train_py(["--ds_config", "ds_configs/zero0.json", f"train.out_dir={tmp_path}",
-                f"data.dir={char_data}", *TINY, "train.max_steps=30", "optim.lr=3e-3", "optim.warmup_steps=5",
-                "sample.max_new_tokens=40"])
+                     f"data.dir={char_data}", *TINY, "train.max_steps=30", "optim.lr=3e-3", "optim.warmup_steps=5",
+                     "sample.max_new_tokens=40"])
     losses = train_losses(tmp_path)
     assert len(losses) == 30 and losses[-1] < losses[0] - 0.5
     sample = proc.stdout.split("--- sample ---\n")[1].split("\n----")[0]

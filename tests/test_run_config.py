@@ -1,18 +1,20 @@
-"""Every run setting is range-checked at start: one table of bad settings and the message each gets
-(in-process, through load_run_config), and a few train.py runs that show the table is what it applies."""
-import json
+"""The run config: a YAML preset, then key=value overrides on the command line (training/config.py). Every run
+setting is range-checked at start: one table of bad settings and the message each gets (in-process, through
+load_run_config), and a few train.py runs that show the table is what it applies; unknown keys, bad types and
+files that are not run configs are refused by name."""
+import glob
 import os
 
 import pytest
-import torch
 
 from common.checks import ConfigError
-from conftest import REPO, train_py
-from data.tokenizers import CharTokenizer
-from training.config import load_ds_config, load_run_config, parse_args
+from harness import FP32, REPO, TINY, metrics, train_py
+from refusals import assert_refused_at_start, train_py_as_typed
+from training.config import load_ds_config, load_run_config, parse_args, split_overrides
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
 ENCODER = os.path.join(REPO, "configs", "encoder_tiny.yaml")
+PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 # (overrides, the message's start). Each row changes one thing from the quickstart preset.
 BAD_SETTINGS = [
@@ -118,6 +120,14 @@ def test_every_shipped_preset_passes_the_checks():
         load_run_config(os.path.join(REPO, "configs", name), [])
 
 
+@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
+def test_presets_load(path):
+    cfg = load_run_config(path, [])
+    assert cfg.model.n_embd % cfg.model.n_head == 0
+    # None: the dataset's own (the character presets); a preset that names one is defined by it
+    assert cfg.data.tokenizer in (None, "gpt2", "tokenizer.json") or cfg.data.tokenizer.startswith("bpe:")
+
+
 def test_a_min_lr_of_zero_decays_to_zero():
     """What the range check accepts, the schedule takes: checks and schedule have one home for the ranges."""
     from training.optim import optimizer_and_schedule
@@ -130,98 +140,37 @@ def test_zero_intervals_are_accepted():
     assert (cfg.train.eval_interval, cfg.train.save_interval) == (0, 0)
 
 
-@pytest.mark.parametrize("body,kind", [("[1, 2]", "list"), ('"zero2"', "str"), ("12", "int")])
-def test_ds_config_that_is_not_an_object(tmp_path, body, kind):
-    path = tmp_path / "ds.json"
-    path.write_text(body)
-    with pytest.raises(ConfigError, match=rf"ds.json holds a JSON {kind}, not an object"):
-        load_ds_config(str(path), [])
-
-
-def test_config_files_may_come_anywhere_among_the_overrides():
-    args = parse_args(["train.max_steps=5", "--config", ENCODER, "train.out_dir=out/x", "--ds_config", "d.json",
-                       "--local_rank=1", "model.n_layer=2"])
-    assert (args.config, args.ds_config, args.local_rank) == (ENCODER, "d.json", 1)
-    assert args.overrides == ["train.max_steps=5", "train.out_dir=out/x", "model.n_layer=2"]
-
-
-def test_prompt_outside_the_vocabulary_is_refused_at_start():
-    from training import startup
-    tokenizer = CharTokenizer(list("\n abc"))
-    assert startup.encode_prompt("ab c", tokenizer) == ([2, 3, 1, 4], None)
-    with pytest.raises(ConfigError, match=r"sample.prompt='abé' does not encode with the dataset's char tokenizer: "
-                                          r"character 'é' is not in this dataset's vocabulary; fix: use characters"):
-        startup.encode_prompt("abé", tokenizer)
-
-
-@pytest.mark.parametrize("delimiter", ["<|endoftext|>", "<s>"])
-def test_a_prompt_that_encodes_to_nothing_starts_from_the_document_delimiter(delimiter):
-    """A whitespace-splitting tokenizer encodes the default prompt, a newline, to no tokens: the sample starts from
-    the token that separates documents, end-of-text or (a tokenizer with only that) begin-of-text."""
-    from corpora import word_level_tokenizer
-    from training import startup
-    tokenizer = word_level_tokenizer(["to be or not to be"])
-    if delimiter == "<s>":  # the same words behind a begin-of-text token only, as Llama-2's tokenizer has
-        from tokenizers import Tokenizer, models, pre_tokenizers
-
-        from data.tokenizers import HFTokenizer
-        inner = Tokenizer(models.WordLevel({"<s>": 0, "[UNK]": 1, "to": 2, "be": 3}, unk_token="[UNK]"))
-        inner.pre_tokenizer = pre_tokenizers.Whitespace()
-        tokenizer = HFTokenizer(inner, "tokenizer.json")
-    start = tokenizer.tokenizer.token_to_id(delimiter)
-    assert startup.encode_prompt("\n", tokenizer) == ([start], f"the prompt '\\n' encodes to no tokens with the "
-                                                      f"dataset's tokenizer.json tokenizer: the sample starts from its "
-                                                      f"document delimiter {delimiter!r} (id {start})")
-    assert startup.encode_prompt("to be", tokenizer)[1] is None
-
-
-def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):
-    """What the range checks miss still stops at start, before any process: torch's own assertion here."""
-    from training import startup
-    monkeypatch.setattr(startup, "build_model", lambda model_cfg: torch.nn.MultiheadAttention(33, 2))
-    cfg = load_run_config(QUICKSTART, ["model.vocab_size=65"])
-    with pytest.raises(ConfigError, match=r"the model.\* settings do not build a model \(AssertionError: embed_dim "
-                                          r"must be divisible by num_heads\)"):
-        startup.count_parameters(cfg)
-
-
-def train_py_as_typed(*args):
-    return train_py([*args], check=False, timeout=120)
-
-
-def assert_refused(proc, message):
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"error: {message}" in proc.stderr
-    assert "Traceback" not in proc.stderr and "step 0" not in proc.stdout
-
-
 def test_train_py_applies_the_table_with_config_after_the_overrides(char_data, tmp_path):
     """The issue's command: --config among the overrides; the table's row for a negative max_steps."""
     proc = train_py_as_typed("train.max_steps=-5", "--config", ENCODER, f"train.out_dir={tmp_path}",
                              f"data.dir={char_data}")
-    assert_refused(proc, "train.max_steps=-5: must be >= 1; fix: set train.max_steps to 1 or more")
-
-
-def test_train_py_refuses_a_prompt_it_could_not_sample_from(char_data, tmp_path):
-    proc = train_py_as_typed(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "sample.prompt=naïve")
-    assert_refused(proc, "sample.prompt='naïve' does not encode with the dataset's char tokenizer")
-    assert not os.path.exists(tmp_path / "metrics.jsonl")
-
-
-def test_train_py_refuses_a_ds_config_that_is_not_an_object(char_data, tmp_path):
-    path = tmp_path / "list.json"
-    path.write_text(json.dumps([{"train_micro_batch_size_per_gpu": 4}]))
-    proc = train_py_as_typed(f"data.dir={char_data}", "--ds_config", str(path), f"train.out_dir={tmp_path}/out")
-    assert_refused(proc, f"{path} holds a JSON list, not an object")
+    assert_refused_at_start(proc, "error: train.max_steps=-5: must be >= 1; fix: set train.max_steps to 1 or more")
 
 
 def test_eval_interval_zero_evaluates_at_start_and_end_only(char_data, tmp_path):
-    from conftest import FP32, TINY, metrics
-    train_py([f"data.dir={char_data}", f"train.out_dir={tmp_path}", *TINY, *FP32,
-         "train.max_steps=3", "train.eval_interval=0", "train.save_interval=0", "ds.train_micro_batch_size_per_gpu=2"],
-        env={"OMP_NUM_THREADS": "1"})
+    train_py([f"data.dir={char_data}", f"train.out_dir={tmp_path}", *TINY, *FP32, "train.max_steps=3",
+              "train.eval_interval=0", "train.save_interval=0", "ds.train_micro_batch_size_per_gpu=2"],
+             env={"OMP_NUM_THREADS": "1"})
     assert [m["step"] for m in metrics(tmp_path) if "val_loss" in m] == [0, 3]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_000003"]
+
+
+def test_unknown_run_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"unknown setting 'train.max_step' in the command line; "
+                                          r"did you mean 'train.max_steps'\?"):
+        load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), ["train.max_step=5"])
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("model:\n  n_layers: 3\n")
+    with pytest.raises(ConfigError, match=rf"unknown setting 'model.n_layers' in {path}; did you mean 'model.n_layer'"):
+        load_run_config(str(path), [])
+
+
+def test_badly_typed_value_is_rejected():
+    with pytest.raises(ConfigError, match=r"bad setting 'train.max_steps' in the command line"):
+        load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), ["train.max_steps=many"])
 
 
 # (the run config file's text, the message after its path): a file that is not a run config.
@@ -247,6 +196,15 @@ def test_a_file_that_is_not_a_run_config_is_refused(tmp_path, text, message):
     assert message.format(path=path) in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_missing_files_name_where_to_look():
+    with pytest.raises(ConfigError, match=r"ds_config nope.json does not exist; fix: pass a DeepSpeed config JSON; "
+                                          r"shipped ones: .*zero2.json"):
+        load_ds_config("nope.json", [])
+    with pytest.raises(ConfigError, match=r"run config nope.yaml does not exist; fix: pass a YAML preset, e.g. one of "
+                                          r".*configs"):
+        load_run_config("nope.yaml", [])
+
+
 @pytest.mark.parametrize("loader,what", [(load_run_config, "run config"), (load_ds_config, "ds_config")])
 def test_a_config_path_that_is_a_folder_or_missing_is_refused(tmp_path, loader, what):
     for path, problem in ((tmp_path, "is a folder, not a file"), (tmp_path / "nope", "does not exist")):
@@ -254,38 +212,17 @@ def test_a_config_path_that_is_a_folder_or_missing_is_refused(tmp_path, loader, 
             loader(str(path), [])
 
 
-# (ds override, the message's start): the ds_config's numbers that DeepSpeed's typed models do not check.
-BAD_DS_NUMBERS = [
-    ("train_micro_batch_size_per_gpu=four", "train_micro_batch_size_per_gpu='four' in {path}: must be an integer >= 1; "
-                                           "fix: set ds.train_micro_batch_size_per_gpu to one"),
-    ("train_micro_batch_size_per_gpu=true", "train_micro_batch_size_per_gpu=True in {path}: must be an integer >= 1"),
-    ("train_micro_batch_size_per_gpu=2.5", "train_micro_batch_size_per_gpu=2.5 in {path}: must be an integer >= 1"),
-    ("train_micro_batch_size_per_gpu=0", "train_micro_batch_size_per_gpu=0 in {path}: must be an integer >= 1"),
-    ("gradient_accumulation_steps=two", "gradient_accumulation_steps='two' in {path}: must be an integer >= 1"),
-    ("train_batch_size=-8", "train_batch_size=-8 in {path}: must be an integer >= 1"),
-    ("tensor_model_parallel_size=two", "tensor_model_parallel_size='two' in {path}: must be an integer >= 1"),
-    ("steps_per_print=0", "steps_per_print=0 in {path}: must be an integer >= 1"),
-    ("pipeline.stages=two", "pipeline.stages='two' in {path}: must be an integer >= 1"),
-    ("pipeline.activation_checkpoint_interval=-1", "pipeline.activation_checkpoint_interval=-1 in {path}: must be an "
-                                                   "integer >= 0 (0 disables it)"),
-    ("gradient_clipping=-1", "gradient_clipping=-1 in {path}: must be a number >= 0 (0 disables clipping); fix: set "
-                             "ds.gradient_clipping to one"),
-    ("gradient_clipping=big", "gradient_clipping='big' in {path}: must be a number >= 0"),
-]
+def test_overrides_reach_both_files():
+    run_overrides, ds_overrides = split_overrides(["train.max_steps=7", "ds.zero_optimization.stage=3",
+                                                   "model.n_layer=3", "ds.bf16.enabled=false"])
+    cfg = load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), run_overrides)
+    ds = load_ds_config(os.path.join(REPO, "ds_configs", "zero1.json"), ds_overrides)
+    assert (cfg.train.max_steps, cfg.model.n_layer, cfg.model.n_embd) == (7, 3, 128)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is False
 
 
-@pytest.mark.parametrize("override,message", BAD_DS_NUMBERS, ids=[row[0] for row in BAD_DS_NUMBERS])
-def test_bad_ds_config_number_is_refused_with_its_message(override, message):
-    path = os.path.join(REPO, "ds_configs", "zero0.json")
-    with pytest.raises(ConfigError) as caught:
-        load_ds_config(path, [override])
-    assert message.format(path=path) in str(caught.value)
-
-
-def test_the_ds_number_table_covers_the_keys_the_layout_reads():
-    """topology.py reads these without checking their types: their one check is DS_NUMBERS."""
-    from training.config import DS_NUMBERS
-    from training.topology import ACCUM, GLOBAL, MICRO, TP_KEY
-    assert {MICRO, ACCUM, GLOBAL, TP_KEY, "pipeline.stages",
-            "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)
-    assert {row[0].split("=")[0] for row in BAD_DS_NUMBERS} == set(DS_NUMBERS)
+def test_config_files_may_come_anywhere_among_the_overrides():
+    args = parse_args(["train.max_steps=5", "--config", ENCODER, "train.out_dir=out/x", "--ds_config", "d.json",
+                       "--local_rank=1", "model.n_layer=2"])
+    assert (args.config, args.ds_config, args.local_rank) == (ENCODER, "d.json", 1)
+    assert args.overrides == ["train.max_steps=5", "train.out_dir=out/x", "model.n_layer=2"]

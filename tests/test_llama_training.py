@@ -1,13 +1,12 @@
 """The Llama through the real launcher, fp32: pp=2 (the head tied to the embedding across the two stages) and
-ZeRO-1 at dp=2 give the ZeRO-0 losses and gradient norms; ZeRO-3 trains; runs start from a Hugging Face checkpoint (`train.init_from`) under ZeRO-3 and
-pipeline stages; their exports load in transformers with this repo's logits."""
-import sys
-
+ZeRO-1 at dp=2 give the ZeRO-0 losses and gradient norms; ZeRO-3 trains; runs start from a Hugging Face
+checkpoint (`train.init_from`) under ZeRO-3 and pipeline stages; their exports load in transformers with this
+repo's logits."""
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FP32, launch, metrics, run
+from harness import FP32, export, launch, metrics
 from hf_check import assert_export_matches_transformers, load_in_transformers, transformers_model
 from model.config import ModelConfig
 
@@ -24,12 +23,6 @@ ZERO3_ALL = ["ds.zero_optimization.stage3_param_persistence_threshold=0"]  # eve
 # One step at a learning rate of 1e-20: an AdamW update is about lr in size, far below half an ulp of any weight
 # initialized at transformers' scale, so the step-1 checkpoint holds the imported tensors bit for bit.
 STILL = ["train.max_steps=1", "optim.lr=1e-20", "optim.min_lr=1e-20"]
-
-
-def export(out_dir, tag: str) -> str:
-    folder = out_dir / "export" / tag
-    run([sys.executable, "-m", "training.export", "--out_dir", str(out_dir), "--tag", tag, "--output", str(folder)])
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

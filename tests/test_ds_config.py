@@ -1,4 +1,7 @@
-"""Configuration: shipped files load through DeepSpeed's own parser; bad input fails early and clearly."""
+"""The ds_config, DeepSpeed's own JSON (training/config.py, training/startup.py): the shipped files load through
+DeepSpeed's parser; typos, a second home for the optimizer and numbers DeepSpeed does not check are refused by
+name; the batch triple is derived and the effective ds_config assembled in one place, the loaded file left as
+it is."""
 import glob
 import json
 import os
@@ -7,15 +10,15 @@ import pytest
 import torch
 
 from common.checks import ConfigError
-from conftest import REPO, launch, train_py
-from training.config import DEFAULT_CONFIG, load_ds_config, load_run_config, split_overrides
+from harness import REPO, launch
+from refusals import assert_refused_at_start, train_py_as_typed
+from training.config import DEFAULT_CONFIG, load_ds_config, load_run_config
 from training.startup import effective_ds_config
 from training.topology import resolve_layout
 
 CPU = torch.device("cpu")
 
 DS_CONFIGS = sorted(glob.glob(os.path.join(REPO, "ds_configs", "*.json")))
-PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=os.path.basename)
@@ -47,23 +50,6 @@ def test_all_advertised_ds_configs_are_shipped():
     assert {"zero0.json", "zero1.json", "zero2.json", "zero3.json", "zero2_offload.json", "zero2_fp16.json"} <= names
 
 
-@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
-def test_presets_load(path):
-    cfg = load_run_config(path, [])
-    assert cfg.model.n_embd % cfg.model.n_head == 0
-    # None: the dataset's own (the character presets); a preset that names one is defined by it
-    assert cfg.data.tokenizer in (None, "gpt2", "tokenizer.json") or cfg.data.tokenizer.startswith("bpe:")
-
-
-def test_overrides_reach_both_files():
-    run_overrides, ds_overrides = split_overrides(["train.max_steps=7", "ds.zero_optimization.stage=3",
-                                                   "model.n_layer=3", "ds.bf16.enabled=false"])
-    cfg = load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), run_overrides)
-    ds = load_ds_config(os.path.join(REPO, "ds_configs", "zero1.json"), ds_overrides)
-    assert (cfg.train.max_steps, cfg.model.n_layer, cfg.model.n_embd) == (7, 3, 128)
-    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is False
-
-
 def test_malformed_json_names_file_and_line(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{\n  "train_micro_batch_size_per_gpu": 4,\n  "bf16": {"enabled": true,}\n}\n')
@@ -92,31 +78,56 @@ def test_optimizer_in_ds_config_is_refused_as_a_second_home(tmp_path):
         load_ds_config(str(path), [])
 
 
-def test_unknown_run_key_suggests_the_right_one():
-    with pytest.raises(ConfigError, match=r"unknown setting 'train.max_step' in the command line; "
-                                          r"did you mean 'train.max_steps'\?"):
-        load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), ["train.max_step=5"])
+@pytest.mark.parametrize("body,kind", [("[1, 2]", "list"), ('"zero2"', "str"), ("12", "int")])
+def test_ds_config_that_is_not_an_object(tmp_path, body, kind):
+    path = tmp_path / "ds.json"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=rf"ds.json holds a JSON {kind}, not an object"):
+        load_ds_config(str(path), [])
 
 
-def test_unknown_key_in_yaml_names_the_file(tmp_path):
-    path = tmp_path / "p.yaml"
-    path.write_text("model:\n  n_layers: 3\n")
-    with pytest.raises(ConfigError, match=rf"unknown setting 'model.n_layers' in {path}; did you mean 'model.n_layer'"):
-        load_run_config(str(path), [])
+def test_train_py_refuses_a_ds_config_that_is_not_an_object(char_data, tmp_path):
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps([{"train_micro_batch_size_per_gpu": 4}]))
+    proc = train_py_as_typed(f"data.dir={char_data}", "--ds_config", str(path), f"train.out_dir={tmp_path}/out")
+    assert_refused_at_start(proc, f"error: {path} holds a JSON list, not an object")
 
 
-def test_badly_typed_value_is_rejected():
-    with pytest.raises(ConfigError, match=r"bad setting 'train.max_steps' in the command line"):
-        load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), ["train.max_steps=many"])
+# (ds override, the message's start): the ds_config's numbers that DeepSpeed's typed models do not check.
+BAD_DS_NUMBERS = [
+    ("train_micro_batch_size_per_gpu=four", "train_micro_batch_size_per_gpu='four' in {path}: must be an integer >= 1; "
+                                           "fix: set ds.train_micro_batch_size_per_gpu to one"),
+    ("train_micro_batch_size_per_gpu=true", "train_micro_batch_size_per_gpu=True in {path}: must be an integer >= 1"),
+    ("train_micro_batch_size_per_gpu=2.5", "train_micro_batch_size_per_gpu=2.5 in {path}: must be an integer >= 1"),
+    ("train_micro_batch_size_per_gpu=0", "train_micro_batch_size_per_gpu=0 in {path}: must be an integer >= 1"),
+    ("gradient_accumulation_steps=two", "gradient_accumulation_steps='two' in {path}: must be an integer >= 1"),
+    ("train_batch_size=-8", "train_batch_size=-8 in {path}: must be an integer >= 1"),
+    ("tensor_model_parallel_size=two", "tensor_model_parallel_size='two' in {path}: must be an integer >= 1"),
+    ("steps_per_print=0", "steps_per_print=0 in {path}: must be an integer >= 1"),
+    ("pipeline.stages=two", "pipeline.stages='two' in {path}: must be an integer >= 1"),
+    ("pipeline.activation_checkpoint_interval=-1", "pipeline.activation_checkpoint_interval=-1 in {path}: must be an "
+                                                   "integer >= 0 (0 disables it)"),
+    ("gradient_clipping=-1", "gradient_clipping=-1 in {path}: must be a number >= 0 (0 disables clipping); fix: set "
+                             "ds.gradient_clipping to one"),
+    ("gradient_clipping=big", "gradient_clipping='big' in {path}: must be a number >= 0"),
+]
 
 
-def test_missing_files_name_where_to_look():
-    with pytest.raises(ConfigError, match=r"ds_config nope.json does not exist; fix: pass a DeepSpeed config JSON; "
-                                          r"shipped ones: .*zero2.json"):
-        load_ds_config("nope.json", [])
-    with pytest.raises(ConfigError, match=r"run config nope.yaml does not exist; fix: pass a YAML preset, e.g. one of "
-                                          r".*configs"):
-        load_run_config("nope.yaml", [])
+@pytest.mark.parametrize("override,message", BAD_DS_NUMBERS, ids=[row[0] for row in BAD_DS_NUMBERS])
+def test_bad_ds_config_number_is_refused_with_its_message(override, message):
+    path = os.path.join(REPO, "ds_configs", "zero0.json")
+    with pytest.raises(ConfigError) as caught:
+        load_ds_config(path, [override])
+    assert message.format(path=path) in str(caught.value)
+
+
+def test_the_ds_number_table_covers_the_keys_the_layout_reads():
+    """topology.py reads these without checking their types: their one check is DS_NUMBERS."""
+    from training.config import DS_NUMBERS
+    from training.topology import ACCUM, GLOBAL, MICRO, TP_KEY
+    assert {MICRO, ACCUM, GLOBAL, TP_KEY, "pipeline.stages",
+            "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)
+    assert {row[0].split("=")[0] for row in BAD_DS_NUMBERS} == set(DS_NUMBERS)
 
 
 @pytest.mark.parametrize("given,world,pp,expected", [
@@ -163,40 +174,6 @@ def test_impossible_batch_triple_names_all_four_numbers():
 def test_stages_must_divide_world():
     with pytest.raises(ConfigError, match=r"3 pipeline stages do not divide the world size 4"):
         resolve_layout({"train_micro_batch_size_per_gpu": 1}, 4, 3)
-
-
-def cli(*args, ds_config="zero0.json"):
-    return train_py(["--ds_config", os.path.join(REPO, "ds_configs", ds_config), *args],
-               check=False, timeout=120)
-
-
-def assert_fails_before_training(proc, message):
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr
-    assert "step 0" not in proc.stdout and "Traceback" not in proc.stderr
-
-
-def test_cli_fp16_on_cpu_is_refused(char_data, tmp_path):
-    proc = cli(f"data.dir={char_data}", f"train.out_dir={tmp_path}", ds_config="zero2_fp16.json")
-    assert_fails_before_training(proc, "error: fp16 is not supported on cpu: use a bf16 ds_config")
-
-
-def test_cli_missing_data_says_how_to_prepare(tmp_path):
-    proc = cli(f"data.dir={tmp_path}/none", f"train.out_dir={tmp_path}")
-    assert_fails_before_training(proc, f"no prepared dataset in {tmp_path}/none (meta.json missing); prepare it "
-                                       f"with: python -m data.prepare --input PATH/TO/text.txt --out_dir "
-                                       f"{tmp_path}/none")
-
-
-def test_cli_compile_with_pipeline_stages_is_refused(char_data, tmp_path):
-    proc = cli(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "train.compile=true", ds_config="pipe2.json")
-    assert_fails_before_training(proc, "train.compile=true works on the plain module only: use a ds_config without "
-                                       "pipeline stages or set train.compile=false")
-
-
-def test_cli_malformed_override(char_data, tmp_path):
-    proc = cli(f"data.dir={char_data}", "train.max_steps")
-    assert_fails_before_training(proc, "override 'train.max_steps' is not key=value")
 
 
 def test_launcher_run_with_impossible_triple_fails_on_every_rank_before_training(char_data, tmp_path):

@@ -1,0 +1,160 @@
+"""How the tests start runs and read their results: the tiny model's settings; train.py as N ranks forked from
+the rank server (launch), as one process without a launcher (train_py), through the real `deepspeed` launcher
+(deepspeed_launch) or one launcher per simulated node (launch_nodes); any command (run); and what a run
+leaves behind: metrics.jsonl, exports, universal checkpoints."""
+import glob
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model small enough that a multi-process run takes seconds on 2 cores.
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+        "train.eval_windows=8", "train.eval_interval=1000", "train.log_interval=1", "sample.max_new_tokens=16"]
+FP32 = ["ds.bf16.enabled=false"]
+BF16 = ["ds.bf16.enabled=true"]  # the shipped configs say "auto": fp32 on a machine without bf16 arithmetic
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # N ranks share this machine's cores
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _checked(proc, what: str, check: bool):
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{what} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None = None):
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    return _checked(proc, " ".join(cmd), check)
+
+
+def job_env(extra: dict | None = None) -> dict:
+    """The environment of a launcher started by a test: one thread per rank, no wandb, unbuffered output."""
+    return {**os.environ, **ONE_THREAD, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True, timeout=600,
+           env: dict | None = None, config: str = "quickstart.yaml"):
+    """train.py's N ranks, each with the torch.distributed variables a launcher sets, forked from a server that
+    has imported torch, DeepSpeed and train.py once (tests/ranks.py): what `deepspeed --num_gpus N train.py ...`
+    runs, without the launcher's start-up. The launchers themselves are tested with deepspeed_launch and in
+    test_multinode.py, test_failure.py and test_launchers.py."""
+    from ranks import run_ranks
+    argv = launch_cmd([], "train.py", ds_config, out_dir, data_dir, overrides, config)[2:]
+    port = free_port()
+    try:
+        proc = run_ranks(nprocs, argv, port, {**ONE_THREAD, "WANDB_MODE": "disabled", **(env or {})}, timeout)
+    finally:
+        release_shm(port)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{nprocs} ranks of train.py {' '.join(argv)} exited {proc.returncode}\n--- output\n"
+                             f"{proc.stdout[-8000:]}")
+    return proc
+
+
+def train_py(args: list[str], check: bool = True, timeout=600, env: dict | None = None):
+    """`python train.py ARGS`: one process without a launcher, forked from the rank server (tests/ranks.py)."""
+    from ranks import run_ranks
+    proc = run_ranks(None, list(args), 0, {"WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}, timeout)
+    return _checked(proc, f"train.py {' '.join(args)}", check)
+
+
+def deepspeed_launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True,
+                     timeout=600, env: dict | None = None, config: str = "quickstart.yaml", script: str = "train.py"):
+    """`deepspeed --num_gpus N train.py ...`, as a user types it."""
+    port = free_port()
+    cmd = launch_cmd(["--num_gpus", str(nprocs), "--master_port", str(port)], script, ds_config, out_dir,
+                     data_dir, overrides, config)
+    try:
+        return run(cmd, timeout=timeout, check=check, env={**ONE_THREAD, **(env or {})})
+    finally:
+        release_shm(port)
+
+
+def launch_cmd(launcher_args: list[str], script: str, ds_config: str, out_dir, data_dir: str, overrides=(),
+               config: str = "quickstart.yaml") -> list[str]:
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return [launcher, *launcher_args, script, "--config", os.path.join(REPO, "configs", config),
+            "--ds_config", os.path.join(REPO, "ds_configs", ds_config), f"train.out_dir={out_dir}",
+            f"data.dir={data_dir}", *TINY, *overrides]
+
+
+def release_shm(port) -> None:
+    """DeepSpeed's CPU shm workspace of a run on `port` that did not end cleanly (see training/failure.py)."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        os.remove(path)
+
+
+# pp=2 x dp=2 over two "nodes" of two ranks each; global batch 8 = micro 2 x accum 2 x dp 2.
+PP2_DP2 = ["model.n_layer=4", "train.max_steps=4", "optim.warmup_steps=2", "optim.lr=3e-3",
+           "ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2", *FP32]
+
+
+def two_node_hostfile(path, hosts=("node0", "node1")) -> str:
+    path.write_text("".join(f"{host} slots=2\n" for host in hosts))
+    return str(path)
+
+
+def launch_nodes(hostfile: str, script: str, nodes: list[tuple], overrides=(), timeout=600, env=None) -> list[tuple]:
+    """One launcher per node, as a user without ssh starts them: `deepspeed --hostfile H --no_ssh
+    --node_rank K --master_addr ADDR ...` on each; they meet at the master address. `nodes` holds each
+    node's (out_dir, data_dir); returns each launcher's (output, exit code). Each node runs pipe2.json."""
+    port = free_port()
+    cmds = [launch_cmd(["--hostfile", hostfile, "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
+                        "--master_port", str(port)], script, "pipe2.json", out_dir, data_dir, overrides)
+            for node, (out_dir, data_dir) in enumerate(nodes)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for cmd in cmds]
+    try:
+        return [(proc.communicate(timeout=timeout)[0], proc.returncode) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+        release_shm(port)
+
+
+def metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out_dir) -> list[float]:
+    return [m["loss"] for m in metrics(out_dir) if "loss" in m]
+
+
+def grad_norms(out_dir) -> list[float]:
+    return [m["grad_norm"] for m in metrics(out_dir) if "grad_norm" in m]
+
+
+def expected_lr(step: int, lr: float, min_lr: float, warmup: int, max_steps: int) -> float:
+    """The README's schedule: linear warmup from 0 (step k at lr x k / warmup), then DeepSpeed's cosine,
+    whose zero point is one step before the warmup's end (step 1 when warmup is 1), to min_lr at max_steps."""
+    if step < warmup:
+        return lr * step / warmup
+    start = max(1, warmup - 1)
+    progress = (step - start) / (max_steps - start)
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2
+
+
+def export(out_dir, tag: str) -> str:
+    """`python -m training.export` of a run's checkpoint `tag`, into OUT_DIR/export/TAG."""
+    folder = os.path.join(out_dir, "export", tag)
+    run([sys.executable, "-m", "training.export", "--out_dir", str(out_dir), "--tag", tag, "--output", folder])
+    return folder
+
+
+def universal(run_dir, tag: str) -> str:
+    """`python -m training.checkpoint universal` of a run's checkpoint `tag`: the converted tag's folder."""
+    run([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", str(run_dir), "--tag", tag])
+    return os.path.join(run_dir, "checkpoints", f"{tag}_universal")

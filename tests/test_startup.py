@@ -1,0 +1,88 @@
+"""What train.py checks at start, before any engine (training/startup.py): settings that do not go together,
+a missing dataset, a malformed override, a prompt the dataset's tokenizer cannot encode (or encodes to
+nothing) and errors from torch's own modules each end the run with one line and exit code 2."""
+import os
+
+import pytest
+import torch
+
+from common.checks import ConfigError
+from data.tokenizers import CharTokenizer
+from harness import REPO
+from refusals import assert_refused_at_start, train_py_as_typed
+from training.config import load_run_config
+
+QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
+
+
+def cli(*args, ds_config="zero0.json"):
+    return train_py_as_typed("--ds_config", os.path.join(REPO, "ds_configs", ds_config), *args)
+
+
+def test_cli_fp16_on_cpu_is_refused(char_data, tmp_path):
+    proc = cli(f"data.dir={char_data}", f"train.out_dir={tmp_path}", ds_config="zero2_fp16.json")
+    assert_refused_at_start(proc, "error: fp16 is not supported on cpu: use a bf16 ds_config")
+
+
+def test_cli_missing_data_says_how_to_prepare(tmp_path):
+    proc = cli(f"data.dir={tmp_path}/none", f"train.out_dir={tmp_path}")
+    assert_refused_at_start(proc, f"no prepared dataset in {tmp_path}/none (meta.json missing); prepare it "
+                                  f"with: python -m data.prepare --input PATH/TO/text.txt --out_dir "
+                                  f"{tmp_path}/none")
+
+
+def test_cli_compile_with_pipeline_stages_is_refused(char_data, tmp_path):
+    proc = cli(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "train.compile=true", ds_config="pipe2.json")
+    assert_refused_at_start(proc, "train.compile=true works on the plain module only: use a ds_config without "
+                                  "pipeline stages or set train.compile=false")
+
+
+def test_cli_malformed_override(char_data, tmp_path):
+    proc = cli(f"data.dir={char_data}", "train.max_steps")
+    assert_refused_at_start(proc, "override 'train.max_steps' is not key=value")
+
+
+def test_prompt_outside_the_vocabulary_is_refused_at_start():
+    from training import startup
+    tokenizer = CharTokenizer(list("\n abc"))
+    assert startup.encode_prompt("ab c", tokenizer) == ([2, 3, 1, 4], None)
+    with pytest.raises(ConfigError, match=r"sample.prompt='abé' does not encode with the dataset's char tokenizer: "
+                                          r"character 'é' is not in this dataset's vocabulary; fix: use characters"):
+        startup.encode_prompt("abé", tokenizer)
+
+
+@pytest.mark.parametrize("delimiter", ["<|endoftext|>", "<s>"])
+def test_a_prompt_that_encodes_to_nothing_starts_from_the_document_delimiter(delimiter):
+    """A whitespace-splitting tokenizer encodes the default prompt, a newline, to no tokens: the sample starts from
+    the token that separates documents, end-of-text or (a tokenizer with only that) begin-of-text."""
+    from corpora import word_level_tokenizer
+    from training import startup
+    tokenizer = word_level_tokenizer(["to be or not to be"])
+    if delimiter == "<s>":  # the same words behind a begin-of-text token only, as Llama-2's tokenizer has
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        from data.tokenizers import HFTokenizer
+        inner = Tokenizer(models.WordLevel({"<s>": 0, "[UNK]": 1, "to": 2, "be": 3}, unk_token="[UNK]"))
+        inner.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer = HFTokenizer(inner, "tokenizer.json")
+    start = tokenizer.tokenizer.token_to_id(delimiter)
+    assert startup.encode_prompt("\n", tokenizer) == ([start], f"the prompt '\\n' encodes to no tokens with the "
+                                                      f"dataset's tokenizer.json tokenizer: the sample starts from its "
+                                                      f"document delimiter {delimiter!r} (id {start})")
+    assert startup.encode_prompt("to be", tokenizer)[1] is None
+
+
+def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):
+    """What the range checks miss still stops at start, before any process: torch's own assertion here."""
+    from training import startup
+    monkeypatch.setattr(startup, "build_model", lambda model_cfg: torch.nn.MultiheadAttention(33, 2))
+    cfg = load_run_config(QUICKSTART, ["model.vocab_size=65"])
+    with pytest.raises(ConfigError, match=r"the model.\* settings do not build a model \(AssertionError: embed_dim "
+                                          r"must be divisible by num_heads\)"):
+        startup.count_parameters(cfg)
+
+
+def test_train_py_refuses_a_prompt_it_could_not_sample_from(char_data, tmp_path):
+    proc = train_py_as_typed(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "sample.prompt=naïve")
+    assert_refused_at_start(proc, "error: sample.prompt='naïve' does not encode with the dataset's char tokenizer")
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
