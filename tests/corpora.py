@@ -25,7 +25,8 @@ def docstrings() -> list[str]:
     seen, docs = set(), []
     for name in STDLIB:
         module = importlib.import_module(name)
-        for obj in [module, *(v for _, v in sorted(vars(module).items()) if inspect.isclass(v) or inspect.isfunction(v))]:
+        members = (v for _, v in sorted(vars(module).items()) if inspect.isclass(v) or inspect.isfunction(v))
+        for obj in [module, *members]:
             doc = inspect.getdoc(obj)
             if doc and len(doc) > 40 and doc not in seen:
                 seen.add(doc)
@@ -41,7 +42,10 @@ def write_corpus(directory, docs: list[str]) -> list[str]:
 
     os.makedirs(directory, exist_ok=True)
     parts = [docs[i::5] for i in range(5)]
-    lines = lambda part: "".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(part)).encode()
+
+    def lines(part):
+        return "".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(part)).encode()
+
     with open(os.path.join(directory, "a.jsonl"), "wb") as f:
         f.write(lines(parts[0]))
     with gzip.open(os.path.join(directory, "b.jsonl.gz"), "wb") as f:

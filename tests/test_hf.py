@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
+from common.checks import ConfigError
 from hf_check import assert_export_matches_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
 from training import hf
-from common.checks import ConfigError
 from training.export import write_export
 
 GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65)
@@ -98,8 +98,8 @@ def test_tied_run_from_untied_folder_names_the_head(llama_folder, tmp_path):
     (("model.safetensors", b""), "train.init_from's weights {folder}/model.safetensors is empty"),
     (("model.safetensors", b"PK\x03\x04 a zip, say"), "train.init_from's weights {folder}/model.safetensors are not a "
                                                      "safetensors file"),
-    (("model.safetensors.index.json", b'{"metadata": {}}'), "train.init_from's index {folder}/model.safetensors.index.json "
-                                                           "lacks weight_map"),
+    (("model.safetensors.index.json", b'{"metadata": {}}'), "train.init_from's index "
+                                                           "{folder}/model.safetensors.index.json lacks weight_map"),
 ])
 def test_a_damaged_folder_is_refused_in_one_line(llama_folder, tmp_path, damage, message):
     """The files of train.init_from are read at start: one that is not what its name says ends the run there."""

@@ -31,7 +31,10 @@ def doc_table(header_start: str) -> list[dict]:
     assert len(found) == 1, (f"the table '{header_start}' is in {len(found)} places in README.md and docs/*.md: "
                              f"{[os.path.relpath(p, REPO_ROOT) for p, _, _ in found]}; it must be in one")
     path, lines, start = found[0]
-    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+
+    def cells(line):
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
     header = cells(lines[start])
     rows = []
     for line in lines[start + 2:]:
@@ -115,7 +118,8 @@ def test_shipped_ds_config_matches_the_documented_table(row):
         assert ds["data_types"]["grad_accum_dtype"] == "fp32", name
     if bf16:
         assert ds["communication_data_type"] == "fp32", name  # the docs' sentence on bf16 reduction
-    sizes = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance", "sub_group_size")
+    sizes = ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+             "sub_group_size")
     parsed = DeepSpeedZeroConfig(**zero)
     if "GPU-sized" in row["notes"]:
         assert [getattr(parsed, k) for k in sizes] == [getattr(DeepSpeedZeroConfig(), k) for k in sizes], name
