@@ -176,6 +176,7 @@ def test_stages_must_divide_world():
         resolve_layout({"train_micro_batch_size_per_gpu": 1}, 4, 3)
 
 
+@pytest.mark.launch
 def test_launcher_run_with_impossible_triple_fails_on_every_rank_before_training(char_data, tmp_path):
     proc = launch(2, "zero1.json", tmp_path, char_data, ["ds.train_batch_size=12"], check=False, timeout=120)
     assert proc.returncode != 0
