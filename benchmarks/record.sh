@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The figures to commit for a device: throughput (DeepSpeed against the plain loop, MFU against the measured
-# peak) and per-rank memory of each preset with one ds_config, on one process, as JSON under
-# benchmarks/results/<device>/ (device name, software versions and date are in each file).
+# Everything to commit for a device, in one command: first the GPU tier of the tests (`python -m pytest -m gpu`,
+# its result line kept), then for each preset in bf16 with one ds_config on one process: throughput (DeepSpeed
+# against the plain-PyTorch loop, MFU against the datasheet peak), eager and with train.compile; the memory plan
+# beside the measured peak; per-rank memory against the ZeRO theory. As JSON under benchmarks/results/<device>/
+# (device name, software versions and date are in each file), and a markdown table of it at the end.
 #
-#   bash benchmarks/record.sh [PRESET ...]      # default: gpt2_124m gpt2_350m encoder_1b
-#   DS_CONFIG=ds_configs/zero3.json TEXT=path/to/tinyshakespeare.txt bash benchmarks/record.sh gpt2_1.5b
+#   bash benchmarks/record.sh [PRESET ...]      # default: gpt2_124m llama_124m, context 1024, ZeRO-1
+#   DS_CONFIG=ds_configs/zero2.json TEXT=path/to/tinyshakespeare.txt bash benchmarks/record.sh gpt2_350m encoder_1b
 #
 # The character-level Shakespeare data stands in for the BPE data (the BPE needs a download; the presets keep
-# the GPT-2 vocabulary, so parameter counts and FLOPs are the real ones). It is prepared from $TEXT when missing.
+# their vocabulary, a bpe:N tokenizer's as N ids, so parameter counts and FLOPs are the real ones). It is prepared
+# from $TEXT when missing. Exit status: 1 if the GPU tier failed (the figures are recorded all the same).
 set -euo pipefail
 case "${1:-}" in -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0;; esac
 fail() { echo "error: $*" >&2; exit 2; }  # bad input ends as in the Python tools: one line, exit 2
 cd "$(dirname "$0")/.."
 presets=("$@")
-[ ${#presets[@]} -eq 0 ] && presets=(gpt2_124m gpt2_350m encoder_1b)
-ds_config=${DS_CONFIG:-ds_configs/zero2.json}
+[ ${#presets[@]} -eq 0 ] && presets=(gpt2_124m llama_124m)
+ds_config=${DS_CONFIG:-ds_configs/zero1.json}
 data=data/shakespeare_char
 python=${PYTHON:-python3}
 
@@ -35,11 +38,29 @@ fi
 device=$("$python" -c "from benchmarks.report import device_slug; print(device_slug())")
 results=benchmarks/results/$device
 mkdir -p "$results"
-overrides=(data.dir="$data" data.tokenizer=char)
+
+# The GPU tier (tests/test_gpu.py) prepares its own dataset from $SHAKESPEARE_TXT (else $TEXT, else where
+# tests/conftest.py looks).
+[ -n "${TEXT:-}" ] && export SHAKESPEARE_TXT=${SHAKESPEARE_TXT:-$TEXT}
+tier=0
+"$python" -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q 2>&1 | tee "$results/gpu_tests.log" || tier=1
+{ date +%F; tail -n 1 "$results/gpu_tests.log"; } > "$results/gpu_tests.txt"
+
+probe() { "$python" -c "from benchmarks.gpu_probes import main; main()" "$@"; }
 for preset in "${presets[@]}"; do
-    "$python" benchmarks/throughput.py --config "configs/$preset.yaml" --ds_config "$ds_config" --precisions bf16 \
-        --steps 20 --json "$results/throughput_${preset}_$stage.json" "${overrides[@]}"
+    # the last line: DeepSpeed's accelerator warning may come first on stdout
+    vocab=$("$python" -c "from benchmarks.gpu_figures import preset_vocab; print(preset_vocab('configs/$preset.yaml'))" \
+            | tail -n 1)
+    overrides=(data.dir="$data" data.tokenizer=char model.vocab_size="$vocab")
+    for compiled in false true; do
+        name=throughput_${preset}_$stage$([ "$compiled" = true ] && echo _compiled || true)
+        "$python" benchmarks/throughput.py --config "configs/$preset.yaml" --ds_config "$ds_config" \
+            --precisions bf16 --steps 20 --json "$results/$name.json" "${overrides[@]}" train.compile=$compiled
+    done
+    probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" "${overrides[@]}"
     "$python" benchmarks/memory.py --config "configs/$preset.yaml" --nprocs 1 --stages "$stage" \
         --json "$results/memory_${preset}_$stage.json" "${overrides[@]}"
 done
+"$python" -c "from benchmarks.gpu_figures import main; main()" "$results" "${presets[@]}"
 ls -l "$results"
+exit $tier

@@ -10,6 +10,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl && export PYTHONPATH=/tmp/site
 #   python3 benchmarks/throughput.py --config configs/gpt2_350m.yaml --ds_config ds_configs/zero2.json \
 #       --precisions bf16 data.dir=data/shakespeare_char data.tokenizer=char
+#   TEXT=path/to/tinyshakespeare.txt bash benchmarks/record.sh     # the GPU tier of the tests, then every figure
 #
 # The compiled packages DeepSpeed imports (numpy, psutil, msgpack, ninja) and PyYAML, tiktoken and safetensors
 # are expected from the machine's image, as torch's own images ship them; the check at the end of the install
@@ -28,21 +29,26 @@ version() { "$python" -c "import importlib.metadata as m; print(m.version('$1'))
 mkdir -p "$dir"
 DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps --no-build-isolation -w "$dir" "deepspeed==$(version deepspeed)"
 
-pure_python=(hjson einops py-cpuinfo packaging tqdm pydantic annotated-types typing-inspection typing-extensions omegaconf)
+# pytest and what it needs: the GPU tier of the tests (`python -m pytest -m gpu`), which record.sh runs first.
+pure_python=(hjson einops py-cpuinfo packaging tqdm pydantic annotated-types typing-inspection typing-extensions omegaconf
+             pytest pluggy iniconfig pygments)
 pins=()
 for name in "${pure_python[@]}"; do pins+=("$name==$(version "$name")"); done
 "$python" -m pip download -q --no-deps --only-binary=:all: -d "$dir" "${pins[@]}"
+if [ "$python_version" = 3.10 ]; then  # what pytest needs before Python 3.11
+    "$python" -m pip download -q --no-deps --only-binary=:all: -d "$dir" "exceptiongroup>=1" "tomli>=2"
+fi
 
-# pydantic's core is compiled: fetch the build for the target's Python.
+# pydantic's core and zstandard (tests/conftest.py imports it) are compiled: fetch the builds for the target's Python.
 "$python" -m pip download -q --no-deps --only-binary=:all: -d "$dir" \
     --python-version "$python_version" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    "pydantic-core==$(version pydantic-core)"
+    "pydantic-core==$(version pydantic-core)" "zstandard==$(version zstandard)"
 
 ls -1 "$dir"
 cat <<EOF
 
 Install there (Python $python_version):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $dir/*.whl && export PYTHONPATH=/tmp/site
-  python3 -c "import numpy, psutil, msgpack, yaml, tiktoken, safetensors, deepspeed, omegaconf; print('ready')"
+  python3 -c "import numpy, psutil, msgpack, yaml, tiktoken, safetensors, deepspeed, omegaconf, pytest; print('ready')"
 EOF

@@ -1,0 +1,208 @@
+"""What the GPU tier of the tests (tests/test_gpu.py) measures, inside a child process on the device under test:
+the tests' own process hides its GPUs (tests/conftest.py), and DeepSpeed picks its accelerator once per process,
+so each probe runs where DS_ACCELERATOR and CUDA_VISIBLE_DEVICES say (cuda, or cpu for the CPU stand-ins).
+
+    python -c "from benchmarks.gpu_probes import main; main()" PROBE OUT [ARGS ...]
+
+    train OUT.json [--syncs] [--loader_sleep] [--spike] -- TRAIN.PY ARGS   train.py, watched (benchmarks/gpu_watch.py)
+    weights OUT.pt TRAIN.PY ARGS           the whole model as train.py builds it for those settings, gathered
+    memory OUT.json CONFIG DS_CONFIG,... [OVERRIDES]   the memory plan against the measured peak, per ds_config
+    matmul OUT.json SIZE                   a bf16 matmul's FLOP/s against the device's datasheet peak
+    preflight OUT.json PREFLIGHT.PY ARGS   preflight.py on one process, and the backend its process group had
+
+A probe records what it saw as JSON (or tensors); the tests judge it, so the same probe serves the GPU and the
+CPU stand-in of a check.
+"""
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    probe, out, rest = argv[0], argv[1], argv[2:]
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        one_process_cpu_needs_no_compiler()
+    if probe == "train":
+        from benchmarks.gpu_watch import watch_train
+
+        split = rest.index("--")
+        write(out, watch_train(rest[:split], rest[split + 1:]))
+    elif probe == "weights":
+        torch.save(built_weights(rest), out)
+    elif probe == "memory":
+        write(out, memory_against_plan(rest[0], rest[1].split(","), rest[2:]))
+    elif probe == "matmul":
+        write(out, matmul_against_datasheet(int(rest[0])))
+    elif probe == "preflight":
+        write(out, preflight(rest))
+    else:
+        raise SystemExit(f"error: unknown probe {probe}")
+
+
+def one_process_cpu_needs_no_compiler() -> None:
+    """On a machine without setuptools or a C++ compiler (a GPU box with only a torch image and benchmarks/
+    wheelhouse.sh's wheels), DeepSpeed's CPU accelerator could not build its shared-memory all-reduce op, and would
+    fail at start: a probe's one process on the CPU (the CPU reference of a GPU check) has nothing to all-reduce
+    with, so it goes without the op, over gloo alone."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("setuptools") is None or not (shutil.which("c++") or shutil.which("g++")):
+        # the module itself: the attribute deepspeed.comm.torch is the torch package that deepspeed.comm imports
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def write(path: str, record: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def start_one_process(argv: list[str]):
+    """train.py's start for ARGS (its checks, the device, the process group) on this process alone: its Run."""
+    import deepspeed
+
+    from training.startup import check_run
+
+    run = check_run(argv)
+    deepspeed.init_distributed()
+    return run
+
+
+def built_weights(argv: list[str]) -> dict:
+    """Every parameter of the model as train.py builds it (under ZeRO-3 partitioned as each layer is made,
+    then gathered here), on the CPU: what a run starts from, to compare with another layout or device."""
+    import deepspeed
+
+    import train
+    from training.failure import leave_process_group
+
+    run = start_one_process(argv)
+    model = train.build(run.cfg, run.setup.engine.pipe, run.ds)
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())) if run.setup.engine.zero_stage == 3 else _nothing():
+        weights = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+    leave_process_group()
+    return weights
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *_):
+        return False
+
+
+def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]) -> dict:
+    """For each ds_config, one process's engine built and stepped as train.py does, its peak memory over the
+    later steps (from before the model existed) next to training/memory_plan.py's plan for one device."""
+    from benchmarks.memory import MemoryProbe
+    from training.config import load_ds_config
+    from training.failure import leave_process_group
+    from training.memory_plan import plan
+    from training.startup import effective_ds_config
+    from training.steps import train_step
+
+    run = start_one_process(["--config", config, "--ds_config", ds_configs[0], *overrides])
+    cfg, data, device, memory = run.cfg, run.data, run.device, MemoryProbe(run.device)
+    results = {}
+    for path in ds_configs:
+        # the ds.* overrides of the command line apply to each ds_config alike
+        ds = load_ds_config(path, [o[3:] for o in overrides if o.startswith("ds.")])
+        engine_settings = effective_ds_config(ds, cfg, 1, device)
+        predicted = plan(cfg.model, ds, 1)
+        release(device)
+        baseline = memory.current()
+        engine = build_engine(cfg, engine_settings)
+        for step in (1, 2, 3):
+            if step == 2:  # the optimizer states exist from the first step on
+                memory.reset_peak()
+            train_step(engine, data.step_batches(cfg.train.seed, step, 0, engine_settings.layout, device))
+        measured = memory.peak_since_reset() - baseline
+        results[os.path.basename(path)] = {"plan": predicted["total"], "plan_states": predicted["states"],
+                                           "plan_activations": predicted["activations"], "measured": measured,
+                                           "baseline": baseline}
+        engine.destroy()
+        del engine
+        release(device)
+    leave_process_group()
+    return {"device": device_label(device), "config": config, "overrides": overrides, "results": results}
+
+
+def build_engine(cfg, settings):
+    import deepspeed
+
+    import train
+    from training.optim import param_groups, start_schedule
+
+    model = train.build(cfg, settings.pipe, settings.ds)
+    groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=settings.ds)
+    start_schedule(engine)
+    return engine
+
+
+def release(device: torch.device) -> None:
+    """What the last engine held, given back before the next one is measured."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def device_label(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def matmul_against_datasheet(n: int) -> dict:
+    """The best FLOP/s of back-to-back bf16 n x n matmuls (timed between synchronizations, after a warm-up), and the
+    datasheet peak that train.py's MFU line would name for this device (None where it has none: a CPU)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from training.device import datasheet_tflops
+
+    device = torch.device(get_accelerator().device_name(0))
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        torch.matmul(a, b)
+    repeats, best = 10, float("inf")
+    for _ in range(5):
+        get_accelerator().synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.matmul(a, b)
+        get_accelerator().synchronize()
+        best = min(best, time.perf_counter() - start)
+    name = device_label(device)
+    return {"device": name, "n": n, "tflops": 2 * n**3 * repeats / best / 1e12,
+            "datasheet_tflops": datasheet_tflops(name, torch.bfloat16, tf32=True) if device.type == "cuda" else None}
+
+
+def preflight(argv: list[str]) -> dict:
+    """preflight.py on this process alone, as `python preflight.py ARGS` runs it; the backend of the process group
+    it made is read as it is destroyed, so a one-rank NCCL group is seen to have started and ended."""
+    import preflight as tool
+
+    seen = {"backend": None, "destroyed": False}
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_and_note(*args, **kwargs):
+        seen["backend"] = str(torch.distributed.get_backend())
+        destroy(*args, **kwargs)
+        seen["destroyed"] = True
+
+    torch.distributed.destroy_process_group = destroy_and_note
+    try:
+        tool.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    sys.stdout.flush()
+    return {**seen, "exit": code}
