@@ -116,6 +116,9 @@ def precision_state(device: torch.device) -> dict:
 
 
 class Watch:
+    """What the options ask to see of one run: --syncs (and on CUDA the batches' copies), --loader_sleep, --spike;
+    each step's time and the wait before it, the precision and the compile counters always."""
+
     def __init__(self, options: list[str]):
         self.options = set(options)
         unknown = self.options - {"--syncs", "--loader_sleep", "--spike"}
