@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import zstandard
 
 from harness import FP32, REPO, TINY, run, train_py
 from refusals import EXPORT, TAG
@@ -65,6 +64,8 @@ def paths(checkpointed_run, tmp_path, char_data) -> dict:
 @pytest.fixture(scope="session")
 def inputs(tmp_path_factory) -> Path:
     """Input files for data.prepare that are not what their names say, and a good one."""
+    import zstandard  # here, not at the top: the GPU tier collects where only the training dependencies are
+
     folder = tmp_path_factory.mktemp("bad_inputs")
     records = b"".join(json.dumps({"text": f"document {i} " * 20}).encode() + b"\n" for i in range(2000))
     (folder / "text.txt").write_text("some text\n\nmore text\n")
