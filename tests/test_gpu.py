@@ -227,14 +227,14 @@ def test_a_bf16_matmul_reaches_60_percent_of_the_datasheet_peak(tmp_path, device
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_zero3_starts_from_the_weights_zero0_builds_on_the_cpu(tmp_path, device):
+def test_zero3_starts_from_the_weights_zero0_builds_on_the_cpu(tmp_path, char_data, device):
     """Every layer is generated on the CPU from the CPU's generator, then partitioned: bitwise the same weights."""
     from model import build_model
     from training.config import DEFAULT_CONFIG, load_run_config
 
     model = [o for o in RUN if o.startswith("model.")]
     probe(device, "weights", tmp_path / "zero3.pt", "--ds_config", "ds_configs/zero3.json", *model, *FP32,
-          "ds.zero_optimization.stage3_param_persistence_threshold=0")
+          "ds.zero_optimization.stage3_param_persistence_threshold=0", f"data.dir={char_data}")
     zero3 = torch.load(tmp_path / "zero3.pt", weights_only=True)
     cfg = load_run_config(DEFAULT_CONFIG, [*model, "model.vocab_size=65"])
     zero0 = {name: p.detach() for name, p in build_model(cfg.model, cfg.train.seed).named_parameters()}
