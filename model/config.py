@@ -1,5 +1,5 @@
 """Architecture settings shared by every model in `model/` (the `model:` section of a run config)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 
@@ -84,3 +84,10 @@ class ModelConfig:
             raise ValueError("model.vocab_size is unset: resolve it from the dataset's meta.json first")
         m = self.vocab_multiple
         return (self.vocab_size + m - 1) // m * m
+
+
+def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:
+    """(missing, unknown): the model settings a saved record (a checkpoint's run state, an export) lacks, and the
+    ones it holds that this version does not know. Both mean another version of the repo wrote it."""
+    names = [f.name for f in fields(ModelConfig)]
+    return [n for n in names if n not in settings], sorted(set(settings) - set(names))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.checks import ConfigError
+from data.writer import write_atomic
 from model.config import ModelConfig
 from training import checkpoint
 from training.metrics import MetricsLog
@@ -53,7 +54,7 @@ def test_prune_keeps_the_newest_complete_and_drops_leftovers_of_killed_saves(tmp
 def test_resume_auto_ignores_an_unfinished_newer_save(tmp_path):
     root = str(tmp_path / "checkpoints")
     fake_checkpoint(root, 3)
-    checkpoint._write_atomic(os.path.join(root, checkpoint.LATEST), "step_000003")
+    write_atomic(os.path.join(root, checkpoint.LATEST), b"step_000003")
     fake_checkpoint(root, 6, complete=False)
     assert checkpoint.find_resume(str(tmp_path), "auto") == os.path.join(root, "step_000003")
 

@@ -12,7 +12,6 @@ trip over (another architecture, a changed data-parallel layout, a missing shard
 that does not exist, a file that pickles more than tensors and DeepSpeed's settings) is found here, before
 DeepSpeed loads anything, and nothing is overwritten.
 """
-import dataclasses
 import glob
 import json
 import os
@@ -38,7 +37,8 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
-from model.config import ModelConfig
+from data.writer import write_atomic
+from model.config import saved_settings_gaps
 from model.tensor_parallel import ROW, split_rule
 
 CHECKPOINTS = "checkpoints"
@@ -93,7 +93,7 @@ def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: d
     torch.distributed.barrier()  # every rank has written its files
     if torch.distributed.get_rank() == 0:
         mark_complete(os.path.join(root, tag), run_state)
-        _write_atomic(os.path.join(root, LATEST), tag)
+        write_atomic(os.path.join(root, LATEST), tag.encode())
         prune(root, keep)
     torch.distributed.barrier()
     return tag
@@ -101,14 +101,14 @@ def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: d
 
 def mark_complete(tag_dir: str, run_state: dict) -> None:
     """run_state.json, then the manifest of every file (itself last): the checkpoint now counts."""
-    _write_atomic(os.path.join(tag_dir, RUN_STATE), json.dumps(run_state, indent=1))
+    write_atomic(os.path.join(tag_dir, RUN_STATE), json.dumps(run_state, indent=1).encode())
     files = {}
     for folder, _, names in os.walk(tag_dir):
         for name in names:
             path = os.path.join(folder, name)
             if name != MANIFEST:
                 files[os.path.relpath(path, tag_dir)] = os.path.getsize(path)
-    _write_atomic(os.path.join(tag_dir, MANIFEST), json.dumps({"files": dict(sorted(files.items()))}, indent=1))
+    write_atomic(os.path.join(tag_dir, MANIFEST), json.dumps({"files": dict(sorted(files.items()))}, indent=1).encode())
 
 
 def complete_tags(root: str) -> list[str]:
@@ -196,14 +196,10 @@ def read_run_state(tag_dir: str) -> dict:
     return state
 
 
-# Every model setting: a run state records them all (the whole run config).
-MODEL_SETTINGS = [f.name for f in dataclasses.fields(ModelConfig)]
-
-
 def check_current(state: dict, path: str) -> None:
     """Refuse the run state of a checkpoint saved by an earlier version of this repo (before the Llama settings,
     tensor parallelism or the data record): the project has had no release, so old formats are not converted."""
-    missing = [f"config.model.{name}" for name in MODEL_SETTINGS if name not in state["config"]["model"]]
+    missing = [f"config.model.{name}" for name in saved_settings_gaps(state["config"]["model"])[0]]
     missing += [key for key, held in (("layout.tp", "tp" in state["layout"]), ("data", "data" in state)) if not held]
     if missing:
         raise ConfigError(f"checkpoint run state {path} lacks {', '.join(missing)}: it was saved by an earlier version "
@@ -297,15 +293,6 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
 def _describe(layout: dict) -> str:
     tensor = f" x tp={layout['tp']}" if layout["tp"] > 1 else ""
     return f"dp={layout['dp']} x pp={layout['pp']}{tensor} with ZeRO-{layout['zero_stage']}"
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def convert(source: str, target: str) -> None:

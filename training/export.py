@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from data.prepare import check_meta, read_meta
 from model import build_model, layer_names, model_layers
-from model.config import ModelConfig
+from model.config import ModelConfig, saved_settings_gaps
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
@@ -36,11 +36,10 @@ from training.optim import decay_split
 def model_config(settings: dict, source: str) -> ModelConfig:
     """The ModelConfig of saved model settings; `source` names the file they were read from. Settings this
     version does not know, or lacks, were written by another version: refused, not guessed."""
-    unknown = sorted(set(settings) - set(checkpoint.MODEL_SETTINGS))
+    missing, unknown = saved_settings_gaps(settings)
     if unknown:
         raise ConfigError(f"{source} holds model settings this version does not know ({', '.join(unknown)}): it was "
                           f"written by a newer version of this repo; fix: read it with that version")
-    missing = [name for name in checkpoint.MODEL_SETTINGS if name not in settings]
     if missing:
         raise ConfigError(f"{source} lacks the model settings {', '.join(missing)}: it was written by an earlier "
                           f"version of this repo, which this one does not read; fix: read it with that version, or "
