@@ -257,7 +257,7 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
     PHASE.now("sampling")
     if rank.pipelined:
         forward = PipelineLogits(engine, run.layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size,
-                                 rank.tp)
+                                 rank.tp, with_positions=run.data.documents is not None)
     else:
         forward = (lambda idx: gather_vocab(engine(idx), rank.tp)) if run.layout.tp_size > 1 else engine
     rank.say(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"

@@ -11,6 +11,9 @@ its contiguous share, in micro-batches of the training shape (pipelines need one
 padded with rows whose targets are IGNORE, which the loss leaves out (training/steps.py `eval_loss`). So
 every layout evaluates the same windows and reports the same mean, up to fp32 rounding.
 
+Under document masking (model.document_masking, on data with a document delimiter) a batch's inputs are
+(token ids, each token's position within its document): data/documents.py.
+
 Tokens are read with pread, not a long-lived memmap, so the process's resident memory does not grow
 with the steps (nanoGPT #287).
 """
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 from common.checks import ConfigError
+from data.documents import Documents
 from data.prepare import read_meta
 from data.sampler import Blend, Epochs
 from data.tokenizers import TokenizerError, tokenizer_from_meta
@@ -86,7 +90,8 @@ class Dataset:
 class TokenData:
     """data.dir, or the blend data.sources ([{dir, weight}, ...]) of datasets with one tokenizer."""
 
-    def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, sources=()):
+    def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, sources=(),
+                 document_masking: bool = False):
         sources = [(s["dir"], s["weight"]) if isinstance(s, dict) else (s.dir, s.weight) for s in sources]
         for i, (path, weight) in enumerate(sources):
             if not path:
@@ -112,6 +117,9 @@ class TokenData:
         self.epochs = [Epochs(d.splits["train"], block_size, i) for i, d in enumerate(self.datasets)]
         names = [os.path.basename(os.path.normpath(d.dir)) for d in self.datasets]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+        documents = [Documents(d.meta) for d in self.datasets]
+        # Without a delimiter anywhere every window is one document: masking would change nothing.
+        self.documents = documents if document_masking and any(d.delimiter for d in documents) else None
 
     def tokenizer(self):
         """The tokenizer every source was prepared with (their fingerprints agree), read from the first."""
@@ -134,17 +142,27 @@ class TokenData:
             rows[mask] = self.datasets[i].read(split, starts[mask])
         return rows
 
+    def _with_positions(self, source: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The rows, followed under document masking by each input token's position within its document."""
+        if self.documents is None:
+            return rows
+        positions = np.empty((len(rows), self.block_size), dtype=np.int64)
+        for i in np.unique(source):
+            mask = source == i
+            positions[mask] = self.documents[i].positions(rows[mask, :-1])
+        return np.concatenate([rows, positions], axis=1)
+
     def train_batch(self, seed: int, step: int, micro_step: int, dp_rank: int, layout, device):
         """(inputs, targets) for one micro-batch of one rank; a pure function of its arguments."""
         first = self._first_sample(step, dp_rank, layout) + micro_step * layout.micro_batch
-        return _to_device(self._train_rows(seed, first, layout.micro_batch), device)
+        return self._to_device(self._train_rows(seed, first, layout.micro_batch), device)
 
     def step_batches(self, seed: int, step: int, dp_rank: int, layout, device) -> list:
         """The rank's micro-batches of a step, train_batch for each micro-step: its samples are contiguous,
         so they are read, pinned and copied to the device at once, then split into views."""
         rows = self._train_rows(seed, self._first_sample(step, dp_rank, layout), layout.grad_accum * layout.micro_batch)
-        inputs, targets = _to_device(rows, device)
-        return list(zip(inputs.split(layout.micro_batch), targets.split(layout.micro_batch)))
+        inputs, targets = self._to_device(rows, device)
+        return list(zip(_split(inputs, layout.micro_batch), targets.split(layout.micro_batch)))
 
     @staticmethod
     def _first_sample(step: int, dp_rank: int, layout) -> int:
@@ -158,30 +176,41 @@ class TokenData:
         for i in np.unique(source):
             mask = source == i
             starts[mask] = self.epochs[i].starts(seed, index[mask])
-        return self._windows("train", source, starts)
+        return self._with_positions(source, self._windows("train", source, starts))
 
     def eval_windows(self, split: str, count: int) -> np.ndarray:
-        """The fixed validation set of `split`: `count` rows of block_size + 1 tokens, blended like training."""
+        """The fixed validation set of `split`: `count` rows of block_size + 1 tokens, blended like training
+        (followed by their positions under document masking)."""
         source, index = self.blend.locate(np.arange(count))
         starts = np.empty(count, dtype=np.int64)
         for i in np.unique(source):
             mask = source == i
             high = self.datasets[i].splits[split] - self.block_size  # last start leaves block_size + 1 tokens
             starts[mask] = np.random.default_rng([EVAL_SEED + int(i)]).integers(0, high, int(mask.sum()))[index[mask]]
-        return self._windows(split, source, starts)
+        return self._with_positions(source, self._windows(split, source, starts))
 
     def eval_batches(self, split: str, count: int, dp_rank: int, layout, device):
         """This rank's share of the `count` validation windows, in equal micro-batches (padded rows: IGNORE)."""
         per_rank = math.ceil(count / layout.dp)
         micro_batches = math.ceil(per_rank / layout.micro_batch)
         rows = self.eval_windows(split, count)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
-        padded = np.zeros((micro_batches * layout.micro_batch, self.block_size + 1), dtype=np.int64)
+        padded = np.zeros((micro_batches * layout.micro_batch, rows.shape[1]), dtype=np.int64)
         padded[:len(rows)] = rows
-        inputs, targets = torch.from_numpy(padded[:, :-1]), torch.from_numpy(padded[:, 1:].copy())
+        targets = torch.from_numpy(padded[:, 1:self.block_size + 1].copy())
         targets[len(rows):] = IGNORE
         for m in range(micro_batches):
             part = slice(m * layout.micro_batch, (m + 1) * layout.micro_batch)
-            yield _move(inputs[part], device), _move(targets[part], device)
+            yield self._inputs(_move(torch.from_numpy(padded[part]), device)), _move(targets[part], device)
+
+    def _inputs(self, batch: torch.Tensor):
+        """The model's inputs in rows of tokens (and positions): the token ids, or (token ids, positions)."""
+        T = self.block_size
+        return batch[:, :T] if self.documents is None else (batch[:, :T], batch[:, T + 1:])
+
+    def _to_device(self, rows: np.ndarray, device):
+        """(inputs, targets) of rows of tokens (and positions), copied to the device at once."""
+        batch = _move(torch.from_numpy(rows), device)
+        return self._inputs(batch), batch[:, 1:self.block_size + 1]
 
     def epochs_used(self, samples: int) -> dict:
         """Epochs of each source's training windows used by the first `samples` samples (for metrics)."""
@@ -230,6 +259,8 @@ def _move(batch: torch.Tensor, device) -> torch.Tensor:
     return batch
 
 
-def _to_device(rows: np.ndarray, device):
-    batch = _move(torch.from_numpy(rows), device)
-    return batch[:, :-1], batch[:, 1:]
+def _split(inputs, size: int) -> list:
+    """Micro-batches of `size` rows of inputs: a tensor, or (token ids, positions)."""
+    if isinstance(inputs, tuple):
+        return list(zip(*(part.split(size) for part in inputs)))
+    return list(inputs.split(size))

@@ -34,6 +34,9 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
     tie_embeddings: bool = False  # Llama's LM head shares the token embedding (the GPT always ties)
+    # Attention within each document of a packed window, positions restarting at each document (GPT and
+    # Llama; the dataset's meta.json names its delimiter; a dataset without one is a single document).
+    document_masking: bool = False
 
     def check(self, c) -> None:
         """Range checks (c: common.checks.Checks), run by load_run_config."""
@@ -52,6 +55,9 @@ class ModelConfig:
         c.that(self.arch != "llama" or self.head_dim % 2 == 0, "n_embd", f"give an even head size n_embd / n_head "
                f"(now {self.head_dim}): rotary embeddings rotate pairs of dimensions",
                "choose model.n_embd and model.n_head with an even quotient")
+        c.that(self.arch != "encoder" or not self.document_masking, "document_masking", "be false for the encoder "
+               "(its sinusoidal positions and nn.TransformerEncoderLayer take no per-document positions)",
+               "set model.document_masking=false, or train the GPT or the Llama")
         for key in ("norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor"):
             c.above(key, 0)
         c.that(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
@@ -84,6 +90,10 @@ class ModelConfig:
             raise ValueError("model.vocab_size is unset: resolve it from the dataset's meta.json first")
         m = self.vocab_multiple
         return (self.vocab_size + m - 1) // m * m
+
+
+# Settings that change how the model trains, not the weights it holds: a checkpoint resumes under others.
+TRAINING_SETTINGS = ("dropout", "document_masking")
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

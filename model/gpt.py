@@ -2,26 +2,41 @@
 
 The list (`gpt_layers`) is the single definition of the model: `model.stack.LayerStack` runs it as a
 plain module and the pipeline builder hands the same specs to DeepSpeed's PipelineModule. So every
-layer takes one tensor and returns one tensor, initializes itself (GPT-2 init) in its constructor,
-and the LM head is the token embedding reused through a TiedLayerSpec.
+layer takes one activation and returns one (a tensor, or under document masking the tuple (tensor,
+positions): model/documents.py), initializes itself (GPT-2 init) in its constructor, and the LM head is
+the token embedding reused through a TiedLayerSpec.
 """
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from model.config import ModelConfig
-from model.layers import MLP, TokenEmbedding, causal_attention, init_weights, lm_head, merge_heads, normal_init
+from model.documents import hidden_and_positions, with_positions
+from model.layers import (
+    MLP,
+    FinalLayerNorm,
+    TokenEmbedding,
+    causal_attention,
+    init_weights,
+    lm_head,
+    merge_heads,
+    normal_init,
+)
 
 
 class PositionEmbedding(nn.Module):
+    """Learned positions: the window's (0, 1, ...), or each token's position within its document."""
+
     def __init__(self, block_size: int, n_embd: int, dropout: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(block_size, n_embd))
         normal_init(self.weight)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(x + self.weight[: x.size(1)])
+    def forward(self, inputs):
+        x, positions = hidden_and_positions(inputs)
+        at = self.weight[: x.size(1)] if positions is None else self.weight[positions]
+        return with_positions(self.drop(x + at), positions)
 
 
 class CausalSelfAttention(nn.Module):
@@ -33,10 +48,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, positions)
         return self.resid_drop(self.proj(merge_heads(y)))
 
 
@@ -51,9 +66,10 @@ class Block(nn.Module):
         self.mlp = MLP(n_embd, mlp_hidden, dropout, bias)
         init_weights(self, n_layer, residual=("attn.proj.weight", "mlp.proj.weight"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, inputs):
+        x, positions = hidden_and_positions(inputs)
+        x = x + self.attn(self.ln_1(x), positions)
+        return with_positions(x + self.mlp(self.ln_2(x)), positions)
 
 
 def gpt_layers(cfg: ModelConfig) -> list:
@@ -64,6 +80,6 @@ def gpt_layers(cfg: ModelConfig) -> list:
         LayerSpec(PositionEmbedding, cfg.block_size, cfg.n_embd, cfg.dropout),
         *[LayerSpec(Block, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.n_layer, cfg.dropout, cfg.bias)
           for _ in range(cfg.n_layer)],
-        LayerSpec(nn.LayerNorm, cfg.n_embd, bias=cfg.bias),
+        LayerSpec(FinalLayerNorm, cfg.n_embd, bias=cfg.bias),
         TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),
     ]

@@ -1,7 +1,8 @@
 """The pieces the architectures share: GPT-2 initialization, the token embedding and the LM head, causal
-attention, rotary position embeddings, and the two feed-forward networks (GELU and SwiGLU).
+attention, rotary position embeddings, the final norms, and the two feed-forward networks (GELU and SwiGLU).
 
-Plain modules with no parallel code: model/parallelize.py splits them after they are built.
+Plain modules with no parallel code: model/parallelize.py splits them after they are built. Under document
+masking the layers pass (hidden states, positions) along (model/documents.py).
 """
 import math
 
@@ -9,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.runtime.zero import GatheredParameters
+
+from model.documents import document_attention, hidden_and_positions, with_positions
 
 INIT_STD = 0.02
 
@@ -42,8 +45,9 @@ class TokenEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(padded_vocab_size, n_embd))
         init(self.weight)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.weight)
+    def forward(self, inputs):
+        idx, positions = hidden_and_positions(inputs)
+        return with_positions(F.embedding(idx, self.weight), positions)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -67,9 +71,13 @@ class LMHead(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """(batch, heads, time, head_dim) in and out. With fewer key/value heads than query heads (grouped-query
-    attention), query head h reads key/value head h // (heads / kv_heads), without copying them."""
+    attention), query head h reads key/value head h // (heads / kv_heads), without copying them. With
+    positions (document masking), each token attends within its own document only."""
+    if positions is not None:
+        return document_attention(q, k, v, positions, dropout)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                           enable_gqa=k.size(1) != q.size(1))
 
@@ -112,7 +120,8 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (batch, heads, time, head_dim) by position: dimension i pairs with i + head_dim / 2 (Hugging
-    Face's layout, so its checkpoints load without permuting q and k)."""
+    Face's layout, so its checkpoints load without permuting q and k). cos and sin are (time, head_dim), or
+    (batch, 1, time, head_dim) for per-document positions."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -141,3 +150,18 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class FinalLayerNorm(nn.LayerNorm):
+    """The GPT's last norm, where the positions stop travelling with the hidden states: the head takes these
+    alone."""
+
+    def forward(self, inputs) -> torch.Tensor:
+        return super().forward(hidden_and_positions(inputs)[0])
+
+
+class FinalRMSNorm(nn.RMSNorm):
+    """The Llama's last norm; see FinalLayerNorm."""
+
+    def forward(self, inputs) -> torch.Tensor:
+        return super().forward(hidden_and_positions(inputs)[0])

@@ -1,6 +1,6 @@
 """Llama (RMSNorm, rotary position embeddings, SwiGLU, grouped-query attention), as an ordered list of layers.
 
-Same conventions as model/gpt.py: one tensor in and out of every layer, so the list builds the plain module
+Same conventions as model/gpt.py: one activation in and out of every layer, so the list builds the plain module
 and the PipelineModule alike; GPT-2 init; no biases; the LM head is its own matrix unless
 `model.tie_embeddings`, then the token embedding through a TiedLayerSpec (tied across the first and last
 pipeline stage). Projections are separate nn.Linear modules (q, k, v, o; gate, up, down), the layout of
@@ -11,7 +11,9 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from model.config import ModelConfig
+from model.documents import hidden_and_positions, with_positions
 from model.layers import (
+    FinalRMSNorm,
     LMHead,
     SwiGLU,
     TokenEmbedding,
@@ -40,12 +42,15 @@ class Attention(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))
-        T = x.size(1)
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        if positions is None:
+            cos, sin = self.cos[:x.size(1)], self.sin[:x.size(1)]
+        else:  # each token rotated by its position within its document; the heads share it
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         y = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                             self.dropout if self.training else 0.0)
+                             self.dropout if self.training else 0.0, positions)
         return self.o(merge_heads(y))
 
 
@@ -60,9 +65,10 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(cfg.n_embd, cfg.mlp_hidden)
         init_weights(self, cfg.n_layer, residual=("attn.o.weight", "mlp.down.weight"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, inputs):
+        x, positions = hidden_and_positions(inputs)
+        x = x + self.attn(self.attn_norm(x), positions)
+        return with_positions(x + self.mlp(self.mlp_norm(x)), positions)
 
 
 def llama_layers(cfg: ModelConfig) -> list:
@@ -74,4 +80,4 @@ def llama_layers(cfg: ModelConfig) -> list:
     else:
         first, head = LayerSpec(TokenEmbedding, **embed), LayerSpec(LMHead, cfg.n_embd, cfg.padded_vocab_size)
     return [first, *[LayerSpec(LlamaBlock, cfg) for _ in range(cfg.n_layer)],
-            LayerSpec(nn.RMSNorm, cfg.n_embd, eps=cfg.norm_eps), head]
+            LayerSpec(FinalRMSNorm, cfg.n_embd, eps=cfg.norm_eps), head]

@@ -54,7 +54,8 @@ class LayerStack(nn.Module):
             self._calls.append((layer, getattr(spec, "forward_fn", None)))
 
     @staticmethod
-    def _run(calls: list, x: torch.Tensor) -> torch.Tensor:
+    def _run(calls: list, x):
+        """x: a tensor, or (tensor, positions) under document masking, passed from layer to layer as is."""
         for layer, forward_fn in calls:
             x = layer(x) if forward_fn is None else forward_fn(layer, x)
         return x
@@ -62,14 +63,17 @@ class LayerStack(nn.Module):
     def _is_checkpointable(self, calls: list) -> bool:
         return all(fn is None and type(layer).__name__ in self.checkpointable for layer, fn in calls)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
         if not (self.checkpoint_interval and torch.is_grad_enabled()):
             return self._run(self._calls, x)
         for start in range(0, len(self._calls), self.checkpoint_interval):
             calls = self._calls[start: start + self.checkpoint_interval]
             if self._is_checkpointable(calls):
-                # DeepSpeed's checkpoint, as PipelineModule uses: recomputes the chunk in backward.
-                x = checkpoint(lambda h, calls=calls: self._run(calls, h), x)
+                # DeepSpeed's checkpoint, as PipelineModule uses: recomputes the chunk in backward. It takes
+                # tensors as arguments, so a (hidden, positions) tuple goes in spread and comes back whole.
+                def chunk(*h, calls=calls):
+                    return self._run(calls, h if len(h) > 1 else h[0])
+                x = checkpoint(chunk, *(x if isinstance(x, tuple) else (x,)))
             else:
                 x = self._run(calls, x)
         return x

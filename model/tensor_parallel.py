@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.documents import hidden_and_positions, with_positions
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -186,11 +188,12 @@ class VocabParallelEmbedding(nn.Module):
         self.start, stop = tp.shard(full.weight.size(0))
         self.weight = _mark_split(nn.Parameter(full.weight.detach()[self.start:stop].clone()), 0)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs):
+        idx, positions = hidden_and_positions(inputs)
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.size(0))
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_ranks(x, self.tp)
+        return with_positions(reduce_from_tensor_ranks(x, self.tp), positions)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tensor_ranks(x, self.tp), self.weight)

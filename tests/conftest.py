@@ -40,6 +40,20 @@ def char_data(tmp_path_factory, shakespeare_path) -> str:
 
 
 @pytest.fixture(scope="session")
+def speech_data(tmp_path_factory, shakespeare_path) -> str:
+    """tinyshakespeare's speeches as separate documents: characters, each speech ended by an end-of-text."""
+    from corpora import speeches
+
+    folder = tmp_path_factory.mktemp("speeches")
+    with open(folder / "speeches.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": speech}) + "\n" for speech in speeches(shakespeare_path))
+    out = str(folder / "prepared")
+    run([sys.executable, "-m", "data.prepare", "--tokenizer", "char", "--input", str(folder / "speeches.jsonl"),
+         "--out_dir", out])
+    return out
+
+
+@pytest.fixture(scope="session")
 def checkpointed_run(tmp_path_factory, char_data):
     """Two steps of one process (ZeRO-0), a checkpoint after each, and the export of the first."""
     import training.export  # imports torch: after pytest_configure has hidden the GPUs

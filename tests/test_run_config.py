@@ -103,7 +103,8 @@ def test_the_table_covers_every_setting():
 
     from training.config import RunConfig
     # Booleans: the type is the whole check.
-    no_range = {"model.bias", "model.tie_embeddings", "train.compile", "train.tf32", "data.allow_changed"}
+    no_range = {"model.bias", "model.tie_embeddings", "model.document_masking", "train.compile", "train.tf32",
+                "data.allow_changed"}
     no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
     tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
     settings = {f"{section.name}.{f.name}" for section in fields(RunConfig) for f in fields(section.type)}
@@ -113,6 +114,11 @@ def test_the_table_covers_every_setting():
 def test_encoder_width_must_be_even():
     with pytest.raises(ConfigError, match=r"model.n_embd=63: must be even for the encoder"):
         load_run_config(ENCODER, ["model.n_embd=63", "model.n_head=3"])
+
+
+def test_the_encoder_refuses_document_masking():
+    with pytest.raises(ConfigError, match=r"model.document_masking=True: must be false for the encoder"):
+        load_run_config(ENCODER, ["model.document_masking=true"])
 
 
 def test_every_shipped_preset_passes_the_checks():

@@ -38,7 +38,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
 from data.writer import write_atomic
-from model.config import saved_settings_gaps
+from model.config import TRAINING_SETTINGS, saved_settings_gaps
 from model.tensor_parallel import ROW, split_rule
 
 CHECKPOINTS = "checkpoints"
@@ -268,7 +268,7 @@ def load(engine, tag_dir: str) -> int:
 def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
     """The checkpoint must hold this architecture; without the universal format, also this layout."""
     was = saved["config"]["model"]
-    changed = {k: (was[k], v) for k, v in model_cfg.items() if was[k] != v and k != "dropout"}
+    changed = {k: (was[k], v) for k, v in model_cfg.items() if was[k] != v and k not in TRAINING_SETTINGS}
     if changed:
         diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())
         raise ConfigError(f"the checkpoint holds a different model architecture ({diff}): resume with the "

@@ -39,10 +39,10 @@ LAYERS = {
     "gpt": {"TokenEmbedding": [("weight", "transformer.wte.weight", VOCAB)],
             "PositionEmbedding": [("weight", "transformer.wpe.weight", SAME)],
             "Block": [(ours, f"transformer.h.{{i}}.{theirs}", how) for ours, theirs, how in GPT2_BLOCK],
-            "LayerNorm": [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)]},
+            "FinalLayerNorm": [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)]},
     "llama": {"TokenEmbedding": [("weight", "model.embed_tokens.weight", VOCAB)],
               "LlamaBlock": [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in LLAMA_BLOCK],
-              "RMSNorm": [("weight", "model.norm.weight", SAME)],
+              "FinalRMSNorm": [("weight", "model.norm.weight", SAME)],
               "LMHead": [("weight", "lm_head.weight", VOCAB)]},
 }
 

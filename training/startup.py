@@ -16,6 +16,7 @@ from common.checks import ConfigError
 from data.loader import TokenData
 from data.tokenizers import sampling_start
 from model import BLOCK_CLASS, build_model, model_layers
+from model.documents import KERNEL_NAMES, document_kernel
 from model.tensor_parallel import TensorParallel
 from training import checkpoint, hf
 from training.config import RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
@@ -134,7 +135,8 @@ class Run:
 def check_run(argv=None) -> Run:
     """Everything checkable before any process group: configs, data, prompt, model, layout, resume, init_from."""
     cfg, ds = load_configs(argv)
-    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources)
+    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources,
+                     cfg.model.document_masking)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
@@ -153,8 +155,18 @@ def check_run(argv=None) -> Run:
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
-    notes = [note for note in (engine.precision_note, prompt_note) if note]
+    notes = [note for note in (engine.precision_note, prompt_note, masking_note(cfg, data, setup.device)) if note]
     return Run(cfg, setup, data, tokenizer, prompt_ids, notes, n_params, specs, parts, resume_dir, init_from)
+
+
+def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:
+    """What document masking does in this run, and with which attention kernel."""
+    if not cfg.model.document_masking:
+        return None
+    if data.documents is None:
+        return "document masking: on, but the data has no document delimiter (one document): nothing to mask"
+    kernel = KERNEL_NAMES[document_kernel(device.type, cfg.model.dropout)]
+    return f"document masking: attention within each document, positions from its start; kernel: {kernel}"
 
 
 def encode_prompt(prompt: str, tokenizer) -> tuple[list[int], str | None]:

@@ -114,8 +114,10 @@ class PipelineLogits:
     The last stage holds the logits and broadcasts the last position's row along its pipeline."""
 
     def __init__(self, engine: PipelineEngine, micro_batch: int, block_size: int, padded_vocab_size: int,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, with_positions: bool = False):
+        """with_positions: the run trains under document masking, so its stages pass (hidden, positions)."""
         self.engine, self.shape, self.vocab, self.tp = engine, (micro_batch, block_size), padded_vocab_size, tp
+        self.with_positions = with_positions
         self.last_stage = engine.grid.stage_to_global(engine.num_stages - 1)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
@@ -123,9 +125,12 @@ class PipelineLogits:
         batch = torch.zeros(self.shape, dtype=torch.long, device=idx.device)
         batch[0, :t] = idx[0]
         row = torch.empty(1, 1, self.vocab, device=idx.device)
+        inputs = batch
+        if self.with_positions:  # one document per row
+            inputs = (batch, torch.arange(self.shape[1], device=idx.device).expand(self.shape).contiguous())
         # A loss on dummy labels rides along: with compute_loss=False this DeepSpeed version adds the
         # logits into its scalar loss accumulator and fails.
-        _, logits = self.engine.eval_batch(iter([(batch, batch)]), return_logits=True, bcast_loss=False,
+        _, logits = self.engine.eval_batch(iter([(inputs, batch)]), return_logits=True, bcast_loss=False,
                                            num_micro_batches=1)
         if self.engine.is_last_stage():
             row.copy_(gather_vocab(logits[0:1, t - 1: t].float(), self.tp))
