@@ -9,6 +9,7 @@ so each probe runs where DS_ACCELERATOR and CUDA_VISIBLE_DEVICES say (cuda, or c
     memory OUT.json CONFIG DS_CONFIG,... [OVERRIDES]   the memory plan against the measured peak, per ds_config
     matmul OUT.json SIZE                   a bf16 matmul's FLOP/s against the device's datasheet peak
     preflight OUT.json PREFLIGHT.PY ARGS   preflight.py on one process, and the backend its process group had
+    documents OUT.json                     FlexAttention's document masking against the dense mask's, bf16
 
 A probe records what it saw as JSON (or tensors); the tests judge it, so the same probe serves the GPU and the
 CPU stand-in of a check.
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         write(out, matmul_against_datasheet(int(rest[0])))
     elif probe == "preflight":
         write(out, preflight(rest))
+    elif probe == "documents":
+        write(out, flex_against_dense())
     else:
         raise SystemExit(f"error: unknown probe {probe}")
 
@@ -206,3 +209,36 @@ def preflight(argv: list[str]) -> dict:
         code = e.code if isinstance(e.code, int) else 1
     sys.stdout.flush()
     return {**seen, "exit": code}
+
+
+def flex_against_dense() -> dict:
+    """Document-masked attention in bf16 through the kernel the device gets (model/documents.py) and through the
+    dense mask, on windows packed with documents of random lengths (grouped-query heads): the largest difference
+    of the outputs and, on CUDA (FlexAttention has no CPU backward), of the input gradients, each next to the
+    largest magnitude it is taken against."""
+    import torch.nn.functional as F
+
+    from model.documents import dense_document_mask, document_kernel, flex_document_attention
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    B, H, KV, T, D = (4, 8, 2, 1024, 64) if device.type == "cuda" else (2, 4, 2, 256, 32)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, T // 4, (B, T), generator=generator)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row])[:T] for row in lengths.tolist()]).to(device)
+    backward = device.type == "cuda"
+    q, k, v = (torch.randn(B, h, T, D, generator=generator).to(device, torch.bfloat16).requires_grad_(backward)
+               for h in (H, KV, KV))
+    results = {"kernel": document_kernel(device.type, 0.0), "documents": int((positions == 0).sum())}
+    outputs = {}
+    for name, attend in (("flex", lambda: flex_document_attention(q, k, v, positions)),
+                         ("dense", lambda: F.scaled_dot_product_attention(
+                             q, k, v, attn_mask=dense_document_mask(positions), enable_gqa=True))):
+        with torch.set_grad_enabled(backward):
+            out = attend()
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v)) if backward else ()
+        outputs[name] = (out.detach().float(), [g.float() for g in grads])
+    (flex, flex_grads), (dense, dense_grads) = outputs["flex"], outputs["dense"]
+    results["output"] = {"max_diff": (flex - dense).abs().max().item(), "max_abs": dense.abs().max().item()}
+    results["grads"] = [{"max_diff": (a - b).abs().max().item(), "max_abs": b.abs().max().item()}
+                        for a, b in zip(flex_grads, dense_grads)]
+    return results

@@ -81,7 +81,8 @@ def load_inputs(config: str, ds_config: str, overrides: list[str], root: str = "
     cfg = load_run_config(os.path.join(root, config), run_overrides)
     ds = load_ds_config(os.path.join(root, ds_config), ds_overrides)
     sources = [{"dir": s.dir and os.path.join(root, s.dir), "weight": s.weight} for s in cfg.data.sources]
-    data = TokenData(os.path.join(root, cfg.data.dir), cfg.data.tokenizer, cfg.model.block_size, sources)
+    data = TokenData(os.path.join(root, cfg.data.dir), cfg.data.tokenizer, cfg.model.block_size, sources,
+                     cfg.model.document_masking)
     cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
     return cfg, ds, data

@@ -17,8 +17,8 @@ from harness import REPO, TINY, run
 from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
-SCRIPTS = ["data.py", "llama.py", "memory.py", "pipeline.py", "quality.py", "tensor_parallel.py", "throughput.py",
-           "record.sh", "wheelhouse.sh"]
+SCRIPTS = ["data.py", "documents.py", "llama.py", "memory.py", "pipeline.py", "quality.py", "tensor_parallel.py",
+           "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -87,6 +87,22 @@ def test_llama_throughput_builds_and_times_both_models(char_data, tmp_path):
     assert written["gpt"]["tokens_per_s"] > 0 and written["llama"]["tokens_per_s"] > 0 and written["mfu_ratio"] > 0
 
 
+def test_document_masking_cost_counts_the_kept_masks_as_the_memory_plan_does(shakespeare_path, tmp_path):
+    """One timed step of a tiny masked and unmasked Llama; the masks its forward pass keeps are the memory plan's
+    count of them, byte for byte, and all it keeps beyond the unmasked pass within 5% of the plan's count (the
+    unmasked pass keeps one context x head_dim RoPE table a layer, which the per-token ones replace)."""
+    run([sys.executable, "benchmarks/documents.py", "cost", "--text", shakespeare_path, "--work_dir", str(tmp_path),
+         "--contexts", "64", "--tokens", "1024", "--steps", "1", "--warmup", "0", "--chunk", "1", "model.n_layer=2",
+         "model.n_embd=96"])
+    measured = json.loads((tmp_path / "cost.json").read_text())["64"]
+    layers, tokens, context, fp32 = 2, 1024, 64, 4
+    assert measured["mask_bytes_measured"] == layers * tokens * context * fp32
+    rope = layers * tokens * 2 * (96 // 6) * fp32  # cos and sin at each token's position
+    assert measured["added_bytes_planned"] == measured["mask_bytes_measured"] + rope
+    assert measured["saved_bytes_added"] == pytest.approx(measured["added_bytes_planned"], rel=0.05)
+    assert measured["masked_tokens_per_s"] > 0 and measured["unmasked_tokens_per_s"] > 0
+
+
 def benchmark(script: str, *args: str, env: dict | None = None):
     shell = ["bash"] if script.endswith(".sh") else [sys.executable]
     # PYTHON: the shell scripts' interpreter, this one (with torch and DeepSpeed) rather than the first python3
@@ -153,6 +169,12 @@ BAD_INPUTS = [
                                                                  "be overwritten"),
     ("llama.py", ["quality", "--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
     ("llama.py", ["throughput", "--out_dir", "{tmp}/t", "model.n_kv_head=4"], "model.n_kv_head=4: must divide "
+                                                                              "model.n_head=6"),
+    ("documents.py", ["cost", "--steps", "0"], "--steps=0: must be >= 1"),
+    ("documents.py", ["cost", "--contexts", "256", "0"], "--contexts=0: must be >= 1"),
+    ("documents.py", ["quality", "--text", "/nonexistent.txt"], "--text /nonexistent.txt does not exist"),
+    ("documents.py", ["cost", "--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
+    ("documents.py", ["cost", "--work_dir", "{tmp}/w", "model.n_kv_head=4"], "model.n_kv_head=4: must divide "
                                                                               "model.n_head=6"),
     ("memory.py", ["--nprocs", "0"], "--nprocs=0: must be >= 1"),
     ("memory.py", ["--steps", "0"], "--steps=0: must be >= 1"),

@@ -75,6 +75,9 @@ RUNS = {  # name: (probe options, ds_config, overrides); BF16 names bf16 (the sh
 # the loss; fp32 with train.tf32=false on a GPU against the CPU, relative.
 BF16_LOSS_TOLERANCE = 0.02
 FP32_DEVICE_RTOL = 1e-4
+# Two bf16 kernels of one attention (FlexAttention's and the dense mask's), relative to the largest magnitude:
+# bf16 keeps 8 significant bits (0.4%), and each kernel rounds and orders its sums its own way.
+BF16_KERNEL_RTOL = 0.01
 
 
 class Run:
@@ -224,6 +227,20 @@ def test_a_bf16_matmul_reaches_60_percent_of_the_datasheet_peak(tmp_path, device
     probe(device, "matmul", tmp_path / "matmul.json", "8192")
     measured = json.loads((tmp_path / "matmul.json").read_text())
     assert measured["tflops"] >= 0.6 * measured["datasheet_tflops"], measured
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flex_document_masking_equals_the_dense_mask_within_bf16(tmp_path, device):
+    """The GPU's document-masking kernel (FlexAttention's block mask, compiled) computes the dense mask's attention
+    to bf16's tolerance (docs/performance.md), outputs and gradients; the CPU, whose FlexAttention has no
+    backward, checks its eager forward and keeps the dense kernel."""
+    probe(device, "documents", tmp_path / "documents.json")
+    measured = json.loads((tmp_path / "documents.json").read_text())
+    assert measured["kernel"] == ("flex" if device == "cuda" else "dense")
+    assert measured["documents"] > 8  # windows hold many documents
+    for compared in [measured["output"], *measured["grads"]]:
+        assert compared["max_diff"] <= BF16_KERNEL_RTOL * compared["max_abs"], measured
+    assert len(measured["grads"]) == (3 if device == "cuda" else 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,6 +17,10 @@ Under tensor parallelism (degree t, no sequence parallelism) a rank holds its sl
 every replicated one whole, and per layer and token 8 x d_model replicated bytes (the norms' inputs and the
 column-parallel maps' inputs) plus the masks, and the rest divided by t: Megatron's 10 d + 24 d / t for the
 GPT; the logits are split by vocabulary.
+Under document masking the GPU's FlexAttention keeps no T x T mask; the dense kernel (attention dropout, or
+the CPU) keeps each block's mask for its backward, converted to the compute dtype: T x 2 bytes per token in
+16-bit, whole on every tensor rank; the Llama keeps its RoPE tables per token (document_masking_bytes,
+measured by benchmarks/documents.py).
 Allocator fragmentation, communication buckets and the CUDA context (a few GB) come on top.
 """
 import argparse
@@ -30,6 +34,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from common.checks import ToolParser
 from model import BLOCK_CLASS, model_layers
+from model.documents import document_kernel
 from model.tensor_parallel import TensorParallel
 from training.config import REPO_ROOT, load_ds_config, load_run_config
 from training.steps import LOSS_CHUNK_ROWS
@@ -45,6 +50,17 @@ def layer_params(cfg, tp_size: int = 1) -> list[int]:
         return [sum(p.numel() for p in spec.build().parameters()) for spec in specs]
 
 
+def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2) -> int:
+    """Bytes per token a block keeps for document masking: with the dense kernel, its mask's row of block_size
+    entries (scaled_dot_product_attention saves the boolean mask converted to the compute dtype); for the
+    Llama, cos and sin gathered at each token's position (head_dim entries each) instead of one shared table."""
+    if not cfg.document_masking:
+        return 0
+    mask = cfg.block_size if document_kernel(device_type, cfg.dropout) == "dense" else 0
+    rope = 2 * cfg.head_dim if cfg.arch == "llama" else 0
+    return (mask + rope) * dtype_bytes
+
+
 def layer_activation_bytes(cfg, tp_size: int = 1) -> float:
     """16-bit bytes a block keeps per token for its backward on one tensor rank. Megatron's 18 d counts q, k
     and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its
@@ -53,7 +69,7 @@ def layer_activation_bytes(cfg, tp_size: int = 1) -> float:
     kv = cfg.kv_heads * cfg.head_dim
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     split = 4 * cfg.n_embd + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
-    return 8 * cfg.n_embd + masks + split / tp_size
+    return 8 * cfg.n_embd + masks + document_masking_bytes(cfg) + split / tp_size
 
 
 def repeated_ties(specs: list) -> list[int]:
