@@ -1,5 +1,5 @@
 """Document masking through the real launcher, fp32, on tinyshakespeare's speeches as separate documents: pipeline
-stages (with activation checkpointing), tensor parallelism and ZeRO-3 at dp 2 train as one process does, a run
+stages (with activation checkpointing), tensor parallelism, both, and ZeRO-3 at dp 2 train as one process does, a run
 stopped and resumed continues the uninterrupted one, the masking changes the losses of many short documents,
 and it changes nothing on the single-document quickstart data."""
 import pytest
@@ -18,6 +18,8 @@ LAYOUTS = {  # name: (processes, ds_config, overrides)
     "pp2": (2, "pipe2.json", ["ds.gradient_accumulation_steps=4", "ds.pipeline.activation_checkpoint_interval=1"]),
     "tp2": (2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
     "zero3_dp2": (2, "zero3.json", ["ds.gradient_accumulation_steps=2"]),
+    # DeepSpeed splits the activations a stage sends over the tensor ranks: the positions ride beside them.
+    "pp2_tp2": (4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4"]),
 }
 
 
@@ -41,7 +43,7 @@ def val_losses(out_dir) -> list[float]:
     return [m["val_loss"] for m in metrics(out_dir) if "val_loss" in m]
 
 
-@pytest.mark.parametrize("layout", ["pp2", "tp2", "zero3_dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "tp2", "zero3_dp2", "pp2_tp2"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layouts_train_as_one_process_does(runs, arch, layout):
     (out, stdout), (reference, _) = runs(arch, layout), runs(arch, "one")
