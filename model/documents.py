@@ -8,7 +8,8 @@ document masking a layer's input is the tensor alone and nothing here runs.
 
 Two kernels compute the same thing, chosen by `document_kernel`:
 - "dense": scaled_dot_product_attention with a block-diagonal causal boolean mask, (batch, 1, T, T), built
-  per attention call. Runs everywhere, forward and backward, with dropout; costs T x T bytes a row.
+  per attention call. Runs everywhere, forward and backward, with dropout; the backward keeps the mask,
+  converted to the compute dtype: T entries a token a block (training/memory_plan.py counts them).
 - "flex": FlexAttention with a block mask that never materialises the T x T mask (torchtitan's way), compiled.
   On CUDA only: torch has no FlexAttention backward on the CPU. No dropout.
 """
@@ -54,11 +55,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
                        dropout: float) -> torch.Tensor:
     """Causal attention within documents, (batch, heads, T, head_dim) in and out; fewer key/value heads than
     query heads is grouped-query attention."""
-    gqa = k.size(1) != q.size(1)
     if document_kernel(q.device.type, dropout) == "flex":
         return flex_document_attention(q, k, v, positions)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_document_mask(positions), dropout_p=dropout,
-                                          enable_gqa=gqa)
+                                          enable_gqa=k.size(1) != q.size(1))
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
