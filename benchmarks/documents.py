@@ -3,8 +3,8 @@
     python benchmarks/documents.py cost       # baby Llama, context 256 and 1024: tokens/s masked and not, mask memory
     python benchmarks/documents.py quality    # Llama quickstart, masked then unmasked: val loss at equal steps
 
-Both prepare the speeches first (the blocks of tinyshakespeare between blank lines, each a document ended by
-an end-of-text; characters) into --work_dir/speeches, once.
+Both prepare the speeches first (`data.prepare --split_blank_lines`: the blocks of tinyshakespeare between blank
+lines, each a document ended by an end-of-text; characters) into --work_dir/speeches, once.
 cost: at each context, the baby Llama (configs/baby_gpt.yaml as a Llama: 6 layers, 6 heads, 2 key/value heads,
 384 wide, dropout 0) in two DeepSpeed engines as train.py builds them, masked and not, fp32, ZeRO-0, taking
 turns on the same batches (benchmarks/turns.py) with --tokens tokens a step. Memory: the bytes of the masks
@@ -45,17 +45,10 @@ def check_settings(args) -> None:
 
 def prepare_speeches(text: str, work_dir: str) -> str:
     """tinyshakespeare's speeches as a prepared dataset of separate documents (made once per work folder)."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from corpora import speeches
-
     out = os.path.join(work_dir, "speeches")
-    if os.path.exists(os.path.join(out, "meta.json")):
-        return out
-    jsonl = os.path.join(work_dir, "speeches.jsonl")
-    with open(jsonl, "w") as f:
-        f.writelines(json.dumps({"text": speech}) + "\n" for speech in speeches(text))
-    run_tool([sys.executable, "-m", "data.prepare", "--tokenizer", "char", "--input", jsonl, "--out_dir", out],
-             cwd=REPO)
+    if not os.path.exists(os.path.join(out, "meta.json")):
+        run_tool([sys.executable, "-m", "data.prepare", "--tokenizer", "char", "--split_blank_lines", "--input", text,
+                  "--out_dir", out], cwd=REPO)
     return out
 
 

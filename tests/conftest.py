@@ -42,14 +42,9 @@ def char_data(tmp_path_factory, shakespeare_path) -> str:
 @pytest.fixture(scope="session")
 def speech_data(tmp_path_factory, shakespeare_path) -> str:
     """tinyshakespeare's speeches as separate documents: characters, each speech ended by an end-of-text."""
-    from corpora import speeches
-
-    folder = tmp_path_factory.mktemp("speeches")
-    with open(folder / "speeches.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": speech}) + "\n" for speech in speeches(shakespeare_path))
-    out = str(folder / "prepared")
-    run([sys.executable, "-m", "data.prepare", "--tokenizer", "char", "--input", str(folder / "speeches.jsonl"),
-         "--out_dir", out])
+    out = str(tmp_path_factory.mktemp("speeches"))
+    run([sys.executable, "-m", "data.prepare", "--tokenizer", "char", "--split_blank_lines", "--input",
+         shakespeare_path, "--out_dir", out])
     return out
 
 

@@ -40,7 +40,7 @@ def test_two_launchers_without_ssh_train_like_one(tmp_path, char_data, one_launc
     node0 = outputs[0][0]
     assert "world 4 = dp 2 x pp 2" in node0  # rank 0's topology: stage 0 on node 0, stage 1 on node 1
     assert "stage 0: layers 0-3 (TokenEmbedding, PositionEmbedding, Block x2) on ranks [0, 1]" in node0
-    assert "stage 1: layers 4-7 (Block x2, LayerNorm, TokenEmbedding) on ranks [2, 3]" in node0
+    assert "stage 1: layers 4-7 (Block x2, FinalLayerNorm, TokenEmbedding) on ranks [2, 3]" in node0
 
 
 @pytest.fixture
