@@ -52,6 +52,20 @@ class CharTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each one's (start, end) in `text`, which may hold the end-of-text token written out (a chat
+        template's)."""
+        ids, offsets, start = [], [], 0
+        for i, part in enumerate(text.split(EOT) if self.eot_id is not None else [text]):
+            if i:
+                ids.append(self.eot_id)
+                offsets.append((start, start + len(EOT)))
+                start += len(EOT)
+            ids += self.encode(part)
+            offsets += [(start + j, start + j + 1) for j in range(len(part))]
+            start += len(part)
+        return ids, offsets
+
     def decode(self, ids) -> str:
         return "".join(self.chars[i] if i < len(self.chars) else EOT for i in ids)
 
@@ -100,6 +114,12 @@ class TiktokenTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         encode = self.encoding.encode_ordinary  # one thread: --workers sets the parallelism
         return [encode(t) for t in texts]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids (special tokens written out in `text` become theirs) and each one's (start, end) in `text`."""
+        ids = self.encoding.encode(text, allowed_special="all")
+        _, starts = self.encoding.decode_with_offsets(ids)
+        return ids, list(zip(starts, [*starts[1:], len(text)]))
 
     def decode(self, ids) -> str:
         return self.encoding.decode(list(ids))
@@ -169,6 +189,11 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids (special tokens written out in `text` become theirs) and each one's (start, end) in `text`."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
