@@ -170,7 +170,7 @@ def train(run: Run, rank: Rank) -> int:
             rank.model.micro_offset = step * layout.grad_accum
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
-        loss = train_step(engine, micro_batches, rank.tp)
+        loss = train_step(engine, micro_batches, rank.tp, supervised=run.data.CONVERSATIONS)
         meter.step()
         if step == rank.start_step + 1:
             # The first step after start or resume pays for warm-up (allocations, kernel choices, a compiled
@@ -221,7 +221,7 @@ def evaluate(run: Run, rank: Rank, step: int) -> None:
     windows = run.cfg.train.eval_windows
     losses = {split: eval_loss(rank.engine, list(run.data.eval_batches(split, windows, rank.dp_rank, run.layout,
                                                                        run.device)),
-                               windows * run.cfg.model.block_size, rank.tp)
+                               run.data.eval_targets(split, windows), rank.tp)
               for split in ("train", "val")}
     rank.log.log(step, train_loss=losses["train"], val_loss=losses["val"])
     rank.say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -257,7 +257,7 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
     PHASE.now("sampling")
     if rank.pipelined:
         forward = PipelineLogits(engine, run.layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size,
-                                 rank.tp, with_positions=run.data.documents is not None)
+                                 rank.tp, with_positions=run.data.positions)
     else:
         forward = (lambda idx: gather_vocab(engine(idx), rank.tp)) if run.layout.tp_size > 1 else engine
     rank.say(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"

@@ -18,6 +18,7 @@ Tokens are read with pread, not a long-lived memmap, so the process's resident m
 with the steps (nanoGPT #287).
 """
 import hashlib
+import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -87,8 +88,27 @@ class Dataset:
         return np.frombuffer(body, dtype=self.dtype).reshape(len(starts), -1).astype(np.int64)
 
 
+def open_data(data_dir: str, tokenizer: str | None, block_size: int, sources=(), document_masking: bool = False,
+              pack: bool = True) -> "TokenData":
+    """The run's data: documents of text (TokenData), or a conversation dataset (data/conversations.py)."""
+    if not sources and _holds_conversations(data_dir):
+        from data.conversations import ChatData
+        return ChatData(data_dir, tokenizer, block_size, document_masking, pack)
+    return TokenData(data_dir, tokenizer, block_size, sources, document_masking)
+
+
+def _holds_conversations(data_dir: str) -> bool:
+    """Does data_dir's meta.json say conversations? Any other state of it is for the Dataset's checks to name."""
+    try:
+        with open(os.path.join(data_dir, "meta.json"), "rb") as f:
+            return "chat" in json.loads(f.read())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 class TokenData:
     """data.dir, or the blend data.sources ([{dir, weight}, ...]) of datasets with one tokenizer."""
+    CONVERSATIONS = False  # data/conversations.py's subclass reads conversation datasets
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, sources=(),
                  document_masking: bool = False):
@@ -101,6 +121,10 @@ class TokenData:
                 raise ConfigError(f"data.sources[{i}] ({path}) has weight {weight}: weights must be positive; "
                                   f"remove the source to leave it out of the blend")
         self.datasets = [Dataset(path, tokenizer, block_size) for path, _ in sources or [(data_dir, 1.0)]]
+        chats = [d.dir for d in self.datasets if "chat" in d.meta]
+        if chats and not self.CONVERSATIONS:
+            raise ConfigError(f"{chats[0]} holds conversations (data.prepare --format chat), which train alone: "
+                              f"set data.dir to it and leave data.sources empty")
         self.weights = [w for _, w in sources] or [1.0]
         fingerprints = {d.meta["tokenizer_fingerprint"] for d in self.datasets}
         if len(fingerprints) > 1:
@@ -120,6 +144,22 @@ class TokenData:
         documents = [Documents(d.meta) for d in self.datasets]
         # Without a delimiter anywhere every window is one document: masking would change nothing.
         self.documents = documents if document_masking and any(d.delimiter for d in documents) else None
+
+    @property
+    def positions(self) -> bool:
+        """Do the inputs carry each token's position within its document (document masking)?"""
+        return self.documents is not None
+
+    def steps_for_epochs(self, epochs: float, global_batch: int) -> int:
+        """Steps that train on `epochs` passes over the training windows (train.epochs)."""
+        if len(self.datasets) > 1:
+            raise ConfigError("train.epochs counts passes over one dataset; a blend has one per source: set "
+                              "train.max_steps instead")
+        return max(1, math.ceil(epochs * self.epochs[0].windows / global_batch))
+
+    def eval_targets(self, split: str, count: int) -> int:
+        """The target tokens of the `count` validation windows: the divisor of the validation loss."""
+        return count * self.block_size
 
     def tokenizer(self):
         """The tokenizer every source was prepared with (their fingerprints agree), read from the first."""

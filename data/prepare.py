@@ -267,7 +267,10 @@ class _Call:
         return self.fn(item, self.options)
 
 
-def _finish(out_dir, workspace, prefixes, tok, job, files, split_rule: str, delimiter) -> dict:
+def _finish(out_dir, workspace, prefixes, tok, job, files, split_rule: str, delimiter,
+            extra: dict | None = None) -> dict:
+    """Merge the shards into the dataset's files, replace out_dir's dataset with them, write meta.json (with
+    `extra`, a kind of dataset's own record) last."""
     done = [read_done(p) for p in prefixes]
     counts = {s: {k: sum(d["counts"][s][k] for d in done) for k in ("documents", "tokens")} for s in SPLITS}
     documents_total = sum(c["documents"] for c in counts.values())
@@ -286,12 +289,16 @@ def _finish(out_dir, workspace, prefixes, tok, job, files, split_rule: str, deli
             "delimiter": delimiter, "split": split_rule,
             **{f"{s}_tokens": counts[s]["tokens"] for s in SPLITS},
             **{f"{s}_documents": counts[s]["documents"] for s in SPLITS},
-            "source": files, "job": job, **tok.meta()}
+            "source": files, "job": job, **tok.meta(), **(extra or {})}
     # Replace the dataset: its old meta.json first (what is left is not trusted), meta.json last.
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         os.remove(meta_path)
-    for name in [f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx")] + tok.save(workspace):
+    masks = [f"{s}.mask" for s in SPLITS if os.path.exists(os.path.join(workspace, f"{s}.mask"))]
+    for stale in {f"{s}.mask" for s in SPLITS} - set(masks):  # an earlier conversation dataset's
+        if os.path.exists(os.path.join(out_dir, stale)):
+            os.remove(os.path.join(out_dir, stale))
+    for name in [f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx")] + masks + tok.save(workspace):
         os.replace(os.path.join(workspace, name), os.path.join(out_dir, name))
     write_atomic(meta_path, json.dumps(meta, indent=1).encode())
     shutil.rmtree(workspace, ignore_errors=True)
@@ -316,12 +323,29 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
     parser.add_argument("--force", action="store_true", help="replace a dataset of other inputs or options in "
                                                              "--out_dir")
+    chat = parser.add_argument_group("conversations (--format chat: data/prepare_chat.py)")
+    chat.add_argument("--format", choices=["text", "chat"], default="text", help="documents of text, or "
+                      "conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning")
+    chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain); default: the "
+                      "tokenizer's tokenizer_config.json, else plain")
+    chat.add_argument("--train_on", choices=["all", "last"], default="all", help="the loss trains on every "
+                      "assistant turn, or on the last")
+    chat.add_argument("--context", type=int, default=1024, help="the model's block_size: longer conversations are "
+                      "cut or left out")
+    chat.add_argument("--overlong", choices=["truncate", "drop"], default="truncate")
     args = parser.parse_args(argv)
     out_dir = args.out_dir or default_out_dir(args.tokenizer)
     try:
         writable_dir(out_dir, "--out_dir", "pass a folder for the dataset (it is made if missing)")
         if os.sep in args.tokenizer and os.path.isdir(args.tokenizer):  # a path (data.tokenizers.parse_spec)
             existing_file(args.tokenizer, "--tokenizer", "pass the path of a Hugging Face tokenizer.json file")
+        if args.format == "chat":
+            from data.prepare_chat import prepare_chat
+            if not args.input:
+                raise InputError("--format chat needs --input: JSONL files of conversations")
+            prepare_chat(args.input, out_dir, args.tokenizer, args.chat_template, args.train_on, args.context,
+                         args.overlong, args.val_fraction, args.force)
+            return
         inputs = args.input or [download_shakespeare(out_dir)]
         prepare(inputs, out_dir, args.tokenizer, args.text_key, args.split_blank_lines, args.val_fraction,
                 args.workers, args.chunk_mb, args.force)

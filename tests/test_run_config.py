@@ -20,6 +20,7 @@ PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 BAD_SETTINGS = [
     (["model.arch=bert"], "model.arch='bert': must be one of gpt, llama, encoder; fix: set model.arch to one of them"),
     (["model.n_layer=0"], "model.n_layer=0: must be >= 1; fix: set model.n_layer to 1 or more"),
+    (["train.epochs=0"], "train.epochs=0.0: must be > 0; fix: set train.epochs above 0"),
     (["model.n_head=0"], "model.n_head=0: must be >= 1"),
     (["model.n_embd=-8"], "model.n_embd=-8: must be >= 1"),
     (["model.block_size=0"], "model.block_size=0: must be >= 1"),
@@ -104,7 +105,7 @@ def test_the_table_covers_every_setting():
     from training.config import RunConfig
     # Booleans: the type is the whole check.
     no_range = {"model.bias", "model.tie_embeddings", "model.document_masking", "train.compile", "train.tf32",
-                "data.allow_changed"}
+                "data.allow_changed", "data.pack"}
     no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
     tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
     settings = {f"{section.name}.{f.name}" for section in fields(RunConfig) for f in fields(section.type)}

@@ -52,6 +52,9 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     # Resume a checkpoint on other data (another dataset, tokenizer or weights) than it was trained on.
     allow_changed: bool = False
+    # Conversation datasets (data.prepare --format chat): several whole conversations a window, kept apart by
+    # document masking (model.document_masking=true), or one a window, padded.
+    pack: bool = True
 
     def check(self, c: Checks) -> None:
         c.directory("dir")
@@ -86,6 +89,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 2000
+    # Passes over the training windows (a small fine-tuning set); when set, it gives max_steps (the schedule's
+    # length) from the data and the global batch.
+    epochs: Optional[float] = None
     eval_interval: int = 250  # evaluate at step 0, every N steps and at the end (0: only at step 0 and the end)
     # The validation set: this many windows of each split, whatever dp, micro batch and accumulation.
     eval_windows: int = 240
@@ -116,6 +122,7 @@ class TrainConfig:
 
     def check(self, c: Checks) -> None:
         c.at_least("max_steps", 1)
+        c.above("epochs", 0)
         c.at_least("eval_interval", 0, "0 evaluates only at step 0 and at the end")
         c.at_least("eval_windows", 1)
         c.at_least("log_interval", 1)
@@ -129,7 +136,8 @@ class TrainConfig:
                "Face checkpoint (config.json and model.safetensors)", "point it at one, e.g. written by "
                "save_pretrained or python -m training.export")
         c.at_least("stop_at_step", 1)
-        c.that(self.stop_at_step is None or self.stop_at_step <= self.max_steps, "stop_at_step",
+        c.that(self.stop_at_step is None or self.epochs is not None or self.stop_at_step <= self.max_steps,
+               "stop_at_step",
                f"be <= train.max_steps={self.max_steps}", "lower train.stop_at_step or raise train.max_steps")
         c.at_least("dist_timeout_s", 1)
 

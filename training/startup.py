@@ -13,7 +13,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError
-from data.loader import TokenData
+from data.loader import TokenData, open_data
 from data.tokenizers import sampling_start
 from model import BLOCK_CLASS, build_model, model_layers
 from model.documents import KERNEL_NAMES, document_kernel
@@ -56,11 +56,12 @@ class Engine:
 
 
 def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch.device,
-                        load_universal: bool = False) -> Engine:
+                        load_universal: bool = False, data: TokenData | None = None) -> Engine:
     """The ds_config DeepSpeed is given, assembled here only, from the loaded one (left as it is): the batch
     triple completed for this world size, bf16 "auto" resolved for the device, the run's optimizer and
     schedule, and universal loading for a run that resumes a universal checkpoint. Raises ConfigError for what
-    the device, the world size or the run config cannot take."""
+    the device, the world size or the run config cannot take. With train.epochs, the schedule's length
+    (train.max_steps) is set here from the data and the global batch."""
     dtype, precision_note = compute_dtype(ds, device)
     pipe = pipeline_settings(ds)
     tp_size = tensor_parallel_size(ds)
@@ -72,6 +73,11 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     if ds.get("bf16", {}).get("enabled") == "auto":
         effective["bf16"]["enabled"] = dtype == torch.bfloat16
     effective.update({MICRO: layout.micro_batch, ACCUM: layout.grad_accum, GLOBAL: layout.global_batch})
+    if cfg.train.epochs is not None and data is not None:
+        cfg.train.max_steps = data.steps_for_epochs(cfg.train.epochs, layout.global_batch)
+        if cfg.train.stop_at_step is not None and cfg.train.stop_at_step > cfg.train.max_steps:
+            raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is beyond the {cfg.train.max_steps} "
+                              f"steps of train.epochs={cfg.train.epochs}: lower it")
     effective.update(optimizer_and_schedule(cfg, ds))
     if load_universal:
         effective.setdefault("checkpoint", {})["load_universal"] = True
@@ -93,14 +99,14 @@ class Setup:
     engine: Engine
 
 
-def configure(cfg: RunConfig, ds: dict, load_universal: bool = False) -> Setup:
+def configure(cfg: RunConfig, ds: dict, load_universal: bool = False, data: TokenData | None = None) -> Setup:
     """The launcher's environment read (RANK, WORLD_SIZE, ...), this rank's device made current, and the ds_config
     assembled for both."""
     launcher = set_distributed_env()
     # Current before anything touches the device: NCCL binds a process group to the current device.
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
-    engine = effective_ds_config(ds, cfg, int(os.environ["WORLD_SIZE"]), device, load_universal)
+    engine = effective_ds_config(ds, cfg, int(os.environ["WORLD_SIZE"]), device, load_universal, data)
     return Setup(launcher, device, engine)
 
 
@@ -135,8 +141,8 @@ class Run:
 def check_run(argv=None) -> Run:
     """Everything checkable before any process group: configs, data, prompt, model, layout, resume, init_from."""
     cfg, ds = load_configs(argv)
-    data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources,
-                     cfg.model.document_masking)
+    data = open_data(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources,
+                     cfg.model.document_masking, cfg.data.pack)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.meta["vocab_size"]
     data.check_vocab(cfg.model.vocab_size)
@@ -145,7 +151,7 @@ def check_run(argv=None) -> Run:
     n_params = count_parameters(cfg)
     resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
     saved = checkpoint.read_run_state(resume_dir) if resume_dir else None
-    setup = configure(cfg, ds, load_universal=bool(saved and saved.get("universal")))
+    setup = configure(cfg, ds, load_universal=bool(saved and saved.get("universal")), data=data)
     engine = setup.engine
     specs = model_layers(cfg.model, TensorParallel(engine.layout.tp_size))  # this rank's shapes, no group needed
     parts = stage_partition(specs, engine.pipe.stages, engine.pipe.partition, BLOCK_CLASS[cfg.model.arch])
@@ -163,7 +169,7 @@ def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str |
     """What document masking does in this run, and with which attention kernel."""
     if not cfg.model.document_masking:
         return None
-    if data.documents is None:
+    if not data.positions:
         return "document masking: on, but the data has no document delimiter (one document): nothing to mask"
     kernel = KERNEL_NAMES[document_kernel(device.type, cfg.model.dropout)]
     return f"document masking: attention within each document, positions from its start; kernel: {kernel}"

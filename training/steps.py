@@ -1,10 +1,13 @@
 """What the training loop asks of a DeepSpeed engine: a training step, a loss estimate, and logits for
 sampling. The plain engine runs micro-batches one by one; the pipeline engine takes all of a step's
 micro-batches at once and returns the loss averaged over them and over data-parallel ranks."""
+import functools
+
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.utils.checkpoint import checkpoint
 
+from data.loader import IGNORE
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_sum, gather_vocab, split_rule
 
 # Rows (tokens) of logits whose fp32 copy and softmax exist at once in the training loss: 8192 x 50304 x 4
@@ -14,17 +17,28 @@ LOSS_CHUNK_ROWS = 8192
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
-            tp: TensorParallel = SINGLE) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32, over logits of the whole vocabulary or, under tensor
-    parallelism, of this rank's slice of it. With gradients, a chunk of rows at a time under activation
-    checkpointing: each chunk's fp32 logits and log-softmax are made in the forward pass, dropped, and made
-    again in the backward pass, so they never exist for the whole batch (only the 16-bit logits do)."""
+            tp: TensorParallel = SINGLE, divisor: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 (or the sum over `divisor`: supervised_share), over logits of the
+    whole vocabulary or, under tensor parallelism, of this rank's slice of it. With gradients, a chunk of rows
+    at a time under activation checkpointing: each chunk's fp32 logits and log-softmax are made in the forward
+    pass, dropped, and made again in the backward pass, so they never exist for the whole batch (only the
+    16-bit logits do)."""
     logits, targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)
+    divisor = targets.numel() if divisor is None else divisor
     if not torch.is_grad_enabled() or logits.size(0) <= chunk_rows:
-        return cross_entropy_sum(logits, targets, tp) / targets.numel()
+        return cross_entropy_sum(logits, targets, tp) / divisor
     sums = [checkpoint(cross_entropy_sum, rows, row_targets, tp, use_reentrant=False)
             for rows, row_targets in zip(logits.split(chunk_rows), targets.split(chunk_rows))]
-    return torch.stack(sums).sum() / targets.numel()
+    return torch.stack(sums).sum() / divisor
+
+
+def supervised_share(micro_batches: list, group, data_parallel: int) -> torch.Tensor:
+    """The supervised targets of the whole global batch over (micro-batches x data-parallel ranks), on the device.
+    A micro-batch's summed loss divided by it, DeepSpeed's mean over micro-batches and ranks is the mean over
+    the global batch's supervised tokens: a short answer weighs as much as its tokens, whatever the layout."""
+    count = sum((targets != IGNORE).sum() for _, targets in micro_batches).float()
+    torch.distributed.all_reduce(count, group=group)
+    return count / (len(micro_batches) * data_parallel)
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -66,13 +80,21 @@ def grad_norm(params: list, mpu=None) -> torch.Tensor:
     return total.sqrt()
 
 
-def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE) -> torch.Tensor:
-    """One optimizer step over the step's micro-batches; returns their mean loss, still on the device."""
+def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE, supervised: bool = False) -> torch.Tensor:
+    """One optimizer step over the step's micro-batches; returns their mean loss, still on the device. With
+    `supervised` (conversations), the loss is the mean over the global batch's supervised tokens."""
     if isinstance(engine, PipelineEngine):
+        if supervised and engine.is_last_stage():  # where the loss is computed
+            share = supervised_share(micro_batches, engine.grid.get_data_parallel_group(), engine.dp_world_size)
+            engine.module.loss_fn = functools.partial(lm_loss, tp=tp, divisor=share)
         return engine.train_batch(iter(micro_batches))
+    divisor = None
+    if supervised:
+        divisor = supervised_share(micro_batches, engine.mpu.get_data_parallel_group() if engine.mpu else None,
+                                   engine.dp_world_size)
     total = 0.0
     for inputs, targets in micro_batches:
-        loss = lm_loss(engine(inputs), targets, tp=tp)
+        loss = lm_loss(engine(inputs), targets, tp=tp, divisor=divisor)
         engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
         engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
         total += loss.detach()

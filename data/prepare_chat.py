@@ -1,0 +1,127 @@
+"""Conversations into a fine-tuning dataset: `python -m data.prepare --format chat`.
+
+    python -m data.prepare --format chat --input chats.jsonl --tokenizer PATH/tokenizer.json --context 1024
+    python -m data.prepare --format chat --input alpaca.jsonl --tokenizer char --chat_template plain
+
+Each conversation of the JSONL inputs (data/chat.py: messages, ShareGPT or Alpaca records, one format a file)
+is rendered by the chat template (--chat_template FILE or a built-in name; else the `chat_template` of the
+tokenizer.json's tokenizer_config.json; else, for char and tiktoken, the built-in `plain`), tokenized, and
+written as one document, with its loss mask beside its tokens (train.mask, val.mask: one byte a token, 1 on
+the assistant's tokens of every turn or, with --train_on last, of the last). A conversation of more than
+--context + 1 tokens, which no training window of that context holds whole, is cut to it (--overlong truncate)
+or left out (drop); one left without a supervised token is left out; both are counted in meta.json and printed.
+Conversations are rendered and tokenized in this one process: fine-tuning sets are small next to corpora.
+"""
+import hashlib
+import json
+import os
+
+from data.chat import BUILTIN_TEMPLATES, ChatError, ChatTemplate, read_conversations, tokenize
+from data.prepare import SPLITS, _earlier_dataset, _finish, _workspace, in_val
+from data.readers import InputError, expand_inputs
+from data.tokenizers import EOT, CharTokenizer, parse_spec, train_bpe
+from data.writer import ShardWriter, token_dtype
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def chat_template(spec: str | None, tokenizer_spec) -> tuple[str, str]:
+    """(name, Jinja source) of the template: --chat_template (a built-in name or a file), else the tokenizer's own,
+    else `plain` for tokenizers that come without one."""
+    if spec in BUILTIN_TEMPLATES:
+        return spec, BUILTIN_TEMPLATES[spec]
+    if spec is not None:
+        if not os.path.isfile(spec):
+            raise InputError(f"--chat_template {spec} is neither a file nor a built-in template "
+                             f"({', '.join(BUILTIN_TEMPLATES)}); pass a Jinja template file or a built-in name")
+        with open(spec, encoding="utf-8") as f:
+            return os.path.abspath(spec), f.read()
+    if isinstance(tokenizer_spec, str) and tokenizer_spec.endswith(".json"):
+        config = os.path.join(os.path.dirname(os.path.abspath(tokenizer_spec)), TOKENIZER_CONFIG)
+        template = json.load(open(config)).get("chat_template") if os.path.isfile(config) else None
+        if not isinstance(template, str):
+            raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: pass --chat_template FILE (a "
+                             f"Jinja chat template), or --chat_template plain")
+        return config, template
+    return "plain", BUILTIN_TEMPLATES["plain"]
+
+
+def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", template_spec: str | None = None,
+                 train_on: str = "all", context: int = 1024, overlong: str = "truncate", val_fraction: float = 0.01,
+                 force: bool = False) -> dict:
+    """Write the conversation dataset of `inputs` to out_dir unless it is already there; returns its meta."""
+    if context < 1:
+        raise InputError(f"--context {context}: must be >= 1; fix: pass the model's block_size")
+    files = expand_inputs(inputs)
+    not_jsonl = [f for f in files if not f.endswith(".jsonl")]
+    if not_jsonl:
+        raise InputError(f"input {not_jsonl[0]} is not a .jsonl file: conversations are read from JSONL records")
+    name, source = chat_template(template_spec, tokenizer_spec)
+    template = ChatTemplate(source)
+    if not template.marks_generation:
+        raise InputError(f"the chat template {name} marks no assistant part ({{% generation %}} ... "
+                         f"{{% endgeneration %}}): add the marks around each assistant turn's content and end-of-turn")
+    stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in files]
+    job = hashlib.sha256(json.dumps(["chat", stats, str(tokenizer_spec), source, train_on, context, overlong,
+                                     val_fraction]).encode()).hexdigest()
+    meta = _earlier_dataset(out_dir)
+    if meta is not None and meta.get("job") == job:
+        print(f"{out_dir} already holds these conversations; nothing to do")
+        return meta
+    if meta is not None and not force:
+        raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
+                         f"would replace; fix: pass --force to replace it, or another --out_dir")
+
+    conversations, formats = [], {}
+    for path in files:
+        try:
+            for line, kind, turns in read_conversations(path):
+                if formats.setdefault(path, kind) != kind:
+                    raise InputError(f"{path}:{line}: a {kind} record in a file of {formats[path]} records: keep one "
+                                     f"format a file")
+                conversations.append(turns)
+        except ChatError as e:
+            raise InputError(f"{e}; fix the record or leave it out") from None
+    if not conversations:
+        raise InputError(f"no conversation in {', '.join(files)}: the inputs are empty")
+    texts = [template.render(turns)[0] for turns in conversations]
+    tok = _tokenizer(tokenizer_spec, texts)
+
+    workspace = _workspace(out_dir, job)
+    prefix = os.path.join(workspace, "shards", "chat")
+    writer = ShardWriter(prefix, token_dtype(tok.vocab_size), masks=True)
+    counts = {"truncated": 0, "dropped_overlong": 0, "dropped_unsupervised": 0}
+    supervised = dict.fromkeys(SPLITS, 0)
+    for turns, text in zip(conversations, texts):
+        ids, mask = tokenize(turns, template, tok, train_on)
+        if len(ids) > context + 1:
+            if overlong == "drop":
+                counts["dropped_overlong"] += 1
+                continue
+            ids, mask = ids[:context + 1], mask[:context + 1]
+            counts["truncated"] += 1
+        if not any(mask[1:]):  # the first token is never a target
+            counts["dropped_unsupervised"] += 1
+            continue
+        split = "val" if in_val(text, val_fraction) else "train"
+        writer.write(split, [ids], [mask])
+        supervised[split] += sum(mask[1:])
+    writer.close()
+    print(f"{len(conversations):,} conversations: {counts['truncated']:,} cut to {context + 1:,} tokens, "
+          f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
+          f"{counts['dropped_unsupervised']:,} left out with no assistant token within the context")
+    record = {"chat": {"formats": formats, "template": name, "chat_template": source, "train_on": train_on,
+                       "context": context, "overlong": overlong, "conversations": len(conversations), **counts,
+                       **{f"{s}_supervised_tokens": supervised[s] for s in SPLITS}}}
+    return _finish(out_dir, workspace, [prefix], tok, job, files, f"conversations by hash, val_fraction {val_fraction}",
+                   None, record)
+
+
+def _tokenizer(spec, texts: list[str]):
+    """The tokenizer named by --tokenizer; char and bpe:SIZE are built from the rendered conversations."""
+    kind, ready = parse_spec(spec)
+    if kind == "ready":
+        return ready
+    if kind == "char":
+        return CharTokenizer(sorted(set("".join(t.replace(EOT, "") for t in texts))), eot=True)
+    return train_bpe(texts, ready)
