@@ -1,0 +1,125 @@
+"""Fine-tuning a transformers-built Llama on conversations through the real launcher, fp32: the loss is the mean over
+the global batch's supervised tokens (checked against transformers on each conversation alone), the same for
+one process, accumulation, data parallelism, ZeRO-3 and pipeline stages; a stopped run resumes exactly."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from data.conversations import ChatData
+from data.loader import IGNORE
+from data.prepare_chat import prepare_chat
+from harness import FP32, grad_norms, launch, metrics, train_losses
+from hf_check import transformers_model
+from model.config import ModelConfig
+from test_conversations import reverse_tasks
+from training.topology import Layout
+
+pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
+
+CONTEXT = 64
+# The reverse tasks' answers hold 1 to 8 words: windows hold very different numbers of supervised tokens.
+FINETUNE = ["model.arch=llama", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
+            "model.ffn_hidden=64", f"model.block_size={CONTEXT}", "model.document_masking=true", "train.max_steps=4",
+            "train.save_interval=2", "train.eval_interval=2", "train.eval_windows=8", "optim.warmup_steps=2",
+            "optim.lr=3e-3", *FP32]
+LAYOUTS = {  # name: (processes, ds_config, overrides); global batch 4
+    "one": (1, "zero0.json", ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=1"]),
+    "accum4": (1, "zero0.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=4"]),
+    "dp2_accum2": (2, "zero0.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=2"]),
+    "zero3_dp2": (2, "zero3.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=1"]),
+    "pp2": (2, "pipe2.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=4"]),
+}
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("reverse_finetune")
+    (folder / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(300, seed=1)))
+    prepare_chat([str(folder / "tasks.jsonl")], str(folder / "data"), "char", context=CONTEXT, val_fraction=0.1)
+    return str(folder / "data")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, chat_data):
+    vocab = json.loads(open(f"{chat_data}/meta.json").read())["vocab_size"]
+    shape = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64,
+                        block_size=CONTEXT, vocab_size=vocab)
+    folder = tmp_path_factory.mktemp("transformers_llama")
+    transformers_model(shape, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, chat_data, hf_folder):
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            procs, ds_config, overrides = LAYOUTS[name]
+            out = tmp_path_factory.mktemp(name)
+            launch(procs, ds_config, out, chat_data, [*FINETUNE, *overrides, f"train.init_from={hf_folder}"])
+            done[name] = out
+        return done[name]
+    return get
+
+
+def step_conversations(chat_data: str, step: int) -> list[tuple[list[int], list[int]]]:
+    """(inputs, targets) of each conversation in the global batch of `step` (4 windows), cut at the positions."""
+    data = ChatData(chat_data, None, CONTEXT, document_masking=True, pack=True)
+    inputs, targets = data.train_batch(1337, step, 0, 0, Layout(1, 1, 4, 1), torch.device("cpu"))
+    found = []
+    for tokens, positions, row in zip(*inputs, targets):
+        starts = [t for t in range(CONTEXT) if positions[t] == 0] + [CONTEXT]
+        for a, b in zip(starts, starts[1:]):
+            if (row[a:b] != IGNORE).any():
+                found.append((tokens[a:b].tolist(), row[a:b].tolist()))
+    return found
+
+
+def test_the_loss_is_the_mean_over_the_global_batchs_supervised_tokens(runs, chat_data, hf_folder):
+    """Step 1's loss (before any update) against transformers' model run on each conversation alone. The repo's
+    vocabulary is padded to a multiple of 64, and an import gives the padding rows zeros: logits of 0 there."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32).eval()
+    padding = 64 - model.config.vocab_size % 64
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for tokens, targets in step_conversations(chat_data, 1):
+            logits = torch.nn.functional.pad(model(torch.tensor([tokens])).logits[0], (0, padding))
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(targets), ignore_index=IGNORE,
+                                                       reduction="sum").item()
+            count += sum(t != IGNORE for t in targets)
+    assert count > 20
+    assert train_losses(runs("one"))[0] == pytest.approx(total / count, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["accum4", "dp2_accum2", "zero3_dp2", "pp2"])
+def test_every_layout_fine_tunes_as_one_process_does(runs, layout):
+    out, reference = runs(layout), runs("one")
+    assert len(train_losses(out)) == 4
+    assert train_losses(out) == pytest.approx(train_losses(reference), abs=1e-5)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), abs=1e-5)
+    assert train_losses(reference)[-1] < train_losses(reference)[0] - 0.1  # it really trains
+    val = [[m["val_loss"] for m in metrics(run) if "val_loss" in m] for run in (out, reference)]
+    assert val[0] == pytest.approx(val[1], abs=1e-5)
+
+
+def test_a_stopped_fine_tune_resumes_exactly(runs, tmp_path, chat_data, hf_folder):
+    procs, ds_config, overrides = LAYOUTS["dp2_accum2"]
+    args = [*FINETUNE, *overrides, f"train.init_from={hf_folder}"]
+    launch(procs, ds_config, tmp_path, chat_data, [*args, "train.stop_at_step=2"])
+    resumed = launch(procs, ds_config, tmp_path, chat_data, args)
+    assert "at step 2" in resumed.stdout
+    steps = [(m["step"], m["loss"], m["grad_norm"]) for m in metrics(tmp_path) if "loss" in m]
+    assert steps == [(m["step"], m["loss"], m["grad_norm"]) for m in metrics(runs("dp2_accum2")) if "loss" in m]
+
+
+def test_epochs_set_the_steps_from_the_data(runs, tmp_path, chat_data, hf_folder):
+    procs, ds_config, overrides = LAYOUTS["one"]
+    launch(procs, ds_config, tmp_path, chat_data, [*FINETUNE, *overrides, f"train.init_from={hf_folder}",
+                                                   "train.epochs=0.5"])
+    windows = ChatData(chat_data, None, CONTEXT, document_masking=True, pack=True).train_windows
+    assert [m["step"] for m in metrics(tmp_path) if "loss" in m][-1] == int(np.ceil(0.5 * windows / 4))
