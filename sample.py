@@ -3,6 +3,7 @@
     python sample.py --out_dir out/quickstart                     # the newest checkpoint of a run
     python sample.py --out_dir out/quickstart --tag step_001000 --prompt "ROMEO:" --num_samples 3
     python sample.py --export out/quickstart/export/step_002000   # an export (safetensors + config.json)
+    python sample.py --out_dir out/sft --chat "Reverse: king crown"  # a fine-tuned model's answer
 """
 import argparse
 import sys
@@ -10,6 +11,7 @@ import sys
 import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
+from data.chat import ChatTemplate, check_chat_record
 from data.tokenizers import TokenizerError, sampling_start, tokenizer_from_meta
 from model import build_model
 from model.generate import generate
@@ -18,15 +20,31 @@ from training.export import consolidated_state_dict, load_export, run_dataset, r
 
 
 def load(args) -> tuple:
-    """(model config, model with its weights, tokenizer) from an export or a run's checkpoint."""
+    """(model config, model with its weights, tokenizer, its dataset's meta) from an export or a run's checkpoint."""
     if args.export:
         cfg, state, meta = load_export(args.export)
-        return cfg, with_weights(cfg, state, args.export), tokenizer_from_meta(meta, args.export)
+        return cfg, with_weights(cfg, state, args.export), tokenizer_from_meta(meta, args.export), meta
     tag_dir = checkpoint.find_checkpoint(args.out_dir, args.tag)
     run_state = checkpoint.read_run_state(tag_dir)
     meta, data_dir = run_dataset(tag_dir, run_state)
     cfg = run_model(tag_dir, run_state)
-    return cfg, with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir), tokenizer_from_meta(meta, data_dir)
+    model = with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir)
+    return cfg, model, tokenizer_from_meta(meta, data_dir), meta
+
+
+def chat_prompt(message: str, meta: dict, tokenizer) -> tuple[list[int], int]:
+    """The ids of a one-message conversation rendered by the model's chat template up to the assistant's turn,
+    and the end-of-turn id its answer stops at."""
+    if "chat" not in meta:
+        raise ConfigError("--chat needs a model fine-tuned on conversations (data.prepare --format chat), whose "
+                          "chat template it applies; this one was trained on text: sample it with --prompt")
+    try:
+        chat = check_chat_record(meta, "the model's dataset meta")
+        text, _ = ChatTemplate(chat["chat_template"]).render([{"role": "user", "content": message}],
+                                                             add_generation_prompt=True)
+        return tokenizer.encode_with_offsets(text)[0], chat["end_of_turn_id"]
+    except ValueError as e:  # a stale record, or a character outside a char tokenizer's vocabulary
+        raise ConfigError(f"--chat {message!r}: {e}") from None
 
 
 def with_weights(cfg, state: dict, source: str):
@@ -48,6 +66,7 @@ def main(argv=None) -> None:
     source.add_argument("--export", help="a folder written by python -m training.export")
     parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
     parser.add_argument("--prompt", default="\n")
+    parser.add_argument("--chat", help="a user message: the model's answer, with its chat template applied")
     parser.add_argument("--max_new_tokens", type=int, default=500)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_k", type=int, default=200)
@@ -56,22 +75,29 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
-        cfg, model, tokenizer = load(args)
+        cfg, model, tokenizer, meta = load(args)
+        stop_id = None
+        if args.chat is not None:
+            prompt_ids, stop_id = chat_prompt(args.chat, meta, tokenizer)
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
-    try:
-        prompt_ids, note = sampling_start(args.prompt, tokenizer)
-    except ValueError as e:  # a prompt character outside a char tokenizer's vocabulary
-        exit_bad_input(f"--prompt {args.prompt!r}: {e}; use characters of the training text")
-    if note:
-        print(note, file=sys.stderr)
+    if args.chat is None:
+        try:
+            prompt_ids, note = sampling_start(args.prompt, tokenizer)
+        except ValueError as e:  # a prompt character outside a char tokenizer's vocabulary
+            exit_bad_input(f"--prompt {args.prompt!r}: {e}; use characters of the training text")
+        if note:
+            print(note, file=sys.stderr)
     model.to(args.device).eval()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)
     generator = torch.Generator().manual_seed(args.seed)
     for i in range(args.num_samples):
         out = generate(model, prompt, args.max_new_tokens, cfg.block_size, cfg.vocab_size, args.temperature,
-                       args.top_k, generator)
-        print(tokenizer.decode(out[0].tolist()) + ("\n---------------" if i + 1 < args.num_samples else ""))
+                       args.top_k, generator, stop_id)[0].tolist()
+        if args.chat is not None:  # the answer alone, without its end of turn
+            out = out[len(prompt_ids):]
+            out = out[:-1] if out and out[-1] == stop_id else out
+        print(tokenizer.decode(out) + ("\n---------------" if i + 1 < args.num_samples else ""))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,20 @@ BUILTIN_TEMPLATES = {
 }
 
 
+# What a conversation dataset's meta.json records under "chat" (data/prepare_chat.py) that training, sampling and
+# export read.
+CHAT_KEYS = ("chat_template", "context", "end_of_turn_id", "end_of_turn")
+
+
+def check_chat_record(meta: dict, where: str) -> dict:
+    """The "chat" record of a dataset's meta (or of an export's copy of it), holding CHAT_KEYS."""
+    missing = [key for key in CHAT_KEYS if key not in meta["chat"]]
+    if missing:
+        raise ValueError(f"{where} lacks chat.{', chat.'.join(missing)} (written by another version of "
+                         f"data.prepare); prepare the conversations again with python -m data.prepare --format chat")
+    return meta["chat"]
+
+
 class ChatError(ValueError):
     """A record that is not a conversation this module can train on; the message says why."""
 

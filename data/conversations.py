@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from common.checks import ConfigError
+from data.chat import check_chat_record
 from data.loader import IGNORE, TokenData, _move
 from data.writer import read_index
 
@@ -74,7 +75,11 @@ class ChatData(TokenData):
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, document_masking: bool, pack: bool):
         super().__init__(data_dir, tokenizer, block_size)
-        dataset, chat = self.datasets[0], self.meta["chat"]
+        dataset = self.datasets[0]
+        try:
+            chat = check_chat_record(self.meta, f"{data_dir}/meta.json")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if chat["context"] > block_size:
             raise ConfigError(f"{data_dir} was prepared for a context of {chat['context']:,} tokens but "
                               f"model.block_size={block_size}: its conversations would not fit a window; prepare it "

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 
-from data.chat import BUILTIN_TEMPLATES, ChatError, ChatTemplate, read_conversations, tokenize
+from data.chat import BUILTIN_TEMPLATES, ChatError, ChatTemplate, read_conversations, supervised_mask, tokenize
 from data.prepare import SPLITS, _earlier_dataset, _finish, _workspace, in_val
 from data.readers import InputError, expand_inputs
 from data.tokenizers import EOT, CharTokenizer, parse_spec, train_bpe
@@ -110,11 +110,21 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     print(f"{len(conversations):,} conversations: {counts['truncated']:,} cut to {context + 1:,} tokens, "
           f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
           f"{counts['dropped_unsupervised']:,} left out with no assistant token within the context")
+    end_of_turn = _end_of_turn(template, tok, conversations[0])
     record = {"chat": {"formats": formats, "template": name, "chat_template": source, "train_on": train_on,
+                       "end_of_turn_id": end_of_turn, "end_of_turn": tok.decode([end_of_turn]),
                        "context": context, "overlong": overlong, "conversations": len(conversations), **counts,
                        **{f"{s}_supervised_tokens": supervised[s] for s in SPLITS}}}
     return _finish(out_dir, workspace, [prefix], tok, job, files, f"conversations by hash, val_fraction {val_fraction}",
                    None, record)
+
+
+def _end_of_turn(template: ChatTemplate, tok, turns: list[dict]) -> int:
+    """The token that ends an assistant turn (the last of the first assistant part of `turns`): where generation
+    stops."""
+    text, spans = template.render(turns)
+    ids, offsets = tok.encode_with_offsets(text)
+    return ids[max(i for i, m in enumerate(supervised_mask(offsets, spans[:1])) if m)]
 
 
 def _tokenizer(spec, texts: list[str]):

@@ -3,41 +3,22 @@ which must equal transformers' assistant mask; bad records named with their file
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from corpora import byte_level_encoding, speeches
+from chats import CHATML, CONVERSATIONS, chatml_bpe
+from corpora import byte_level_encoding
 from data.chat import BUILTIN_TEMPLATES, ChatError, ChatTemplate, conversation, read_conversations, tokenize
 from data.tokenizers import EOT, CharTokenizer, HFTokenizer, TiktokenTokenizer
 
-# ChatML with generation marks around each assistant turn's content and its end-of-turn token.
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>"
-          "{% endgeneration %}{% else %}{{ message['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # No separator between a user turn and the answer: a token can straddle the answer's first character (transformers
 # counts it as the assistant's).
 TIGHT = ("{% for message in messages %}"
          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}"
          "{% else %}{{ message['content'] }}{% endif %}{% endfor %}")
-CONVERSATIONS = [
-    [{"role": "user", "content": "Who art thou?"}, {"role": "assistant", "content": "A man, sir."}],
-    [{"role": "system", "content": "Answer in verse."}, {"role": "user", "content": "Why weep'st thou?"},
-     {"role": "assistant", "content": "For grief — ay, é, and more."}, {"role": "user", "content": "Speak!"},
-     {"role": "assistant", "content": "Anon."}],
-    [{"role": "user", "content": "x"}, {"role": "assistant", "content": " leading and trailing spaces  "}],
-]
 
 
 @pytest.fixture(scope="module")
-def bpe(shakespeare_path) -> Tokenizer:
-    """A byte-level BPE trained on the speeches, with ChatML's special tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(speeches(shakespeare_path)[:2000], trainers.BpeTrainer(
-        vocab_size=500, special_tokens=[EOT, "<|im_start|>", "<|im_end|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return tokenizer
+def bpe(shakespeare_path):
+    return chatml_bpe(shakespeare_path)
 
 
 @pytest.mark.parametrize("train_on", ["all", "last"])

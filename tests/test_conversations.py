@@ -2,35 +2,20 @@
 on the assistant's tokens, positions restarting at each conversation, every conversation once an epoch; and what
 such a dataset refuses."""
 import json
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from chats import documents, reverse_tasks
 from common.checks import ConfigError
 from data.conversations import ChatData
 from data.loader import IGNORE, TokenData, open_data
 from data.prepare_chat import prepare_chat
-from test_prepare_chat import documents
 from training.topology import Layout
 
 CPU = torch.device("cpu")
-WORDS = ["lord", "king", "sword", "night", "crown", "queen", "heart", "blood", "ghost", "storm"]
-
-
-def reverse_tasks(count: int, seed: int = 0) -> list[dict]:
-    """'Reverse: w1 ... wn' -> 'wn ... w1', answers of 1 to 8 words: very different numbers of assistant tokens."""
-    rng = random.Random(seed)
-    tasks = []
-    for _ in range(count):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 8))]
-        tasks.append({"messages": [{"role": "user", "content": "Reverse: " + " ".join(words)},
-                                   {"role": "assistant", "content": " ".join(reversed(words))}]})
-    return tasks
-
-
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("reverse")

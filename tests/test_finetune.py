@@ -2,18 +2,19 @@
 the global batch's supervised tokens (checked against transformers on each conversation alone), the same for
 one process, accumulation, data parallelism, ZeRO-3 and pipeline stages; a stopped run resumes exactly."""
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from chats import chatml_folder, reverse_tasks, write_jsonl
 from data.conversations import ChatData
 from data.loader import IGNORE
 from data.prepare_chat import prepare_chat
-from harness import FP32, grad_norms, launch, metrics, train_losses
+from harness import FP32, export, grad_norms, launch, metrics, run, train_losses
 from hf_check import transformers_model
 from model.config import ModelConfig
-from test_conversations import reverse_tasks
 from training.topology import Layout
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
@@ -123,3 +124,36 @@ def test_epochs_set_the_steps_from_the_data(runs, tmp_path, chat_data, hf_folder
                                                    "train.epochs=0.5"])
     windows = ChatData(chat_data, None, CONTEXT, document_masking=True, pack=True).train_windows
     assert [m["step"] for m in metrics(tmp_path) if "loss" in m][-1] == int(np.ceil(0.5 * windows / 4))
+
+
+@pytest.fixture(scope="module")
+def chatml_export(tmp_path_factory, shakespeare_path):
+    """A Llama fine-tuned from scratch on the reverse tasks in ChatML (a tokenizer.json with its chat template),
+    exported."""
+    folder = tmp_path_factory.mktemp("chatml_run")
+    chatml_folder(folder, shakespeare_path)
+    tasks = write_jsonl(folder / "tasks.jsonl", reverse_tasks(300, seed=2))
+    prepare_chat([tasks], str(folder / "data"), str(folder / "tokenizer.json"), context=CONTEXT, val_fraction=0.1)
+    procs, ds_config, overrides = LAYOUTS["one"]
+    launch(procs, ds_config, folder / "run", str(folder / "data"),
+           [*FINETUNE, *overrides, "train.max_steps=60", "train.save_interval=60", "train.eval_interval=60"])
+    return export(folder / "run", "step_000060")
+
+
+def test_the_export_answers_in_transformers_as_sample_chat_does(chatml_export):
+    """The export carries the chat template and the end-of-turn token: transformers' apply_chat_template and greedy
+    generate give the answer `sample.py --chat` gives."""
+    import transformers
+
+    message = "Reverse: king crown night"
+    ours = run([sys.executable, "sample.py", "--export", chatml_export, "--chat", message, "--temperature", "0",
+                "--max_new_tokens", "24"]).stdout.rstrip("\n")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chatml_export)
+    model = transformers.LlamaForCausalLM.from_pretrained(chatml_export, torch_dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    out = model.generate(**prompt, max_new_tokens=24, do_sample=False)[0, prompt["input_ids"].size(1):].tolist()
+    if out and out[-1] == tokenizer.eos_token_id:
+        out = out[:-1]
+    assert tokenizer.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert ours == tokenizer.decode(out) and ours  # an answer, the same text

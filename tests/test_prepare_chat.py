@@ -1,36 +1,17 @@
 """`python -m data.prepare --format chat`: conversations into tokens and loss masks (data/prepare_chat.py). The
 masks written are transformers' assistant masks; the three record formats give one dataset; overlong
 conversations are cut or left out and counted; bad records end the preparation with their file and line."""
-import json
 import sys
 
-import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from corpora import speeches
+from chats import CHATML, CONVERSATIONS, chatml_folder, documents, write_jsonl
 from data.prepare_chat import prepare_chat
 from data.readers import InputError
-from data.writer import read_index
 from harness import run
-from test_chat import CHATML, CONVERSATIONS
 
 # Short conversations enough for both splits at val_fraction 0.3.
 FILLER = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}] for i in range(12)]
-
-
-def write_jsonl(path, records) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
-
-
-def documents(out_dir, split: str) -> list[tuple[list[int], list[int]]]:
-    """(tokens, mask) of each conversation of a prepared split."""
-    meta = json.loads((out_dir / "meta.json").read_text())
-    tokens = np.fromfile(out_dir / f"{split}.bin", dtype=meta["dtype"])
-    masks = np.fromfile(out_dir / f"{split}.mask", dtype=np.uint8)
-    index = read_index(str(out_dir), split)
-    return [(tokens[a:b].tolist(), masks[a:b].tolist()) for a, b in zip(index[:-1], index[1:])]
 
 
 def all_documents(out_dir) -> list:
@@ -39,17 +20,7 @@ def all_documents(out_dir) -> list:
 
 @pytest.fixture(scope="module")
 def chatml_tokenizer(tmp_path_factory, shakespeare_path):
-    """A tokenizer.json (BPE on the speeches, ChatML's tokens) with tokenizer_config.json's chat template."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(speeches(shakespeare_path)[:2000], trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    folder = tmp_path_factory.mktemp("chatml")
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
-    return folder
+    return chatml_folder(tmp_path_factory.mktemp("chatml"), shakespeare_path)
 
 
 def test_the_written_masks_are_transformers_assistant_masks(tmp_path, chatml_tokenizer):

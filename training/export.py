@@ -185,10 +185,19 @@ def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: i
         for file in TOKENIZER_FILES:
             if data_dir and os.path.isfile(os.path.join(data_dir, file)):
                 shutil.copyfile(os.path.join(data_dir, file), os.path.join(scratch, file))
+        if "chat" in meta:  # the template the model was fine-tuned with, for apply_chat_template
+            with open(os.path.join(scratch, "tokenizer_config.json"), "w") as f:
+                json.dump(chat_tokenizer_config(meta), f, indent=1)
         _replace_folder(scratch, output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return output
+
+
+def chat_tokenizer_config(meta: dict) -> dict:
+    """tokenizer_config.json of a model fine-tuned on conversations: its chat template and end-of-turn token."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": meta["chat"]["chat_template"],
+            "eos_token": meta["chat"]["end_of_turn"], "clean_up_tokenization_spaces": False}
 
 
 def _replace_folder(new: str, old: str) -> None:

@@ -99,6 +99,8 @@ def special_token_ids(meta: dict) -> dict:
         ids["eos_token_id"] = ids["bos_token_id"] = meta["eot_id"]
     if meta.get("bos_id") is not None:
         ids["bos_token_id"] = meta["bos_id"]
+    if "chat" in meta:  # a fine-tuned model's answers end with the template's end of turn
+        ids["eos_token_id"] = meta["chat"]["end_of_turn_id"]
     return ids
 
 
