@@ -172,10 +172,16 @@ def supervised_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
     return mask
 
 
+TRAIN_ON = ("all", "last", "everything")
+
+
 def tokenize(turns: list[dict], template: ChatTemplate, tokenizer, train_on: str = "all") -> tuple[list, list]:
     """A conversation's token ids and its loss mask: 1 on the assistant's tokens (of every assistant turn, or of the
-    last one with train_on="last"), each turn's end-of-turn token included where the template marks it so."""
+    last one with train_on="last"), each turn's end-of-turn token included where the template marks it so; 1 on
+    every token with train_on="everything" (the prompt trained on too, as plain text would be)."""
     text, spans = template.render(turns)
     ids, offsets = tokenizer.encode_with_offsets(text)
+    if train_on == "everything":
+        return ids, [1] * len(ids)
     return ids, supervised_mask(offsets, spans[-1:] if train_on == "last" else spans)
 

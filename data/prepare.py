@@ -328,8 +328,8 @@ def main(argv=None) -> None:
                       "conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning")
     chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain); default: the "
                       "tokenizer's tokenizer_config.json, else plain")
-    chat.add_argument("--train_on", choices=["all", "last"], default="all", help="the loss trains on every "
-                      "assistant turn, or on the last")
+    chat.add_argument("--train_on", choices=["all", "last", "everything"], default="all", help="the loss trains on "
+                      "every assistant turn, on the last, or on every token (prompts too)")
     chat.add_argument("--context", type=int, default=1024, help="the model's block_size: longer conversations are "
                       "cut or left out")
     chat.add_argument("--overlong", choices=["truncate", "drop"], default="truncate")

@@ -7,9 +7,10 @@ Each conversation of the JSONL inputs (data/chat.py: messages, ShareGPT or Alpac
 is rendered by the chat template (--chat_template FILE or a built-in name; else the `chat_template` of the
 tokenizer.json's tokenizer_config.json; else, for char and tiktoken, the built-in `plain`), tokenized, and
 written as one document, with its loss mask beside its tokens (train.mask, val.mask: one byte a token, 1 on
-the assistant's tokens of every turn or, with --train_on last, of the last). A conversation of more than
---context + 1 tokens, which no training window of that context holds whole, is cut to it (--overlong truncate)
-or left out (drop); one left without a supervised token is left out; both are counted in meta.json and printed.
+the assistant's tokens of every turn; with --train_on last, of the last; with everything, on every token). A
+conversation of more than --context + 1 tokens, which no training window of that context holds whole, is cut to
+it (--overlong truncate) or left out (drop); one left without a supervised token is left out; both are counted
+in meta.json and printed.
 Conversations are rendered and tokenized in this one process: fine-tuning sets are small next to corpora.
 """
 import hashlib

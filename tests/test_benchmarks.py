@@ -17,8 +17,8 @@ from harness import REPO, TINY, run
 from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
-SCRIPTS = ["data.py", "documents.py", "llama.py", "memory.py", "pipeline.py", "quality.py", "tensor_parallel.py",
-           "throughput.py", "record.sh", "wheelhouse.sh"]
+SCRIPTS = ["data.py", "documents.py", "finetune.py", "llama.py", "memory.py", "pipeline.py", "quality.py",
+           "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -176,6 +176,9 @@ BAD_INPUTS = [
     ("documents.py", ["cost", "--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
     ("documents.py", ["cost", "--work_dir", "{tmp}/w", "model.n_kv_head=4"], "model.n_kv_head=4: must divide "
                                                                               "model.n_head=6"),
+    ("finetune.py", ["--steps", "0"], "--steps=0: must be >= 1"),
+    ("finetune.py", ["--test", "0"], "--test=0: must be >= 1"),
+    ("finetune.py", ["--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
     ("memory.py", ["--nprocs", "0"], "--nprocs=0: must be >= 1"),
     ("memory.py", ["--steps", "0"], "--steps=0: must be >= 1"),
     ("memory.py", ["--json", "{file}/m.json"], "--json file {file}/m.json cannot be created"),
