@@ -96,3 +96,8 @@ def test_a_bad_record_is_named_with_its_file_and_line(tmp_path, line, message):
     with pytest.raises(ChatError) as e:
         list(read_conversations(str(path)))
     assert str(e.value).startswith(f"{path}:4: {message}")
+
+
+def test_train_on_everything_supervises_every_token(bpe):
+    ids, mask = tokenize(CONVERSATIONS[1], ChatTemplate(CHATML), HFTokenizer(bpe, "bpe"), "everything")
+    assert mask == [1] * len(ids) and len(ids) > 20
