@@ -63,9 +63,9 @@ def counted_rank(record: str) -> None:
     parallel._all_reduce = counting
     train_step, steps = train.train_step, []
 
-    def measured(engine, micro_batches, tp=parallel.SINGLE):
+    def measured(engine, micro_batches, tp=parallel.SINGLE, **kwargs):
         before = sent["bytes"]
-        loss = train_step(engine, micro_batches, tp)
+        loss = train_step(engine, micro_batches, tp, **kwargs)
         steps.append({"tp_bytes": sent["bytes"] - before, "states": live_tensor_bytes(engine.device),
                       "params": sum(p.numel() for p in engine.module.parameters())})
         return loss

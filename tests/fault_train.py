@@ -19,7 +19,7 @@ real_train_step = train.train_step
 steps_taken = 0
 
 
-def faulty_train_step(engine, micro_batches, *args):
+def faulty_train_step(engine, micro_batches, *args, **kwargs):
     global steps_taken
     steps_taken += 1
     if os.environ["RANK"] in fault_rank.split(",") and steps_taken == int(fault_step):
@@ -33,7 +33,7 @@ def faulty_train_step(engine, micro_batches, *args):
             time.sleep(30)
             exit_now(1)
         time.sleep(3600)
-    return real_train_step(engine, micro_batches, *args)
+    return real_train_step(engine, micro_batches, *args, **kwargs)
 
 
 train.train_step = faulty_train_step

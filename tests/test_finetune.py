@@ -1,6 +1,7 @@
 """Fine-tuning a transformers-built Llama on conversations through the real launcher, fp32: the loss is the mean over
 the global batch's supervised tokens (checked against transformers on each conversation alone), the same for
-one process, accumulation, data parallelism, ZeRO-3 and pipeline stages; a stopped run resumes exactly."""
+one process, accumulation, data parallelism, ZeRO-3, pipeline stages and tensor parallelism; a stopped run
+resumes exactly; the export answers in transformers as sample.py --chat does."""
 import json
 import sys
 
@@ -31,6 +32,7 @@ LAYOUTS = {  # name: (processes, ds_config, overrides); global batch 4
     "dp2_accum2": (2, "zero0.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=2"]),
     "zero3_dp2": (2, "zero3.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=1"]),
     "pp2": (2, "pipe2.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=4"]),
+    "tp2_zero1": (2, "tp2.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"]),
 }
 
 
@@ -97,7 +99,7 @@ def test_the_loss_is_the_mean_over_the_global_batchs_supervised_tokens(runs, cha
     assert train_losses(runs("one"))[0] == pytest.approx(total / count, abs=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["accum4", "dp2_accum2", "zero3_dp2", "pp2"])
+@pytest.mark.parametrize("layout", ["accum4", "dp2_accum2", "zero3_dp2", "pp2", "tp2_zero1"])
 def test_every_layout_fine_tunes_as_one_process_does(runs, layout):
     out, reference = runs(layout), runs("one")
     assert len(train_losses(out)) == 4
