@@ -90,6 +90,8 @@ class ChatData(TokenData):
         self.pack = pack
         self.splits = {s: Split(data_dir, s, dataset.dtype, block_size, pack) for s in ("train", "val")}
         self.train_windows = len(self.splits["train"].windows)
+        self._orders = {}  # (seed, epoch) -> its order of the train windows: the epochs in use only
+        self._eval_rows = {}  # (split, count) -> the fixed validation windows, read once
 
     @property
     def positions(self) -> bool:
@@ -99,12 +101,21 @@ class ChatData(TokenData):
         epoch, position = np.divmod(np.arange(first, first + count, dtype=np.int64), self.train_windows)
         windows = np.empty(count, dtype=np.int64)
         for e in np.unique(epoch):
-            order = np.random.default_rng([seed, int(e)]).permutation(self.train_windows)
-            windows[epoch == e] = order[position[epoch == e]]
+            windows[epoch == e] = self._order(seed, int(e))[position[epoch == e]]
         return self.splits["train"].rows(windows)
 
+    def _order(self, seed: int, epoch: int) -> np.ndarray:
+        if (seed, epoch) not in self._orders:
+            self._orders = {k: v for k, v in self._orders.items() if k[0] == seed and k[1] >= epoch - 1}
+            self._orders[seed, epoch] = np.random.default_rng([seed, epoch]).permutation(self.train_windows)
+        return self._orders[seed, epoch]
+
     def eval_windows(self, split: str, count: int) -> np.ndarray:
-        return self.splits[split].rows(np.arange(min(count, len(self.splits[split].windows))))
+        if (split, count) not in self._eval_rows:
+            rows = self.splits[split].rows(np.arange(min(count, len(self.splits[split].windows))))
+            rows.setflags(write=False)
+            self._eval_rows[split, count] = rows
+        return self._eval_rows[split, count]
 
     def eval_targets(self, split: str, count: int) -> int:
         T = self.block_size
