@@ -2,6 +2,7 @@
 on the assistant's tokens, positions restarting at each conversation, every conversation once an epoch; and what
 such a dataset refuses."""
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from common.checks import ConfigError
 from data.conversations import ChatData
 from data.loader import IGNORE, TokenData, open_data
 from data.prepare_chat import prepare_chat
+from harness import run
 from training.topology import Layout
 
 CPU = torch.device("cpu")
@@ -86,3 +88,10 @@ def test_what_a_conversation_dataset_refuses(chat_data, char_data):
         ChatData(chat_data, None, 64, document_masking=True, pack=True)
     with pytest.raises(ConfigError, match="holds conversations .* which train alone"):
         TokenData(None, None, 16, [{"dir": chat_data, "weight": 1}, {"dir": char_data, "weight": 1}])
+
+
+def test_sample_chat_refuses_a_model_trained_on_text(checkpointed_run):
+    proc = run([sys.executable, "sample.py", "--out_dir", str(checkpointed_run), "--chat", "hi"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert ("error: --chat needs a model fine-tuned on conversations (data.prepare --format chat), whose chat "
+            "template it applies; this one was trained on text: sample it with --prompt") in proc.stderr
