@@ -12,24 +12,9 @@ import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.chat import ChatTemplate, check_chat_record
-from data.tokenizers import TokenizerError, sampling_start, tokenizer_from_meta
-from model import build_model
+from data.tokenizers import TokenizerError, sampling_start
 from model.generate import generate
-from training import checkpoint
-from training.export import consolidated_state_dict, load_export, run_dataset, run_model
-
-
-def load(args) -> tuple:
-    """(model config, model with its weights, tokenizer, its dataset's meta) from an export or a run's checkpoint."""
-    if args.export:
-        cfg, state, meta = load_export(args.export)
-        return cfg, with_weights(cfg, state, args.export), tokenizer_from_meta(meta, args.export), meta
-    tag_dir = checkpoint.find_checkpoint(args.out_dir, args.tag)
-    run_state = checkpoint.read_run_state(tag_dir)
-    meta, data_dir = run_dataset(tag_dir, run_state)
-    cfg = run_model(tag_dir, run_state)
-    model = with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir)
-    return cfg, model, tokenizer_from_meta(meta, data_dir), meta
+from training.export import load_trained
 
 
 def chat_prompt(message: str, meta: dict, tokenizer) -> tuple[list[int], int]:
@@ -45,18 +30,6 @@ def chat_prompt(message: str, meta: dict, tokenizer) -> tuple[list[int], int]:
         return tokenizer.encode_with_offsets(text)[0], chat["end_of_turn_id"]
     except ValueError as e:  # a stale record, or a character outside a char tokenizer's vocabulary
         raise ConfigError(f"--chat {message!r}: {e}") from None
-
-
-def with_weights(cfg, state: dict, source: str):
-    """The model of `cfg` holding `state`, the weights read from `source`."""
-    model = build_model(cfg)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:  # names or shapes that another model's export would have
-        why = " ".join(str(e).split())[:300]
-        raise ConfigError(f"the weights of {source} do not fit its model settings ({why}); fix: export the "
-                          f"checkpoint again with python -m training.export") from None
-    return model
 
 
 def main(argv=None) -> None:
@@ -75,7 +48,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
-        cfg, model, tokenizer, meta = load(args)
+        cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
         stop_id = None
         if args.chat is not None:
             prompt_ids, stop_id = chat_prompt(args.chat, meta, tokenizer)

@@ -31,11 +31,14 @@ from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
+from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
 from training.startup import Run, check_run
 from training.steps import (
     PipelineLogits,
+    choice_losses,
+    data_parallel_group,
     eval_loss,
     keep_fp32_grad_norm,
     lm_loss,
@@ -75,6 +78,7 @@ class Rank:
     engine: deepspeed.DeepSpeedEngine
     start_step: int
     log: MetricsLog
+    scorer: ChoiceScorer | None  # this rank's share of eval.tasks
     universal_info: dict  # what DeepSpeed's universal converter needs to know of the model (training/checkpoint.py)
 
     @property
@@ -121,7 +125,11 @@ def build_engine(run: Run) -> Rank:
         import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": run.ds})
     dp_rank = grid.get_data_parallel_rank() if grid else index
-    return Rank(index, dp_rank, tp, say, model, engine, start_step, log, universal_info)
+    scorer = ChoiceScorer(run.tasks, cfg.model.block_size, dp_rank, layout.dp, layout.micro_batch,
+                          fixed_shape=isinstance(engine, PipelineEngine)) if run.tasks else None
+    if scorer:
+        say(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
+    return Rank(index, dp_rank, tp, say, model, engine, start_step, log, scorer, universal_info)
 
 
 def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
@@ -217,14 +225,22 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
 
 @torch.compiler.set_stance("force_eager")  # padded, variable batches: never worth a recompilation
 def evaluate(run: Run, rank: Rank, step: int) -> None:
-    """The mean loss of each split's fixed validation windows, logged and printed."""
+    """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged and printed."""
     windows = run.cfg.train.eval_windows
     losses = {split: eval_loss(rank.engine, list(run.data.eval_batches(split, windows, rank.dp_rank, run.layout,
                                                                        run.device)),
                                run.data.eval_targets(split, windows), rank.tp)
               for split in ("train", "val")}
-    rank.log.log(step, train_loss=losses["train"], val_loss=losses["val"])
-    rank.say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    scores = {}
+    if rank.scorer:
+        batches = rank.scorer.batches(run.device, with_positions=rank.pipelined and run.data.positions)
+        row_losses = choice_losses(rank.engine, batches, run.cfg.model.vocab_size, rank.tp)
+        scores = rank.scorer.scores(row_losses, data_parallel_group(rank.engine))
+    rank.log.log(step, train_loss=losses["train"], val_loss=losses["val"],
+                 **{f"{task}_{metric}": value for task, accuracies in scores.items()
+                    for metric, value in zip(("acc", "acc_norm"), accuracies)})
+    tasks = "".join(f"; {task} acc {acc:.4f}, acc_norm {norm:.4f}" for task, (acc, norm) in scores.items())
+    rank.say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{tasks}")
 
 
 def save(run: Run, rank: Rank, step: int) -> None:

@@ -233,3 +233,10 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TensorPar
     if tp.size == 1:
         return F.cross_entropy(logits.float(), targets, reduction="sum")
     return _VocabParallelCrossEntropy.apply(logits, targets, tp).sum()
+
+
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The next-token loss of each row of (rows, vocab or vocab slice) logits, in fp32; a -100 target's is 0."""
+    if tp.size == 1:
+        return F.cross_entropy(logits.float(), targets, reduction="none")
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp)

@@ -49,6 +49,14 @@ def speech_data(tmp_path_factory, shakespeare_path) -> str:
 
 
 @pytest.fixture(scope="session")
+def shakespeare_task(tmp_path_factory, shakespeare_path) -> str:
+    """The Shakespeare continuation task (python -m data.continuation_task): HellaSwag's JSONL format."""
+    out = tmp_path_factory.mktemp("tasks") / "shakespeare.jsonl"
+    run([sys.executable, "-m", "data.continuation_task", "--input", shakespeare_path, "--output", str(out)])
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def checkpointed_run(tmp_path_factory, char_data):
     """Two steps of one process (ZeRO-0), a checkpoint after each, and the export of the first."""
     import training.export  # imports torch: after pytest_configure has hidden the GPUs

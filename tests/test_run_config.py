@@ -86,6 +86,10 @@ BAD_SETTINGS = [
     (["sample.temperature=-0.5"], "sample.temperature=-0.5: must be >= 0 (0 takes the most likely token)"),
     (["sample.top_k=0"], "sample.top_k=0: must be >= 1"),
     (["sample.seed=-3"], "sample.seed=-3: must be >= 0"),
+    (["eval.tasks=[a/x.jsonl,b/x.jsonl]"], "eval.tasks=['a/x.jsonl', 'b/x.jsonl']: must name each task once (files "
+                                           "of one name report alike: x); fix: rename one of the files"),
+    (["eval.limit=0"], "eval.limit=0: must be >= 1"),
+    (["eval.data_dir=''"], "eval.data_dir='': must not be empty"),
 ]
 
 
@@ -186,8 +190,8 @@ BAD_RUN_CONFIG_FILES = [
     ("model: [\n", "{path}, line 2, column 1: malformed YAML: did not find expected node content; fix: correct the "
                    "file"),
     ("\x00binary", "{path}: malformed YAML: unacceptable character #x0000"),
-    ("- 1\n- 2\n", "{path} holds a YAML list, not a mapping: a run config maps data, model, optim, sample, train to "
-                   "their settings"),
+    ("- 1\n- 2\n", "{path} holds a YAML list, not a mapping: a run config maps data, eval, model, optim, sample, "
+                   "train to their settings"),
     ("model: 3\n", "{path}: 'model' holds 3, not a mapping of settings; fix: write its settings under it"),
     ("modle:\n  n_layer: 2\n", "unknown setting 'modle' in {path}; did you mean 'model'?"),
 ]

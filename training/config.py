@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common.checks import Checks, ConfigError, ToolParser, existing_file
+from data.tasks import task_name
 from model.config import ModelConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,12 +163,32 @@ class SampleConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Multiple-choice tasks scored at every evaluation (training/multiple_choice.py), beside the losses."""
+    # "hellaswag" (downloaded once into data_dir), or a JSONL file in HellaSwag's format (data/tasks.py).
+    tasks: list[str] = field(default_factory=list)
+    limit: Optional[int] = None  # the first N examples of each task: a quicker, noisier signal
+    data_dir: str = "data/eval"  # where hellaswag's validation set is downloaded, or placed by hand offline
+
+    def check(self, c: Checks) -> None:
+        c.that(all(isinstance(t, str) and t.strip() for t in self.tasks), "tasks", "name hellaswag or JSONL files",
+               "list them, e.g. eval.tasks=[hellaswag,data/eval/shakespeare.jsonl]")
+        names = [task_name(t) for t in self.tasks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        c.that(not twice, "tasks", f"name each task once (files of one name report alike: {', '.join(twice)})",
+               "rename one of the files")
+        c.at_least("limit", 1)
+        c.not_empty("data_dir")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from data.prepare import check_meta, read_meta
+from data.tokenizers import tokenizer_from_meta
 from model import build_model, layer_names, model_layers
 from model.config import ModelConfig, saved_settings_gaps
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
@@ -225,6 +226,31 @@ def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
         raise ConfigError(f"export weights {folder}/model.safetensors lack the tensor {e} that its config.json's "
                           f"model needs; fix: {fix}") from None
     return cfg, state, check_meta(record["tokenizer"], f"the tokenizer record of export config {path}", fix)
+
+
+def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | None = None) -> tuple:
+    """(model config, model holding its weights on the CPU, tokenizer, its dataset's meta) of an export, or of a
+    run's checkpoint (`tag`, or its newest) of any layout, its slices merged."""
+    if export_dir:
+        cfg, state, meta = load_export(export_dir)
+        return cfg, _with_weights(cfg, state, export_dir), tokenizer_from_meta(meta, export_dir), meta
+    tag_dir = checkpoint.find_checkpoint(out_dir, tag)
+    run_state = checkpoint.read_run_state(tag_dir)
+    meta, data_dir = run_dataset(tag_dir, run_state)
+    cfg = run_model(tag_dir, run_state)
+    return cfg, _with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir), tokenizer_from_meta(meta, data_dir), meta
+
+
+def _with_weights(cfg: ModelConfig, state: dict, source: str) -> torch.nn.Module:
+    """The model of `cfg` holding `state`, the weights read from `source`."""
+    model = build_model(cfg)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # names or shapes that another model's export would have
+        why = " ".join(str(e).split())[:300]
+        raise ConfigError(f"the weights of {source} do not fit its model settings ({why}); fix: export the "
+                          f"checkpoint again with python -m training.export") from None
+    return model
 
 
 def _read_weights(path: str, fix: str) -> dict:

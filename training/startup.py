@@ -14,6 +14,7 @@ from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError
 from data.loader import TokenData, open_data
+from data.tasks import Task
 from data.tokenizers import sampling_start
 from model import BLOCK_CLASS, build_model, model_layers
 from model.documents import KERNEL_NAMES, document_kernel
@@ -22,6 +23,7 @@ from training import checkpoint, hf
 from training.config import RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.device import compute_dtype
 from training.launcher_env import set_distributed_env
+from training.multiple_choice import open_tasks
 from training.optim import optimizer_and_schedule
 from training.topology import (
     ACCUM,
@@ -118,6 +120,7 @@ class Run:
     data: TokenData
     tokenizer: object
     prompt_ids: list[int]
+    tasks: list[Task]  # eval.tasks, read and tokenized
     notes: list[str]  # printed once the engine is built
     n_params: int
     specs: list  # this rank's layer list (its tensor slice), on no device yet
@@ -139,7 +142,8 @@ class Run:
 
 
 def check_run(argv=None) -> Run:
-    """Everything checkable before any process group: configs, data, prompt, model, layout, resume, init_from."""
+    """Everything checkable before any process group: configs, data, prompt, tasks, model, layout, resume,
+    init_from."""
     cfg, ds = load_configs(argv)
     data = open_data(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources,
                      cfg.model.document_masking, cfg.data.pack)
@@ -148,6 +152,7 @@ def check_run(argv=None) -> Run:
     data.check_vocab(cfg.model.vocab_size)
     tokenizer = data.tokenizer()
     prompt_ids, prompt_note = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
+    tasks = open_tasks(cfg.eval.tasks, cfg.eval.data_dir, cfg.eval.limit, tokenizer, cfg.model.block_size)
     n_params = count_parameters(cfg)
     resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
     saved = checkpoint.read_run_state(resume_dir) if resume_dir else None
@@ -162,7 +167,7 @@ def check_run(argv=None) -> Run:
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
     notes = [note for note in (engine.precision_note, prompt_note, masking_note(cfg, data, setup.device)) if note]
-    return Run(cfg, setup, data, tokenizer, prompt_ids, notes, n_params, specs, parts, resume_dir, init_from)
+    return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from)
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from data.loader import IGNORE
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_sum, gather_vocab, split_rule
+from training.multiple_choice import row_losses
 
 # Rows (tokens) of logits whose fp32 copy and softmax exist at once in the training loss: 8192 x 50304 x 4
 # bytes is 1.6 GB, against 13 GB for GPT-2's micro batch 12 x 1024 taken whole (and as much again saved for
@@ -39,6 +40,11 @@ def supervised_share(micro_batches: list, group, data_parallel: int) -> torch.Te
     count = sum((targets != IGNORE).sum() for _, targets in micro_batches).float()
     torch.distributed.all_reduce(count, group=group)
     return count / (len(micro_batches) * data_parallel)
+
+
+def data_parallel_group(engine):
+    """The process group of the engine's data-parallel replicas (None: all ranks, when every rank is one)."""
+    return engine.mpu.get_data_parallel_group() if engine.mpu else None
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -90,8 +96,7 @@ def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE, supervi
         return engine.train_batch(iter(micro_batches))
     divisor = None
     if supervised:
-        divisor = supervised_share(micro_batches, engine.mpu.get_data_parallel_group() if engine.mpu else None,
-                                   engine.dp_world_size)
+        divisor = supervised_share(micro_batches, data_parallel_group(engine), engine.dp_world_size)
     total = 0.0
     for inputs, targets in micro_batches:
         loss = lm_loss(engine(inputs), targets, tp=tp, divisor=divisor)
@@ -124,8 +129,34 @@ def eval_loss(engine, batches: list, tokens: int, tp: TensorParallel = SINGLE) -
     total = sum(token_loss_sum(engine(inputs), targets, tp).double() for inputs, targets in batches)
     engine.train()
     # Over the data-parallel ranks only: the tensor ranks of a replica hold the same sum.
-    torch.distributed.all_reduce(total, group=engine.mpu.get_data_parallel_group() if engine.mpu else None)
+    torch.distributed.all_reduce(total, group=data_parallel_group(engine))
     return total.item() / tokens
+
+
+@torch.no_grad()
+def choice_losses(engine, batches: list, vocab_size: int, tp: TensorParallel = SINGLE) -> torch.Tensor:
+    """The summed loss of each row's scored targets (multiple-choice rows: training/multiple_choice.py), for every
+    row of this rank's batches, on every rank (a pipeline's last stage computes them and sends them along)."""
+    if not isinstance(engine, PipelineEngine):
+        engine.eval()
+        losses = torch.cat([row_losses(engine(inputs), targets, vocab_size, tp) for inputs, targets in batches])
+        engine.train()
+        return losses
+    module, training_loss, monitor_on = engine.module, engine.module.loss_fn, engine.monitor.enabled
+    module.loss_fn = functools.partial(row_losses, vocab_size=vocab_size, tp=tp)
+    # Work around DeepSpeed's eval_batch, made for one scalar loss: it adds each output into the training loss
+    # accumulator (which only train_batch resets) and, with a monitor on, broadcasts and logs the result as one.
+    engine.total_loss, engine.monitor.enabled = None, False
+    try:
+        outputs = engine.eval_batch(iter(batches), num_micro_batches=len(batches), reduce_output=None,
+                                    bcast_loss=False)
+    finally:
+        module.loss_fn, engine.monitor.enabled, engine.total_loss = training_loss, monitor_on, None
+    rows = sum(len(targets) for _, targets in batches)
+    losses = torch.cat(outputs).float() if engine.is_last_stage() else torch.empty(rows, device=engine.device)
+    last_stage = engine.grid.stage_to_global(engine.num_stages - 1)
+    torch.distributed.broadcast(losses, src=last_stage, group=engine.grid.get_pipe_parallel_group())
+    return losses
 
 
 class PipelineLogits:
