@@ -3,11 +3,14 @@ from tinyshakespeare, for eval.tasks and python -m training.evaluate.
 
     python -m data.continuation_task --input ../shared/data/tinyshakespeare.txt --output data/eval/shakespeare.jsonl
 
-Each example is a speech up to one of its lines (the speaker's name, then its lines: the context) and four
-choices for that line: the true one and three lines drawn from other speeches. Only speeches of the text's
-last tenth are used, the quickstart's validation split (data/prepare.py), which the quickstart never trains
-on; lines of more than 60 characters are left out, so every choice fits the quickstart's 64-character
-context. The draw is seeded: the same input gives the same file.
+Each example is a speech cut before the middle word of one of its lines: the context is the speech up to the
+cut (the speaker's name, its earlier lines, the line's first words), and the four choices for the next word
+are the true one and three words of the same length that end the context of other speeches' examples. The
+same length makes the choice one of fit, not of length; the next word, not the next line, is what a small
+character model with a 64-character context can know: with the rest of the line as the choice, the
+quickstart GPT scores barely above chance (docs/evaluation.md). Only speeches of the text's last tenth are
+used, the quickstart's validation split (data/prepare.py), which the quickstart never trains on. The draw is
+seeded: the same input gives the same file.
 """
 import argparse
 import json
@@ -19,7 +22,6 @@ from data.prepare import TRAIN_FRACTION
 from data.writer import write_atomic
 
 CHOICES = 4
-LONGEST_LINE = 60
 SEED = 1234
 
 
@@ -35,22 +37,33 @@ def speeches(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def cuts(text: str) -> list[tuple[int, str, str]]:
+    """(speech index, context, next word) for every line of two words or more of every speech."""
+    out = []
+    for index, (speaker, lines) in enumerate(speeches(text)):
+        for at, line in enumerate(lines):
+            words = line.split()
+            if len(words) >= 2:
+                middle = len(words) // 2
+                out.append((index, "\n".join([speaker, *lines[:at], " ".join(words[:middle])]), words[middle]))
+    return out
+
+
 def examples(text: str, seed: int = SEED) -> list[dict]:
-    """Every line of every speech after its first, as an example whose wrong choices come from other speeches."""
-    found = speeches(text)
+    """Every cut whose word has three others of its length in other speeches, as an example."""
+    found = cuts(text)
+    by_length = {}
+    for index, _, word in found:
+        by_length.setdefault(len(word), []).append((index, word))
     rng = random.Random(seed)
     out = []
-    for index, (speaker, lines) in enumerate(found):
-        others = [line for i, (_, their) in enumerate(found) if i != index for line in their
-                  if len(line) <= LONGEST_LINE]
-        for at in range(1, len(lines)):
-            truth = lines[at]
-            if len(truth) > LONGEST_LINE:
-                continue
-            wrong = rng.sample([line for line in others if line != truth], CHOICES - 1)
-            label = rng.randrange(CHOICES)
-            out.append({"ctx": "\n".join([speaker, *lines[:at]]), "endings": wrong[:label] + [truth] + wrong[label:],
-                        "label": label})
+    for index, context, truth in found:
+        others = [word for i, word in by_length[len(truth)] if i != index and word != truth]
+        if len(others) < CHOICES - 1:
+            continue
+        wrong = rng.sample(others, CHOICES - 1)
+        label = rng.randrange(CHOICES)
+        out.append({"ctx": context, "endings": wrong[:label] + [truth] + wrong[label:], "label": label})
     return out
 
 

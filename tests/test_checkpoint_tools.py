@@ -1,8 +1,8 @@
 """The tools that read a run's checkpoints and exports (python -m training.export, sample.py, python -m
-training.checkpoint universal) answer a bad path or a damaged file with one line, `error: ...`, and exit code 2,
-no traceback, and leave every file they would have overwritten as it was. One table per tool, run in process
-through the tool's main(argv) on one tiny run (conftest's `checkpointed_run`: two checkpoints, an export),
-damaged afresh for each row."""
+training.checkpoint universal, python -m training.evaluate) answer a bad path or a damaged file with one line,
+`error: ...`, and exit code 2, no traceback, and leave every file they would have overwritten as it was. One
+table per tool, run in process through the tool's main(argv) on one tiny run (conftest's `checkpointed_run`:
+two checkpoints, an export), damaged afresh for each row."""
 import json
 import os
 import shutil
@@ -12,6 +12,7 @@ import pytest
 
 import sample
 import training.checkpoint
+import training.evaluate
 import training.export
 from refusals import EXPORT, SHARD, TAG, assert_refused, command, only_tag_truncated, snapshot, truncated
 
@@ -106,7 +107,8 @@ CHECKPOINTS = [
 ]
 READERS = {"export": (training.export.main, {"--out_dir": "{run}", "--output": "{tmp}/new_export"}),
            "sample": (sample.main, {"--out_dir": "{run}"}),
-           "universal": (training.checkpoint.main, {"command": "universal", "--out_dir": "{run}"})}
+           "universal": (training.checkpoint.main, {"command": "universal", "--out_dir": "{run}"}),
+           "evaluate": (training.evaluate.main, {"--out_dir": "{run}", "--tasks": "{tmp}/task.jsonl"})}
 
 
 CHECKPOINT_CASES = [(f"{tool}-{name}", tool, damage, message) for name, damage, message, tools in CHECKPOINTS

@@ -4,11 +4,14 @@ Shakespeare continuation task: the loop's score and python -m training.evaluate'
 under ZeRO-3, pipeline stages and tensor parallelism give the one-process score, in the loop and once their
 checkpoints are merged."""
 import json
+import os
+import re
+import shutil
 
 import pytest
 
 from data.tasks import DELIMITER, read_task
-from harness import FP32, TINY, export, launch, metrics
+from harness import FP32, REPO, TINY, export, launch, metrics
 from training import evaluate
 from training.export import load_trained
 from training.lm_eval_model import CheckpointLM
@@ -88,3 +91,20 @@ def test_every_layout_gives_the_one_process_score(trained, layout, char_data, sh
     scores = loop_scores(out)
     assert scores[0] == loop_scores(trained[0])[200]
     assert harness_acc(out, shakespeare_task, tmp_path) == scores[2][0]
+
+
+def test_the_docs_task_yaml_runs_offline_and_scores_as_the_jsonl_task(trained, shakespeare_task, tmp_path,
+                                                                       monkeypatch):
+    """docs/evaluation.md's task YAML, its data read from the folder the command runs in, the hub switched off."""
+    out, _ = trained
+    docs = open(os.path.join(REPO, "docs", "evaluation.md")).read()
+    (tmp_path / "shakespeare.yaml").write_text(re.search(r"```yaml\n(.*?)```", docs, re.S).group(1))
+    (tmp_path / "data" / "eval").mkdir(parents=True)
+    shutil.copy(shakespeare_task, tmp_path / "data" / "eval" / "shakespeare.jsonl")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    evaluate.main(["--out_dir", str(out), "--tasks", "shakespeare.yaml", "--limit", str(EXAMPLES), "--output",
+                   "yaml.json"])
+    scored = json.loads((tmp_path / "yaml.json").read_text())["tasks"]["shakespeare_yaml"]["metrics"]
+    assert scored["acc,none"] == loop_scores(out)[200][0]

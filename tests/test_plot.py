@@ -41,6 +41,23 @@ def test_plot_writes_a_png_of_several_runs(tiny_run, tmp_path):
     assert (tiny_run / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_run_that_scores_tasks_gets_an_accuracy_panel(tiny_run, tmp_path):
+    """eval.tasks' accuracies (<task>_acc, <task>_acc_norm) make a fifth panel: the figure grows a column."""
+    import shutil
+    scored = tmp_path / "scored"
+    shutil.copytree(tiny_run, scored)
+    with open(scored / "metrics.jsonl", "a") as f:
+        for step, acc in ((0, 0.25), (2, 0.3), (4, 0.35)):
+            f.write(json.dumps({"step": step, "shake_acc": acc, "shake_acc_norm": acc + 0.01}) + "\n")
+    assert training.plot.accuracy_series(read_run(str(scored))) == {"shake_acc": ("shake", "o--", "acc"),
+                                                                    "shake_acc_norm": ("shake", "o-", "acc_norm")}
+
+    def width(run_dir) -> int:  # of the PNG, from its header: 80 dpi x 11 or 16 inches
+        training.plot.plot([read_run(str(run_dir))], str(tmp_path / "out.png"))
+        return int.from_bytes((tmp_path / "out.png").read_bytes()[16:20], "big")
+    assert (width(tiny_run), width(scored)) == (880, 1280)
+
+
 def test_plot_names_a_directory_without_metrics(tmp_path):
     proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: metrics file {tmp_path}/metrics.jsonl does not " \

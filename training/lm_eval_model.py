@@ -76,7 +76,8 @@ class CheckpointLM(LM):
         try:
             return choice_row(*ids, self.block_size)
         except ValueError as e:
-            raise RequestError(f"the continuation {continuation[:60]!r}: {e}") from None
+            raise RequestError(f"the continuation {continuation[:60]!r}: {e}; fix: score tasks whose choices fit the "
+                               f"model's context") from None
 
     def _encoded(self, text: str, encode):
         """encode(), or a RequestError naming `text` for a character outside a char tokenizer's vocabulary."""

@@ -1,5 +1,6 @@
-"""Plot one or more runs from their metrics.jsonl: loss (train and validation), learning rate, tokens/s and
-MFU against steps (or tokens), several runs overlaid for comparison.
+"""Plot one or more runs from their metrics.jsonl: loss (train and validation), learning rate, tokens/s, MFU
+and, for a run that scores eval.tasks, multiple-choice accuracy against steps (or tokens), several runs
+overlaid for comparison.
 
     python -m training.plot out/quickstart                        # writes out/quickstart/metrics.png
     python -m training.plot out/a out/b --x tokens --output compare.png
@@ -24,6 +25,8 @@ class PlotError(ValueError):
     """A run directory that cannot be plotted; the message says why."""
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
+ACCURACY = ("accuracy", "multiple-choice accuracy")  # a fifth panel, for runs that score eval.tasks
+ACC_SUFFIXES = (("_acc_norm", "o-", "acc_norm"), ("_acc", "o--", "acc"))
 
 
 def read_run(run_dir: str) -> dict:
@@ -51,6 +54,16 @@ def read_run(run_dir: str) -> dict:
             "tokens_per_step": tokens_per_step(run_dir)}
 
 
+def accuracy_series(run: dict) -> dict[str, tuple[str, str, str]]:
+    """{series: (task, line style, metric)} of the run's eval.tasks accuracies (metrics <task>_acc[_norm])."""
+    found = {}
+    for series in run["series"]:
+        for suffix, style, what in ACC_SUFFIXES:
+            if series.endswith(suffix) and series not in found:
+                found[series] = (series.removesuffix(suffix), style, what)
+    return found
+
+
 def tokens_per_step(run_dir: str) -> int | None:
     from omegaconf import OmegaConf
     try:
@@ -68,7 +81,11 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
 
     if x == "tokens" and any(run["tokens_per_step"] is None for run in runs):
         raise PlotError("--x tokens needs each run's ds_config.json and config.yaml (written by train.py)")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    panels = PANELS + ([ACCURACY] if any(accuracy_series(run) for run in runs) else [])
+    fig, axes = plt.subplots(2, 2 if len(panels) == 4 else 3, figsize=(11 if len(panels) == 4 else 16, 7),
+                             constrained_layout=True)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     image = os.path.splitext(output)[1][1:].lower()
     if image not in fig.canvas.get_supported_filetypes():
         plt.close(fig)
@@ -78,8 +95,13 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
     for i, run in enumerate(runs):
         scale = run["tokens_per_step"] if x == "tokens" else 1
         color, label = colors[i % len(colors)], run["name"]
-        for ax, (key, title) in zip(axes.flat, PANELS):
-            if key == "loss":
+        for ax, (key, title) in zip(axes.flat, panels):
+            if key == "accuracy":
+                for series, (task, style, what) in accuracy_series(run).items():
+                    steps, values = run["series"][series]
+                    ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
+                            label=f"{label}: {task} {what} {values[-1]:.3f}")
+            elif key == "loss":
                 for series, style, what in (("loss", "-", "train"), ("val_loss", "o--", "val")):
                     if series in run["series"]:
                         steps, values = run["series"][series]
@@ -88,11 +110,11 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
             elif key in run["series"]:
                 steps, values = run["series"][key]
                 ax.plot([s * scale for s in steps], values, "-", color=color, label=label)
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, panels):
         ax.set_title(title)
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.grid(alpha=0.3)
-        if key == "loss" or len(runs) > 1:
+        if key in ("loss", "accuracy") or len(runs) > 1:
             ax.legend(fontsize=8)
     per_step = {run["tokens_per_step"] for run in runs}
     if x == "step" and len(per_step) == 1 and None not in per_step:

@@ -1,0 +1,75 @@
+"""python -m training.evaluate refuses what it cannot score, in one `error:` line and exit code 2, before any
+scoring and leaving the run as it was (one table, in process on conftest's `checkpointed_run`, a char model of
+context 32); the docs' task YAML runs offline and scores as the JSONL form does; without the eval extra it says
+how to install it."""
+import json
+import shutil
+import sys
+
+import pytest
+
+import training.evaluate
+from harness import run
+from refusals import assert_refused, command
+
+GOOD = {"ctx": "ROMEO:\nGood morrow,", "endings": ["sir", "lord"], "label": 0}
+
+
+def write_tasks(folder) -> None:
+    """The task files the rows name: a good one, one with a bad line, one whose ending outruns the context."""
+    lines = {"task.jsonl": [GOOD], "bad.jsonl": [GOOD, {"ctx": "a", "endings": ["b", "c"]}],
+             "long.jsonl": [{"ctx": "ROMEO:", "endings": ["x" * 40, "y"], "label": 0}]}
+    for name, records in lines.items():
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "other.json").write_text('{"a": 1}')
+
+
+BASE = {"--out_dir": "{run}", "--tasks": "{tmp}/task.jsonl", "--output": "{tmp}/results.json"}
+ROWS = [
+    ({"--tasks": "hellaswagg"}, "unknown task 'hellaswagg': not a task, group or tag of lm-evaluation-harness, nor a "
+                                ".jsonl or .yaml file (did you mean hellaswag"),
+    ({"--tag": "step_000009"}, "--tag=step_000009: no such checkpoint"),
+    ({"--tasks": "{tmp}/bad.jsonl"}, "{tmp}/bad.jsonl, line 2: the example lacks label; fix: write one example a line "
+                                     "in HellaSwag's format"),
+    ({"--tasks": "{tmp}/none.jsonl"}, "--tasks file {tmp}/none.jsonl does not exist"),
+    ({"--tasks": "{tmp}/none.yaml"}, "--tasks file {tmp}/none.yaml does not exist"),
+    ({"--output": "{tmp}/other.json"}, "--output {tmp}/other.json lacks tasks (written by another version of this "
+                                       "repo, or another tool); fix: pass another --output"),
+    ({"--tasks": "{tmp}/long.jsonl"}, "the continuation ' xxxxxxxx ... ': a choice of 41 tokens is longer than the "
+                                      "model's context of 32; fix: score tasks whose choices fit the model's context"),
+    ({"--limit": "0"}, "--limit 0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("flags,message", ROWS, ids=["unknown-task", "tag", "format", "jsonl-missing", "yaml-missing",
+                                                     "output", "too-long", "limit"])
+def test_evaluate_refuses(paths, capsys, flags, message):
+    write_tasks(paths["tmp"])
+    assert_refused(training.evaluate.main, command(BASE, flags, paths), message, paths, capsys,
+                   [paths["run"], paths["tmp"] / "other.json"])
+
+
+def test_without_the_eval_extra_it_says_how_to_install_it(tmp_path, paths):
+    """lm_eval shadowed by a package that cannot be imported: as on a machine without the extra."""
+    shim = tmp_path / "shim" / "lm_eval"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'lm_eval'\")\n")
+    proc = run([sys.executable, "-m", "training.evaluate", "--out_dir", str(paths["run"]), "--tasks", "x.jsonl"],
+               check=False, env={"PYTHONPATH": str(tmp_path / "shim")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("error: python -m training.evaluate needs lm-evaluation-harness "
+                                                    "(No module named 'lm_eval'); fix: pip install '.[eval]'")
+
+
+def test_results_of_other_tasks_are_kept(paths, capsys):
+    """A second evaluation of the same checkpoint adds its tasks to the results file, keeping the first's."""
+    write_tasks(paths["tmp"])
+    shutil.copy(paths["tmp"] / "task.jsonl", paths["tmp"] / "second.jsonl")
+    for name in ("task", "second"):
+        training.evaluate.main(command(BASE, {"--tasks": f"{{tmp}}/{name}.jsonl"}, paths))
+    record = json.loads((paths["tmp"] / "results.json").read_text())
+    assert record["step"] == 2 and record["source"] == str(paths["tag"])
+    assert sorted(record["tasks"]) == ["second", "task"]
+    assert record["tasks"]["task"]["metrics"]["acc,none"] == record["tasks"]["second"]["metrics"]["acc,none"]
+    assert record["tasks"]["task"]["limit"] is None and record["tasks"]["task"]["n_shot"] == 0
+    assert "|task |" in capsys.readouterr().out  # the harness's table
