@@ -21,6 +21,10 @@ AS_TYPED = [
     ([sys.executable, "-m", "training.plot", "{run}", "--output", "{run}/metrics.jsonl", "--force"], None,
      "--output {run}/metrics.jsonl is not an image file matplotlib writes"),
     ([sys.executable, "preflight.py", "--min_busbw", "-1"], None, "--min_busbw -1.0: must be >= 0"),
+    ([sys.executable, "-m", "training.evaluate", "--out_dir", "{run}", "--tasks", "{tmp}/none.jsonl"], None,
+     "--tasks file {tmp}/none.jsonl does not exist"),
+    ([sys.executable, "-m", "data.continuation_task", "--input", "{tmp}/none.txt"], None,
+     "--input {tmp}/none.txt does not exist; fix: pass tinyshakespeare.txt"),
 ]
 
 
@@ -49,6 +53,10 @@ BAD_COMMAND_LINES = [
     ("-m training.checkpoint", ["convert"], "error: python -m training.checkpoint: argument command: invalid choice"),
     ("-m training.plot", [], "error: python -m training.plot: the following arguments are required: RUN_DIR"),
     ("-m training.memory_plan", [], "error: python -m training.memory_plan: the following arguments are required"),
+    ("-m training.evaluate", ["--out_dir", "x"], "error: python -m training.evaluate: the following arguments are "
+                                                 "required: --tasks"),
+    ("-m data.continuation_task", [], "error: python -m data.continuation_task: the following arguments are required: "
+                                      "--input"),
     ("benchmarks/throughput.py", ["--steps", "x"], "error: throughput.py: argument --steps: invalid int value"),
 ]
 
