@@ -73,3 +73,15 @@ def test_results_of_other_tasks_are_kept(paths, capsys):
     assert record["tasks"]["task"]["metrics"]["acc,none"] == record["tasks"]["second"]["metrics"]["acc,none"]
     assert record["tasks"]["task"]["limit"] is None and record["tasks"]["task"]["n_shot"] == 0
     assert "|task |" in capsys.readouterr().out  # the harness's table
+
+
+def test_an_export_scores_as_its_checkpoint(paths):
+    """--export reads the safetensors export of step 1; its score is that of the checkpoint it came from."""
+    write_tasks(paths["tmp"])
+    scored = {}
+    for name, source in (("export", {"--out_dir": None, "--export": "{export}"}),
+                         ("checkpoint", {"--tag": "step_000001"})):
+        training.evaluate.main(command(BASE, {**source, "--output": f"{{tmp}}/{name}.json"}, paths))
+        scored[name] = json.loads((paths["tmp"] / f"{name}.json").read_text())
+    assert scored["export"]["step"] == scored["checkpoint"]["step"] == 1
+    assert scored["export"]["tasks"]["task"]["metrics"] == scored["checkpoint"]["tasks"]["task"]["metrics"]
