@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from data.loader import prefetched
 from model import build_model, build_pipeline, compile_blocks
 from model.generate import generate
+from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
 from training import checkpoint, hf
 from training.config import RunConfig
@@ -48,6 +49,7 @@ from training.steps import (
     train_step,
 )
 from training.topology import (
+    GLOBAL,
     Layout,
     Pipeline,
     describe_hosts,
@@ -73,6 +75,7 @@ class Rank:
     index: int  # the global rank
     dp_rank: int
     tp: TensorParallel
+    sp: SequenceParallel
     say: Callable[[str], None]  # prints on rank 0 only
     model: torch.nn.Module
     engine: deepspeed.DeepSpeedEngine
@@ -93,19 +96,21 @@ def build_engine(run: Run) -> Rank:
         torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")  # TF32 or full fp32 matmuls
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     index, say, topo = join_process_group(run)
-    grid, tp = parallel_groups(topo)
+    groups = parallel_groups(topo, layout.sp_size)
+    grid, tp = groups.grid, groups.tp
 
     PHASE.now("building the model and the DeepSpeed engine")
-    model = build(cfg, run.setup.engine.pipe, run.ds, topo, tp, grid)
+    ds = run.setup.engine.deepspeed_config()
+    model = build(cfg, run.setup.engine.pipe, ds, topo, tp, grid, groups.sp)
     if cfg.train.compile:
         say(f"compiling {compile_blocks(model, cfg.model.arch)} blocks (torch.compile) at the first step")
     if run.init_from:
         hf.load_into(model, run.init_from, cfg.model, tp)
         say(f"initialized from {run.init_from}")
-    groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=run.ds, mpu=mpu)
+    weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
     universal_info = checkpoint.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
     start_schedule(engine)
@@ -119,17 +124,19 @@ def build_engine(run: Run) -> Rank:
         say(f"resumed from {run.resume_dir} at step {start_step}")
     else:
         say(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
+    # Against the engine's own count of samples, the x of its monitor events (sequence ranks counted in).
     log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=index == 0, append=bool(run.resume_dir),
-                     samples_per_step=layout.global_batch)
+                     samples_per_step=ds[GLOBAL])
     if index == 0 and run.ds.get("wandb", {}).get("enabled"):
         import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": run.ds})
-    dp_rank = grid.get_data_parallel_rank() if grid else index
-    scorer = ChoiceScorer(run.tasks, cfg.model.block_size, dp_rank, layout.dp, layout.micro_batch,
-                          fixed_shape=isinstance(engine, PipelineEngine)) if run.tasks else None
+    # A pipeline keeps its first shape; sequence ranks split the whole window.
+    fixed_shape = isinstance(engine, PipelineEngine) or layout.sp_size > 1
+    scorer = ChoiceScorer(run.tasks, cfg.model.block_size, groups.dp_rank, layout.dp, layout.micro_batch,
+                          fixed_shape, layout.sp_size) if run.tasks else None
     if scorer:
         say(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
-    return Rank(index, dp_rank, tp, say, model, engine, start_step, log, scorer, universal_info)
+    return Rank(index, groups.dp_rank, tp, groups.sp, say, model, engine, start_step, log, scorer, universal_info)
 
 
 def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
@@ -150,8 +157,8 @@ def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
         started = "one process, no launcher" if run.setup.launcher == "none" else run.setup.launcher
         say(f"topology ({started}): {describe_hosts(hostnames)}; {layout.describe()}")
         say(describe_stages(run.specs, run.parts, layout))
-        if layout.tp_size > 1:
-            say(describe_topology(topo))
+        if layout.tp_size > 1 or layout.sp_size > 1:
+            say(describe_topology(topo, layout.sp_size))
     return index, say, topo
 
 
@@ -166,8 +173,8 @@ def train(run: Run, rank: Rank) -> int:
     # Only the first and last pipeline stages read data (inputs, targets); the others get none.
     feeds_data = not rank.pipelined or engine.is_first_stage() or engine.is_last_stage()
     steps = range(rank.start_step + 1, last_step + 1)
-    batches = prefetched(lambda s: run.data.step_batches(cfg.train.seed, s, rank.dp_rank, layout, run.device)
-                         if feeds_data else [], steps)
+    batches = prefetched(lambda s: [rank.sp.split(*batch) for batch in run.data.step_batches(
+        cfg.train.seed, s, rank.dp_rank, layout, run.device)] if feeds_data else [], steps)
     for step, micro_batches in zip(steps, batches):
         # Dropout masks, like the data, are a pure function of (seed, rank, step): a resumed run
         # draws what an uninterrupted one would. PipelineModule reseeds per micro-batch from its own count.
@@ -227,14 +234,14 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
 def evaluate(run: Run, rank: Rank, step: int) -> None:
     """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged and printed."""
     windows = run.cfg.train.eval_windows
-    losses = {split: eval_loss(rank.engine, list(run.data.eval_batches(split, windows, rank.dp_rank, run.layout,
-                                                                       run.device)),
-                               run.data.eval_targets(split, windows), rank.tp)
-              for split in ("train", "val")}
+    losses = {split: eval_loss(rank.engine, [rank.sp.split(*batch) for batch in run.data.eval_batches(
+        split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows), rank.tp)
+        for split in ("train", "val")}
     scores = {}
     if rank.scorer:
-        batches = rank.scorer.batches(run.device, with_positions=rank.pipelined and run.data.positions)
-        row_losses = choice_losses(rank.engine, batches, run.cfg.model.vocab_size, rank.tp)
+        batches = [rank.sp.split(*batch) for batch in rank.scorer.batches(
+            run.device, with_positions=rank.pipelined and run.data.positions)]
+        row_losses = choice_losses(rank.engine, batches, run.cfg.model.vocab_size, rank.tp, rank.sp)
         scores = rank.scorer.scores(row_losses, data_parallel_group(rank.engine))
     rank.log.log(step, train_loss=losses["train"], val_loss=losses["val"],
                  **{f"{task}_{metric}": value for task, accuracies in scores.items()
@@ -273,21 +280,23 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
     PHASE.now("sampling")
     if rank.pipelined:
         forward = PipelineLogits(engine, run.layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size,
-                                 rank.tp, with_positions=run.data.positions)
+                                 rank.tp, with_positions=run.data.positions, sp=rank.sp)
     else:
         forward = (lambda idx: gather_vocab(engine(idx), rank.tp)) if run.layout.tp_size > 1 else engine
+        forward = gathered_logits(forward, rank.sp)
     rank.say(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"
              f"--------------")
     leave_process_group()
 
 
 def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParallel = SINGLE,
-          grid=None) -> torch.nn.Module:
+          grid=None, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> torch.nn.Module:
     """The model's layer list as a PipelineModule (more than one stage: topo is the run's topology) or as a
-    plain module (split over the tensor ranks of `tp`, whose `grid` partitions ZeRO-3 within each slice)."""
+    plain module (split over the tensor ranks of `tp`, whose `grid` partitions ZeRO-3 within each slice), its
+    attention over the sequence ranks of `sp`. `ds`: the ds_config as DeepSpeed is given it."""
     if pipe.stages > 1:
         return build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
-                              pipe.checkpoint_interval, tp)
+                              pipe.checkpoint_interval, tp, sp)
     # Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model. It is
     # built on the CPU, from the CPU generator, as in every other layout, then partitioned (zero.Init(module=)):
     # inside zero.Init's context it would be made on the GPU by the GPU's generator, other weights for a seed.
@@ -298,8 +307,8 @@ def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParalle
         def partition(layer):
             deepspeed.zero.Init(module=layer, config_dict_or_path=ds, data_parallel_group=group,
                                 mpu=grid if tp.size > 1 else None)
-        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition, tp=tp)
-    return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp)
+        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition, tp=tp, sp=sp)
+    return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp)
 
 
 def whole_model_parameters(cfg: RunConfig, tp_size: int) -> list:

@@ -6,6 +6,7 @@ from model.encoder import encoder_layers
 from model.gpt import gpt_layers
 from model.llama import llama_layers
 from model.parallelize import check_tensor_parallel, parallelize
+from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, sequence_parallel
 from model.stack import LayerStack, layer_names, pipeline_module
 from model.tensor_parallel import SINGLE, TensorParallel
 
@@ -24,15 +25,17 @@ def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, place=None,
-                tp: TensorParallel = SINGLE) -> nn.Module:
-    return LayerStack(model_layers(cfg, tp), seed, checkpoint_interval, (BLOCK_CLASS[cfg.arch],), place)
+                tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> nn.Module:
+    stack = LayerStack(model_layers(cfg, tp), seed, checkpoint_interval, (BLOCK_CLASS[cfg.arch],), place)
+    return sequence_parallel(stack, sp, cfg.document_masking)
 
 
 def build_pipeline(cfg: ModelConfig, seed: int, topology, partition: str, loss_fn, checkpoint_interval: int = 0,
-                   tp: TensorParallel = SINGLE) -> nn.Module:
+                   tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> nn.Module:
     """topology: DeepSpeed's PipeModelDataParallelTopology of the run (stages x data x tensor)."""
-    return pipeline_module(model_layers(cfg, tp), seed, topology, partition, loss_fn, checkpoint_interval,
-                           (BLOCK_CLASS[cfg.arch],))
+    module = pipeline_module(model_layers(cfg, tp), seed, topology, partition, loss_fn, checkpoint_interval,
+                             (BLOCK_CLASS[cfg.arch],))
+    return sequence_parallel(module, sp, cfg.document_masking)
 
 
 def compile_blocks(model: nn.Module, arch: str) -> int:

@@ -47,11 +47,12 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # fused: one GEMM for q, k and v
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_drop = nn.Dropout(dropout)
+        self.core = causal_attention  # model/sequence_parallel.py swaps it for the sequence-parallel one
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, positions)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0, positions)
         return self.resid_drop(self.proj(merge_heads(y)))
 
 

@@ -41,6 +41,7 @@ class Attention(nn.Module):
         # Derived from the config, never checkpointed. DeepSpeed's bf16 casts them as Hugging Face does.
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.core = causal_attention  # model/sequence_parallel.py swaps it for the sequence-parallel one
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))
@@ -49,8 +50,8 @@ class Attention(nn.Module):
         else:  # each token rotated by its position within its document; the heads share it
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        y = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v,
-                             self.dropout if self.training else 0.0, positions)
+        y = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.dropout if self.training else 0.0,
+                      positions)
         return self.o(merge_heads(y))
 
 

@@ -103,6 +103,7 @@ BAD_DS_NUMBERS = [
     ("gradient_accumulation_steps=two", "gradient_accumulation_steps='two' in {path}: must be an integer >= 1"),
     ("train_batch_size=-8", "train_batch_size=-8 in {path}: must be an integer >= 1"),
     ("tensor_model_parallel_size=two", "tensor_model_parallel_size='two' in {path}: must be an integer >= 1"),
+    ("sequence_parallel_size=0", "sequence_parallel_size=0 in {path}: must be an integer >= 1"),
     ("steps_per_print=0", "steps_per_print=0 in {path}: must be an integer >= 1"),
     ("pipeline.stages=two", "pipeline.stages='two' in {path}: must be an integer >= 1"),
     ("pipeline.activation_checkpoint_interval=-1", "pipeline.activation_checkpoint_interval=-1 in {path}: must be an "
@@ -124,8 +125,8 @@ def test_bad_ds_config_number_is_refused_with_its_message(override, message):
 def test_the_ds_number_table_covers_the_keys_the_layout_reads():
     """topology.py reads these without checking their types: their one check is DS_NUMBERS."""
     from training.config import DS_NUMBERS
-    from training.topology import ACCUM, GLOBAL, MICRO, TP_KEY
-    assert {MICRO, ACCUM, GLOBAL, TP_KEY, "pipeline.stages",
+    from training.topology import ACCUM, GLOBAL, MICRO, SP_KEY, TP_KEY
+    assert {MICRO, ACCUM, GLOBAL, TP_KEY, SP_KEY, "pipeline.stages",
             "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)
     assert {row[0].split("=")[0] for row in BAD_DS_NUMBERS} == set(DS_NUMBERS)
 
@@ -160,8 +161,22 @@ def test_the_effective_ds_config_is_assembled_in_one_place():
     assert engine.ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * engine.layout.grad_accum * 2
     assert engine.ds["optimizer"]["params"]["lr"] == 1e-3 and engine.ds["scheduler"]["type"] == "WarmupCosineLR"
     assert engine.ds["checkpoint"] == {"load_universal": True}
-    assert engine.layout_record() == {"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1}
+    assert engine.layout_record() == {"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1}
     assert "checkpoint" not in effective_ds_config(ds, cfg, 2, CPU).ds
+    assert engine.deepspeed_config() == engine.ds  # without sequence parallelism, as assembled
+
+
+def test_deepspeed_counts_the_sequence_ranks_in_its_batch():
+    """Under sequence parallelism the recorded triple counts the data-parallel replicas; DeepSpeed, whose data
+    axis holds the sequence ranks too, is given its own count and not the key it would divide by again."""
+    cfg = load_run_config(DEFAULT_CONFIG, [])
+    ds = load_ds_config(os.path.join(REPO, "ds_configs", "zero1.json"), ["sequence_parallel_size=2"])
+    engine = effective_ds_config(ds, cfg, 4, CPU)
+    assert (engine.layout.dp, engine.layout.sp_size, engine.layout.data_axis) == (2, 2, 4)
+    assert engine.ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * engine.layout.grad_accum * 2
+    given = engine.deepspeed_config()
+    assert given["train_batch_size"] == 2 * engine.ds["train_batch_size"] and "sequence_parallel_size" not in given
+    assert engine.layout_record()["sp"] == 2
 
 
 def test_impossible_batch_triple_names_all_four_numbers():

@@ -74,7 +74,9 @@ def test_an_unfinished_tag_asked_for_by_name_is_refused(tmp_path):
     ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 2}, "dp=2 x pp=1 with ZeRO-2"),
     ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 0}, "dp=2 x pp=1 with ZeRO-0"),
     ({"world": 4, "dp": 2, "pp": 1, "tp": 2, "zero_stage": 1}, "dp=2 x pp=1 x tp=2 with ZeRO-1"),
-], ids=["pipeline", "zero-stage-up", "zero-stage-down", "tensor-parallel"])
+    # The same data axis (dp x sp = 2), but other windows on each rank: not a layout to resume as it is.
+    ({"world": 2, "dp": 1, "pp": 1, "tp": 1, "sp": 2, "zero_stage": 1}, "dp=1 x pp=1 x sp=2 with ZeRO-1"),
+], ids=["pipeline", "zero-stage-up", "zero-stage-down", "tensor-parallel", "sequence-parallel"])
 def test_a_changed_pipeline_tensor_parallel_or_zero_stage_is_refused(tmp_path, now, changed):
     root = str(tmp_path / "checkpoints")
     fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1})

@@ -275,15 +275,15 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
                           f"checkpoint's model settings or start a new train.out_dir")
     if saved.get("universal"):
         return
-    was, now = saved["layout"], layout
+    was, now = {"sp": 1, **saved["layout"]}, {"sp": 1, **layout}  # recorded before sequence parallelism: sp 1
     if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
-        return  # without ZeRO every rank saves and loads the whole optimizer state: any dp fits
+        return  # without ZeRO every rank saves and loads the whole optimizer state: any dp (and sp) fits
     if was["zero_stage"] == 0 and was["tp"] != now["tp"]:
         raise ConfigError(f"the checkpoint was saved at tensor-parallel degree {was['tp']} without ZeRO, this run has "
                           f"{now['tp']}: DeepSpeed's universal converter, which reshards, needs ZeRO optimizer shards. "
                           f"Resume it with tensor_model_parallel_size={was['tp']}, or start from its weights "
                           f"(python -m training.export, then train.init_from=EXPORT_DIR)")
-    if (was["dp"], was["pp"], was["tp"], was["zero_stage"]) != (now["dp"], now["pp"], now["tp"], now["zero_stage"]):
+    if any(was[key] != now[key] for key in ("dp", "pp", "tp", "sp", "zero_stage")):
         raise ConfigError(
             f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: its optimizer shards only "
             f"fit the old layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
@@ -291,8 +291,8 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
 
 
 def _describe(layout: dict) -> str:
-    tensor = f" x tp={layout['tp']}" if layout["tp"] > 1 else ""
-    return f"dp={layout['dp']} x pp={layout['pp']}{tensor} with ZeRO-{layout['zero_stage']}"
+    extra = "".join(f" x {key}={layout[key]}" for key in ("tp", "sp") if layout[key] > 1)
+    return f"dp={layout['dp']} x pp={layout['pp']}{extra} with ZeRO-{layout['zero_stage']}"
 
 
 def convert(source: str, target: str) -> None:

@@ -303,6 +303,7 @@ DS_NUMBERS = {
     "train_micro_batch_size_per_gpu": (True, 1, ""),
     "gradient_accumulation_steps": (True, 1, ""),
     "tensor_model_parallel_size": (True, 1, ""),
+    "sequence_parallel_size": (True, 1, ""),
     "steps_per_print": (True, 1, ""),
     "pipeline.stages": (True, 1, ""),
     "pipeline.activation_checkpoint_interval": (True, 0, "0 disables it"),
@@ -329,6 +330,7 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
     probe = _KeyRecorder(ds)
     # DeepSpeedConfig checks the batch triple against world size 1; ours is checked in topology.py.
     probe.pop("train_batch_size", None)
+    probe.pop("sequence_parallel_size", None)  # ours to read (training/topology.py SP_KEY); it divides that world
     if isinstance(ds.get("bf16"), dict) and ds["bf16"].get("enabled") == "auto":  # ours: resolved for the device
         probe["bf16"] = {**ds["bf16"], "enabled": True}                              # (training/startup.py)
     try:
@@ -338,8 +340,10 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}") from None
         raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}") from None
-    # Our key beside DeepSpeed's (training/topology.py TP_KEY): the tensor-parallel degree of our own layers.
-    unknown = sorted(set(ds) - probe.read - {"train_batch_size", "tensor_model_parallel_size"})
+    # Our key beside DeepSpeed's (training/topology.py TP_KEY): the tensor-parallel degree of our own layers; and
+    # DeepSpeed's sequence-parallel degree, which this repo reads itself (SP_KEY).
+    ours = {"train_batch_size", "tensor_model_parallel_size", "sequence_parallel_size"}
+    unknown = sorted(set(ds) - probe.read - ours)
     if unknown:
         hints = [f"'{k}'" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(k, probe.read, 1))
                              else "") for k in unknown]

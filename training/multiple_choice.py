@@ -91,9 +91,10 @@ class ChoiceScorer:
     """This rank's share of the tasks as rows, and the tasks' accuracies from the rows' losses."""
 
     def __init__(self, tasks: list[Task], block_size: int, dp_rank: int, dp: int, micro_batch: int,
-                 fixed_shape: bool):
-        """fixed_shape: every micro-batch block_size wide (a pipeline engine keeps its first shape)."""
-        self.tasks, self.micro_batch = tasks, micro_batch
+                 fixed_shape: bool, sequence_ranks: int = 1):
+        """fixed_shape: every micro-batch block_size wide (a pipeline engine keeps its first shape; sequence ranks
+        split the whole window). sequence_ranks: the ranks of each replica that hold its rows' losses alike."""
+        self.tasks, self.micro_batch, self.sequence_ranks = tasks, micro_batch, sequence_ranks
         self.length = block_size if fixed_shape else None
         self.mine = []  # (task index, example) of this rank
         rows_per_rank = [0] * dp
@@ -123,10 +124,11 @@ class ChoiceScorer:
         return out
 
     def scores(self, losses: torch.Tensor, group) -> dict[str, tuple[float, float]]:
-        """{task: (acc, acc_norm)} over every rank of `group` (the data-parallel ranks) from this rank's row
-        losses."""
+        """{task: (acc, acc_norm)} over every rank of `group` (the engine's data axis: data-parallel replicas x
+        their sequence ranks) from this rank's row losses."""
         right = right_answers(self.mine, len(self.tasks), losses.tolist()).to(losses.device)
         torch.distributed.all_reduce(right, group=group)
+        right /= self.sequence_ranks  # each replica's answers, counted by every one of its sequence ranks
         return {task.name: tuple(float(n) / len(task.examples) for n in right[t].tolist())
                 for t, task in enumerate(self.tasks)}
 

@@ -18,6 +18,7 @@ from data.tasks import Task
 from data.tokenizers import sampling_start
 from model import BLOCK_CLASS, build_model, model_layers
 from model.documents import KERNEL_NAMES, document_kernel
+from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from training import checkpoint, hf
 from training.config import RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
@@ -29,10 +30,13 @@ from training.topology import (
     ACCUM,
     GLOBAL,
     MICRO,
+    SP_KEY,
     Layout,
     Pipeline,
+    deepspeed_batch,
     pipeline_settings,
     resolve_layout,
+    sequence_parallel_size,
     stage_partition,
     tensor_parallel_size,
 )
@@ -51,10 +55,14 @@ class Engine:
     def zero_stage(self) -> int:
         return self.ds.get("zero_optimization", {}).get("stage", 0)
 
+    def deepspeed_config(self) -> dict:
+        """The ds_config as DeepSpeed is given it: the batch triple over its data axis (training/topology.py)."""
+        return {**{k: v for k, v in self.ds.items() if k != SP_KEY}, **deepspeed_batch(self.layout)}
+
     def layout_record(self) -> dict:
         """The layout as checkpoints record it (run_state.json's "layout")."""
         return {"world": self.layout.world_size, "dp": self.layout.dp, "pp": self.layout.pipeline_stages,
-                "tp": self.layout.tp_size, "zero_stage": self.zero_stage}
+                "tp": self.layout.tp_size, "sp": self.layout.sp_size, "zero_stage": self.zero_stage}
 
 
 def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch.device,
@@ -66,11 +74,11 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     (train.max_steps) is set here from the data and the global batch."""
     dtype, precision_note = compute_dtype(ds, device)
     pipe = pipeline_settings(ds)
-    tp_size = tensor_parallel_size(ds)
-    if cfg.train.compile and pipe.stages > 1:
-        raise ConfigError("train.compile=true works on the plain module only: use a ds_config without pipeline "
-                          "stages or set train.compile=false")
-    layout = resolve_layout(ds, world_size, pipe.stages, tp_size)
+    tp_size, sp_size = tensor_parallel_size(ds), sequence_parallel_size(ds)
+    if cfg.train.compile and (pipe.stages > 1 or sp_size > 1):
+        raise ConfigError("train.compile=true works on the plain module without sequence parallelism only: use a "
+                          "ds_config without pipeline stages or sequence_parallel_size, or set train.compile=false")
+    layout = resolve_layout(ds, world_size, pipe.stages, tp_size, sp_size)
     effective = copy.deepcopy(ds)
     if ds.get("bf16", {}).get("enabled") == "auto":
         effective["bf16"]["enabled"] = dtype == torch.bfloat16
@@ -159,6 +167,7 @@ def check_run(argv=None) -> Run:
     setup = configure(cfg, ds, load_universal=bool(saved and saved.get("universal")), data=data)
     engine = setup.engine
     specs = model_layers(cfg.model, TensorParallel(engine.layout.tp_size))  # this rank's shapes, no group needed
+    check_sequence_parallel(cfg.model, engine.layout.tp_size, engine.layout.sp_size)
     parts = stage_partition(specs, engine.pipe.stages, engine.pipe.partition, BLOCK_CLASS[cfg.model.arch])
     if saved:
         checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), engine.layout_record())

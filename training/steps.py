@@ -8,6 +8,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.utils.checkpoint import checkpoint
 
 from data.loader import IGNORE
+from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_sum, gather_vocab, split_rule
 from training.multiple_choice import row_losses
 
@@ -134,9 +135,18 @@ def eval_loss(engine, batches: list, tokens: int, tp: TensorParallel = SINGLE) -
 
 
 @torch.no_grad()
-def choice_losses(engine, batches: list, vocab_size: int, tp: TensorParallel = SINGLE) -> torch.Tensor:
+def choice_losses(engine, batches: list, vocab_size: int, tp: TensorParallel = SINGLE,
+                  sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> torch.Tensor:
     """The summed loss of each row's scored targets (multiple-choice rows: training/multiple_choice.py), for every
-    row of this rank's batches, on every rank (a pipeline's last stage computes them and sends them along)."""
+    row of this rank's batches, on every rank (a pipeline's last stage computes them and sends them along; the
+    sequence ranks add up their slices')."""
+    losses = _slice_choice_losses(engine, batches, vocab_size, tp)
+    if sp.size > 1:
+        torch.distributed.all_reduce(losses, group=sp.group)
+    return losses
+
+
+def _slice_choice_losses(engine, batches: list, vocab_size: int, tp: TensorParallel) -> torch.Tensor:
     if not isinstance(engine, PipelineEngine):
         engine.eval()
         losses = torch.cat([row_losses(engine(inputs), targets, vocab_size, tp) for inputs, targets in batches])
@@ -167,26 +177,33 @@ class PipelineLogits:
     The last stage holds the logits and broadcasts the last position's row along its pipeline."""
 
     def __init__(self, engine: PipelineEngine, micro_batch: int, block_size: int, padded_vocab_size: int,
-                 tp: TensorParallel = SINGLE, with_positions: bool = False):
-        """with_positions: the run trains under document masking, so its stages pass (hidden, positions)."""
+                 tp: TensorParallel = SINGLE, with_positions: bool = False,
+                 sp: SequenceParallel = NO_SEQUENCE_PARALLEL):
+        """with_positions: the run trains under document masking, so its stages pass (hidden, positions); under
+        sequence parallelism they always do, each rank sending its slice."""
         self.engine, self.shape, self.vocab, self.tp = engine, (micro_batch, block_size), padded_vocab_size, tp
-        self.with_positions = with_positions
+        self.with_positions, self.sp = with_positions, sp
         self.last_stage = engine.grid.stage_to_global(engine.num_stages - 1)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.size(1)
         batch = torch.zeros(self.shape, dtype=torch.long, device=idx.device)
         batch[0, :t] = idx[0]
-        row = torch.empty(1, 1, self.vocab, device=idx.device)
+        row = torch.zeros(1, 1, self.vocab, device=idx.device)
         inputs = batch
         if self.with_positions:  # one document per row
             inputs = (batch, torch.arange(self.shape[1], device=idx.device).expand(self.shape).contiguous())
+        inputs, labels = self.sp.split(inputs, batch)
         # A loss on dummy labels rides along: with compute_loss=False this DeepSpeed version adds the
         # logits into its scalar loss accumulator and fails.
-        _, logits = self.engine.eval_batch(iter([(inputs, batch)]), return_logits=True, bcast_loss=False,
+        _, logits = self.engine.eval_batch(iter([(inputs, labels)]), return_logits=True, bcast_loss=False,
                                            num_micro_batches=1)
         if self.engine.is_last_stage():
-            row.copy_(gather_vocab(logits[0:1, t - 1: t].float(), self.tp))
+            held = self.sp.part(self.shape[1])
+            if held.start <= t - 1 < held.stop:  # the sequence rank holding the last position
+                row.copy_(gather_vocab(logits[0:1, t - 1 - held.start: t - held.start].float(), self.tp))
+            if self.sp.size > 1:
+                torch.distributed.all_reduce(row, group=self.sp.group)
         torch.distributed.broadcast(row, src=self.last_stage, group=self.engine.grid.get_pipe_parallel_group())
         return row
 

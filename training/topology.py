@@ -1,9 +1,16 @@
-"""Parallel layout maths, in one place: world = pp x dp x tp, the batch triple, the pipeline stages, and
+"""Parallel layout maths, in one place: world = pp x dp x sp x tp, the batch triple, the pipeline stages, and
 DeepSpeed's topology and grid over them.
 
 DeepSpeed requires train_batch_size == micro_batch x grad_accum x dp but its error names the world
 size; with pipeline stages and tensor parallelism dp = world / (pp x tp), so we derive and check the
 triple ourselves first. Every check here runs before any process group exists.
+
+Sequence parallelism (Ulysses, model/sequence_parallel.py) lives inside DeepSpeed's data axis: the topology's
+data axis counts dp x sp ranks, and each run of sp consecutive ones splits the same windows' sequence. So ZeRO
+partitions and reduces gradients over data x sequence ranks, and the engines' mean over their data axis of
+each rank's mean over its slice is the mean over the whole sequence, for the plain engine and the pipeline
+engine alike (DeepSpeed's own sequence-data-parallel path sums over sp ranks in the plain engine only). The
+batch triple counts the data-parallel ranks; DeepSpeed is given the data axis's (`deepspeed_batch`).
 """
 import re
 from dataclasses import dataclass
@@ -22,18 +29,25 @@ class Layout:
     micro_batch: int
     grad_accum: int
     tp_size: int = 1
+    sp_size: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.pipeline_stages * self.tp_size)
+        return self.world_size // (self.pipeline_stages * self.tp_size * self.sp_size)
+
+    @property
+    def data_axis(self) -> int:
+        """DeepSpeed's data-parallel degree: the data-parallel replicas x the sequence ranks of each."""
+        return self.dp * self.sp_size
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp
 
     def describe(self) -> str:
+        sp = f" x sp {self.sp_size}" if self.sp_size > 1 else ""
         tp = f" x tp {self.tp_size}" if self.tp_size > 1 else ""
-        return (f"world {self.world_size} = dp {self.dp} x pp {self.pipeline_stages}{tp}; global batch "
+        return (f"world {self.world_size} = dp {self.dp}{sp} x pp {self.pipeline_stages}{tp}; global batch "
                 f"{self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} x dp {self.dp}")
 
 
@@ -51,17 +65,30 @@ def tensor_parallel_size(ds: dict) -> int:
     return tp_size
 
 
-def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size: int = 1) -> Layout:
+# The ds_config's sequence-parallel degree: DeepSpeed's key, read here. DeepSpeed is given the batch of its
+# data axis instead (`deepspeed_batch`), with which its own reading of the key would disagree.
+SP_KEY = "sequence_parallel_size"
+
+
+def sequence_parallel_size(ds: dict) -> int:
+    return ds.get(SP_KEY, 1)  # a positive integer (training/config.py DS_NUMBERS)
+
+
+def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size: int = 1,
+                   sp_size: int = 1) -> Layout:
     """The layout of the ds_config's batch triple at this world size, its missing member derived, checked
     to hold. `ds` is left as it is: training/startup.py writes the triple into the ds_config it assembles."""
-    if world_size % (pipeline_stages * tp_size):
-        what = (f"{pipeline_stages} pipeline stages x tensor-parallel degree {tp_size} = "
-                f"{pipeline_stages * tp_size} do not" if tp_size > 1 else
-                f"{pipeline_stages} pipeline stages do not")
-        raise ConfigError(f"{what} divide the world size {world_size}: launch a multiple of "
-                          f"{pipeline_stages * tp_size} processes or change pipeline.stages / {TP_KEY}")
-    dp = world_size // (pipeline_stages * tp_size)
-    derived = f"= world {world_size} / pp {pipeline_stages}" + (f" / tp {tp_size}" if tp_size > 1 else "")
+    model_ranks = pipeline_stages * tp_size * sp_size
+    if world_size % model_ranks:
+        degrees = [(name, size) for name, size in (("tensor-parallel", tp_size), ("sequence-parallel", sp_size))
+                   if size > 1]
+        factors = [f"{pipeline_stages} pipeline stages", *(f"{name} degree {size}" for name, size in degrees)]
+        what = " x ".join(factors) + (f" = {model_ranks}" if degrees else "")
+        raise ConfigError(f"{what} do not divide the world size {world_size}: launch a multiple of {model_ranks} "
+                          f"processes or change pipeline.stages / {TP_KEY} / {SP_KEY}")
+    dp = world_size // model_ranks
+    derived = f"= world {world_size} / pp {pipeline_stages}" + "".join(
+        f" / {name} {size}" for name, size in (("tp", tp_size), ("sp", sp_size)) if size > 1)
     micro, accum, batch = ds.get(MICRO), ds.get(ACCUM), ds.get(GLOBAL)  # positive integers or None (DS_NUMBERS)
     if micro is None and batch is None:
         raise ConfigError(f"the ds_config sets neither {MICRO} nor {GLOBAL}: set at least one")
@@ -85,7 +112,12 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size:
             f"{GLOBAL} ({batch}) != {MICRO} ({micro}) x {ACCUM} ({accum}) x dp ({dp}, "
             f"{derived}) = {micro * accum * dp}. Fix one of them, or drop "
             f"{GLOBAL} from the ds_config and it is derived.")
-    return Layout(world_size, pipeline_stages, micro, accum, tp_size)
+    return Layout(world_size, pipeline_stages, micro, accum, tp_size, sp_size)
+
+
+def deepspeed_batch(layout: Layout) -> dict:
+    """The batch triple as DeepSpeed counts it: over its data axis, sequence ranks included."""
+    return {MICRO: layout.micro_batch, ACCUM: layout.grad_accum, GLOBAL: layout.global_batch * layout.sp_size}
 
 
 # The ds_config's "pipeline" section. DeepSpeed parses it (any keys, no checks) but builds nothing from
@@ -157,7 +189,7 @@ def describe_stages(specs: list, parts: list[int], layout: Layout) -> str:
         names = [spec.typename.__name__ for spec in specs[parts[stage]: parts[stage + 1]]]
         counted = ", ".join(f"{n} x{names.count(n)}" if names.count(n) > 1 else n for n in dict.fromkeys(names))
         # DeepSpeed's topology orders ranks pipe-major (then data, then tensor): stage s holds a block of them.
-        per_stage = layout.dp * layout.tp_size
+        per_stage = layout.data_axis * layout.tp_size
         ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
         lines.append(f"stage {stage}: layers {parts[stage]}-{parts[stage + 1] - 1} ({counted}) on ranks {ranks}")
     return "\n".join(lines)
@@ -173,37 +205,61 @@ def describe_hosts(hostnames: list[str]) -> str:
 
 
 def topology(layout: Layout):
-    """DeepSpeed's (pipe, data, model) topology: tensor-parallel peers are adjacent ranks (one node), then
-    data-parallel replicas, then stages."""
+    """DeepSpeed's (pipe, data, model) topology: tensor-parallel peers are adjacent ranks (one node), then the
+    sequence ranks of a replica, then data-parallel replicas, then stages."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     return PipeModelDataParallelTopology(num_pp=layout.pipeline_stages, num_mp=layout.tp_size,
-                                         num_dp=layout.dp)
+                                         num_dp=layout.data_axis)
 
 
-def parallel_groups(topo) -> tuple:
-    """DeepSpeed's grid over the topology, the engine's mpu in both builds (a PipelineModule makes its own
-    from the same topology), and this rank's tensor-parallel group. Collective. Without stages or tensor
-    parallelism there is neither."""
+@dataclass(frozen=True)
+class Groups:
+    """This rank's process groups: DeepSpeed's grid (the engine's mpu, None without stages or tensor
+    parallelism), its tensor-parallel and sequence-parallel groups, and which data-parallel replica it is in."""
+    grid: object
+    tp: object
+    sp: object
+    dp_rank: int
+
+
+def parallel_groups(topo, sp_size: int = 1) -> Groups:
+    """The groups of this rank over the topology (a PipelineModule makes its own grid from the same topology).
+    Collective: every rank creates every group, in one order."""
+    import torch.distributed as dist
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
+    from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel
     from model.tensor_parallel import SINGLE, TensorParallel
 
+    rank = dist.get_rank()
+    sp = NO_SEQUENCE_PARALLEL
+    for ranks in topo.get_axis_comm_lists("data") if sp_size > 1 else []:
+        for start in range(0, len(ranks), sp_size):
+            members = ranks[start: start + sp_size]
+            group = dist.new_group(members)
+            if rank in members:
+                sp = SequenceParallel(sp_size, members.index(rank), group)
+    dp_rank = topo.get_coord(rank).data // sp_size
     if topo.get_dim("pipe") == 1 and topo.get_dim("model") == 1:
-        return None, SINGLE
+        return Groups(None, SINGLE, sp, dp_rank)
     grid = PipelineParallelGrid(topology=topo)
     size = grid.get_tensor_model_parallel_world_size()
     tp = TensorParallel(size, grid.get_tensor_model_parallel_rank(), grid.get_slice_parallel_group()) if size > 1 \
         else SINGLE
-    return grid, tp
+    return Groups(grid, tp, sp, dp_rank)
 
 
-def describe_topology(topo) -> str:
-    """Which ranks form each tensor-parallel, data-parallel and pipeline group, and each rank's coordinates."""
-    names = {"model": "tensor", "data": "data", "pipe": "pipeline"}
+def describe_topology(topo, sp_size: int = 1) -> str:
+    """Which ranks form each tensor-parallel, sequence-parallel, data-parallel and pipeline group, and each
+    rank's coordinates."""
     alone = [[r] for r in range(topo.world_size())]  # an axis of size 1: DeepSpeed lists no groups
-    groups = "; ".join(f"{names[axis]} groups {topo.get_axis_comm_lists(axis) or alone}"
-                       for axis in ("model", "data", "pipe"))
-    ranks = [f"rank {r}: stage {c.pipe}, tensor rank {c.model}, data rank {c.data}"
+    lists = {axis: topo.get_axis_comm_lists(axis) or alone for axis in ("model", "data", "pipe")}
+    sequence = [ranks[i: i + sp_size] for ranks in lists["data"] for i in range(0, len(ranks), sp_size)]
+    data = [ranks[i::sp_size] for ranks in lists["data"] for i in range(sp_size)]
+    groups = [f"tensor groups {lists['model']}", *([f"sequence groups {sequence}"] if sp_size > 1 else []),
+              f"data groups {data}", f"pipeline groups {lists['pipe']}"]
+    sequence_rank = (lambda c: f", sequence rank {c.data % sp_size}") if sp_size > 1 else (lambda c: "")
+    ranks = [f"rank {r}: stage {c.pipe}, tensor rank {c.model}{sequence_rank(c)}, data rank {c.data // sp_size}"
              for r, c in ((r, topo.get_coord(r)) for r in range(topo.world_size()))]
-    return "\n".join([groups, *ranks])
+    return "\n".join(["; ".join(groups), *ranks])
