@@ -39,6 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (  # noqa: E402
+    DEEPSPEED,
+    REPO,
     at_least,
     environment,
     load_inputs,
@@ -50,10 +52,6 @@ from benchmarks.report import (  # noqa: E402
 )
 from common.checks import ConfigError, ToolParser  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
-# puts no `deepspeed` script beside the interpreter.
-DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 # ZeRO-3 as zero3_lowmem.json by default: zero3.json's GPU-sized buckets (DeepSpeed's defaults) hold every
 # parameter of a model this size gathered at once, which is not what ZeRO-3 is measured for here.
 STAGES = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3_lowmem": 3, "zero2_offload": 2, "zero3": 3}

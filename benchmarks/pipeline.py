@@ -19,6 +19,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (  # noqa: E402
+    DEEPSPEED,
+    REPO,
     at_least,
     load_inputs,
     print_table,
@@ -30,10 +32,6 @@ from benchmarks.report import (  # noqa: E402
 )
 from common.checks import ToolParser  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
-# puts no `deepspeed` script beside the interpreter.
-DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 DS_CONFIG = "ds_configs/pipe2.json"
 
 

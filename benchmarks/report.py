@@ -3,6 +3,7 @@ bad input, what it records next to its figures (the device, the software and the
 table it prints."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -10,6 +11,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 from typing import TYPE_CHECKING
 
 from common.checks import ConfigError, exit_bad_input, new_output, writable_dir
@@ -39,6 +41,46 @@ def run_tool(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         raise SystemExit(2)
     proc.check_returncode()
     return proc
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The launcher as a module: a wheel installed with --target (a machine without DeepSpeed, see wheelhouse.sh)
+# puts no `deepspeed` script beside the interpreter.
+DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def launch_recorded(script: str, name: str, ranks: int, config: str, ds_config: str, settings: list[str],
+                    work_dir: str | None) -> dict:
+    """A real `deepspeed --num_gpus RANKS` run of train.py under `script`, whose ranks record what it counts
+    (run_recorded_rank), one thread per rank: train.py's tokens/s over its timed steps and each rank's last
+    recorded step."""
+    out_dir = tempfile.mkdtemp(prefix=f"{os.path.splitext(os.path.basename(script))[0]}_{name}_", dir=work_dir)
+    record = os.path.join(out_dir, "counts")
+    cmd = [*DEEPSPEED, "--num_gpus", str(ranks), os.path.abspath(script), "--record", record, "--",
+           "--config", config, "--ds_config", f"ds_configs/{ds_config}", f"train.out_dir={out_dir}", *settings]
+    print("deepspeed", " ".join(cmd[len(DEEPSPEED):]), flush=True)
+    run_tool(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        tokens_per_s = [r for r in map(json.loads, f) if r.get("tokens_per_s")][-1]["tokens_per_s"]
+    per_rank = []
+    for rank in range(ranks):
+        with open(f"{record}.rank{rank}") as f:
+            per_rank.append(json.load(f)[-1])
+    return {"tokens_per_s": tokens_per_s, "ranks": per_rank}
+
+
+def run_recorded_rank(record: str, steps: list) -> None:
+    """This rank of a launch_recorded run: train.py with the arguments after `--`, `steps` (what the caller's
+    wrappers append to) written to RECORD.rank<RANK> when it ends."""
+    import train
+
+    def save() -> None:
+        with open(f"{record}.rank{os.environ['RANK']}", "w") as f:
+            json.dump(steps, f)
+
+    atexit.register(save)
+    sys.argv = [os.path.join(REPO, "train.py"), *sys.argv[sys.argv.index("--") + 1:]]
+    train.run_rank(train.main)
 
 
 def at_least(args, low, *names: str) -> None:

@@ -19,28 +19,24 @@ Tokens/s is train.py's own meter over the timed steps (the first step, evaluatio
 Prints a table, writes JSON.
 """
 import argparse
-import atexit
-import json
 import os
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (  # noqa: E402
+    REPO,
     at_least,
+    launch_recorded,
     load_inputs,
     print_table,
     results_file,
     run_main,
-    run_tool,
+    run_recorded_rank,
     work_folder,
     write_json,
 )
 from common.checks import ConfigError, ToolParser  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]  # as benchmarks/pipeline.py
 # name: (ranks, ds_config)
 LAYOUTS = {"tp1": (1, "zero1.json"), "dp2": (2, "zero1.json"), "tp2": (2, "tp2.json")}
 FP32_ADAMW_KEPT_BYTES = 12  # fp32 weights and Adam's two moments
@@ -72,13 +68,7 @@ def counted_rank(record: str) -> None:
 
     train.train_step = measured
 
-    def save() -> None:
-        with open(f"{record}.rank{os.environ['RANK']}", "w") as f:
-            json.dump(steps, f)
-
-    atexit.register(save)
-    sys.argv = [os.path.join(REPO, "train.py"), *sys.argv[sys.argv.index("--") + 1:]]
-    train.run_rank(train.main)
+    run_recorded_rank(record, steps)
 
 
 def settings(name: str, args) -> list[str]:
@@ -110,20 +100,7 @@ def check(args):
 
 def measure(name: str, args) -> dict:
     ranks, ds_config = LAYOUTS[name]
-    out_dir = tempfile.mkdtemp(prefix=f"tensor_parallel_{name}_", dir=args.work_dir)
-    record = os.path.join(out_dir, "counts")
-    cmd = [*DEEPSPEED, "--num_gpus", str(ranks), os.path.abspath(__file__), "--record", record, "--",
-           "--config", args.config, "--ds_config", f"ds_configs/{ds_config}", f"train.out_dir={out_dir}",
-           *settings(name, args)]
-    print("deepspeed", " ".join(cmd[len(DEEPSPEED):]), flush=True)
-    run_tool(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        tokens_per_s = [r for r in map(json.loads, f) if r.get("tokens_per_s")][-1]["tokens_per_s"]
-    per_rank = []
-    for rank in range(ranks):
-        with open(f"{record}.rank{rank}") as f:
-            per_rank.append(json.load(f)[-1])
-    return {"tokens_per_s": tokens_per_s, "ranks": per_rank}
+    return launch_recorded(__file__, name, ranks, args.config, ds_config, settings(name, args), args.work_dir)
 
 
 def theory(cfg, tp_size: int, micro_batch: int, activation_bytes: int) -> dict:

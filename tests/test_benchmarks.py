@@ -18,7 +18,7 @@ from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
 SCRIPTS = ["data.py", "documents.py", "finetune.py", "llama.py", "memory.py", "pipeline.py", "quality.py",
-           "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
+           "sequence_parallel.py", "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -197,6 +197,10 @@ BAD_INPUTS = [
     ("pipeline.py", ["--config", "nope.yaml"], "run config {repo}/nope.yaml does not exist"),
     ("pipeline.py", ["data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
     ("pipeline.py", ["--work_dir", "{file}", "data.dir={data}"], "--work_dir {file} is a file, not a folder"),
+    ("sequence_parallel.py", ["--steps", "1"], "--steps=1: must be >= 2"),
+    ("sequence_parallel.py", ["--micro_batch", "3"], "--micro_batch=3: must be even"),
+    ("sequence_parallel.py", ["model.n_kv_head=3"], "tensor x sequence-parallel degree 1 x 2 does not divide the "
+                                                    "key/value heads (model.n_kv_head) = 3"),
     ("tensor_parallel.py", ["--steps", "1"], "--steps=1: must be >= 2"),
     ("tensor_parallel.py", ["--micro_batch", "3"], "--micro_batch=3: must be even"),
     ("tensor_parallel.py", ["--link_gb_s", "0"], "--link_gb_s=0.0: must be > 0"),

@@ -103,6 +103,8 @@ def test_shipped_ds_config_matches_the_documented_table(row):
     assert ds.get("pipeline", {}).get("stages", 1) == (int(stages.group(1)) if stages else 1), name
     tp = re.search(r"tensor-parallel degree (\d+)", row["ZeRO"])
     assert ds.get("tensor_model_parallel_size", 1) == (int(tp.group(1)) if tp else 1), name
+    sp = re.search(r"sequence-parallel degree (\d+)", row["ZeRO"])
+    assert ds.get("sequence_parallel_size", 1) == (int(sp.group(1)) if sp else 1), name
     precision = row["precision"].split()[0]
     assert precision in ("bf16", "fp16", "fp32"), row["precision"]
     bf16 = ("auto" if "auto" in row["precision"] else True) if precision == "bf16" else False

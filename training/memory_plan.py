@@ -17,6 +17,9 @@ Under tensor parallelism (degree t, no sequence parallelism) a rank holds its sl
 every replicated one whole, and per layer and token 8 x d_model replicated bytes (the norms' inputs and the
 column-parallel maps' inputs) plus the masks, and the rest divided by t: Megatron's 10 d + 24 d / t for the
 GPT; the logits are split by vocabulary.
+Under sequence parallelism (degree s, Ulysses) a rank holds 1/s of each window's tokens, so every per-token term
+divides by s (attention runs over the whole window for 1/s of the heads: as many values), and ZeRO partitions
+over the data x sequence ranks.
 Under document masking the GPU's FlexAttention keeps no T x T mask; the dense kernel (attention dropout, or
 the CPU) keeps each block's mask for its backward, converted to the compute dtype: T x 2 bytes per token in
 16-bit, whole on every tensor rank; the Llama keeps its RoPE tables per token (document_masking_bytes,
@@ -38,7 +41,13 @@ from model.documents import document_kernel
 from model.tensor_parallel import TensorParallel
 from training.config import REPO_ROOT, load_ds_config, load_run_config
 from training.steps import LOSS_CHUNK_ROWS
-from training.topology import pipeline_settings, resolve_layout, stage_partition, tensor_parallel_size
+from training.topology import (
+    pipeline_settings,
+    resolve_layout,
+    sequence_parallel_size,
+    stage_partition,
+    tensor_parallel_size,
+)
 
 GB = 2**30
 
@@ -83,15 +92,15 @@ def repeated_ties(specs: list) -> list[int]:
 
 def plan(cfg, ds: dict, gpus: int) -> dict:
     """Bytes per GPU (the busiest one) for this model, ds_config and GPU count."""
-    pipe, tp_size = pipeline_settings(ds), tensor_parallel_size(ds)
-    layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size)
+    pipe, tp_size, sp_size = pipeline_settings(ds), tensor_parallel_size(ds), sequence_parallel_size(ds)
+    layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size, sp_size)
     counts = layer_params(cfg, tp_size)
     specs = model_layers(cfg, TensorParallel(tp_size))
     parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.arch])
     zero = ds.get("zero_optimization", {})
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
     total = sum(counts) - sum(counts[i] for i in repeated_ties(specs))  # the tied head owns no weights
-    dp = layout.dp
+    dp = layout.data_axis  # ZeRO partitions over the data-parallel replicas and their sequence ranks
 
     cpu = 0  # host memory for offloaded optimizer states
     if pipe.stages > 1:  # ZeRO-0/1 within each stage's data-parallel group
@@ -111,7 +120,7 @@ def plan(cfg, ds: dict, gpus: int) -> dict:
                                                                cpu_offload=offload, cpu_offload_params=False)
         cpu = cpu if offload else 0
 
-    tokens = layout.micro_batch * cfg.block_size
+    tokens = layout.micro_batch * cfg.block_size // sp_size
     full_layer = tokens * layer_activation_bytes(cfg, tp_size)
     checkpointed = pipe.checkpoint_interval > 0
     per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
