@@ -91,20 +91,24 @@ def test_without_document_masking_each_slice_takes_its_window_positions(runs, ar
     assert_trains_alike(runs(arch, "sp2", masked=False)[0], runs(arch, "one", masked=False)[0])
 
 
+@pytest.mark.parametrize("at", ["sp2", "sp1"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_an_sp2_checkpoint_resumes_at_sp1_through_the_universal_format(runs, tmp_path, speech_data, arch):
+def test_an_sp2_checkpoint_resumes_exactly_and_at_sp1_through_the_universal_format(runs, tmp_path, speech_data,
+                                                                                 shakespeare_task, arch, at):
     run_dir = runs(arch, "sp2_zero1")[0]
     config, shape = ARCHS[arch]
-    procs, ds_config, overrides = LAYOUTS["one_zero1"]
+    procs, ds_config, overrides = LAYOUTS["sp2_zero1" if at == "sp2" else "one_zero1"]
+    tag = os.path.join(run_dir, "checkpoints", "step_000002") if at == "sp2" else universal(run_dir, "step_000002")
     resumed = launch(procs, ds_config, tmp_path, speech_data,
-                     [*SMALL, *shape, *overrides, "model.document_masking=true",
-                      f"train.resume={universal(run_dir, 'step_000002')}"], config=config)
+                     [*SMALL, *shape, *overrides, "model.document_masking=true", f"eval.tasks=[{shakespeare_task}]",
+                      f"train.resume={tag}"], config=config)
     assert "at step 2" in resumed.stdout
     after = [m for m in metrics(tmp_path) if "loss" in m]
     uninterrupted = [m for m in metrics(run_dir) if "loss" in m][2:]
     assert [m["step"] for m in after] == [3, 4]
-    assert [m["loss"] for m in after] == pytest.approx([m["loss"] for m in uninterrupted], abs=1e-5)
-    assert [m["grad_norm"] for m in after] == pytest.approx([m["grad_norm"] for m in uninterrupted], abs=1e-5)
+    tolerance = 0 if at == "sp2" else 1e-5  # at its own layout, exactly
+    assert [m["loss"] for m in after] == pytest.approx([m["loss"] for m in uninterrupted], abs=tolerance)
+    assert [m["grad_norm"] for m in after] == pytest.approx([m["grad_norm"] for m in uninterrupted], abs=tolerance)
 
 
 def test_layouts_ulysses_cannot_split_are_refused():
