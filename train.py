@@ -27,6 +27,7 @@ from model import build_model, build_pipeline, compile_blocks
 from model.generate import generate
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
+from model.tiling import tile_mlps
 from training import checkpoint, hf
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
@@ -293,22 +294,25 @@ def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParalle
           grid=None, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> torch.nn.Module:
     """The model's layer list as a PipelineModule (more than one stage: topo is the run's topology) or as a
     plain module (split over the tensor ranks of `tp`, whose `grid` partitions ZeRO-3 within each slice), its
-    attention over the sequence ranks of `sp`. `ds`: the ds_config as DeepSpeed is given it."""
+    attention over the sequence ranks of `sp`, its MLPs in train.mlp_tiles tiles. `ds`: the ds_config as
+    DeepSpeed is given it."""
     if pipe.stages > 1:
-        return build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
-                              pipe.checkpoint_interval, tp, sp)
+        model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
+                               pipe.checkpoint_interval, tp, sp)
     # Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model. It is
     # built on the CPU, from the CPU generator, as in every other layout, then partitioned (zero.Init(module=)):
     # inside zero.Init's context it would be made on the GPU by the GPU's generator, other weights for a seed.
     # Under tensor parallelism it is partitioned over the data-parallel replicas of each slice.
-    if ds.get("zero_optimization", {}).get("stage", 0) == 3:
+    elif ds.get("zero_optimization", {}).get("stage", 0) == 3:
         group = grid.get_data_parallel_group() if tp.size > 1 else None
 
         def partition(layer):
             deepspeed.zero.Init(module=layer, config_dict_or_path=ds, data_parallel_group=group,
                                 mpu=grid if tp.size > 1 else None)
-        return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition, tp=tp, sp=sp)
-    return build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp)
+        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition, tp=tp, sp=sp)
+    else:
+        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp)
+    return tile_mlps(model, cfg.train.mlp_tiles)
 
 
 def whole_model_parameters(cfg: RunConfig, tp_size: int) -> list:

@@ -5,11 +5,11 @@ step, with each rank's activation memory and all-to-all traffic next to the theo
     python benchmarks/sequence_parallel.py --context 1024 --steps 5
 
 Each layout is a real `deepspeed --num_gpus N train.py` run (one thread per rank on CPU, so each rank is one
-"device"): one rank, dp 2 and sp 2 (ds_configs/sp2.json), the global batch --micro_batch windows in each (dp 2
-gives each replica half). Every rank runs train.py under this file, which counts, without changing what
-train.py does, the bytes each rank hands to the sequence-parallel all-to-alls (DeepSpeed's `_SeqAllToAll`)
-in a step, and the activations one forward pass of a micro-batch keeps for its backward (torch's saved-tensor
-hooks, each storage once, the weights left out). Theory:
+"device"): one rank, dp 2, sp 2 (ds_configs/sp2.json) and sp 2 with the MLP in 8 tiles (train.mlp_tiles), the
+global batch --micro_batch windows in each (dp 2 gives each replica half). Every rank runs train.py under this
+file, which counts, without changing what train.py does, the bytes each rank hands to the sequence-parallel
+all-to-alls (DeepSpeed's `_SeqAllToAll`) in a step, and the activations one forward pass of a micro-batch keeps
+for its backward (torch's saved-tensor hooks, each storage once, the weights left out). Theory:
 - activations: training.memory_plan's count (per layer and token, in 16-bit; doubled in fp32) x the layers x
   the tokens a rank holds: micro x context / sp;
 - all-to-all (the Ulysses paper's): per layer, micro-batch and rank, q, k, v and the output slices of
@@ -37,8 +37,9 @@ from benchmarks.report import (  # noqa: E402
 )
 from common.checks import ConfigError, ToolParser  # noqa: E402
 
-# name: (ranks, ds_config, sequence-parallel degree)
-LAYOUTS = {"one": (1, "zero1.json", 1), "dp2": (2, "zero1.json", 1), "sp2": (2, "sp2.json", 2)}
+# name: (ranks, ds_config, sequence-parallel degree, MLP tiles)
+LAYOUTS = {"one": (1, "zero1.json", 1, 1), "dp2": (2, "zero1.json", 1, 1), "sp2": (2, "sp2.json", 2, 1),
+           "sp2_tiled": (2, "sp2.json", 2, 8)}
 BABY_LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.dropout=0", "ds.bf16.enabled=false"]
 
 
@@ -96,10 +97,10 @@ def settings(name: str, args) -> list[str]:
     """train.py's key=value for one layout: the same windows a step in every layout, hardly any evaluation, saving
     or sampling."""
     micro = args.micro_batch // 2 if name == "dp2" else args.micro_batch
-    return [*BABY_LLAMA, "train.resume=none", f"model.block_size={args.context}", f"train.max_steps={args.steps}",
-            f"train.log_interval={args.steps}", "train.eval_interval=1000000", "train.eval_windows=1",
-            "train.save_interval=0", "sample.max_new_tokens=1", "ds.gradient_accumulation_steps=1",
-            f"ds.train_micro_batch_size_per_gpu={micro}", *args.overrides]
+    return [*BABY_LLAMA, f"train.mlp_tiles={LAYOUTS[name][3]}", "train.resume=none",
+            f"model.block_size={args.context}", f"train.max_steps={args.steps}", f"train.log_interval={args.steps}",
+            "train.eval_interval=1000000", "train.eval_windows=1", "train.save_interval=0", "sample.max_new_tokens=1",
+            "ds.gradient_accumulation_steps=1", f"ds.train_micro_batch_size_per_gpu={micro}", *args.overrides]
 
 
 def check(args):
@@ -113,7 +114,7 @@ def check(args):
     results_file(args.json)
     from model.sequence_parallel import check_sequence_parallel
 
-    for name, (_, ds_config, sp) in LAYOUTS.items():
+    for name, (_, ds_config, sp, _) in LAYOUTS.items():
         cfg, _, _ = load_inputs(args.config, f"ds_configs/{ds_config}", settings(name, args), REPO)
         check_sequence_parallel(cfg.model, 1, sp)
     if args.work_dir:
@@ -122,15 +123,15 @@ def check(args):
 
 
 def measure(name: str, args) -> dict:
-    ranks, ds_config, _ = LAYOUTS[name]
+    ranks, ds_config, _, _ = LAYOUTS[name]
     return launch_recorded(__file__, name, ranks, args.config, ds_config, settings(name, args), args.work_dir)
 
 
-def theory(cfg, micro_batch: int, sp: int, value_bytes: int) -> dict:
+def theory(cfg, micro_batch: int, sp: int, tiles: int, value_bytes: int) -> dict:
     from training.memory_plan import layer_activation_bytes
 
     tokens = micro_batch * cfg.block_size // sp
-    activations = cfg.n_layer * tokens * layer_activation_bytes(cfg) * value_bytes / 2
+    activations = cfg.n_layer * tokens * layer_activation_bytes(cfg, mlp_tiles=tiles) * value_bytes / 2
     width = 2 * cfg.n_head * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim  # q, output; k, v
     entering = 2 * tokens * width * value_bytes if sp > 1 else 0  # forward and backward, per layer
     return {"activations": activations, "all_to_all_per_layer": entering,
@@ -159,9 +160,9 @@ def main() -> None:
     value_bytes = 2 if any(o == "ds.bf16.enabled=true" for o in args.overrides) else 4
     rows = []
     for name, result in results.items():
-        _, _, sp = LAYOUTS[name]
+        _, _, sp, tiles = LAYOUTS[name]
         micro = args.micro_batch // 2 if name == "dp2" else args.micro_batch
-        expected = result["theory"] = theory(cfg, micro, sp, value_bytes)
+        expected = result["theory"] = theory(cfg, micro, sp, tiles, value_bytes)
         worst = max(result["ranks"], key=lambda r: r["saved"])
         per_layer = worst["all_to_all_bytes"] / (cfg.n_layer * worst["micro_batches"])
         rows.append([name, f"{result['tokens_per_s']:,.0f}", f"{worst['saved'] / 2**20:,.0f}",
@@ -172,8 +173,10 @@ def main() -> None:
     print_table(["layout", "tokens/s", "saved for backward MiB/rank", "memory plan MiB", "all-to-all MiB/layer/rank",
                  "Ulysses formula", "of which leaves the rank"], rows)
     one, dp2, sp2 = (results[n] for n in ("one", "dp2", "sp2"))
-    print(f"activations per rank sp2 / one: {max(r['saved'] for r in sp2['ranks']) / one['ranks'][0]['saved']:.1%} "
-          f"measured, {sp2['theory']['activations'] / one['theory']['activations']:.1%} theory")
+    for name in ("sp2", "sp2_tiled"):
+        ratio = max(r["saved"] for r in results[name]["ranks"]) / one["ranks"][0]["saved"]
+        print(f"activations per rank {name} / one: {ratio:.1%} measured, "
+              f"{results[name]['theory']['activations'] / one['theory']['activations']:.1%} theory")
     print(f"tokens/s sp2 / dp2: {sp2['tokens_per_s'] / dp2['tokens_per_s']:.2f}x at the same tokens a step "
           f"(sp2 / one: {sp2['tokens_per_s'] / one['tokens_per_s']:.2f}x)")
     write_json(args.json, {"config": args.config, "context": args.context, "steps": args.steps,

@@ -79,6 +79,7 @@ BAD_SETTINGS = [
     (["train.stop_at_step=3000"], "train.stop_at_step=3000: must be <= train.max_steps=2000; fix: lower "
                                   "train.stop_at_step or raise train.max_steps"),
     (["train.dist_timeout_s=0"], "train.dist_timeout_s=0: must be >= 1"),
+    (["train.mlp_tiles=0"], "train.mlp_tiles=0: must be >= 1"),
     (["train.init_from=/nonexistent"], "train.init_from='/nonexistent': must be a folder holding a Hugging Face "
                                        "checkpoint"),
     (["sample.prompt=''"], "sample.prompt='': must not be empty"),

@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism through the launcher's ranks, fp32, dropout 0, on tinyshakespeare's speeches under
 document masking (and on the one-document quickstart data without): sp 2 trains as one process does, under
-ZeRO-3 too, sp 2 x dp 2 as dp 2, tp 2 x sp 2 and pp 2 x sp 2 as one process (4 ranks each), GPT and Llama with
-grouped-query attention; an sp 2 checkpoint resumes at sp 1 through the universal format; layouts Ulysses cannot
-split stop at start."""
+ZeRO-3 too and with the MLP in tiles, sp 2 x dp 2 as dp 2, tp 2 x sp 2 and pp 2 x sp 2 as one process (4 ranks
+each), GPT and Llama with grouped-query attention; an sp 2 checkpoint resumes exactly, and at sp 1 through the
+universal format; layouts Ulysses cannot split stop at start."""
 import os
 
 import pytest
@@ -11,6 +11,7 @@ from common.checks import ConfigError
 from harness import FP32, grad_norms, launch, metrics, train_losses, universal
 from model.config import ModelConfig
 from model.sequence_parallel import check_sequence_parallel
+from model.tiling import check_tiles
 from training.topology import resolve_layout
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
@@ -33,8 +34,11 @@ LAYOUTS = {  # name: (processes, ds_config, overrides)
     "sp2_dp2": (4, "zero1.json", [SP2, "ds.gradient_accumulation_steps=2"]),
     "tp2_sp2": (4, "tp2.json", [SP2, "ds.gradient_accumulation_steps=4"]),
     "pp2_sp2": (4, "pipe2.json", [SP2, "ds.gradient_accumulation_steps=4"]),
+    # The MLP in tiles along each rank's slice (DeepSpeed's TiledMLP), computed again in the backward.
+    "sp2_tiled": (2, "zero0.json", [SP2, "ds.gradient_accumulation_steps=4", "train.mlp_tiles=4"]),
 }
-REFERENCE = {"sp2": "one", "sp2_zero3": "one", "sp2_dp2": "dp2", "tp2_sp2": "one", "pp2_sp2": "one"}
+REFERENCE = {"sp2": "one", "sp2_zero3": "one", "sp2_dp2": "dp2", "tp2_sp2": "one", "pp2_sp2": "one",
+             "sp2_tiled": "one"}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,11 @@ def test_layouts_ulysses_cannot_split_are_refused():
     with pytest.raises(ConfigError, match=r"2 pipeline stages x sequence-parallel degree 2 = 4 do not divide the "
                                           r"world size 6: launch a multiple of 4 processes"):
         resolve_layout({"train_micro_batch_size_per_gpu": 1}, 6, 2, 1, 2)
+    with pytest.raises(ConfigError, match=r"train.mlp_tiles=2 computes the MLP again in its backward, which would "
+                                          r"draw other dropout masks than its forward: set model.dropout=0"):
+        check_tiles(ModelConfig(dropout=0.1), 2)
+    with pytest.raises(ConfigError, match=r"train.mlp_tiles=2 needs the GPT or the Llama"):
+        check_tiles(ModelConfig(arch="encoder"), 2)
 
 
 def _sliced_against_whole(rank: int, world: int, port: int, results) -> None:

@@ -120,6 +120,9 @@ class TrainConfig:
     # fp32 matmuls on a GPU's tensor cores as TF32 (10-bit mantissa, several times faster); false for
     # bit-level fp32 parity checks. No effect on CPU.
     tf32: bool = True
+    # The MLP in this many tiles along the sequence (model/tiling.py): its hidden activations are computed
+    # again in the backward instead of kept, for long windows. GPT and Llama, with model.dropout=0.
+    mlp_tiles: int = 1
 
     def check(self, c: Checks) -> None:
         c.at_least("max_steps", 1)
@@ -141,6 +144,7 @@ class TrainConfig:
                "stop_at_step",
                f"be <= train.max_steps={self.max_steps}", "lower train.stop_at_step or raise train.max_steps")
         c.at_least("dist_timeout_s", 1)
+        c.at_least("mlp_tiles", 1)
 
 
 @dataclass

@@ -70,14 +70,16 @@ def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2)
     return (mask + rope) * dtype_bytes
 
 
-def layer_activation_bytes(cfg, tp_size: int = 1) -> float:
+def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1) -> float:
     """16-bit bytes a block keeps per token for its backward on one tensor rank. Megatron's 18 d counts q, k
     and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its
-    hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn).
+    hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn);
+    in tiles (train.mlp_tiles) it keeps only its input, the second norm's output, counted already.
     The two norms' inputs and outputs (8 d) are whole on every tensor rank, the rest is split."""
     kv = cfg.kv_heads * cfg.head_dim
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
-    split = 4 * cfg.n_embd + 4 * kv + (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
+    mlp = 0 if mlp_tiles > 1 else (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
+    split = 4 * cfg.n_embd + 4 * kv + mlp
     return 8 * cfg.n_embd + masks + document_masking_bytes(cfg) + split / tp_size
 
 
@@ -90,8 +92,8 @@ def repeated_ties(specs: list) -> list[int]:
     return repeats
 
 
-def plan(cfg, ds: dict, gpus: int) -> dict:
-    """Bytes per GPU (the busiest one) for this model, ds_config and GPU count."""
+def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
+    """Bytes per GPU (the busiest one) for this model, ds_config and GPU count (and train.mlp_tiles)."""
     pipe, tp_size, sp_size = pipeline_settings(ds), tensor_parallel_size(ds), sequence_parallel_size(ds)
     layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size, sp_size)
     counts = layer_params(cfg, tp_size)
@@ -121,7 +123,7 @@ def plan(cfg, ds: dict, gpus: int) -> dict:
         cpu = cpu if offload else 0
 
     tokens = layout.micro_batch * cfg.block_size // sp_size
-    full_layer = tokens * layer_activation_bytes(cfg, tp_size)
+    full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles)
     checkpointed = pipe.checkpoint_interval > 0
     per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
     blocks = max(sum(spec.typename.__name__ == BLOCK_CLASS[cfg.arch] for spec in specs[parts[s]: parts[s + 1]])
@@ -145,7 +147,8 @@ def main() -> None:
 
     if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
         args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
-    cfg = load_run_config(args.config, args.overrides).model
+    run = load_run_config(args.config, args.overrides)
+    cfg = run.model
     ds_paths = args.ds_config or sorted(glob.glob(os.path.join(REPO_ROOT, "ds_configs", "*.json")))
     print(f"{args.config}: {cfg.arch}, {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}\n")
     print(f"| ds_config | GPUs | layout | ZeRO | micro | params/GPU | model states | activations | total/GPU | "
@@ -154,7 +157,7 @@ def main() -> None:
         ds = load_ds_config(path, [])
         for gpus in args.gpus or [1, 8]:
             try:
-                p = plan(cfg, ds, gpus)
+                p = plan(cfg, ds, gpus, run.train.mlp_tiles)
             except ValueError as e:  # a layout that cannot exist on this many GPUs
                 print(f"| {os.path.basename(path)} | {gpus} | impossible: {e} |")
                 continue

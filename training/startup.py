@@ -20,6 +20,7 @@ from model import BLOCK_CLASS, build_model, model_layers
 from model.documents import KERNEL_NAMES, document_kernel
 from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
+from model.tiling import check_tiles
 from training import checkpoint, hf
 from training.config import RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
 from training.device import compute_dtype
@@ -161,6 +162,7 @@ def check_run(argv=None) -> Run:
     tokenizer = data.tokenizer()
     prompt_ids, prompt_note = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
     tasks = open_tasks(cfg.eval.tasks, cfg.eval.data_dir, cfg.eval.limit, tokenizer, cfg.model.block_size)
+    check_tiles(cfg.model, cfg.train.mlp_tiles)
     n_params = count_parameters(cfg)
     resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
     saved = checkpoint.read_run_state(resume_dir) if resume_dir else None
