@@ -29,7 +29,6 @@ class SequenceParallel:
     rank: int = 0
     group: object = None
 
-
     def split(self, inputs, targets: torch.Tensor) -> tuple:
         """This rank's slice of a batch of windows: inputs as (token ids, positions), the positions the window's
         own (0, 1, ...) where the batch carries none, and the targets alike."""
