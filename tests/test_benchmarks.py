@@ -199,8 +199,9 @@ BAD_INPUTS = [
     ("pipeline.py", ["--work_dir", "{file}", "data.dir={data}"], "--work_dir {file} is a file, not a folder"),
     ("sequence_parallel.py", ["--steps", "1"], "--steps=1: must be >= 2"),
     ("sequence_parallel.py", ["--micro_batch", "3"], "--micro_batch=3: must be even"),
-    ("sequence_parallel.py", ["model.n_kv_head=3"], "tensor x sequence-parallel degree 1 x 2 does not divide the "
-                                                    "key/value heads (model.n_kv_head) = 3"),
+    ("sequence_parallel.py", ["model.n_kv_head=3", "data.dir={data}"], "tensor x sequence-parallel degree 1 x 2 "
+                                                                      "does not divide the key/value heads "
+                                                                      "(model.n_kv_head) = 3"),
     ("tensor_parallel.py", ["--steps", "1"], "--steps=1: must be >= 2"),
     ("tensor_parallel.py", ["--micro_batch", "3"], "--micro_batch=3: must be even"),
     ("tensor_parallel.py", ["--link_gb_s", "0"], "--link_gb_s=0.0: must be > 0"),
