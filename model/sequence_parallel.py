@@ -8,7 +8,7 @@ The model has no parallel code: its attention modules call `self.core(q, k, v, d
 causal (or document) attention of model/layers.py; `sequence_parallel` swaps each core for a `UlyssesCore`.
 Under sequence parallelism every layer's input carries positions (the loader ships each token's position in its
 window, or in its document under document masking): learned positions and RoPE read them for the slice, and
-the core gathers the whole window's for the document mask.
+the cores gather the whole window's for the document mask, once a forward pass.
 """
 from dataclasses import dataclass
 
@@ -66,17 +66,36 @@ def check_sequence_parallel(cfg: ModelConfig, tp_size: int, sp_size: int) -> Non
                               f"lower sequence_parallel_size or tensor_model_parallel_size")
 
 
+class WindowPositions:
+    """The whole window's positions (batch, time) from every rank's slice: where its documents begin. A forward
+    pass hands one positions tensor from layer to layer, so it is gathered once, at the first layer, and the
+    others find it (the same tensor, unchanged since: its version counter) gathered already."""
+
+    def __init__(self, sp: SequenceParallel):
+        self.sp, self.last = sp, (None, -1, None)  # (slice, its version, the whole window's)
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        held, version, whole = self.last
+        if positions is not held or positions._version != version:
+            slices = [torch.empty_like(positions) for _ in range(self.sp.size)]
+            dist.all_gather(slices, positions.contiguous(), group=self.sp.group)
+            whole = torch.cat(slices, dim=1)
+            self.last = (positions, positions._version, whole)
+        return whole
+
+
 class UlyssesCore(nn.Module):
     """An attention core over a sequence slice: (batch, heads, time / sp, head_dim) in and out."""
 
-    def __init__(self, sp: SequenceParallel, document_masking: bool):
+    def __init__(self, sp: SequenceParallel, window_positions: WindowPositions | None):
+        """window_positions: under document masking, the gatherer every core of the model shares."""
         super().__init__()
-        self.sp, self.document_masking = sp, document_masking
+        self.window_positions = window_positions
         # q, k, v as (batch, time, heads, head_dim): scatter the heads (2), gather the sequence (1).
         self.attention = DistributedAttention(self._whole_sequence, sp.group, scatter_idx=2, gather_idx=1)
 
     def forward(self, q, k, v, dropout: float, positions: torch.Tensor | None) -> torch.Tensor:
-        whole = self._window_positions(positions) if self.document_masking else None
+        whole = self.window_positions(positions) if self.window_positions else None
         out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, dropout, whole)
         return out.transpose(1, 2)
 
@@ -86,19 +105,14 @@ class UlyssesCore(nn.Module):
         return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout,
                                 positions).transpose(1, 2)
 
-    def _window_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """The whole window's positions (batch, time) from every rank's slice: where its documents begin."""
-        slices = [torch.empty_like(positions) for _ in range(self.sp.size)]
-        dist.all_gather(slices, positions.contiguous(), group=self.sp.group)
-        return torch.cat(slices, dim=1)
-
 
 def sequence_parallel(model: nn.Module, sp: SequenceParallel, document_masking: bool) -> nn.Module:
     """The built model (or layer) with every attention core swapped for a UlyssesCore over `sp`; returns it."""
     if sp.size == 1:
         return model
+    window_positions = WindowPositions(sp) if document_masking else None
     for module in [m for m in model.modules() if getattr(m, "core", None) is causal_attention]:
-        module.core = UlyssesCore(sp, document_masking)
+        module.core = UlyssesCore(sp, window_positions)
     return model
 
 

@@ -31,6 +31,8 @@ class CheckpointLM(LM):
         self.model = model.to(device).eval()
         self.block_size, self.vocab_size, self.tokenizer = block_size, vocab_size, tokenizer
         self.batch_size, self._device = batch_size, torch.device(device)
+        # The document delimiter: rolling windows start after it, generation stops at it (None: a one-document model).
+        self.delimiter = delimiter_id(tokenizer)
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         return self._score([self._row(*request.args) for request in requests])
@@ -39,7 +41,7 @@ class CheckpointLM(LM):
         out = []
         for request in requests:
             ids = self._encoded(request.args[0], lambda: self.tokenizer.encode(request.args[0]))
-            prefix = delimiter_id(self.tokenizer)
+            prefix = self.delimiter
             if prefix is None:  # a char dataset with no delimiter: its first token is context only
                 prefix, ids = (ids[0], ids[1:]) if ids else (0, [])
             windows = map(make_disjoint_window, get_rolling_token_windows(ids, prefix, self.block_size, 1))
@@ -59,7 +61,7 @@ class CheckpointLM(LM):
             new, text = [], ""
             for _ in range(options.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)):
                 token = int(self.model(idx[:, -self.block_size:])[0, -1, :self.vocab_size].argmax())
-                if token == delimiter_id(self.tokenizer):
+                if token == self.delimiter:
                     break
                 new.append(token)
                 idx = torch.cat([idx, idx.new_tensor([[token]])], dim=1)

@@ -5,7 +5,7 @@ A choice is scored on one row: its context followed by its tokens, cut to the mo
 tokens (the context loses its start first, as in the harness), the targets only on the choice's tokens. Its
 loss is the sum of those tokens' losses. `acc` picks the choice of least summed loss, `acc_norm` the least
 loss per token (build-nanogpt's HellaSwag). The harness reports acc by the same rule, and normalises its
-acc_norm by the choice's length in bytes instead.
+acc_norm by the choice's length in characters instead.
 
 In the loop each data-parallel rank scores a contiguous share of every task's examples, in micro-batches of
 the training's micro batch (a pipeline's of its training shape), and the right answers are counted over the

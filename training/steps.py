@@ -92,7 +92,7 @@ def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE, supervi
     `supervised` (conversations), the loss is the mean over the global batch's supervised tokens."""
     if isinstance(engine, PipelineEngine):
         if supervised and engine.is_last_stage():  # where the loss is computed
-            share = supervised_share(micro_batches, engine.grid.get_data_parallel_group(), engine.dp_world_size)
+            share = supervised_share(micro_batches, data_parallel_group(engine), engine.dp_world_size)
             engine.module.loss_fn = functools.partial(lm_loss, tp=tp, divisor=share)
         return engine.train_batch(iter(micro_batches))
     divisor = None
