@@ -64,3 +64,13 @@ def test_bf16_by_name_is_refused_on_a_gpu_that_emulates_it_and_warned_on_a_cpu(m
         dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cuda", 0))
     dtype, note = dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cpu"))
     assert dtype == torch.bfloat16 and note.startswith("WARNING: this CPU has no bf16 arithmetic")
+
+
+@pytest.mark.parametrize("reported", [True, False], ids=["avx512-fp16", "no-fp16"])
+def test_fp16_is_refused_on_any_cpu_whatever_the_accelerator_reports(monkeypatch, reported):
+    """DeepSpeed's CPU accelerator reports fp16 supported on a CPU with AVX512-FP16 (mkldnn emulates it, far
+    below bf16's speed there): the refusal the docs promise holds on every CPU."""
+    monkeypatch.setattr(type(dev.get_accelerator()), "is_fp16_supported", lambda self: reported)
+    with pytest.raises(ConfigError, match=r"^fp16 is not supported on cpu: use a bf16 ds_config \(e.g. "
+                                          r"ds_configs/zero2.json\) or set ds.fp16.enabled=false$"):
+        dev.compute_dtype({"fp16": {"enabled": True}}, torch.device("cpu"))

@@ -109,7 +109,10 @@ def compute_dtype(ds: dict, device: torch.device) -> tuple[torch.dtype, str | No
     accelerator = get_accelerator()
     if bf16 and fp16:
         raise ConfigError("the ds_config enables both bf16 and fp16: enable one")
-    if fp16 and not accelerator.is_fp16_supported():
+    # DeepSpeed's CPU accelerator calls fp16 supported on a CPU with AVX512-FP16, where mkldnn emulates fp16
+    # matmuls at a fraction of bf16's speed: fp16 is for GPUs without bf16, so a CPU is refused whatever it
+    # reports.
+    if fp16 and (device.type == "cpu" or not accelerator.is_fp16_supported()):
         raise ConfigError(f"fp16 is not supported on {accelerator.device_name()}: use a bf16 ds_config "
                           f"(e.g. ds_configs/zero2.json) or set ds.fp16.enabled=false")
     if bf16 and not native_bf16(device):
