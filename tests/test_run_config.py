@@ -180,9 +180,34 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
         load_run_config(str(path), [])
 
 
-def test_badly_typed_value_is_rejected():
-    with pytest.raises(ConfigError, match=r"bad setting 'train.max_steps' in the command line"):
-        load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), ["train.max_steps=many"])
+# (an override of the wrong type, the whole message): the setting's type from its dataclass, and a value to give.
+BAD_TYPES = [
+    ("train.max_steps=many", "bad setting 'train.max_steps' in the command line: 'many' is not an integer; fix: set "
+                             "it to an integer, e.g. train.max_steps=4"),
+    ("train.epochs=many", "bad setting 'train.epochs' in the command line: 'many' is not a number; fix: set it to a "
+                          "number, e.g. train.epochs=0.5"),
+    ("data.pack=sometimes", "bad setting 'data.pack' in the command line: 'sometimes' is not true or false; fix: set "
+                            "it to true or false, e.g. data.pack=true"),
+    ("eval.tasks=5", "bad setting 'eval.tasks' in the command line: 5 is not a list; fix: set it to a list, e.g. "
+                     "eval.tasks=[a,b]"),
+    ("model.n_layer=[1]", "bad setting 'model.n_layer' in the command line: [1] is not an integer"),
+    ("model=3", "'model' in the command line is a section of settings, not a setting; fix: set one of its keys, e.g. "
+                "model.arch=..."),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_TYPES, ids=[row[0] for row in BAD_TYPES])
+def test_badly_typed_value_is_rejected_with_its_type(override, message):
+    with pytest.raises(ConfigError) as refused:
+        load_run_config(QUICKSTART, [override])
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_a_badly_typed_value_as_typed_is_one_line(tmp_path):
+    """The error line alone: no OmegaConf internals (full_key, reference_type, object_type) after it."""
+    proc = train_py_as_typed("train.epochs=many", f"train.out_dir={tmp_path}")
+    assert_refused_at_start(proc, BAD_TYPES[1][1])
+    assert proc.stderr.rstrip().splitlines()[-1] == "error: " + BAD_TYPES[1][1], proc.stderr
 
 
 # (the run config file's text, the message after its path): a file that is not a run config.

@@ -8,9 +8,12 @@ Every problem found here raises ConfigError before any process group or training
 """
 import argparse
 import collections.abc
+import dataclasses
 import difflib
 import json
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -210,6 +213,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     """Dataclass defaults <- YAML preset <- command line; returns the typed RunConfig object."""
+    sections = [o.partition("=")[0] for o in overrides if o.partition("=")[0] in {f.name for f in fields(RunConfig)}]
+    if sections:  # OmegaConf's own error names no key
+        raise ConfigError(f"'{sections[0]}' in the command line is a section of settings, not a setting; fix: set one "
+                          f"of its keys, e.g. {sections[0]}.{fields(getattr(RunConfig(), sections[0]))[0].name}=...")
     cfg = OmegaConf.structured(RunConfig)
     for source, layer in ((path, lambda: _read_yaml(path)),
                           ("the command line", lambda: OmegaConf.from_dotlist(overrides))):
@@ -261,7 +268,32 @@ def _explain_omegaconf_error(e: OmegaConfBaseException, source: str) -> str:
         suggestion = f"; did you mean '{section + '.' if section else ''}{hint[0]}'?" if hint else ""
         return (f"unknown setting '{key}' in {source}{suggestion} "
                 f"Known keys{' in ' + section if section else ''}: {', '.join(sorted(known))}")
-    return f"bad setting '{key}' in {source}: {getattr(e, 'msg', e)}"
+    expected = _expected_type(key)
+    if expected:
+        kind, example = expected
+        return (f"bad setting '{key}' in {source}: {getattr(e, 'value', None)!r} is not {kind}; fix: set it to "
+                f"{kind}, e.g. {key}={example}")
+    # OmegaConf appends its full_key, reference_type and object_type on lines of their own: the first line says it.
+    return f"bad setting '{key}' in {source}: {str(getattr(e, 'msg', None) or e).splitlines()[0]}"
+
+
+# How a setting's type is named to the user, with a value of that type to show the fix.
+TYPE_WORDS = {int: ("an integer", "4"), float: ("a number", "0.5"), bool: ("true or false", "true"),
+              str: ("a string", "text"), list: ("a list", "[a,b]")}
+
+
+def _expected_type(key: str) -> tuple[str, str] | None:
+    """(what the setting `key` holds, an example value) from its dataclass field's type; None if not found."""
+    node, annotation = RunConfig, None
+    for part in key.split("."):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            return None
+        node = annotation = hints[part]
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)  # Optional[int], int | None
+    kinds = [typing.get_origin(t) or t for t in (typing.get_args(annotation) if union else (annotation,))
+             if t is not type(None)]
+    return TYPE_WORDS.get(kinds[0]) if len(kinds) == 1 else None
 
 
 def _known_keys(section: str) -> list[str]:
@@ -288,7 +320,7 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
         try:
             merged = OmegaConf.merge(OmegaConf.create(ds), OmegaConf.from_dotlist(overrides))
         except OmegaConfBaseException as e:
-            raise ConfigError(f"bad ds override {overrides}: {e}") from None
+            raise ConfigError(f"bad ds override {overrides}: {str(e).splitlines()[0]}") from None
         ds = OmegaConf.to_container(merged)
     for section, home in (("optimizer", "optim.*"), ("scheduler", "optim.* (warmup_steps, min_lr)")):
         if section in ds:
