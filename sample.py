@@ -11,7 +11,7 @@ import sys
 import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from data.chat import ChatTemplate, check_chat_record
+from data.chat import ChatTemplate, ChatTemplateError, check_chat_record
 from data.tokenizers import TokenizerError, sampling_start
 from model.generate import generate
 from training.export import load_trained
@@ -25,9 +25,15 @@ def chat_prompt(message: str, meta: dict, tokenizer) -> tuple[list[int], int]:
                           "chat template it applies; this one was trained on text: sample it with --prompt")
     try:
         chat = check_chat_record(meta, "the model's dataset meta")
-        text, _ = ChatTemplate(chat["chat_template"]).render([{"role": "user", "content": message}],
-                                                             add_generation_prompt=True)
+        template = ChatTemplate(chat["chat_template"])
+        text, _ = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
         return tokenizer.encode_with_offsets(text)[0], chat["end_of_turn_id"]
+    except ChatTemplateError as e:  # a template that fails on a prompt alone, which preparation never rendered
+        source = f", from {chat['template']}" if chat.get("template") else ""
+        recorded = f"the model's chat template (meta.json chat.chat_template{source})"
+        raise ConfigError(f"--chat {message!r}: {e.describe(recorded, 'the message')}; fix: correct the template so "
+                          f"it renders a user message with add_generation_prompt, and prepare the conversations "
+                          f"again with it (python -m data.prepare --format chat --chat_template FILE)") from None
     except ValueError as e:  # a stale record, or a character outside a char tokenizer's vocabulary
         raise ConfigError(f"--chat {message!r}: {e}") from None
 

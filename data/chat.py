@@ -6,11 +6,19 @@ Formats, detected per record:
     sharegpt        {"conversations": [{"from": "system" | "human" | "gpt", "value": ...}, ...]}
     alpaca          {"instruction": ..., "input": ..., "output": ...}  (one user turn, one assistant turn)
 
+A turn's content is a string, or a list of OpenAI text parts [{"type": "text", "text": "..."}, ...], whose texts
+are concatenated as they are, with no separator (as the chat templates of transformers models that take parts
+write them one after the other; a part's own spaces and newlines are kept). Any other part (image_url,
+input_audio, file, ...), a number, an object or null is refused: the model trains on text. Alpaca's fields are
+strings; its `input` may be left out, empty or null.
+
 Templates are Jinja, rendered as transformers renders them (a sandbox; trim_blocks, lstrip_blocks; tojson,
 raise_exception). The assistant's part of a turn sits between `{% generation %}` and `{% endgeneration %}`:
 the tokens that overlap those spans are the supervised ones, which is transformers' rule for
 `apply_chat_template(..., return_assistant_tokens_mask=True)`, so the masks are equal. Tokenizers without a
-template of their own (char, tiktoken) take a built-in one by name.
+template of their own (char, tiktoken) take a built-in one by name. A template that is not Jinja, or that raises
+as it renders (an undefined name called, a filter, its own raise_exception), raises ChatTemplateError with the
+template's line; callers add which template and which conversation.
 """
 import json
 from contextvars import ContextVar
@@ -63,9 +71,12 @@ def conversation(record) -> tuple[str, list[dict]]:
     elif "conversations" in record:
         kind, turns = "sharegpt", _turns(record["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
     elif "instruction" in record and "output" in record:
-        prompt = "\n\n".join(str(part) for part in (record["instruction"], record.get("input")) if part)
+        for key in ("instruction", "input", "output"):
+            if not isinstance(record.get(key, ""), str) and not (key == "input" and record[key] is None):
+                raise ChatError(f"\"{key}\" must be a string, not {json_kind(record[key])}")
+        prompt = "\n\n".join(part for part in (record["instruction"], record.get("input")) if part)
         kind, turns = "alpaca", [{"role": "user", "content": prompt},
-                                 {"role": "assistant", "content": str(record["output"])}]
+                                 {"role": "assistant", "content": record["output"]}]
     else:
         raise ChatError(f"no conversation in it: expected \"messages\", \"conversations\" or \"instruction\" + "
                         f"\"output\", found keys {sorted(record)}")
@@ -84,33 +95,100 @@ def _turns(items, key: str, role_key: str, content_key: str, roles: dict) -> lis
     for i, item in enumerate(items):
         if not isinstance(item, dict) or role_key not in item or content_key not in item:
             raise ChatError(f"{key}[{i}] must be an object with \"{role_key}\" and \"{content_key}\"")
-        if item[role_key] not in roles:
+        if not isinstance(item[role_key], str) or item[role_key] not in roles:
             raise ChatError(f"{key}[{i}] has the unknown role {item[role_key]!r}; known: {', '.join(roles)}")
-        turns.append({"role": roles[item[role_key]], "content": str(item[content_key])})
+        turns.append({"role": roles[item[role_key]],
+                      "content": _text(item[content_key], f"{key}[{i}].{content_key}", "tool_calls" in item)})
     return turns
+
+
+TEXT_PART = '{"type": "text", "text": "..."}'
+
+
+def _text(content, where: str, tool_calls: bool = False) -> str:
+    """A turn's content as text: a string, or the concatenated texts of a list of OpenAI text parts."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if tool_calls:
+            raise ChatError(f"{where} is null, a turn of tool_calls: tool calls are not trained on")
+        raise ChatError(f"{where} is null: a turn's content must be a string or a list of text parts {TEXT_PART}")
+    if not isinstance(content, list):
+        raise ChatError(f"{where} must be a string or a list of text parts {TEXT_PART}, not {json_kind(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ChatError(f"{where}[{j}] must be a text part {TEXT_PART}, not {json_kind(part)}")
+        if part.get("type") != "text":
+            raise ChatError(f"{where}[{j}] is a part of type {part.get('type')!r}: only text parts {TEXT_PART} are "
+                            f"trained on")
+        if not isinstance(part.get("text"), str):
+            raise ChatError(f"{where}[{j}].text must be a string, not {json_kind(part.get('text'))}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+
+
+def json_kind(value) -> str:
+    """A JSON value as a message names it: its kind and, but for null, how it begins."""
+    if value is None:
+        return "null"
+    return f"{JSON_KINDS.get(type(value), type(value).__name__)} ({json.dumps(value, ensure_ascii=False)[:40]})"
 
 
 def read_conversations(path: str):
     """(line number, format, turns) of each record of a JSONL file; ChatError names the file and line."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
             try:
-                yield (number, *conversation(json.loads(line)))
+                text = line.decode("utf-8")
+                if text.strip():
+                    yield (number, *conversation(json.loads(text)))
+            except UnicodeDecodeError as e:
+                raise ChatError(f"{path}:{number}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})"
+                                ) from None
             except json.JSONDecodeError as e:
                 raise ChatError(f"{path}:{number}: not JSON ({e.msg})") from None
+            except RecursionError:
+                raise ChatError(f"{path}:{number}: JSON nested too deeply to read") from None
             except ChatError as e:
                 raise ChatError(f"{path}:{number}: {e}") from None
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that is not Jinja (syntax), or that raised while it rendered a conversation (render): Jinja's
+    message and the template's line (None where none is known), and whether the template's raise_exception refused
+    the conversation. Callers name the template and the conversation."""
+
+    def __init__(self, problem: str, line: int | None, syntax: bool, refused: bool = False):
+        self.problem, self.line, self.syntax = problem, line, syntax
+        self.refused = refused  # by the template's own raise_exception(...): the conversation may be what is wrong
+        super().__init__(self.describe("the chat template", "a conversation"))
+
+    def describe(self, template: str, conversation: str) -> str:
+        """'TEMPLATE is not valid Jinja at line N (PROBLEM)', or 'TEMPLATE fails at line N on CONVERSATION
+        (PROBLEM)'."""
+        at = f" at line {self.line}" if self.line is not None else ""
+        if self.syntax:
+            return f"{template} is not valid Jinja{at} ({self.problem})"
+        return f"{template} fails{at} on {conversation} ({self.problem})"
+
+
 class ChatTemplate:
-    """A Jinja chat template, rendered with the spans of its `{% generation %}` blocks."""
+    """A Jinja chat template, rendered with the spans of its `{% generation %}` blocks. A template that is not
+    Jinja, or that raises as it renders, raises ChatTemplateError with the template's line."""
 
     def __init__(self, source: str):
+        import jinja2
+
         self.source = source
         self._spans = ContextVar("generation_spans", default=None)
-        self.template = _environment(self._spans).from_string(source)
+        try:
+            self.template = _environment(self._spans).from_string(source)
+        except jinja2.TemplateSyntaxError as e:  # and TemplateAssertionError: an unknown filter or test
+            raise ChatTemplateError(_one_line(e.message or type(e).__name__), e.lineno, syntax=True) from None
         self.marks_generation = "generation" in source and "endgeneration" in source
 
     def render(self, turns: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
@@ -120,9 +198,28 @@ class ChatTemplate:
         try:
             for block in self.template.generate(messages=turns, add_generation_prompt=add_generation_prompt):
                 blocks.append(block)
+        except Exception as e:  # anything the template's code raised: an undefined name called, a filter, ...
+            raised = getattr(e, "raised_by_template", False)
+            problem = f"raise_exception: {e}" if raised else f"{type(e).__name__}: {e}"
+            raise ChatTemplateError(_one_line(problem), self._line(e.__traceback__), False, raised) from None
         finally:
             self._spans.reset(token)
         return "".join(blocks), spans
+
+    def _line(self, tb) -> int | None:
+        """The template line of the innermost frame of template code in a traceback: Jinja rewrites the frames of
+        a compiled template into frames of its file name (the template's, "<template>" for one from a string) and
+        its line."""
+        line = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == (self.template.filename or "<template>"):
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        return line
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 def _environment(spans: ContextVar):
@@ -148,8 +245,10 @@ def _environment(spans: ContextVar):
                 found.append((start, start + len(text)))
             return text
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+    def raise_exception(message):  # as transformers defines it, marked as the template's own refusal
+        error = jinja2.exceptions.TemplateError(message)
+        error.raised_by_template = True
+        raise error
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(

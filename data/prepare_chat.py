@@ -10,14 +10,24 @@ written as one document, with its loss mask beside its tokens (train.mask, val.m
 the assistant's tokens of every turn; with --train_on last, of the last; with everything, on every token). A
 conversation of more than --context + 1 tokens, which no training window of that context holds whole, is cut to
 it (--overlong truncate) or left out (drop); one left without a supervised token is left out; both are counted
-in meta.json and printed.
+in meta.json and printed. A bad record, a template that is not Jinja or fails on a conversation, and a
+tokenizer_config.json that holds no template string end the preparation in one line (the file, the line, the fix).
 Conversations are rendered and tokenized in this one process: fine-tuning sets are small next to corpora.
 """
 import hashlib
 import json
 import os
 
-from data.chat import BUILTIN_TEMPLATES, ChatError, ChatTemplate, read_conversations, supervised_mask, tokenize
+from data.chat import (
+    BUILTIN_TEMPLATES,
+    ChatError,
+    ChatTemplate,
+    ChatTemplateError,
+    json_kind,
+    read_conversations,
+    supervised_mask,
+    tokenize,
+)
 from data.prepare import SPLITS, _earlier_dataset, _finish, _workspace, in_val
 from data.readers import InputError, expand_inputs
 from data.tokenizers import EOT, CharTokenizer, parse_spec, train_bpe
@@ -35,16 +45,45 @@ def chat_template(spec: str | None, tokenizer_spec) -> tuple[str, str]:
         if not os.path.isfile(spec):
             raise InputError(f"--chat_template {spec} is neither a file nor a built-in template "
                              f"({', '.join(BUILTIN_TEMPLATES)}); pass a Jinja template file or a built-in name")
-        with open(spec, encoding="utf-8") as f:
-            return os.path.abspath(spec), f.read()
+        return os.path.abspath(spec), _read_text(spec, "pass a Jinja chat template file")
     if isinstance(tokenizer_spec, str) and tokenizer_spec.endswith(".json"):
         config = os.path.join(os.path.dirname(os.path.abspath(tokenizer_spec)), TOKENIZER_CONFIG)
-        template = json.load(open(config)).get("chat_template") if os.path.isfile(config) else None
+        fix = "pass --chat_template FILE (a Jinja chat template), or --chat_template plain"
+        if not os.path.isfile(config):
+            raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: {fix}")
+        try:
+            record = json.loads(_read_text(config, f"correct it, or {fix}"))
+        except json.JSONDecodeError as e:
+            raise InputError(f"{config} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix: correct it, "
+                             f"or {fix}") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{config} is {json_kind(record)}, not a JSON object; fix: correct it, or {fix}")
+        template = record.get("chat_template")
+        if template is None:
+            raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: {fix}")
         if not isinstance(template, str):
-            raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: pass --chat_template FILE (a "
-                             f"Jinja chat template), or --chat_template plain")
+            raise InputError(f"the chat_template of {config} is {json_kind(template)}, not a string (a Jinja "
+                             f"template); fix: {fix}")
         return config, template
     return "plain", BUILTIN_TEMPLATES["plain"]
+
+
+def _read_text(path: str, fix: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start:,}); fix: {fix}"
+                         ) from None
+
+
+def template_label(name: str) -> str:
+    """How a message names the template chat_template() returned as `name`."""
+    if name in BUILTIN_TEMPLATES:
+        return f"the built-in template {name}"
+    if os.path.basename(name) == TOKENIZER_CONFIG:
+        return f"the chat_template of {name}"
+    return f"the chat template {name}"
 
 
 def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", template_spec: str | None = None,
@@ -57,10 +96,15 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     not_jsonl = [f for f in files if not f.endswith(".jsonl")]
     if not_jsonl:
         raise InputError(f"input {not_jsonl[0]} is not a .jsonl file: conversations are read from JSONL records")
+    tokenizer_kind = parse_spec(tokenizer_spec)  # a tokenizer.json that is not one ends here, before any rendering
     name, source = chat_template(template_spec, tokenizer_spec)
-    template = ChatTemplate(source)
+    try:
+        template = ChatTemplate(source)
+    except ChatTemplateError as e:
+        raise InputError(f"{e.describe(template_label(name), '')}; fix: correct the template at that line, or pass "
+                         f"another --chat_template FILE") from None
     if not template.marks_generation:
-        raise InputError(f"the chat template {name} marks no assistant part ({{% generation %}} ... "
+        raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... "
                          f"{{% endgeneration %}}): add the marks around each assistant turn's content and end-of-turn")
     stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in files]
     job = hashlib.sha256(json.dumps(["chat", stats, str(tokenizer_spec), source, train_on, context, overlong,
@@ -73,7 +117,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
         raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
                          f"would replace; fix: pass --force to replace it, or another --out_dir")
 
-    conversations, formats = [], {}
+    conversations, formats, texts = [], {}, []
     for path in files:
         try:
             for line, kind, turns in read_conversations(path):
@@ -81,12 +125,23 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                     raise InputError(f"{path}:{line}: a {kind} record in a file of {formats[path]} records: keep one "
                                      f"format a file")
                 conversations.append(turns)
+                texts.append(template.render(turns)[0])
         except ChatError as e:
             raise InputError(f"{e}; fix the record or leave it out") from None
+        except ChatTemplateError as e:
+            at = " at that line" if e.line else ""
+            fix = (f"leave the record out, or correct the template{at}" if e.refused else
+                   f"correct the template{at}, or pass another --chat_template FILE")
+            raise InputError(f"{e.describe(template_label(name), f'the conversation {path}:{line}')}; fix: {fix}"
+                             ) from None
     if not conversations:
         raise InputError(f"no conversation in {', '.join(files)}: the inputs are empty")
-    texts = [template.render(turns)[0] for turns in conversations]
-    tok = _tokenizer(tokenizer_spec, texts)
+    tok = _tokenizer(tokenizer_kind, texts)
+    end_of_turn = _end_of_turn(template, tok, conversations[0])
+    if end_of_turn is None:
+        raise InputError(f"{template_label(name)} marks no token of the first assistant turn of {files[0]} (its "
+                         f"{{% generation %}} blocks render nothing there); fix: put the marks around each assistant "
+                         f"turn's content and end-of-turn")
 
     workspace = _workspace(out_dir, job)
     prefix = os.path.join(workspace, "shards", "chat")
@@ -108,10 +163,12 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
         writer.write(split, [ids], [mask])
         supervised[split] += sum(mask[1:])
     writer.close()
+    if not any(supervised.values()):
+        raise InputError(f"none of the {len(conversations):,} conversations keeps an assistant token within "
+                         f"--context {context}; fix: pass the model's block_size as --context")
     print(f"{len(conversations):,} conversations: {counts['truncated']:,} cut to {context + 1:,} tokens, "
           f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
           f"{counts['dropped_unsupervised']:,} left out with no assistant token within the context")
-    end_of_turn = _end_of_turn(template, tok, conversations[0])
     record = {"chat": {"formats": formats, "template": name, "chat_template": source, "train_on": train_on,
                        "end_of_turn_id": end_of_turn, "end_of_turn": tok.decode([end_of_turn]),
                        "context": context, "overlong": overlong, "conversations": len(conversations), **counts,
@@ -120,17 +177,19 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                    None, record)
 
 
-def _end_of_turn(template: ChatTemplate, tok, turns: list[dict]) -> int:
+def _end_of_turn(template: ChatTemplate, tok, turns: list[dict]) -> int | None:
     """The token that ends an assistant turn (the last of the first assistant part of `turns`): where generation
-    stops."""
+    stops. None where the template marks no token."""
     text, spans = template.render(turns)
     ids, offsets = tok.encode_with_offsets(text)
-    return ids[max(i for i, m in enumerate(supervised_mask(offsets, spans[:1])) if m)]
+    marked = [i for i, m in enumerate(supervised_mask(offsets, spans[:1])) if m]
+    return ids[marked[-1]] if marked else None
 
 
-def _tokenizer(spec, texts: list[str]):
-    """The tokenizer named by --tokenizer; char and bpe:SIZE are built from the rendered conversations."""
-    kind, ready = parse_spec(spec)
+def _tokenizer(parsed: tuple, texts: list[str]):
+    """The tokenizer of --tokenizer (parse_spec's reading); char and bpe:SIZE are built from the rendered
+    conversations."""
+    kind, ready = parsed
     if kind == "ready":
         return ready
     if kind == "char":

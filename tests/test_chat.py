@@ -6,7 +6,15 @@ import pytest
 
 from chats import CHATML, CONVERSATIONS, chatml_bpe
 from corpora import byte_level_encoding
-from data.chat import BUILTIN_TEMPLATES, ChatError, ChatTemplate, conversation, read_conversations, tokenize
+from data.chat import (
+    BUILTIN_TEMPLATES,
+    ChatError,
+    ChatTemplate,
+    ChatTemplateError,
+    conversation,
+    read_conversations,
+    tokenize,
+)
 from data.tokenizers import EOT, CharTokenizer, HFTokenizer, TiktokenTokenizer
 
 # No separator between a user turn and the answer: a token can straddle the answer's first character (transformers
@@ -79,6 +87,10 @@ def test_the_three_formats_are_one_conversation():
     assert conversation({"instruction": "Sort: 3 1 2", "input": "", "output": "1 2 3"})[1] == kinds[0][1]
 
 
+PART = '{"type": "text", "text": "..."}'
+
+
+# (a record's line, the error's start: "$" ends it)
 @pytest.mark.parametrize("line, message", [
     ("{not json", "not JSON"),
     ('{"text": "plain"}', "no conversation in it"),
@@ -88,14 +100,104 @@ def test_the_three_formats_are_one_conversation():
     ('{"messages": [{"role": "user", "content": "hi"}]}', "the conversation has no assistant turn"),
     ('{"conversations": []}', "\"conversations\" must be a non-empty list"),
     ('[1, 2]', "a record must be a JSON object"),
-], ids=["not-json", "no-messages", "unknown-role", "empty-answer", "no-assistant", "empty-list", "not-an-object"])
+    ('{"messages": [{"role": ["user"], "content": "hi"}]}', "messages[0] has the unknown role ['user']"),
+    ('{"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "a"}]}',
+     f"messages[0].content must be a string or a list of text parts {PART}, not a number (42)$"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]}',
+     f"messages[1].content is null: a turn's content must be a string or a list of text parts {PART}$"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": []}]}',
+     "messages[1].content is null, a turn of tool_calls: tool calls are not trained on$"),
+    ('{"messages": [{"role": "user", "content": {"text": "q"}}, {"role": "assistant", "content": "a"}]}',
+     f'messages[0].content must be a string or a list of text parts {PART}, not an object ({{"text": "q"}})$'),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}, {"type": "image_url", "image_url": '
+     '{"url": "x.png"}}]}, {"role": "assistant", "content": "a"}]}',
+     f"messages[0].content[1] is a part of type 'image_url': only text parts {PART} are trained on$"),
+    ('{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, {"role": "assistant", '
+     '"content": "a"}]}', "messages[0].content[0] is a part of type 'input_audio'"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"text": "a"}]}]}',
+     "messages[1].content[0] is a part of type None"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": 1}]}'
+     ']}',
+     "messages[1].content[0].text must be a string, not a number (1)$"),
+    ('{"conversations": [{"from": "human", "value": ["q"]}, {"from": "gpt", "value": "a"}]}',
+     f'conversations[0].value[0] must be a text part {PART}, not a string ("q")$'),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": null}]}',
+     "conversations[1].value is null"),
+    ('{"instruction": "q", "output": 3}', '"output" must be a string, not a number (3)$'),
+    ('{"instruction": ["q"], "input": "", "output": "a"}', '"instruction" must be a string, not a list (["q"])$'),
+    ('{"instruction": "q", "input": false, "output": "a"}', '"input" must be a string, not a boolean (false)$'),
+    ("[" * 100_000, "JSON nested too deeply to read$"),
+], ids=["not-json", "no-messages", "unknown-role", "empty-answer", "no-assistant", "empty-list", "not-an-object",
+        "role-list", "content-number", "content-null", "tool-calls", "content-object", "image-part", "audio-part",
+        "untyped-part", "text-number", "sharegpt-strings", "sharegpt-null", "alpaca-output", "alpaca-instruction",
+        "alpaca-input", "deep"])
 def test_a_bad_record_is_named_with_its_file_and_line(tmp_path, line, message):
     path = tmp_path / "chats.jsonl"
     good = json.dumps({"messages": CONVERSATIONS[0]})
     path.write_text(f"{good}\n\n{good}\n{line}\n")
     with pytest.raises(ChatError) as e:
         list(read_conversations(str(path)))
-    assert str(e.value).startswith(f"{path}:4: {message}")
+    expected = f"{path}:4: {message.removesuffix('$')}"
+    assert str(e.value) == expected if message.endswith("$") else str(e.value).startswith(expected)
+
+
+def test_a_line_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(json.dumps({"messages": CONVERSATIONS[0]}).encode() + b"\n" + "{\"é\": 1}\n".encode("latin-1"))
+    with pytest.raises(ChatError) as e:
+        list(read_conversations(str(path)))
+    assert str(e.value) == f"{path}:2: not UTF-8 text (byte 0xe9 at column 3)"
+
+
+def test_text_parts_are_concatenated_into_the_turns_content():
+    """OpenAI's content parts, in messages and in ShareGPT: the texts joined as they are; null is no input."""
+    parts = [{"type": "text", "text": "Sort: "}, {"type": "text", "text": "3 1 2\n"}, {"type": "text", "text": ""}]
+    answer = [{"type": "text", "text": "1 2 3"}]
+    messages = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": answer}]}
+    sharegpt = {"conversations": [{"from": "human", "value": parts}, {"from": "gpt", "value": answer}]}
+    turns = [{"role": "user", "content": "Sort: 3 1 2\n"}, {"role": "assistant", "content": "1 2 3"}]
+    assert conversation(messages) == ("messages", turns) and conversation(sharegpt) == ("sharegpt", turns)
+    assert conversation({"instruction": "Sort: 3 1 2\n", "input": None, "output": "1 2 3"})[1] == turns
+    with pytest.raises(ChatError, match="an assistant turn is empty"):
+        conversation({"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": []}]})
+
+
+TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+LOOP = "{% for m in messages %}\n{% generation %}{{ m.content }}{% endgeneration %}\n"
+
+
+@pytest.mark.parametrize("source, line, problem", [
+    (LOOP + "{{ foo() }}{% endfor %}", 3, "UndefinedError: 'foo' is undefined"),
+    (LOOP + "\n{{ settings.bos }}{% endfor %}", 4, "UndefinedError: 'settings' is undefined"),
+    (LOOP + "{{ m.content | format(1) }}{% endfor %}", 3,
+     "TypeError: not all arguments converted during string formatting"),
+    (LOOP + "{% if m.role == 'user' %}\n{{ raise_exception('Only\\nassistants') }}{% endif %}{% endfor %}", 4,
+     "raise_exception: Only assistants"),
+    ("{% for m in messages %}{% generation %}\n\n{{ m.content.missing.deeper }}{% endgeneration %}{% endfor %}", 3,
+     "UndefinedError: 'str object' has no attribute 'missing'"),
+    ("{% macro turn(m) %}\n{{ m.nope() }}\n{% endmacro %}\n{% for m in messages %}{{ turn(m) }}{% endfor %}", 2,
+     "UndefinedError: 'dict object' has no attribute 'nope'"),
+], ids=["undefined-call", "undefined-attribute", "filter", "raise-exception", "in-generation", "in-macro"])
+def test_a_template_that_fails_as_it_renders_names_its_line(source, line, problem):
+    """The template's line of the innermost template frame of Jinja's traceback, and Jinja's message on one line."""
+    with pytest.raises(ChatTemplateError) as e:
+        ChatTemplate(source).render(TURNS)
+    assert (e.value.line, e.value.problem, e.value.syntax) == (line, problem, False)
+    assert e.value.refused == problem.startswith("raise_exception")
+    assert e.value.describe("T", "C") == f"T fails at line {line} on C ({problem})"
+
+
+@pytest.mark.parametrize("source, line, problem", [
+    ("{% for m in messages %}\n\n{{ m.content }\n{% endfor %}", 3, "unexpected '}'"),
+    ("{% for m in messages %}\n{{ m.content | shout }}{% endfor %}", 2, "No filter named 'shout'."),
+    ("{% for m in messages %}\n{% generation %}{{ m.content }}", 2, "Unexpected end of template. Jinja was looking for "
+     "the following tags: 'endgeneration'. The innermost block that needs to be closed is 'generation'."),
+], ids=["syntax", "unknown-filter", "unclosed"])
+def test_a_template_that_is_not_jinja_names_its_line(source, line, problem):
+    with pytest.raises(ChatTemplateError) as e:
+        ChatTemplate(source)
+    assert (e.value.line, e.value.problem, e.value.syntax) == (line, problem, True)
+    assert e.value.describe("T", "C") == f"T is not valid Jinja at line {line} ({problem})"
 
 
 def test_train_on_everything_supervises_every_token(bpe):

@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+import sample
 from chats import documents, reverse_tasks
 from common.checks import ConfigError
 from data.conversations import ChatData
 from data.loader import IGNORE, TokenData, open_data
 from data.prepare_chat import prepare_chat
+from data.tokenizers import CharTokenizer
 from harness import run
+from refusals import assert_refused
 from training.topology import Layout
 
 CPU = torch.device("cpu")
@@ -95,3 +98,18 @@ def test_sample_chat_refuses_a_model_trained_on_text(checkpointed_run):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert ("error: --chat needs a model fine-tuned on conversations (data.prepare --format chat), whose chat "
             "template it applies; this one was trained on text: sample it with --prompt") in proc.stderr
+
+
+def test_sample_chat_refuses_a_template_that_fails_on_the_prompt_in_one_line(monkeypatch, capsys):
+    """A recorded template that rendered every conversation but fails with add_generation_prompt, which only
+    sampling renders: one line naming the template's line and Jinja's message."""
+    template = ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+                "{% if add_generation_prompt %}\n{{ assistant_prefix.strip() }}{% endif %}")
+    meta = {"chat": {"chat_template": template, "template": "/models/t.jinja", "context": 64, "end_of_turn_id": 0,
+                     "end_of_turn": "\n"}}
+    monkeypatch.setattr(sample, "load_trained", lambda *args: (None, None, CharTokenizer(list("hi\n")), meta))
+    assert_refused(sample.main, ["--out_dir", "run", "--chat", "hi"], "--chat 'hi': the model's chat template "
+                   "(meta.json chat.chat_template, from /models/t.jinja) fails at line 2 on the message "
+                   "(UndefinedError: 'assistant_prefix' is undefined); fix: correct the template so it renders a user "
+                   "message with add_generation_prompt, and prepare the conversations again with it (python -m "
+                   "data.prepare --format chat --chat_template FILE)$", {}, capsys, [])

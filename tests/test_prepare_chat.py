@@ -1,14 +1,19 @@
 """`python -m data.prepare --format chat`: conversations into tokens and loss masks (data/prepare_chat.py). The
 masks written are transformers' assistant masks; the three record formats give one dataset; overlong
-conversations are cut or left out and counted; bad records end the preparation with their file and line."""
+conversations are cut or left out and counted; bad records, templates and tokenizer files end the preparation in
+one line naming the file (and line), with the earlier dataset kept."""
+import json
+import shutil
 import sys
 
 import pytest
 
+import data.prepare
 from chats import CHATML, CONVERSATIONS, chatml_folder, documents, write_jsonl
 from data.prepare_chat import prepare_chat
 from data.readers import InputError
 from harness import run
+from refusals import assert_refused, command
 
 # Short conversations enough for both splits at val_fraction 0.3.
 FILLER = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}] for i in range(12)]
@@ -97,3 +102,137 @@ def test_mixed_formats_in_one_file_and_templates_without_marks_are_refused(tmp_p
     good = write_jsonl(tmp_path / "good.jsonl", [{"messages": CONVERSATIONS[0]}])
     with pytest.raises(InputError, match=r"marks no assistant part"):
         prepare_chat([good], str(tmp_path / "b"), "char", str(unmarked))
+
+
+def bad_chat_inputs(folder, tokenizer_json) -> None:
+    """The files CHAT_ROWS hand data.prepare: records of each format, templates and tokenizer folders that are not
+    what they should be, and a good JSONL."""
+    write_jsonl(folder / "good.jsonl", [{"messages": t} for t in FILLER])
+    user, answer = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+    records = {
+        "number.jsonl": {"messages": [{"role": "user", "content": 42}, answer]},
+        "null.jsonl": {"messages": [user, {"role": "assistant", "content": None}]},
+        "tool_calls.jsonl": {"messages": [user, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+        "image.jsonl": {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, {
+            "type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}, answer]},
+        "sharegpt.jsonl": {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": 7.5}]},
+        "alpaca.jsonl": {"instruction": "q", "input": ["x"], "output": "a"},
+    }
+    for name, record in records.items():
+        write_jsonl(folder / name, [{"messages": FILLER[0]} if "messages" in record else record, record])
+    (folder / "latin1.jsonl").write_bytes('{"instruction": "caf\u00e9", "output": "a"}\n'.encode("latin-1"))
+    loop = "{% for m in messages %}\n{% generation %}{{ m.content }}{% endgeneration %}\n"
+    templates = {
+        "syntax.jinja": "{% for m in messages %}\n\n{{ m.content }\n{% endfor %}",
+        "no_filter.jinja": "{% for m in messages %}\n{{ m.content | shout }}{% endfor %}",
+        "call.jinja": loop + "{{ bos() }}{% endfor %}",
+        "attribute.jinja": loop + "\n{{ settings.bos }}{% endfor %}",
+        "filter.jinja": loop + "{{ m.content | format(1) }}{% endfor %}",
+        "raise.jinja": loop + "{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+                              "{% endif %}{% endfor %}",
+        "unmarked_first.jinja": "{% for m in messages %}{% if m.role == 'bot' %}{% generation %}{% endgeneration %}"
+                                "{% endif %}{{ m.content }}\n{% endfor %}",
+    }
+    for name, source in templates.items():
+        (folder / name).write_text(source)
+    (folder / "latin1.jinja").write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
+    write_jsonl(folder / "system.jsonl", [{"messages": FILLER[0]}, {"messages": CONVERSATIONS[1]}])
+    configs = {
+        "config_not_json": '{"chat_template": "x",}',
+        "config_number": json.dumps({"chat_template": 3}),
+        "config_named": json.dumps({"chat_template": [{"name": "default", "template": CHATML}]}),
+        "config_list": json.dumps([CHATML]),
+        "config_raise": json.dumps({"chat_template": templates["raise.jinja"]}),
+        "bad_tokenizer": json.dumps({"chat_template": CHATML}),
+    }
+    for name, config in configs.items():
+        (folder / name).mkdir()
+        shutil.copyfile(tokenizer_json, folder / name / "tokenizer.json")
+        (folder / name / "tokenizer_config.json").write_text(config)
+    (folder / "bad_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+
+
+PART = '{{"type": "text", "text": "..."}}'  # braces doubled: a row's message is formatted with the paths
+TEMPLATE_FIX = "fix: correct the template at that line, or pass another --chat_template FILE$"
+CONFIG_FIX = "pass --chat_template FILE (a Jinja chat template), or --chat_template plain$"
+# (flags, the one error line after "error: "; "$": it ends there)
+CHAT_ROWS = [
+    ({"--input": "{inputs}/number.jsonl"}, "{inputs}/number.jsonl:2: messages[0].content must be a string or a list "
+     f"of text parts {PART}, not a number (42); fix the record or leave it out$"),
+    ({"--input": "{inputs}/null.jsonl"}, "{inputs}/null.jsonl:2: messages[1].content is null: a turn's content must "
+     f"be a string or a list of text parts {PART}; fix the record or leave it out$"),
+    ({"--input": "{inputs}/tool_calls.jsonl"}, "{inputs}/tool_calls.jsonl:2: messages[1].content is null, a turn of "
+     "tool_calls: tool calls are not trained on; fix the record or leave it out$"),
+    ({"--input": "{inputs}/image.jsonl"}, "{inputs}/image.jsonl:2: messages[0].content[1] is a part of type "
+     f"'image_url': only text parts {PART} are trained on; fix the record or leave it out$"),
+    ({"--input": "{inputs}/sharegpt.jsonl"}, "{inputs}/sharegpt.jsonl:1: conversations[1].value must be a string or a "
+     f"list of text parts {PART}, not a number (7.5); fix the record or leave it out$"),
+    ({"--input": "{inputs}/alpaca.jsonl"}, '{inputs}/alpaca.jsonl:1: "input" must be a string, not a list (["x"]); '
+     "fix the record or leave it out$"),
+    ({"--input": "{inputs}/latin1.jsonl"}, "{inputs}/latin1.jsonl:1: not UTF-8 text (byte 0xe9 at column 21); fix the "
+     "record or leave it out$"),
+    ({"--chat_template": "{inputs}/syntax.jinja"}, "the chat template {inputs}/syntax.jinja is not valid Jinja at line "
+     "3 (unexpected '}}'); " + TEMPLATE_FIX),
+    ({"--chat_template": "{inputs}/no_filter.jinja"}, "the chat template {inputs}/no_filter.jinja is not valid Jinja "
+     f"at line 2 (No filter named 'shout'.); {TEMPLATE_FIX}"),
+    ({"--chat_template": "{inputs}/call.jinja"}, "the chat template {inputs}/call.jinja fails at line 3 on the "
+     f"conversation {{inputs}}/good.jsonl:1 (UndefinedError: 'bos' is undefined); {TEMPLATE_FIX}"),
+    ({"--chat_template": "{inputs}/attribute.jinja"}, "the chat template {inputs}/attribute.jinja fails at line 4 on "
+     f"the conversation {{inputs}}/good.jsonl:1 (UndefinedError: 'settings' is undefined); {TEMPLATE_FIX}"),
+    ({"--chat_template": "{inputs}/filter.jinja"}, "the chat template {inputs}/filter.jinja fails at line 3 on the "
+     "conversation {inputs}/good.jsonl:1 (TypeError: not all arguments converted during string formatting); "
+     f"{TEMPLATE_FIX}"),
+    ({"--chat_template": "{inputs}/raise.jinja", "--input": "{inputs}/system.jsonl"}, "the chat template "
+     "{inputs}/raise.jinja fails at line 3 on the conversation {inputs}/system.jsonl:2 (raise_exception: System role "
+     "not supported); fix: leave the record out, or correct the template at that line$"),
+    ({"--chat_template": "{inputs}/unmarked_first.jinja"}, "the chat template {inputs}/unmarked_first.jinja marks no "
+     "token of the first assistant turn of {inputs}/good.jsonl (its {{% generation %}} blocks render nothing there); "
+     "fix: put the marks around each assistant turn's content and end-of-turn$"),
+    ({"--chat_template": "{inputs}/latin1.jinja"}, "{inputs}/latin1.jinja is not UTF-8 text (byte 0xe9 at offset 7); "
+     "fix: pass a Jinja chat template file$"),
+    ({"--tokenizer": "{inputs}/config_not_json/tokenizer.json"}, "{inputs}/config_not_json/tokenizer_config.json is "
+     f"not JSON (Expecting property name enclosed in double quotes at line 1, column 23); fix: correct it, or "
+     f"{CONFIG_FIX}"),
+    ({"--tokenizer": "{inputs}/config_number/tokenizer.json"}, "the chat_template of {inputs}/config_number/"
+     f"tokenizer_config.json is a number (3), not a string (a Jinja template); fix: {CONFIG_FIX}"),
+    ({"--tokenizer": "{inputs}/config_named/tokenizer.json"}, "the chat_template of {inputs}/config_named/"
+     'tokenizer_config.json is a list ([{{"name": "default", "template": "{{% for), not a string (a Jinja '
+     "template); fix: " + CONFIG_FIX),
+    ({"--tokenizer": "{inputs}/config_list/tokenizer.json"}, "{inputs}/config_list/tokenizer_config.json is a list "
+     '(["{{% for message in messages %}}<|im_star), not a JSON object; fix: correct it, or ' + CONFIG_FIX),
+    ({"--tokenizer": "{inputs}/config_raise/tokenizer.json", "--input": "{inputs}/system.jsonl"}, "the chat_template "
+     "of {inputs}/config_raise/tokenizer_config.json fails at line 3 on the conversation {inputs}/system.jsonl:2 "
+     "(raise_exception: System role not supported); fix: leave the record out, or correct the template at that line$"),
+    ({"--tokenizer": "{inputs}/bad_tokenizer/tokenizer.json"}, "could not read the tokenizer file "
+     "{inputs}/bad_tokenizer/tokenizer.json (Exception: EOF while parsing a value at line 1 column 28): pass a Hugging "
+     "Face tokenizer.json, e.g. --tokenizer path/to/Meta-Llama-3-8B/tokenizer.json$"),
+    ({"--context": "1"}, "none of the 12 conversations keeps an assistant token within --context 1; fix: pass the "
+     "model's block_size as --context$"),
+]
+
+
+@pytest.fixture(scope="module")
+def chat_inputs(tmp_path_factory, chatml_tokenizer):
+    folder = tmp_path_factory.mktemp("bad_chats")
+    bad_chat_inputs(folder, chatml_tokenizer / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory, chat_inputs):
+    """A conversation dataset that each refused preparation, with --force, would have replaced."""
+    out = tmp_path_factory.mktemp("earlier") / "data"
+    prepare_chat([str(chat_inputs / "good.jsonl")], str(out), "char", val_fraction=0.3)
+    return out
+
+
+@pytest.mark.parametrize("flags,message", CHAT_ROWS, ids=[next(iter(f)) + "=" + list(f.values())[0].split("/")[-2 if
+                                                          f.get("--tokenizer") else -1] for f, _ in CHAT_ROWS])
+def test_prepare_chat_refuses(chat_inputs, earlier, tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    shutil.copytree(earlier, out)
+    paths = {"inputs": chat_inputs}
+    base = {"--format": "chat", "--input": "{inputs}/good.jsonl", "--out_dir": str(out), "--force": True,
+            "--val_fraction": "0.3"}
+    assert_refused(data.prepare.main, command(base, flags, paths), message, paths, capsys, [chat_inputs, out])
