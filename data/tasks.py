@@ -83,7 +83,8 @@ def read_task(path: str, tokenizer, limit: int | None = None, name: str | None =
                 context, endings, label = example_fields(json.loads(line))
                 pairs = [pair_ids(tokenizer, context, DELIMITER + ending) for ending in endings]
                 examples.append(Example(pairs[0][0], [ending for _, ending in pairs], label))
-            except ValueError as e:  # malformed JSON or fields, or a character outside a char vocabulary
+            except (ValueError, RecursionError) as e:  # bad JSON (or nested too deep), fields, or a character
+                # outside a char vocabulary
                 raise ConfigError(f"{path}, line {number}: {e}; fix: write one example a line in {FORMAT}, in text "
                                   f"the run's {tokenizer.name} tokenizer encodes") from None
     if not examples:
@@ -107,7 +108,8 @@ def example_fields(record) -> tuple[str, list[str], int]:
     if isinstance(label, str) and label.isdigit():  # the Hugging Face copy of HellaSwag writes "3"
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
-        raise ValueError(f"label must be the index of the right ending, 0 to {len(endings) - 1}, not {label!r}")
+        raise ValueError(f"label must be the index of the right ending, 0 to {len(endings) - 1}, not "
+                         f"{json.dumps(label)}")
     return context, endings, label
 
 

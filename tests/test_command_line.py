@@ -23,6 +23,8 @@ AS_TYPED = [
     ([sys.executable, "preflight.py", "--min_busbw", "-1"], None, "--min_busbw -1.0: must be >= 0"),
     ([sys.executable, "-m", "training.evaluate", "--out_dir", "{run}", "--tasks", "{tmp}/none.jsonl"], None,
      "--tasks file {tmp}/none.jsonl does not exist"),
+    ([sys.executable, "-m", "training.evaluate", "--out_dir", "{run}", "--tasks", "{inputs}/empty.jsonl"], None,
+     "--tasks file {inputs}/empty.jsonl is empty; fix: pass a JSONL file in HellaSwag's format$"),
     ([sys.executable, "-m", "data.continuation_task", "--input", "{tmp}/none.txt"], None,
      "--input {tmp}/none.txt does not exist; fix: pass tinyshakespeare.txt"),
 ]

@@ -53,16 +53,51 @@ BAD_LINES = [
     ('{"ctx": "café", "endings": ["b", "c"], "label": 0}', "line 2: character 'é' is not in this dataset's "
                                                            "vocabulary; fix: write one example a line in HellaSwag's "
                                                            "format"),
+    ('{"endings": ["b", "c"]}', "line 2: the example lacks ctx, label; fix:"),
+    ('{"ctx": 3, "endings": ["b", "c"], "label": 0}', "line 2: ctx must be a non-empty string; fix:"),
+    ('{"ctx": "a", "endings": "b c", "label": 0}', "line 2: endings must be a list of two or more non-empty strings; "
+                                                   "fix:"),
+    ('{"ctx": "a", "endings": ["b", 2], "label": 0}', "line 2: endings must be a list of two or more non-empty "
+                                                      "strings; fix:"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": -1}', "line 2: label must be the index of the right ending, 0 to "
+                                                         "1, not -1; fix:"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 1.0}', "line 2: label must be the index of the right ending, 0 to "
+                                                          "1, not 1.0; fix:"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": "one"}', 'line 2: label must be the index of the right ending, 0 '
+                                                            'to 1, not "one"; fix:'),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": null}', "line 2: label must be the index of the right ending, 0 "
+                                                           "to 1, not null; fix:"),
+    ('{"ctx": "a", "endings": ["b", "c"], "label": 0} {}', "line 2: Extra data: line 1 column 49 (char 48); fix:"),
+    ("[" * 100_000, "line 2: maximum recursion depth exceeded while decoding a JSON array from a unicode string; "
+                    "fix:"),
 ]
 
 
 @pytest.mark.parametrize("line,message", BAD_LINES, ids=["json", "list", "label", "ctx", "endings", "range", "bool",
-                                                         "vocabulary"])
+                                                         "vocabulary", "missing", "ctx-number", "endings-string",
+                                                         "endings-number", "negative", "float", "label-word", "null",
+                                                         "two-objects", "deep"])
 def test_a_line_that_is_not_an_example_is_refused_with_its_file_and_line(tmp_path, line, message):
     path = write_task(tmp_path / "bad.jsonl", [{"ctx": "a", "endings": ["b", "c"], "label": 0}, line])
     with pytest.raises(ConfigError) as caught:
         read_task(path, CHARS)
     assert f"{path}, {message}" in str(caught.value)
+
+
+FIX = ('fix: write one example a line in HellaSwag\'s format: {"ctx": "...", "endings": ["...", "..."], "label": 0}')
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "{path} holds no examples; " + FIX),
+    (b"\n  \n", "{path} holds no examples; " + FIX),
+    ('{"ctx": "café"}\n'.encode("latin-1"), "{path}, line 1: 'utf-8' codec can't decode byte 0xe9 in position 12: "
+     "invalid continuation byte; " + FIX + ", in text the run's char tokenizer encodes"),
+], ids=["empty", "blank", "latin-1"])
+def test_a_file_without_examples_is_refused_in_one_line(tmp_path, content, message):
+    (tmp_path / "bad.jsonl").write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        read_task(str(tmp_path / "bad.jsonl"), CHARS)
+    assert str(caught.value) == message.replace("{path}", str(tmp_path / "bad.jsonl"))
 
 
 def test_an_ending_longer_than_the_context_is_refused_at_start(tmp_path):
