@@ -31,6 +31,7 @@ from model.tiling import tile_mlps
 from training import checkpoint, hf
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
+from training.divergence import Guard
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.multiple_choice import ChoiceScorer
@@ -81,6 +82,7 @@ class Rank:
     model: torch.nn.Module
     engine: deepspeed.DeepSpeedEngine
     start_step: int
+    batches_skipped: int  # by rewinds (training/divergence.py): step s trains on the batch of step s + this
     log: MetricsLog
     scorer: ChoiceScorer | None  # this rank's share of eval.tasks
     universal_info: dict  # what DeepSpeed's universal converter needs to know of the model (training/checkpoint.py)
@@ -118,10 +120,11 @@ def build_engine(run: Run) -> Rank:
     if isinstance(engine, PipelineEngine):
         assert model.parts == run.parts, f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"
 
-    start_step = 0
+    start_step, batches_skipped = 0, 0
     if run.resume_dir:
         PHASE.now(f"loading {run.resume_dir}")
-        start_step = checkpoint.load(engine, run.resume_dir)
+        state = checkpoint.load(engine, run.resume_dir)
+        start_step, batches_skipped = state["step"], state.get("batches_skipped", 0)
         say(f"resumed from {run.resume_dir} at step {start_step}")
     else:
         say(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
@@ -137,7 +140,8 @@ def build_engine(run: Run) -> Rank:
                           fixed_shape, layout.sp_size) if run.tasks else None
     if scorer:
         say(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
-    return Rank(index, groups.dp_rank, tp, groups.sp, say, model, engine, start_step, log, scorer, universal_info)
+    return Rank(index, groups.dp_rank, tp, groups.sp, say, model, engine, start_step, batches_skipped, log, scorer,
+                universal_info)
 
 
 def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
@@ -165,17 +169,27 @@ def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
 
 def train(run: Run, rank: Rank) -> int:
     """The training loop, from the step after the start (or the checkpoint) to the last; returns the last."""
-    cfg, layout, engine = run.cfg, run.layout, rank.engine
+    cfg = run.cfg
     meter = throughput_meter(run, rank)
     if not run.resume_dir:
         PHASE.now("evaluating at step 0")
         evaluate(run, rank, 0)
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
+    guard = Guard(cfg.train, rank.engine, rank.say, rank.log.log)
+    step = rank.start_step
+    while step < last_step:  # again from a checkpoint after each rewind
+        step = train_steps(run, rank, meter, guard, step, last_step)
+    return last_step
+
+
+def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: int, last_step: int) -> int:
+    """Steps start + 1 to last_step; returns the last, or the step a rewind went back to."""
+    cfg, layout, engine = run.cfg, run.layout, rank.engine
     # Only the first and last pipeline stages read data (inputs, targets); the others get none.
     feeds_data = not rank.pipelined or engine.is_first_stage() or engine.is_last_stage()
-    steps = range(rank.start_step + 1, last_step + 1)
+    steps = range(start + 1, last_step + 1)
     batches = prefetched(lambda s: [rank.sp.split(*batch) for batch in run.data.step_batches(
-        cfg.train.seed, s, rank.dp_rank, layout, run.device)] if feeds_data else [], steps)
+        cfg.train.seed, s + rank.batches_skipped, rank.dp_rank, layout, run.device)] if feeds_data else [], steps)
     for step, micro_batches in zip(steps, batches):
         # Dropout masks, like the data, are a pure function of (seed, rank, step): a resumed run
         # draws what an uninterrupted one would. PipelineModule reseeds per micro-batch from its own count.
@@ -187,18 +201,26 @@ def train(run: Run, rank: Rank) -> int:
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
         loss = train_step(engine, micro_batches, rank.tp, supervised=run.data.CONVERSATIONS)
+        guard.observe(step, loss)
         meter.step()
-        if step == rank.start_step + 1:
-            # The first step after start or resume pays for warm-up (allocations, kernel choices, a compiled
-            # graph) after the step-0 evaluation or the checkpoint load: none of it is throughput.
+        if step == start + 1:
+            # The first step after start, resume or rewind pays for warm-up (allocations, kernel choices, a
+            # compiled graph) after the step-0 evaluation or the checkpoint load: none of it is throughput.
             meter.pause()
-        if step % cfg.train.log_interval == 0 or step == last_step:
+        logs = step % cfg.train.log_interval == 0 or step == last_step
+        saves = (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step
+        if logs:
             log_progress(run, rank, step, loss, lr, meter)
+        if logs or saves:  # where the loss is read anyway, and never a non-finite model saved
+            rewound = guard.check(step, rank.batches_skipped)
+            if rewound:
+                step, rank.batches_skipped = rewound
+                return step
         if (cfg.train.eval_interval and step % cfg.train.eval_interval == 0) or step == last_step:
             PHASE.now(f"evaluating at step {step}")
             evaluate(run, rank, step)
             meter.pause()  # evaluation time is not training throughput
-        if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step:
+        if saves:
             PHASE.now(f"saving the checkpoint of step {step}")
             save(run, rank, step)
             meter.pause()
@@ -225,7 +247,8 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     memory, reserved = peak_memory_gb(run.device)
     rank.log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
-                 peak_mem_gb=memory, reserved_gb=reserved, **run.data.epochs_used(step * run.layout.global_batch))
+                 peak_mem_gb=memory, reserved_gb=reserved,
+                 **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))
     speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
     rank.say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
              f"mem {memory:.2f} GB ({reserved:.2f} reserved)")
@@ -257,7 +280,8 @@ def save(run: Run, rank: Rank, step: int) -> None:
     run_state = {"tag": checkpoint.tag_for(step), "step": step,
                  "tokens_seen": step * run.layout.global_batch * cfg.model.block_size,
                  "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
-                 "layout": run.setup.engine.layout_record(), "data": run.data.record()}
+                 "layout": run.setup.engine.layout_record(), "data": run.data.record(),
+                 "batches_skipped": rank.batches_skipped}
     tag = checkpoint.save(rank.engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints,
                           rank.universal_info)
     rank.say(f"saved {tag}")

@@ -1,10 +1,13 @@
-"""train.py with one rank made to fail, for the fail-fast tests; launched like train.py.
+"""train.py with one rank made to fail or diverge, for the fail-fast and divergence tests; launched like train.py,
+or injected into the ranks tests/ranks.py forks (`inject`), which do so when MEGALITE_FAULT is in their environment.
 
-MEGALITE_FAULT=KIND:RANKS:STEP (RANKS: one rank or several, comma-separated), KIND being `raise` (an
+MEGALITE_FAULT=KIND:RANKS:STEP (RANKS: one rank or several, comma-separated; STEP: the rank's STEP-th training
+step since it started, so a step trained again after a rewind is not hit twice), KIND being `raise` (an
 exception in the training step), `hang` (a sleep inside the step, so the other ranks wait in the step's
-collectives) or `stall` (the rank reports its failure, then stays 30 s with its connections open before it
+collectives), `stall` (the rank reports its failure, then stays 30 s with its connections open before it
 exits: a failure its peers cannot see as a broken connection, as under NCCL, where only the abort key stops
-them).
+them), `nan` (the model's output is NaN in that step: its loss and gradients are not finite) or `spike` (the
+output scaled by 100 in that step: a finite loss far above the others).
 """
 import os
 import sys
@@ -14,15 +17,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from training.failure import exit_now, report_failure, run_rank  # noqa: E402
 
-kind, fault_rank, fault_step = os.environ["MEGALITE_FAULT"].split(":")
-real_train_step = train.train_step
-steps_taken = 0
+SCALES = {"nan": float("nan"), "spike": 100.0}
 
 
-def faulty_train_step(engine, micro_batches, *args, **kwargs):
-    global steps_taken
-    steps_taken += 1
-    if os.environ["RANK"] in fault_rank.split(",") and steps_taken == int(fault_step):
+def inject(fault: str) -> None:
+    """Make train.train_step fail or diverge on this rank as `fault` (KIND:RANKS:STEP) says."""
+    kind, fault_ranks, fault_step = fault.split(":")
+    real_train_step = train.train_step
+    steps_taken = 0
+
+    def faulty_train_step(engine, micro_batches, *args, **kwargs):
+        nonlocal steps_taken
+        steps_taken += 1
+        if os.environ.get("RANK", "0") not in fault_ranks.split(",") or steps_taken != int(fault_step):
+            return real_train_step(engine, micro_batches, *args, **kwargs)
+        if kind in SCALES:
+            scaled = engine.module.register_forward_hook(lambda module, inputs, output: output * SCALES[kind])
+            try:
+                return real_train_step(engine, micro_batches, *args, **kwargs)
+            finally:
+                scaled.remove()
         if kind == "raise":
             raise RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {fault_step}")
         if kind == "stall":
@@ -33,8 +47,10 @@ def faulty_train_step(engine, micro_batches, *args, **kwargs):
             time.sleep(30)
             exit_now(1)
         time.sleep(3600)
-    return real_train_step(engine, micro_batches, *args, **kwargs)
+
+    train.train_step = faulty_train_step
 
 
-train.train_step = faulty_train_step
-run_rank(train.main)
+if __name__ == "__main__":
+    inject(os.environ["MEGALITE_FAULT"])
+    run_rank(train.main)

@@ -80,6 +80,15 @@ BAD_SETTINGS = [
                                   "train.stop_at_step or raise train.max_steps"),
     (["train.dist_timeout_s=0"], "train.dist_timeout_s=0: must be >= 1"),
     (["train.mlp_tiles=0"], "train.mlp_tiles=0: must be >= 1"),
+    (["train.on_nonfinite=ignore"], "train.on_nonfinite='ignore': must be one of stop, skip, rewind; fix: set "
+                                    "train.on_nonfinite to one of them"),
+    (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be >= 1"),
+    (["train.max_rewinds=0"], "train.max_rewinds=0: must be >= 1"),
+    (["train.spike_factor=0.5"], "train.spike_factor=0.5: must be above 1 (a loss that many times its recent mean "
+                                 "is a spike), or 0 to watch no spikes; fix: set train.spike_factor to 3, say, or 0"),
+    (["train.spike_window=0"], "train.spike_window=0: must be >= 1"),
+    (["train.on_spike=skip"], "train.on_spike='skip': must be one of warn, stop, rewind; fix: set train.on_spike to "
+                              "one of them"),
     (["train.init_from=/nonexistent"], "train.init_from='/nonexistent': must be a folder holding a Hugging Face "
                                        "checkpoint"),
     (["sample.prompt=''"], "sample.prompt='': must not be empty"),

@@ -85,6 +85,10 @@ def tag_for(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def tag_step(tag: str) -> int:
+    return int(TAG.match(tag).group(1))
+
+
 def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: dict) -> str:
     """Collective: every rank calls it. uc_info: universal_info of the run. Returns the new tag."""
     root, tag = checkpoint_root(out_dir), tag_for(step)
@@ -116,16 +120,16 @@ def complete_tags(root: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     tags = [t for t in os.listdir(root) if TAG.match(t) and os.path.exists(os.path.join(root, t, MANIFEST))]
-    return sorted(tags, key=lambda t: (int(TAG.match(t).group(1)), t))
+    return sorted(tags, key=lambda t: (tag_step(t), t))
 
 
 def prune(root: str, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints (never fewer than one) and drop older partial ones."""
     complete = complete_tags(root)
-    newest_step = int(TAG.match(complete[-1]).group(1))
+    newest_step = tag_step(complete[-1])
     doomed = complete[:-max(keep, 1)]
     doomed += [t for t in os.listdir(root) if TAG.match(t) and t not in complete
-               and int(TAG.match(t).group(1)) < newest_step]  # leftovers of a killed save
+               and tag_step(t) < newest_step]  # leftovers of a killed save
     for tag in doomed:
         shutil.rmtree(os.path.join(root, tag), ignore_errors=True)
 
@@ -251,10 +255,11 @@ def load_state_file(path: str):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load(engine, tag_dir: str) -> int:
-    """Collective: load model, optimizer, scheduler and ZeRO shards; returns the step to continue after."""
+def load(engine, tag_dir: str) -> dict:
+    """Collective: load model, optimizer, scheduler and ZeRO shards; returns the run state (its "step" is the
+    step to continue after)."""
     with open(os.path.join(tag_dir, RUN_STATE)) as f:
-        step = json.load(f)["step"]
+        state = json.load(f)
     try:
         path, _ = engine.load_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
                                          load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -262,7 +267,7 @@ def load(engine, tag_dir: str) -> int:
         raise ConfigError(f"could not load checkpoint {tag_dir}: {type(e).__name__}: {e}") from None
     if path is None:
         raise ConfigError(f"DeepSpeed found no checkpoint to load in {tag_dir}")
-    return step
+    return state
 
 
 def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from common.checks import Checks, ConfigError, ToolParser, existing_file
 from data.tasks import task_name
 from model.config import ModelConfig
+from training.divergence import NONFINITE_POLICIES, SPIKE_POLICIES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -126,6 +127,17 @@ class TrainConfig:
     # The MLP in this many tiles along the sequence (model/tiling.py): its hidden activations are computed
     # again in the backward instead of kept, for long windows. GPT and Llama, with model.dropout=0.
     mlp_tiles: int = 1
+    # A step whose loss or gradient norm is not finite (training/divergence.py): "stop" ends the job, naming the
+    # checkpoint to resume; "skip" goes on without its update, up to max_skipped_steps in a row; "rewind"
+    # reloads the newest checkpoint and leaves out the batches since it, up to max_rewinds times.
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 10
+    max_rewinds: int = 3
+    # A loss above spike_factor x its mean over about spike_window steps (0: not watched) is logged as a
+    # warning ("warn"), or acted on as a non-finite step ("stop", "rewind").
+    spike_factor: float = 3.0
+    spike_window: int = 50
+    on_spike: str = "warn"
 
     def check(self, c: Checks) -> None:
         c.at_least("max_steps", 1)
@@ -148,6 +160,13 @@ class TrainConfig:
                f"be <= train.max_steps={self.max_steps}", "lower train.stop_at_step or raise train.max_steps")
         c.at_least("dist_timeout_s", 1)
         c.at_least("mlp_tiles", 1)
+        c.one_of("on_nonfinite", NONFINITE_POLICIES)
+        c.at_least("max_skipped_steps", 1)
+        c.at_least("max_rewinds", 1)
+        c.that(self.spike_factor == 0 or self.spike_factor > 1, "spike_factor", "be above 1 (a loss that many times "
+               "its recent mean is a spike), or 0 to watch no spikes", "set train.spike_factor to 3, say, or 0")
+        c.at_least("spike_window", 1)
+        c.one_of("on_spike", SPIKE_POLICIES)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """How a rank ends when something goes wrong, so that a job of many processes fails fast and says why.
 
 - Bad input raises ConfigError before any training: exit 2, the message printed once per node.
+- A run that diverges under train.on_nonfinite=stop (training/divergence.py) raises Diverged on every rank at
+  the same step: exit 3, the message printed once per node, the process group left cleanly.
 - Any other exception: this rank prints which rank, host and phase failed, then exits at once; the
   DeepSpeed launcher sees the non-zero code and stops the node's other ranks.
 - A collective that waits longer than train.dist_timeout_s raises on every rank still waiting; those ranks
@@ -29,6 +31,7 @@ import traceback
 import torch
 
 from common.checks import ConfigError
+from training.divergence import Diverged
 from training.launcher_env import launcher_rank
 
 
@@ -44,6 +47,7 @@ class Phase:
 
 PHASE = Phase()
 TIMEOUT_KEY = "megalite/timed_out/{rank}"
+DIVERGED = 3  # the exit code of a run that diverged
 
 
 class JobStore:
@@ -241,7 +245,8 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
 
 
 def run_rank(main, argv=None) -> None:
-    """main(argv) with this repo's exit codes: 2 for bad input (before any training), 1 for a failed rank."""
+    """main(argv) with this repo's exit codes: 2 for bad input (before any training), 3 for a run that diverged
+    (training/divergence.py), 1 for a failed rank."""
     faulthandler.enable(all_threads=True)  # a C++ abort (NCCL's watchdog) still shows where Python was
     stop_on_signals()
     try:
@@ -250,6 +255,11 @@ def run_rank(main, argv=None) -> None:
         if launcher_rank()[1] in ("0", "?"):  # one copy of the message per node
             print_line(f"error: {e}")
         sys.exit(2)
+    except Diverged as e:  # every rank stops here, at the same step: the group is left cleanly
+        if launcher_rank()[1] in ("0", "?"):
+            print_line(f"error: {e}")
+        leave_process_group()
+        sys.exit(DIVERGED)
     except SystemExit:
         raise
     except BaseException as e:  # noqa: B036
