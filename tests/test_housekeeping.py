@@ -138,3 +138,55 @@ def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
     other_rank = MetricsLog(str(tmp_path), None, is_writer=False, append=False, samples_per_step=8)
     other_rank.log(1, loss=5.0)  # other ranks write nothing
     assert len(os.listdir(tmp_path)) == 3 and len(lines("metrics.jsonl")) == 2
+
+
+class Killed(Exception):
+    """The process dies here."""
+
+
+def test_the_commit_order_leaves_auto_resume_a_complete_checkpoint_at_every_point(tmp_path, monkeypatch):
+    """checkpoint.save's writes in order: DeepSpeed's files, run_state.json, the manifest, then `latest`, then the
+    pruning. A kill before each of them in turn (not at a random moment, which nearly always lands in DeepSpeed's
+    long write) leaves train.resume=auto a complete checkpoint: the previous one until `latest` names the new."""
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args, **kwargs: 0)
+    layout = {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0}
+    state = {"tag": "step_000002", "step": 2, "config": {"model": MODEL}, "layout": layout, "data": {"sources": []}}
+
+    class Engine:  # writes a shard as DeepSpeed's save_checkpoint does, leaving `latest` to the caller
+        def save_checkpoint(self, root, tag, client_state, save_latest):
+            assert save_latest is False
+            os.makedirs(os.path.join(root, tag))
+            torch.save({"module": {"weight": torch.ones(4)}}, os.path.join(root, tag, "mp_rank_00_model_states.pt"))
+
+    def run_save(out, kill_at=None) -> list[str]:
+        """checkpoint.save of step 2 over a run whose step 1 is complete; the writes it got to, in order."""
+        root = os.path.join(out, "checkpoints")
+        fake_checkpoint(root, 1, layout=layout)
+        write_atomic(os.path.join(root, checkpoint.LATEST), b"step_000001")
+        done = []
+
+        def event(name, real):
+            def write(*args, **kwargs):
+                if len(done) == kill_at:
+                    raise Killed(name)
+                done.append(name if name != "write" else os.path.basename(args[0]))
+                return real(*args, **kwargs)
+            return write
+        with monkeypatch.context() as writes:
+            writes.setattr(Engine, "save_checkpoint", event("deepspeed", Engine.save_checkpoint))
+            writes.setattr(checkpoint, "write_atomic", event("write", write_atomic))
+            writes.setattr(checkpoint, "prune", event("prune", checkpoint.prune))
+            try:
+                checkpoint.save(Engine(), out, 2, state, keep=1, uc_info={})
+            except Killed:
+                pass
+        return done
+
+    order = run_save(str(tmp_path / "whole"))
+    assert order == ["deepspeed", checkpoint.RUN_STATE, checkpoint.MANIFEST, checkpoint.LATEST, "prune"]
+    for kill_at in range(len(order)):
+        out = str(tmp_path / f"killed_before_{order[kill_at]}")
+        run_save(out, kill_at)
+        tag_dir, saved = plan_resume(out, "auto", MODEL, layout)
+        assert saved["step"] == (2 if kill_at > order.index(checkpoint.LATEST) else 1), order[kill_at]
