@@ -104,6 +104,9 @@ BAD_DS_NUMBERS = [
     ("train_batch_size=-8", "train_batch_size=-8 in {path}: must be an integer >= 1"),
     ("tensor_model_parallel_size=two", "tensor_model_parallel_size='two' in {path}: must be an integer >= 1"),
     ("sequence_parallel_size=0", "sequence_parallel_size=0 in {path}: must be an integer >= 1"),
+    ("sequence_parallel_size=two", "sequence_parallel_size='two' in {path}: must be an integer >= 1; fix: set "
+                                   "ds.sequence_parallel_size to one"),
+    ("sequence_parallel_size=1.5", "sequence_parallel_size=1.5 in {path}: must be an integer >= 1"),
     ("steps_per_print=0", "steps_per_print=0 in {path}: must be an integer >= 1"),
     ("pipeline.stages=two", "pipeline.stages='two' in {path}: must be an integer >= 1"),
     ("pipeline.activation_checkpoint_interval=-1", "pipeline.activation_checkpoint_interval=-1 in {path}: must be an "
