@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from training import checkpoint
+from training.steps import grad_norm
 
 NONFINITE_POLICIES = ("stop", "skip", "rewind")
 SPIKE_POLICIES = ("warn", "stop", "rewind")
@@ -62,7 +63,8 @@ class Watch:
         optimizer already read, or a tensor on the device)."""
         loss = loss.detach().double()
         bad = ~torch.isfinite(loss) | update_skipped
-        self.first_bad = torch.where(bad, torch.minimum(self.first_bad, loss.new_tensor(step)), self.first_bad)
+        # Python numbers only: a tensor made from the host each step would be a copy to the device.
+        self.first_bad = torch.where(bad, self.first_bad.clamp(max=step), self.first_bad)
         self.bad_steps += bad
         self.streak = torch.where(bad, self.streak + 1, 0)
         self.longest = torch.maximum(self.longest, self.streak)
@@ -70,7 +72,7 @@ class Watch:
             return
         spike = ~bad & (self.seen >= self.window) & (loss > self.factor * self.mean)
         self.ratio = torch.where(spike & (self.spike == NONE), loss / self.mean, self.ratio)
-        self.spike = torch.where(spike, torch.minimum(self.spike, loss.new_tensor(step)), self.spike)
+        self.spike = torch.where(spike, self.spike.clamp(max=step), self.spike)
         counted = ~bad & ~spike  # an average of ordinary steps: the running mean, then a moving one
         self.seen += counted
         self.mean = torch.where(counted, self.mean + (loss - self.mean) / self.seen.clamp(1, self.window),
@@ -103,9 +105,8 @@ def skip_nonfinite_updates(engine) -> torch.Tensor | None:
     def step_unless_nonfinite(*args, **kwargs):
         if engine.gradient_clipping():  # clipping has just computed the norm (training/steps.py)
             norm = engine._global_grad_norm
-        else:  # and is kept for the log, as clipping keeps it
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = engine._global_grad_norm = torch.stack(torch._foreach_norm(grads)).norm()
+        else:  # over every stage and tensor rank of the replica, kept for the log as clipping keeps it
+            norm = engine._global_grad_norm = grad_norm([p for p in params if p.grad is not None], engine.mpu)
         optimizer.found_inf.copy_(~torch.isfinite(norm))
         return step(*args, **kwargs)
 
