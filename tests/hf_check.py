@@ -7,7 +7,7 @@ import torch
 
 from model import build_model
 from model.config import ModelConfig
-from training.export import load_export
+from training.export import _fingerprint, consolidated_state_dict, model_config
 
 CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM"}
 
@@ -26,11 +26,22 @@ def load_in_transformers(folder: str):
 
 
 @torch.no_grad()
-def assert_export_matches_transformers(folder: str, tokens: int = 16) -> None:
-    """An export's logits in transformers equal this repo's forward of the export (fp32, max diff <= 1e-5)."""
-    cfg, state, _ = load_export(folder)
+def assert_export_matches_transformers(folder: str, tokens: int = 16, weights: dict | None = None) -> None:
+    """An export's logits in transformers equal this repo's forward (fp32, max diff <= 1e-5) of the weights it was
+    exported from: `weights` (this repo's names) where given, else the checkpoint its config.json names as its
+    source, read from the run's checkpoints (an export of harness.export lies in <out_dir>/export/<tag>). Never
+    the export read back through training/hf.py: a wrong name on the way out would be read back alike and the
+    two forwards would agree."""
+    with open(os.path.join(folder, "config.json")) as f:
+        record = json.load(f)["megalite"]
+    cfg = model_config(record["model"], folder)
+    if weights is None:
+        source = record["source"]
+        tag_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(folder))), "checkpoints", source["tag"])
+        assert os.path.isdir(tag_dir) and _fingerprint(tag_dir) == source["sha256"], f"{folder}'s checkpoint"
+        weights = consolidated_state_dict(tag_dir)
     ours = build_model(cfg)
-    ours.load_state_dict(state)
+    ours.load_state_dict(weights)
     theirs = load_in_transformers(folder)
     idx = torch.randint(0, cfg.vocab_size, (2, min(tokens, cfg.block_size)), generator=torch.Generator().manual_seed(0))
     expected = ours.eval()(idx)[..., : cfg.vocab_size]

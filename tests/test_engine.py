@@ -16,6 +16,7 @@ from model.gpt import Block
 from model_checks import SMALL_GPT
 from training.config import RunConfig, load_ds_config
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
+from training.startup import effective_ds_config
 from training.steps import lm_loss
 
 
@@ -122,13 +123,16 @@ def test_optimizer_class(offload):
 
 @pytest.mark.parametrize("name", ["zero0.json", "zero1.json", "zero2.json", "zero3.json"])
 def test_shipped_configs_reduce_bf16_gradients_in_fp32(name):
-    """Gradients all-reduced (or reduce-scattered) in fp32 in every shipped bf16 config; under ZeRO-1 also
-    accumulated in fp32, through DeepSpeed's bf16 optimizer (flat fp32 gradients and master weights)."""
-    ds = load_ds_config(os.path.join(REPO, "ds_configs", name), ["bf16.enabled=true"])
-    for batch in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        del ds[batch]  # engine_for's batch
-    engine = engine_for(run_config(train={"max_steps": 2}), ds)
-    assert engine.communication_data_type == torch.float32
+    """Gradients all-reduced (or reduce-scattered) in fp32 in every shipped bf16 config, as train.py hands it to
+    DeepSpeed (the effective ds_config of training/startup.py, not the file); under ZeRO-1 also accumulated in
+    fp32, through DeepSpeed's bf16 optimizer (flat fp32 gradients and master weights)."""
+    cfg = run_config(train={"max_steps": 2})
+    loaded = load_ds_config(os.path.join(REPO, "ds_configs", name),
+                            ["bf16.enabled=true", "train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=1"])
+    ds = effective_ds_config(loaded, cfg, 1, torch.device("cpu")).deepspeed_config()
+    assert ds["bf16"]["enabled"] is True and ds["communication_data_type"] == "fp32"
+    engine = engine_for(cfg, ds)
+    assert engine.bfloat16_enabled() and engine.communication_data_type == torch.float32
     if name == "zero1.json":
         assert engine.get_data_types() == (torch.bfloat16, torch.float32)
         assert type(engine.optimizer).__name__ == "BF16_Optimizer"

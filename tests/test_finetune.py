@@ -18,7 +18,8 @@ from hf_check import transformers_model
 from model.config import ModelConfig
 from training.topology import Layout
 
-pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
+# The launch marker test by test (python -m pytest -m "not launch" skips those: several train.py processes, or long
+# runs): the supervised-token mean, one process of 4 steps, is in the inner loop too.
 
 CONTEXT = 64
 # The reverse tasks' answers hold 1 to 8 words: windows hold very different numbers of supervised tokens.
@@ -68,37 +69,49 @@ def runs(tmp_path_factory, chat_data, hf_folder):
     return get
 
 
-def step_conversations(chat_data: str, step: int) -> list[tuple[list[int], list[int]]]:
-    """(inputs, targets) of each conversation in the global batch of `step` (4 windows), cut at the positions."""
+def step_micro_batches(chat_data: str, step: int) -> list[list[tuple[list[int], list[int]]]]:
+    """(inputs, targets) of each conversation in each micro-batch of `step` under "accum4" (4 micro-batches of one
+    window: the global batch of every layout), cut at the positions."""
     data = ChatData(chat_data, None, CONTEXT, document_masking=True, pack=True)
-    inputs, targets = data.train_batch(1337, step, 0, 0, Layout(1, 1, 4, 1), torch.device("cpu"))
-    found = []
-    for tokens, positions, row in zip(*inputs, targets):
-        starts = [t for t in range(CONTEXT) if positions[t] == 0] + [CONTEXT]
-        for a, b in zip(starts, starts[1:]):
-            if (row[a:b] != IGNORE).any():
-                found.append((tokens[a:b].tolist(), row[a:b].tolist()))
-    return found
+    micro_batches = []
+    for inputs, targets in data.step_batches(1337, step, 0, Layout(1, 1, 1, 4), torch.device("cpu")):
+        found = []
+        for tokens, positions, row in zip(*inputs, targets):
+            starts = [t for t in range(CONTEXT) if positions[t] == 0] + [CONTEXT]
+            for a, b in zip(starts, starts[1:]):
+                if (row[a:b] != IGNORE).any():
+                    found.append((tokens[a:b].tolist(), row[a:b].tolist()))
+        micro_batches.append(found)
+    return micro_batches
 
 
 def test_the_loss_is_the_mean_over_the_global_batchs_supervised_tokens(runs, chat_data, hf_folder):
-    """Step 1's loss (before any update) against transformers' model run on each conversation alone. The repo's
-    vocabulary is padded to a multiple of 64, and an import gives the padding rows zeros: logits of 0 there."""
+    """Step 1's loss (before any update) under accumulation 4 against transformers' model run on each conversation
+    alone: the micro-batches hold different numbers of supervised tokens, so the mean of each micro-batch's mean
+    is another number. The repo's vocabulary is padded to a multiple of 64, and an import gives the padding rows
+    zeros: logits of 0 there."""
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32).eval()
     padding = 64 - model.config.vocab_size % 64
-    total, count = 0.0, 0
+    sums, counts = [], []  # per micro-batch
     with torch.no_grad():
-        for tokens, targets in step_conversations(chat_data, 1):
-            logits = torch.nn.functional.pad(model(torch.tensor([tokens])).logits[0], (0, padding))
-            total += torch.nn.functional.cross_entropy(logits, torch.tensor(targets), ignore_index=IGNORE,
-                                                       reduction="sum").item()
-            count += sum(t != IGNORE for t in targets)
-    assert count > 20
-    assert train_losses(runs("one"))[0] == pytest.approx(total / count, abs=1e-5)
+        for conversations in step_micro_batches(chat_data, 1):
+            sums.append(0.0)
+            counts.append(0)
+            for tokens, targets in conversations:
+                logits = torch.nn.functional.pad(model(torch.tensor([tokens])).logits[0], (0, padding))
+                sums[-1] += torch.nn.functional.cross_entropy(logits, torch.tensor(targets), ignore_index=IGNORE,
+                                                              reduction="sum").item()
+                counts[-1] += sum(t != IGNORE for t in targets)
+    mean = sum(sums) / sum(counts)
+    per_micro_batch = sum(s / n for s, n in zip(sums, counts)) / len(counts)
+    assert len(counts) == 4 and sum(counts) > 20 and len(set(counts)) > 1
+    assert abs(per_micro_batch - mean) > 1e-3  # the two rules tell apart here
+    assert train_losses(runs("accum4"))[0] == pytest.approx(mean, abs=1e-5)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("layout", ["accum4", "dp2_accum2", "zero3_dp2", "pp2", "tp2_zero1"])
 def test_every_layout_fine_tunes_as_one_process_does(runs, layout):
     out, reference = runs(layout), runs("one")
@@ -110,6 +123,7 @@ def test_every_layout_fine_tunes_as_one_process_does(runs, layout):
     assert val[0] == pytest.approx(val[1], abs=1e-5)
 
 
+@pytest.mark.launch
 def test_a_stopped_fine_tune_resumes_exactly(runs, tmp_path, chat_data, hf_folder):
     procs, ds_config, overrides = LAYOUTS["dp2_accum2"]
     args = [*FINETUNE, *overrides, f"train.init_from={hf_folder}"]
@@ -120,6 +134,7 @@ def test_a_stopped_fine_tune_resumes_exactly(runs, tmp_path, chat_data, hf_folde
     assert steps == [(m["step"], m["loss"], m["grad_norm"]) for m in metrics(runs("dp2_accum2")) if "loss" in m]
 
 
+@pytest.mark.launch
 def test_epochs_set_the_steps_from_the_data(runs, tmp_path, chat_data, hf_folder):
     procs, ds_config, overrides = LAYOUTS["one"]
     launch(procs, ds_config, tmp_path, chat_data, [*FINETUNE, *overrides, f"train.init_from={hf_folder}",
@@ -142,6 +157,7 @@ def chatml_export(tmp_path_factory, shakespeare_path):
     return export(folder / "run", "step_000060")
 
 
+@pytest.mark.launch
 def test_the_export_answers_in_transformers_as_sample_chat_does(chatml_export):
     """The export carries the chat template and the end-of-turn token: transformers' apply_chat_template and greedy
     generate give the answer `sample.py --chat` gives."""

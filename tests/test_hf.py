@@ -35,9 +35,12 @@ def randomized(cfg: ModelConfig) -> dict:
 
 @pytest.mark.parametrize("name", CASES)
 def test_export_loads_in_transformers_with_equal_logits(tmp_path, name):
+    """transformers' logits of the export against this repo's forward of the weights written, not of the export
+    read back: a name wrong on the way out only would be read back alike."""
     cfg = CASES[name]
-    write_export(str(tmp_path), cfg, randomized(cfg), CHAR_META, step=0)
-    assert_export_matches_transformers(str(tmp_path), tokens=32)
+    weights = randomized(cfg)
+    write_export(str(tmp_path), cfg, weights, CHAR_META, step=0)
+    assert_export_matches_transformers(str(tmp_path), tokens=32, weights=weights)
 
 
 def test_special_token_ids_come_from_the_tokenizer():

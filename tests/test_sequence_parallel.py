@@ -1,8 +1,9 @@
 """Ulysses sequence parallelism through the launcher's ranks, fp32, dropout 0, on tinyshakespeare's speeches under
 document masking (and on the one-document quickstart data without): sp 2 trains as one process does, under
 ZeRO-3 too and with the MLP in tiles, sp 2 x dp 2 as dp 2, tp 2 x sp 2 and pp 2 x sp 2 as one process (4 ranks
-each), GPT and Llama with grouped-query attention; an sp 2 checkpoint resumes exactly, and at sp 1 through the
-universal format; layouts Ulysses cannot split stop at start."""
+each), GPT and Llama with grouped-query attention, down to the final sample, drawn from both sequence ranks'
+halves of the window; an sp 2 checkpoint resumes exactly, and at sp 1 through the universal format; layouts
+Ulysses cannot split stop at start."""
 import os
 
 import pytest
@@ -17,10 +18,15 @@ from training.topology import resolve_layout
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
 # Global batch 8 in every layout (micro 2 x accumulation / dp); a checkpoint at step 2 of 4. The Llama has 8 query
-# and 4 key/value heads: whole groups on each of tp 2 x sp 2 ranks.
+# and 4 key/value heads: whole groups on each of tp 2 x sp 2 ranks. The final sample draws its 48 tokens from the
+# logits of the first sequence rank's half of the window (positions 0-15), then of the second's (16-31, then 31 as
+# the window slides): each rank must get the last position's logits from whichever holds them. Four steps leave
+# the model close to a unigram model; at temperature 0.2 its draws still tell one position's logits from another's.
+PROMPT, NEW_TOKENS, TEMPERATURE = "KING", 48, 0.2
 SMALL = ["model.n_layer=2", "model.n_embd=64", "train.max_steps=4", "train.save_interval=2", "train.eval_interval=2",
          "train.eval_windows=8", "optim.warmup_steps=2", "optim.lr=3e-3", "ds.train_micro_batch_size_per_gpu=2",
-         "sample.max_new_tokens=8", "eval.limit=24", *FP32]
+         f"sample.prompt={PROMPT}", f"sample.max_new_tokens={NEW_TOKENS}", f"sample.temperature={TEMPERATURE}",
+         "eval.limit=24", *FP32]
 ARCHS = {"gpt": ("quickstart.yaml", ["model.n_head=4"]),
          "llama": ("llama_quickstart.yaml", ["model.n_head=8", "model.n_kv_head=4", "model.ffn_hidden=128"])}
 SP2 = "ds.sequence_parallel_size=2"
@@ -77,7 +83,9 @@ def assert_trains_alike(out, reference) -> None:
 
 
 def sample(stdout: str) -> str:
-    return stdout.split("--- sample ---")[1].split("--------------")[0]
+    text = stdout.split("--- sample ---\n")[1].split("\n--------------")[0]
+    assert text.startswith(PROMPT) and len(text) >= len(PROMPT) + NEW_TOKENS  # a token: a character or more
+    return text
 
 
 @pytest.mark.parametrize("layout", REFERENCE)
@@ -88,6 +96,34 @@ def test_layouts_train_as_their_reference_does(runs, arch, layout):
     assert "sequence groups" in stdout and "sp 2" in stdout
     assert_trains_alike(out, reference)
     assert sample(stdout) == sample(reference_stdout)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_final_sample_tells_the_last_positions_logits_from_any_other(runs, arch):
+    """What makes the samples' equality above check which logits each rank draws from: the one-process model,
+    drawing as train.py does, gives the run's sample; drawn from a row of zeros (the logits of a sequence rank that
+    does not hold the last position, not gathered from the one that does) or from the position before the last,
+    the text differs."""
+    import torch
+
+    from model.generate import generate
+    from training.config import SampleConfig
+    from training.export import load_trained
+
+    out, stdout = runs(arch, "one")
+    cfg, model, tokenizer, _ = load_trained(str(out))
+    settings = SampleConfig()  # the runs' top_k and seed
+
+    def drawn(logits_of) -> str:
+        with torch.no_grad():
+            ids = generate(lambda idx: logits_of(model.eval()(idx)), torch.tensor([tokenizer.encode(PROMPT)]),
+                           NEW_TOKENS, cfg.block_size, cfg.vocab_size, TEMPERATURE, settings.top_k,
+                           torch.Generator().manual_seed(settings.seed))
+        return tokenizer.decode(ids[0].tolist())
+
+    assert drawn(lambda logits: logits) == sample(stdout)
+    assert drawn(torch.zeros_like) != sample(stdout)
+    assert drawn(lambda logits: logits.roll(1, dims=1)) != sample(stdout)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
