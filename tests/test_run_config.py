@@ -229,17 +229,35 @@ BAD_RUN_CONFIG_FILES = [
                    "train to their settings"),
     ("model: 3\n", "{path}: 'model' holds 3, not a mapping of settings; fix: write its settings under it"),
     ("modle:\n  n_layer: 2\n", "unknown setting 'modle' in {path}; did you mean 'model'?"),
+    ("base: gpt9\n", "{path}: base: gpt9 is neither a preset of configs/ nor a file ({dir}/gpt9); fix: name one of "
+                     "baby_gpt, encoder_1b"),
+    ("base: 3\n", "{path}: base: 3 is not a preset; fix: name one of configs/ (e.g. base: quickstart) or a YAML file"),
+    ("base: run.yaml\n", "{path}: base: run.yaml leads back to {path}: the presets' bases go round in a circle; fix: "
+                         "remove one base"),
 ]
 
 
 @pytest.mark.parametrize("text,message", BAD_RUN_CONFIG_FILES, ids=["empty", "malformed", "binary", "list", "scalar",
-                                                                    "typo"])
+                                                                    "typo", "unknown-base", "base-number",
+                                                                    "base-circle"])
 def test_a_file_that_is_not_a_run_config_is_refused(tmp_path, text, message):
     path = tmp_path / "run.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as caught:
         load_run_config(str(path), [])
-    assert message.format(path=path) in str(caught.value) and "\n" not in str(caught.value)
+    assert message.format(path=path, dir=tmp_path) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_run_yaml_starts_from_its_base_preset(tmp_path):
+    """A new YAML states what differs from a preset: the rest is the preset's, not the dataclass defaults' (a
+    GPT-2 124M). Bases chain: a file beside it over a preset of configs/."""
+    (tmp_path / "mine.yaml").write_text("base: quickstart\ntrain:\n  out_dir: out/mine\n")
+    (tmp_path / "run.yaml").write_text("base: mine.yaml\noptim:\n  lr: 2.0e-3\n")
+    cfg = load_run_config(str(tmp_path / "run.yaml"), ["train.max_steps=7"])
+    quickstart = load_run_config(QUICKSTART, [])
+    assert cfg.model == quickstart.model and cfg.data == quickstart.data
+    assert (cfg.train.out_dir, cfg.optim.lr, cfg.train.max_steps) == ("out/mine", 2e-3, 7)
+    assert cfg.optim.warmup_steps == quickstart.optim.warmup_steps
 
 
 def test_missing_files_name_where_to_look():

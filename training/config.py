@@ -39,6 +39,7 @@ def default_ds_config(cuda: bool) -> str:
 
 DEFAULT_DS_CONFIG = default_ds_config(torch.cuda.is_available())
 DS_PREFIX = "ds."
+BASE = "base"  # the key of a run YAML that names the preset it starts from
 
 
 @dataclass
@@ -237,7 +238,7 @@ def load_run_config(path: str, overrides: list[str]) -> RunConfig:
         raise ConfigError(f"'{sections[0]}' in the command line is a section of settings, not a setting; fix: set one "
                           f"of its keys, e.g. {sections[0]}.{fields(getattr(RunConfig(), sections[0]))[0].name}=...")
     cfg = OmegaConf.structured(RunConfig)
-    for source, layer in ((path, lambda: _read_yaml(path)),
+    for source, layer in ((path, lambda: _read_presets(path)),
                           ("the command line", lambda: OmegaConf.from_dotlist(overrides))):
         try:
             cfg = OmegaConf.merge(cfg, layer())
@@ -246,6 +247,29 @@ def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     cfg = OmegaConf.to_object(cfg)
     check_run_config(cfg)
     return cfg
+
+
+def _read_presets(path: str, derived: tuple[str, ...] = ()) -> DictConfig:
+    """A run config file over the preset it names as its `base` (a name in configs/, or a path from the file's
+    folder), and that one over its own: a new YAML states what differs from a preset, not every setting."""
+    layer = _read_yaml(path)
+    base = layer.pop(BASE, None)
+    if base is None:
+        return layer
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: {BASE}: {base!r} is not a preset; fix: name one of configs/ (e.g. {BASE}: "
+                          f"quickstart) or a YAML file")
+    named = os.path.join(REPO_ROOT, "configs", f"{base}.yaml")
+    base_path = named if os.path.isfile(named) else os.path.join(os.path.dirname(os.path.abspath(path)), base)
+    if not os.path.isfile(base_path):
+        presets = sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(REPO_ROOT, "configs")))
+        raise ConfigError(f"{path}: {BASE}: {base} is neither a preset of configs/ nor a file ({base_path}); fix: "
+                          f"name one of {', '.join(presets)}, or a YAML file beside {path}")
+    chain = (*derived, os.path.realpath(path))
+    if os.path.realpath(base_path) in chain:
+        raise ConfigError(f"{path}: {BASE}: {base} leads back to {path}: the presets' bases go round in a circle; "
+                          f"fix: remove one {BASE}")
+    return OmegaConf.merge(_read_presets(base_path, chain), layer)
 
 
 def _read_yaml(path: str) -> DictConfig:
@@ -265,7 +289,7 @@ def _read_yaml(path: str) -> DictConfig:
                           f"mapping: a run config maps {', '.join(sorted(sections))} to their settings, as in "
                           f"configs/quickstart.yaml")
     for section, value in layer.items_ex(resolve=False):
-        if section in sections and not isinstance(value, DictConfig):
+        if section != BASE and section in sections and not isinstance(value, DictConfig):
             raise ConfigError(f"{path}: '{section}' holds {value!r}, not a mapping of settings; fix: write its "
                               f"settings under it, e.g. {section}: {{key: value}}")
     return layer
