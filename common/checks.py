@@ -40,6 +40,44 @@ class ToolParser(argparse.ArgumentParser):
         exit_bad_input(f"{self.prog}: {message}; fix: see {self.prog} --help")
 
 
+# The repo is run from its root: its shipped paths (data/shakespeare_char, out/quickstart, data/eval) are
+# relative to it, and relative paths are read from the current folder, as every tool reads them. A message
+# about a relative path read from another folder names its absolute place and that folder, and its fix a
+# command that works from there.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_elsewhere(path: str) -> bool:
+    """Is `path` relative, and the current folder not the repo's root?"""
+    return not os.path.isabs(path) and not _at_repo_root()
+
+
+def place(path: str) -> str:
+    """`path` as a message names it: as given, or its absolute place where it is read_elsewhere."""
+    return os.path.abspath(path) if read_elsewhere(path) else path
+
+
+def read_from(path: str) -> str:
+    """Where read_elsewhere(path), which folder it was read from, to follow a message's place(path); else ''."""
+    return f"{path} is read from the current folder, {os.getcwd()}" if read_elsewhere(path) else ""
+
+
+def tool_command(module: str) -> str:
+    """How to start the repo's tool `module` (e.g. "data.prepare") from the current folder: `python -m
+    data.prepare` at the repo's root, its script by its absolute path from any other (data/prepare.py and
+    training/plot.py put the repo's root on their import path)."""
+    if _at_repo_root():
+        return f"python -m {module}"
+    return f"python {os.path.join(REPO_ROOT, *module.split('.'))}.py"
+
+
+def _at_repo_root() -> bool:
+    try:
+        return os.path.samefile(os.getcwd(), REPO_ROOT)
+    except OSError:  # the current folder was removed
+        return False
+
+
 # Every tool's path arguments go through these three, so one wrong path reads the same wherever it is given:
 # "<what> <path> <problem>; fix: <fix>".
 def existing_dir(path: str, what: str, fix: str) -> str:

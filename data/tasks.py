@@ -9,8 +9,13 @@ hand where no network is). Each choice is " " + ending after ctx (build-nanogpt'
 default target delimiter), tokenized by the run's tokenizer: context and choice each on its own, as the
 harness's adapters do (`pair_ids`, the one rule for both).
 """
+import errno
+import http.client
 import json
 import os
+import socket
+import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -53,20 +58,57 @@ def task_file(spec: str, data_dir: str) -> str:
     return path
 
 
-def download(url: str, path: str, fix: str) -> None:
+def download(url: str, path: str, fix: str, attempts: int = 3, timeout: float = 20, wait: float = 2) -> None:
     """url's bytes into `path`, whole or not at all: every rank that finds it missing fetches its own copy and
-    renames it into place, so ranks starting together on one file system never read half of one."""
+    renames it into place, so ranks starting together on one file system never read half of one. A machine
+    without a network fails at once: a name that does not resolve, a refused or unreachable connection, no
+    answer to connect within `timeout` seconds, or a 4xx answer ends the first attempt in a ConfigError. Only a
+    server's trouble is tried again, up to `attempts` in all, `wait` x attempt seconds apart: a 5xx or 429 answer,
+    or a transfer that stalls or breaks off once it has begun."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     scratch = f"{path}.tmp{os.getpid()}"
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(scratch, "wb") as f:
-            f.write(response.read())
-        os.replace(scratch, path)
-    except OSError as e:  # no network, a refused or failed request, a full disk
-        raise ConfigError(f"could not download {url} to {path} ({type(e).__name__}: {e}); fix: {fix}") from None
+        for attempt in range(1, attempts + 1):
+            try:
+                with urllib.request.urlopen(url, timeout=timeout) as response, open(scratch, "wb") as f:
+                    f.write(response.read())
+                os.replace(scratch, path)
+                return
+            except (OSError, http.client.HTTPException) as e:  # OSError: URLError, HTTPError, timeouts, a full disk
+                if attempt == attempts or not _worth_retrying(e):
+                    tried = f" (attempt {attempt} of {attempts})" if attempt > 1 else ""
+                    raise ConfigError(f"could not download {url} to {path}{tried}: {_why(e, timeout)}; fix: "
+                                      f"{fix}") from None
+                time.sleep(wait * attempt)
     finally:
         if os.path.exists(scratch):
             os.remove(scratch)
+
+
+def _worth_retrying(e: Exception) -> bool:
+    """A server's passing trouble; not a machine without a network, a wrong address or a full disk."""
+    if isinstance(e, urllib.error.HTTPError):
+        return e.code >= 500 or e.code == 429
+    if isinstance(e, urllib.error.URLError):  # no answer to connect: DNS, refused, unreachable, connect timeout
+        return False
+    # After the connection was made: the answer stalls (a timeout), or the connection breaks off.
+    return isinstance(e, (TimeoutError, ConnectionError, http.client.HTTPException))
+
+
+def _why(e: Exception, timeout: float) -> str:
+    """What went wrong, in a few words and the system's own."""
+    if isinstance(e, urllib.error.HTTPError):
+        return f"HTTP {e.code} {e.reason}"
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    if isinstance(reason, socket.gaierror):
+        return f"the host name does not resolve, no network? ({reason})"
+    if isinstance(reason, ConnectionRefusedError):
+        return f"the connection was refused ({reason})"
+    if isinstance(reason, OSError) and reason.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+        return f"the network is unreachable, no network? ({reason})"
+    if isinstance(reason, TimeoutError):
+        return f"no answer within {timeout:g} s ({reason or 'timed out'})"
+    return f"{type(reason).__name__}: {reason}"
 
 
 def read_task(path: str, tokenizer, limit: int | None = None, name: str | None = None) -> Task:

@@ -42,6 +42,17 @@ def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
             "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
 
 
+def schedule_note(cfg: RunConfig) -> str | None:
+    """What the schedule does in a run shorter than its warm-up: the learning rate only rises (DeepSpeed's
+    WarmupCosineLR keeps warming up to the last step and never reaches its cosine), said once at start."""
+    steps, warmup = cfg.train.max_steps, cfg.optim.warmup_steps
+    if steps >= warmup:  # at steps == warmup the last step is the cosine's end: min_lr
+        return None
+    return (f"schedule: train.max_steps={steps} ends within optim.warmup_steps={warmup}: the learning rate warms up "
+            f"to {cfg.optim.lr * steps / warmup:.2e} at step {steps} (optim.lr={cfg.optim.lr:g} x {steps}/{warmup}) "
+            f"and never decays; set optim.warmup_steps below train.max_steps for the whole warmup-cosine schedule")
+
+
 def start_schedule(engine) -> None:
     """Put DeepSpeed's scheduler at iteration 1 for training step 1. It starts at iteration -1 (lr 0)
     and the engine advances it after each optimizer step, so step k would run at iteration k - 2: steps
