@@ -125,7 +125,14 @@ def build_engine(run: Run) -> Rank:
         PHASE.now(f"loading {run.resume_dir}")
         state = checkpoint.load(engine, run.resume_dir)
         start_step, batches_skipped = state["step"], state.get("batches_skipped", 0)
-        say(f"resumed from {run.resume_dir} at step {start_step}")
+        moved = None
+        if index == 0:  # what steps after start_step left behind: this run writes them anew
+            if run.discard:
+                checkpoint.discard(cfg.train.out_dir, run.discard)
+                say(f"deleted the newer checkpoints {', '.join(run.discard)} (train.discard_newer=true)")
+            moved = checkpoint.set_aside_metrics(cfg.train.out_dir, start_step)
+        torch.distributed.barrier()  # before any rank saves
+        say(f"resumed from {run.resume_dir} at step {start_step}" + (f"; {moved}" if moved else ""))
     else:
         say(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
     # Against the engine's own count of samples, the x of its monitor events (sequence ranks counted in).
@@ -175,6 +182,12 @@ def train(run: Run, rank: Rank) -> int:
         PHASE.now("evaluating at step 0")
         evaluate(run, rank, 0)
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
+    if rank.start_step >= last_step:  # resumed at its end: what a user asks of a finished run is its scores
+        rank.say(f"the run is at step {rank.start_step}, train.max_steps={cfg.train.max_steps}: nothing to train; "
+                 + ("scoring eval.tasks, then sampling" if rank.scorer else "sampling"))
+        if rank.scorer:
+            PHASE.now(f"evaluating at step {rank.start_step}")
+            evaluate(run, rank, rank.start_step, log_losses=False)  # the losses of this step are logged already
     guard = Guard(cfg.train, rank.engine, rank.say, rank.log.log)
     step = rank.start_step
     while step < last_step:  # again from a checkpoint after each rewind
@@ -255,8 +268,9 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
 
 
 @torch.compiler.set_stance("force_eager")  # padded, variable batches: never worth a recompilation
-def evaluate(run: Run, rank: Rank, step: int) -> None:
-    """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged and printed."""
+def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
+    """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged (the losses
+    unless log_losses is false) and printed."""
     windows = run.cfg.train.eval_windows
     losses = {split: eval_loss(rank.engine, [rank.sp.split(*batch) for batch in run.data.eval_batches(
         split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows), rank.tp)
@@ -267,9 +281,11 @@ def evaluate(run: Run, rank: Rank, step: int) -> None:
             run.device, with_positions=rank.pipelined and run.data.positions)]
         row_losses = choice_losses(rank.engine, batches, run.cfg.model.vocab_size, rank.tp, rank.sp)
         scores = rank.scorer.scores(row_losses, data_parallel_group(rank.engine))
-    rank.log.log(step, train_loss=losses["train"], val_loss=losses["val"],
-                 **{f"{task}_{metric}": value for task, accuracies in scores.items()
-                    for metric, value in zip(("acc", "acc_norm"), accuracies)})
+    record = {f"{task}_{metric}": value for task, accuracies in scores.items()
+              for metric, value in zip(("acc", "acc_norm"), accuracies)}
+    if log_losses:
+        record = {"train_loss": losses["train"], "val_loss": losses["val"], **record}
+    rank.log.log(step, **record)
     tasks = "".join(f"; {task} acc {acc:.4f}, acc_norm {norm:.4f}" for task, (acc, norm) in scores.items())
     rank.say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{tasks}")
 

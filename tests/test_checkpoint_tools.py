@@ -201,13 +201,23 @@ def test_a_failed_conversion_is_one_line_and_leaves_no_half_checkpoint(paths, mo
 UNIVERSAL_ROWS = [
     ({"--out_dir": "{tmp}/missing"}, "--out_dir {tmp}/missing does not exist; fix: pass the train.out_dir of a run"),
     ({"--tag": "step_000009"}, "--tag=step_000009: no such checkpoint"),
-    ({}, "{tag} has no ZeRO optimizer shards (a ZeRO-0 checkpoint), which DeepSpeed's converter needs"),
 ]
 
 
-@pytest.mark.parametrize("flags,message", UNIVERSAL_ROWS, ids=["out_dir", "tag", "zero0"])
+@pytest.mark.parametrize("flags,message", UNIVERSAL_ROWS, ids=["out_dir", "tag"])
 def test_universal_refuses(paths, capsys, flags, message):
     assert_refused(training.checkpoint.main, command(READERS["universal"][1], flags, paths), message, paths, capsys,
+                   [paths["run"]])
+
+
+def test_universal_refuses_a_zero0_pipeline_checkpoint_naming_what_works(paths, capsys):
+    """ZeRO-0 over pipeline stages in fp32 keeps its optimizer state in per-stage files that no converter reads
+    (one stage and one tensor rank convert)."""
+    run_state(lambda s, _: s["layout"].update(pp=2, world=2))(paths["run"])
+    assert_refused(training.checkpoint.main, ["universal", "--out_dir", str(paths["run"])], "{tag} is a ZeRO-0 "
+                   "checkpoint over 2 pipeline stages, whose optimizer state no converter reads: resume it on its own "
+                   "layout (pp=2, tp=1), or start a new run from its weights: python -m training.export --out_dir "
+                   "{run} --tag step_000002, then train.init_from={run}/export/step_000002$", paths, capsys,
                    [paths["run"]])
 
 

@@ -21,7 +21,7 @@ def plan_resume(out_dir: str, resume: str, model: dict, layout: dict) -> tuple[s
     tag_dir = checkpoint.find_resume(out_dir, resume)
     saved = checkpoint.read_run_state(tag_dir) if tag_dir else None
     if saved:
-        checkpoint.check_compatible(saved, model, layout)
+        checkpoint.check_compatible(saved, model, layout, tag_dir, out_dir)
     return tag_dir, saved
 
 
@@ -82,9 +82,10 @@ def test_a_changed_pipeline_tensor_parallel_or_zero_stage_is_refused(tmp_path, n
     fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1})
     with pytest.raises(ConfigError) as error:
         plan_resume(str(tmp_path), "step_000003", MODEL, now)
-    assert (f"the checkpoint was saved at dp=2 x pp=1 with ZeRO-1, this run is {changed}: its optimizer shards only "
-            f"fit the old layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
-            f"step_000003, then resume with train.resume=step_000003_universal") == str(error.value)
+    assert (f"the checkpoint was saved at dp=2 x pp=1 with ZeRO-1, this run is {changed}: its optimizer state only "
+            f"fits the old layout. Convert it first: python -m training.checkpoint universal --out_dir {tmp_path} "
+            f"--tag step_000003, then resume with train.resume=step_000003_universal; or start this layout fresh in "
+            f"another train.out_dir") == str(error.value)
 
 
 def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
@@ -118,6 +119,24 @@ def test_universal_checkpoints_resume_on_any_layout_and_zero0_at_any_dp(tmp_path
     assert plan_resume(str(tmp_path), "step_000004", MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0})[0]
 
 
+@pytest.mark.parametrize("made_from,now,fix", [(1, 3, "a ZeRO-0, 1 or 2 ds_config (e.g. ds_configs/zero2.json)"),
+                                                (3, 0, "ds_configs/zero3.json")], ids=["zero1-to-3", "zero3-to-0"])
+def test_a_universal_checkpoint_crossing_zero3_is_refused(tmp_path, made_from, now, fix):
+    """DeepSpeed's ZeRO-3 writes and reads model-states files of other names than ZeRO 0-2: a universal checkpoint
+    made on one side does not load on the other (DeepSpeed fails midway in the load)."""
+    root = str(tmp_path / "checkpoints")
+    tag = fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": made_from},
+                          suffix="_universal")
+    with open(os.path.join(root, tag, checkpoint.RUN_STATE)) as f:
+        state = json.load(f)
+    checkpoint.mark_complete(os.path.join(root, tag), {**state, "universal": True})
+    with pytest.raises(ConfigError) as error:
+        plan_resume(str(tmp_path), tag, MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": now})
+    assert str(error.value) == (f"the checkpoint is a universal one made from a ZeRO-{made_from} checkpoint, this "
+                                f"run is ZeRO-{now}: DeepSpeed loads one made from ZeRO-3 under ZeRO-3 only, and one "
+                                f"made from ZeRO 0-2 under ZeRO 0-2 only; fix: resume it with {fix}")
+
+
 def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
     def write_run(value, append=False):
         log = MetricsLog(str(tmp_path), None, is_writer=True, append=append, samples_per_step=8)
@@ -138,6 +157,44 @@ def test_metrics_jsonl_of_an_earlier_run_is_kept_and_a_resume_appends(tmp_path):
     other_rank = MetricsLog(str(tmp_path), None, is_writer=False, append=False, samples_per_step=8)
     other_rank.log(1, loss=5.0)  # other ranks write nothing
     assert len(os.listdir(tmp_path)) == 3 and len(lines("metrics.jsonl")) == 2
+
+
+def test_a_resume_moves_the_records_past_its_step_aside_each_time_into_a_new_file(tmp_path):
+    """What a resumed run logs again (the steps after its checkpoint, a line a kill cut short) leaves metrics.jsonl
+    for a file of its own; nothing is lost, and a second resume at the same step keeps the first one's file."""
+    records = [{"step": 0, "val_loss": 4.0}, {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0},
+               {"step": 2, "val_loss": 2.5}, {"step": 3, "loss": 1.0}]
+    body = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo'
+    (tmp_path / "metrics.jsonl").write_text(body)
+    moved = checkpoint.set_aside_metrics(str(tmp_path), 2)
+    assert moved == "metrics.jsonl's 2 records past step 2 moved to metrics.after_step_000002.jsonl"
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in records[:4]]
+    assert (tmp_path / "metrics.after_step_000002.jsonl").read_text() == json.dumps(records[4]) + '\n{"step": 4, "lo\n'
+    assert checkpoint.set_aside_metrics(str(tmp_path), 2) is None  # nothing past step 2 any more
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "loss": 1.5}) + "\n")
+    checkpoint.set_aside_metrics(str(tmp_path), 2)
+    assert (tmp_path / "metrics.after_step_000002.2.jsonl").read_text() == '{"step": 3, "loss": 1.5}\n'
+    assert len((tmp_path / "metrics.after_step_000002.jsonl").read_text().splitlines()) == 2
+
+
+def test_discarding_newer_checkpoints_moves_latest_first(tmp_path, monkeypatch):
+    """train.discard_newer: `latest` names the newest checkpoint that stays before any is deleted, so a kill
+    midway leaves train.resume=auto a complete one."""
+    root = str(tmp_path / "checkpoints")
+    for step in (2, 4, 6):
+        fake_checkpoint(root, step)
+    fake_checkpoint(root, 4, suffix="_universal")
+    write_atomic(os.path.join(root, checkpoint.LATEST), b"step_000006")
+    rmtree = checkpoint.shutil.rmtree
+
+    def remove(path, *args, **kwargs):
+        assert open(os.path.join(root, checkpoint.LATEST)).read() == "step_000002"
+        rmtree(path, *args, **kwargs)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", remove)
+    checkpoint.discard(str(tmp_path), ["step_000004", "step_000004_universal", "step_000006"])
+    assert sorted(os.listdir(root)) == ["latest", "step_000002"]
+    assert checkpoint.find_resume(str(tmp_path), "auto") == os.path.join(root, "step_000002")
 
 
 class Killed(Exception):

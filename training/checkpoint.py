@@ -19,9 +19,13 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import torch
 from deepspeed.checkpoint.constants import (
+    CAT_DIM,
+    FP32_WEIGHT_KEY,
+    PARAM,
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     PARAMETER_WITH_SUB_PARAMS,
     PIPELINE_REPLICATED_PARAMETER_PATTERNS,
@@ -31,9 +35,12 @@ from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
-from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+from deepspeed.checkpoint.universal_checkpoint import SubparamShape, load_hp_checkpoint_state
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model_parallel_world_size
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
@@ -176,6 +183,66 @@ def find_resume(out_dir: str, resume: str) -> str | None:
     return None
 
 
+def check_resume_point(train, tag_dir: str, step: int) -> list[str]:
+    """What resuming `tag_dir` at `step` would lose or not do, refused unless asked for (`train`: the run's train
+    settings): a train.stop_at_step at or before the step, and newer checkpoints in train.out_dir, which the run
+    would overwrite, without train.discard_newer. Returns the newer tags to discard."""
+    if train.stop_at_step is not None and train.stop_at_step <= step:
+        fix = (f"set it between {step + 1} and train.max_steps={train.max_steps}, or leave it out"
+               if step < train.max_steps else f"leave it out: the run is at train.max_steps={train.max_steps} "
+                                               f"already")
+        raise ConfigError(f"train.stop_at_step={train.stop_at_step} is not past step {step}, where the run resumes "
+                          f"({tag_dir}): there is nothing to train; fix: {fix}")
+    root = checkpoint_root(train.out_dir)
+    newer = [t for t in complete_tags(root) if tag_step(t) > step]
+    if newer and not train.discard_newer:
+        raise ConfigError(f"resuming {tag_dir} (step {step}) would overwrite the newer checkpoints in {root} "
+                          f"({', '.join(newer)}); fix: set train.discard_newer=true to delete them, or resume it "
+                          f"in another train.out_dir (train.out_dir=NEW_DIR train.resume={tag_dir})")
+    return newer
+
+
+def discard(out_dir: str, tags: list[str]) -> None:
+    """Delete checkpoints `tags` of the run in out_dir (train.discard_newer), `latest` first moved to the newest
+    one that stays (or removed), so an interruption leaves train.resume=auto a complete checkpoint."""
+    root = checkpoint_root(out_dir)
+    staying = [t for t in complete_tags(root) if t not in tags and not t.endswith("_universal")]
+    latest = os.path.join(root, LATEST)
+    if staying:
+        write_atomic(latest, staying[-1].encode())
+    elif os.path.exists(latest):
+        os.remove(latest)
+    for tag in tags:
+        shutil.rmtree(os.path.join(root, tag))
+
+
+def set_aside_metrics(out_dir: str, step: int) -> str | None:
+    """metrics.jsonl's records past `step`, which a run resumed at `step` logs again, moved into a file of their
+    own, metrics.after_step_NNNNNN.jsonl (.2.jsonl, ... beside an earlier one): never duplicated, never lost.
+    Returns what was moved, for the start-up line, or None."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        lines = [line if line.endswith(b"\n") else line + b"\n" for line in f.read().splitlines(keepends=True)]
+    keep, past = [], []
+    for line in lines:
+        try:
+            recorded = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):  # a line a kill cut short
+            recorded = None
+        (keep if isinstance(recorded, int) and recorded <= step else past).append(line)
+    if not past:
+        return None
+    name, n = f"metrics.after_{tag_for(step)}.jsonl", 1
+    while os.path.exists(os.path.join(out_dir, name)):
+        n += 1
+        name = f"metrics.after_{tag_for(step)}.{n}.jsonl"
+    write_atomic(os.path.join(out_dir, name), b"".join(past))  # first: a kill in between duplicates, loses nothing
+    write_atomic(path, b"".join(keep))
+    return f"metrics.jsonl's {len(past)} records past step {step} moved to {name}"
+
+
 def read_run_state(tag_dir: str) -> dict:
     """Check that the checkpoint is complete and intact on this machine, and return its run state."""
     manifest_path = os.path.join(tag_dir, MANIFEST)
@@ -260,9 +327,21 @@ def load(engine, tag_dir: str) -> dict:
     step to continue after)."""
     with open(os.path.join(tag_dir, RUN_STATE)) as f:
         state = json.load(f)
+    # DeepSpeed reads a universal checkpoint's weights and optimizer states into its ZeRO optimizers only
+    # (and BF16_Optimizer, from ZeRO's loading path); without ZeRO it hands the model-states file's optimizer
+    # entry, None in a universal checkpoint, to the optimizer: TypeError. Those states are loaded here first,
+    # then DeepSpeed loads the rest (schedule, counters) with its optimizer loading off.
+    without_zero = state.get("universal") and not engine.zero_optimization()
     try:
-        path, _ = engine.load_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
-                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+        copy_masters = _load_universal_without_zero(engine, tag_dir) if without_zero else None
+        if copy_masters and not hasattr(engine.optimizer, "update_lp_params"):
+            engine.optimizer.update_lp_params = copy_masters  # DeepSpeed calls it after a universal load
+        try:
+            path, _ = engine.load_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
+                                             load_optimizer_states=not without_zero, load_lr_scheduler_states=True)
+        finally:
+            if copy_masters and engine.optimizer.update_lp_params is copy_masters:
+                del engine.optimizer.update_lp_params
     except Exception as e:  # a file that passed the size check but does not unpickle
         raise ConfigError(f"could not load checkpoint {tag_dir}: {type(e).__name__}: {e}") from None
     if path is None:
@@ -270,8 +349,62 @@ def load(engine, tag_dir: str) -> dict:
     return state
 
 
-def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
-    """The checkpoint must hold this architecture; without the universal format, also this layout."""
+class _WholeFragment:
+    """What DeepSpeed's universal loader (load_hp_checkpoint_state) fills for a ZeRO partition's fragment of a
+    parameter: under ZeRO-0 the fragment is the whole parameter (this tensor rank's slice of it)."""
+
+    def __init__(self, master: torch.Tensor):
+        self.master = master
+        self.lp_fragment_address = fragment_address(numel=master.numel(), start=0)
+        self.optim_fragment = {}
+
+    def get_hp_fragment(self) -> torch.Tensor:
+        return self.master.data.view(-1)
+
+
+def _load_universal_without_zero(engine, tag_dir: str):
+    """A universal checkpoint's fp32 weights and Adam states into a ZeRO-0 engine's optimizer; returns what copies
+    its fp32 masters into the model's weights, or None where DeepSpeed's optimizer does that itself."""
+    optimizer = engine.optimizer
+    if isinstance(optimizer, BF16_Optimizer):  # a bf16 pipeline: DeepSpeed's loader, given the folder
+        optimizer.load_state_dict(None, checkpoint_folder=tag_dir, load_optimizer_states=True,
+                                  load_from_fp32_weights=True)
+        return None
+    if isinstance(optimizer, FP16_UnfusedOptimizer):  # bf16 or fp16: fp32 masters beside the model's weights
+        basic, weights = optimizer.optimizer, optimizer.fp16_groups
+    else:  # fp32: torch's AdamW steps the model's own weights
+        basic, weights = optimizer, [group["params"] for group in optimizer.param_groups]
+    tp_rank, tp_size = bwc_tensor_model_parallel_rank(engine.mpu), bwc_tensor_model_parallel_world_size(engine.mpu)
+    saved_groups = load_state_file(os.path.join(tag_dir, "zero", "optimizer_state.pt"))["param_groups"]
+    states, groups, index = {}, [], 0
+    for group, saved_group, lps in zip(basic.param_groups, saved_groups, weights):
+        ids = []
+        for master, lp in zip(group["params"], lps):
+            fragment = _WholeFragment(master)
+            target = types.SimpleNamespace(shape=master.shape, numel=master.numel, _hp_mapping=fragment)
+            step = load_hp_checkpoint_state(target, os.path.join(tag_dir, "zero", engine.param_names[lp]), tp_rank,
+                                            tp_size)  # the fp32 weight written into the master, cut for tp_rank
+            if fragment.optim_fragment:
+                states[index] = {"step": torch.as_tensor(step, dtype=torch.float32),
+                                 **{key: value.view_as(master) for key, value in fragment.optim_fragment.items()}}
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       **{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    basic.load_state_dict({"state": states, "param_groups": groups})  # torch places each state by its parameter
+
+    def copy_masters():
+        if basic is not optimizer:
+            for masters, lps in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+                for master, lp in zip(masters, lps):
+                    lp.data.copy_(master.data)
+    return copy_masters
+
+
+def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | None = None,
+                     out_dir: str | None = None) -> None:
+    """The checkpoint must hold this architecture; without the universal format, also this layout. tag_dir and
+    out_dir (the checkpoint's folder, this run's train.out_dir) make the way to convert it a command to copy."""
     was = saved["config"]["model"]
     changed = {k: (was[k], v) for k, v in model_cfg.items() if was[k] != v and k not in TRAINING_SETTINGS}
     if changed:
@@ -279,6 +412,12 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
         raise ConfigError(f"the checkpoint holds a different model architecture ({diff}): resume with the "
                           f"checkpoint's model settings or start a new train.out_dir")
     if saved.get("universal"):
+        stage = saved["layout"]["zero_stage"]
+        if (stage == 3) != (layout["zero_stage"] == 3):  # ZeRO-3 names its model-states files apart
+            fix = "ds_configs/zero3.json" if stage == 3 else "a ZeRO-0, 1 or 2 ds_config (e.g. ds_configs/zero2.json)"
+            raise ConfigError(f"the checkpoint is a universal one made from a ZeRO-{stage} checkpoint, this run is "
+                              f"ZeRO-{layout['zero_stage']}: DeepSpeed loads one made from ZeRO-3 under ZeRO-3 only, "
+                              f"and one made from ZeRO 0-2 under ZeRO 0-2 only; fix: resume it with {fix}")
         return
     was, now = {"sp": 1, **saved["layout"]}, {"sp": 1, **layout}  # recorded before sequence parallelism: sp 1
     if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
@@ -289,10 +428,20 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict) -> None:
                           f"Resume it with tensor_model_parallel_size={was['tp']}, or start from its weights "
                           f"(python -m training.export, then train.init_from=EXPORT_DIR)")
     if any(was[key] != now[key] for key in ("dp", "pp", "tp", "sp", "zero_stage")):
+        reason = unconvertible(tag_dir, saved) if tag_dir else None
+        if reason:
+            raise ConfigError(f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}. {reason}")
+        tag, source, resume = saved["tag"], "OUT_DIR", f"{saved['tag']}_universal"
+        if tag_dir:
+            root, tag = os.path.split(os.path.normpath(tag_dir))
+            source = os.path.dirname(root)
+            in_run = out_dir is not None and os.path.abspath(root) == os.path.abspath(checkpoint_root(out_dir))
+            resume = f"{tag}_universal" if in_run else f"{os.path.normpath(tag_dir)}_universal"
+        fresh = "; or start this layout fresh in another train.out_dir" if out_dir else ""
         raise ConfigError(
-            f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: its optimizer shards only "
-            f"fit the old layout. Convert it first: python -m training.checkpoint universal --out_dir OUT_DIR --tag "
-            f"{saved['tag']}, then resume with train.resume={saved['tag']}_universal")
+            f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: its optimizer state only "
+            f"fits the old layout. Convert it first: python -m training.checkpoint universal --out_dir {source} --tag "
+            f"{tag}, then resume with train.resume={resume}{fresh}")
 
 
 def _describe(layout: dict) -> str:
@@ -300,11 +449,34 @@ def _describe(layout: dict) -> str:
     return f"dp={layout['dp']} x pp={layout['pp']}{extra} with ZeRO-{layout['zero_stage']}"
 
 
+def has_optimizer_shards(tag_dir: str) -> bool:
+    """ZeRO 1-3 and bf16 pipelines save optimizer shards, which DeepSpeed's converter reads; ZeRO-0 otherwise keeps
+    the whole optimizer state in its model-states files."""
+    return bool(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))
+
+
+def unconvertible(tag_dir: str, saved: dict) -> str | None:
+    """Why the checkpoint (`saved`: its run state) cannot be converted to the universal format, with what to do
+    instead; None if it can."""
+    layout, tag = saved["layout"], os.path.basename(os.path.normpath(tag_dir))
+    if layout["tp"] > 1 and layout["zero_stage"] == 3:
+        return (f"{tag_dir} is a ZeRO-3 checkpoint at tensor-parallel degree {layout['tp']}: DeepSpeed's converter "
+                f"merges ZeRO-3 shards of one tensor slice only. Resume it at tp={layout['tp']}, or train with "
+                f"ZeRO-1/2 to change the degree later")
+    if not has_optimizer_shards(tag_dir) and (layout["pp"] > 1 or layout["tp"] > 1):
+        where = f"over {layout['pp']} pipeline stages" if layout["pp"] > 1 else \
+            f"at tensor-parallel degree {layout['tp']}"
+        out_dir = os.path.dirname(os.path.dirname(os.path.normpath(tag_dir)))
+        weights = "" if saved["config"]["model"]["arch"] == "encoder" else (
+            f", or start a new run from its weights: python -m training.export --out_dir {out_dir} --tag {tag}, then "
+            f"train.init_from={out_dir}/export/{tag}")
+        return (f"{tag_dir} is a ZeRO-0 checkpoint {where}, whose optimizer state no converter reads: resume it on "
+                f"its own layout (pp={layout['pp']}, tp={layout['tp']}){weights}")
+    return None
+
+
 def convert(source: str, target: str) -> None:
     """DeepSpeed's universal-checkpoint converter, as a separate process: it parses its own command line."""
-    if not glob.glob(os.path.join(source, "*optim_states.pt")):
-        raise ConfigError(f"{source} has no ZeRO optimizer shards (a ZeRO-0 checkpoint), which DeepSpeed's "
-                          f"converter needs. Without pipeline stages it resumes at any data-parallel size as it is")
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
                            "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"],
                           capture_output=True, text=True)
@@ -316,6 +488,42 @@ def convert(source: str, target: str) -> None:
                           f"--output_folder {target}, or convert another tag")
 
 
+def convert_zero0(source: str, target: str, saved: dict) -> None:
+    """A ZeRO-0 checkpoint of one stage and one tensor rank in the universal format. Its model-states file holds
+    the whole optimizer state, which DeepSpeed's converter does not read (it reads ZeRO shards): written here as
+    its loaders read it, zero/<name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt per parameter and
+    zero/optimizer_state.pt, beside the model-states file without its optimizer entry."""
+    from model import build_model  # here: training.export imports this module
+    from training.export import run_model
+    from training.optim import decay_split
+    with torch.device("meta"):
+        model = build_model(run_model(source, saved))
+    decay, no_decay = decay_split(model.named_parameters())  # the order train.py gave the optimizer
+    names, shapes = [n for n, _ in decay + no_decay], {n: p.shape for n, p in decay + no_decay}
+    states = load_state_file(os.path.join(source, "mp_rank_00_model_states.pt"))
+    optimizer = states["optimizer"]
+    masters = optimizer.get("fp32_groups")  # bf16: DeepSpeed's unfused optimizer keeps fp32 masters
+    adam = optimizer["optimizer_state_dict"] if masters is not None else optimizer
+    weights = [t for group in masters for t in group] if masters is not None else \
+        [states["module"].get(name) for name in names]
+    if len(weights) != len(names) or any(w is None or w.shape != shapes[n] for n, w in zip(names, weights)):
+        raise ConfigError(f"{source}: its optimizer state does not fit the model its {RUN_STATE} describes, so it "
+                          f"cannot be converted; fix: {elsewhere(source, 'convert another tag')}")
+    try:
+        for index, (name, weight) in enumerate(zip(names, weights)):
+            folder = os.path.join(target, "zero", name)
+            os.makedirs(folder)
+            torch.save({PARAM: weight.float(), CAT_DIM: 0}, os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"))
+            for key, value in adam["state"].get(index, {}).items():  # step, exp_avg, exp_avg_sq
+                torch.save(value if key == "step" else {PARAM: value, CAT_DIM: 0}, os.path.join(folder, f"{key}.pt"))
+        torch.save({"ds_version": states["ds_version"], "param_groups": adam["param_groups"]},
+                   os.path.join(target, "zero", "optimizer_state.pt"))
+        torch.save({**states, "optimizer": None}, os.path.join(target, "mp_rank_00_model_states.pt"))
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
+        raise
+
+
 def to_universal(out_dir: str, tag: str | None) -> str:
     """Convert a complete checkpoint to DeepSpeed's universal format, as <tag>_universal beside it."""
     source = find_checkpoint(out_dir, tag)
@@ -324,17 +532,18 @@ def to_universal(out_dir: str, tag: str | None) -> str:
     if saved.get("universal"):
         raise ConfigError(f"--tag {tag} is already in the universal format; fix: resume it with train.resume={tag}, "
                           f"or convert the tag it was made from")
-    layout = saved["layout"]
-    if layout["tp"] > 1 and layout["zero_stage"] == 3:
-        raise ConfigError(f"{source} is a ZeRO-3 checkpoint at tensor-parallel degree {layout['tp']}: DeepSpeed's "
-                          f"converter merges ZeRO-3 shards of one tensor slice only. Resume it at tp={layout['tp']}, "
-                          f"or train with ZeRO-1/2 to change the degree later")
+    reason = unconvertible(source, saved)
+    if reason:
+        raise ConfigError(reason)
     target = f"{source}_universal"
     if os.path.exists(os.path.join(target, MANIFEST)):
         print(f"{target} already exists")
         return target
     shutil.rmtree(target, ignore_errors=True)  # the leftovers of an interrupted conversion
-    convert(source, target)
+    if has_optimizer_shards(source):
+        convert(source, target)
+    else:
+        convert_zero0(source, target, saved)
     mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
     print(f"wrote {target}: resume it at any data-parallel size, pipeline stage count or ZeRO stage with "
           f"train.resume={tag}_universal")

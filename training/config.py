@@ -111,6 +111,9 @@ class TrainConfig:
     # "auto": continue from the newest complete checkpoint in out_dir, or start fresh if there is none;
     # "none": start fresh (refused if out_dir holds checkpoints); or a tag / path to resume from.
     resume: str = "auto"
+    # Resuming a checkpoint older than others in out_dir is refused unless this is true: then the newer ones
+    # are deleted at start.
+    discard_newer: bool = False
     # A local Hugging Face checkpoint folder (config.json + model.safetensors, GPT-2 or Llama) whose weights
     # start a fresh run (fine-tuning, continued pretraining); a run that resumes ignores it.
     init_from: Optional[str] = None

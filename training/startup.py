@@ -136,6 +136,7 @@ class Run:
     parts: list[int]  # the layer index where each pipeline stage starts, then the end
     resume_dir: str | None
     init_from: str | None
+    discard: list[str]  # newer checkpoints than resume_dir's, deleted at start (train.discard_newer)
 
     @property
     def ds(self) -> dict:
@@ -171,14 +172,18 @@ def check_run(argv=None) -> Run:
     specs = model_layers(cfg.model, TensorParallel(engine.layout.tp_size))  # this rank's shapes, no group needed
     check_sequence_parallel(cfg.model, engine.layout.tp_size, engine.layout.sp_size)
     parts = stage_partition(specs, engine.pipe.stages, engine.pipe.partition, BLOCK_CLASS[cfg.model.arch])
+    newer = []
     if saved:
-        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), engine.layout_record())
+        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), engine.layout_record(), resume_dir,
+                                    cfg.train.out_dir)
         data.check_resume(saved["data"], cfg.data.allow_changed)
+        newer = checkpoint.check_resume_point(cfg.train, resume_dir, saved["step"])
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
     notes = [note for note in (engine.precision_note, prompt_note, masking_note(cfg, data, setup.device)) if note]
-    return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from)
+    return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
+               newer)
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:

@@ -1,0 +1,147 @@
+"""Resuming, one process: a ZeRO-0 checkpoint under ZeRO-2 through the conversion its refusal names, universal
+checkpoints under ZeRO-0, an older tag with newer ones present (refused, then each fix it names followed),
+train.stop_at_step at or before the resumed step, and a finished run scoring its eval.tasks."""
+import json
+import re
+import shlex
+import shutil
+import sys
+
+import pytest
+
+from harness import BF16, FP32, launch_cmd, metrics, run, train_py, universal
+from refusals import assert_one_error_line, assert_refused_at_start, snapshot
+from training import checkpoint
+
+# 4 steps, a checkpoint at 2 and 4; a learning rate at which the optimizer state matters.
+RUN = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.eval_windows=8",
+       "train.log_interval=1", "sample.max_new_tokens=1", "train.max_steps=4", "train.save_interval=2",
+       "optim.warmup_steps=2", "optim.lr=3e-3", "eval.limit=48"]
+
+
+def train(out, data, *overrides, ds_config="zero0.json", check=True):
+    """`python train.py` of the tiny run in `out`."""
+    return train_py(launch_cmd([], "train.py", ds_config, out, data, [*RUN, *overrides])[2:], check=check,
+                    env={"OMP_NUM_THREADS": "1"})
+
+
+def steps(out_dir) -> list[tuple[int, float, float]]:
+    return [(m["step"], m["loss"], m["lr"]) for m in metrics(out_dir) if "loss" in m]
+
+
+def error_line(proc) -> str:
+    return next(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, char_data, shakespeare_task):
+    """The run uninterrupted: ZeRO-0 in fp32 (scoring the Shakespeare task) and in bf16, ZeRO-1 in fp32."""
+    runs = {}
+    for name, ds_config, overrides in [("zero0_fp32", "zero0.json", [*FP32, f"eval.tasks=[{shakespeare_task}]"]),
+                                       ("zero0_bf16", "zero0.json", BF16), ("zero1_fp32", "zero1.json", FP32)]:
+        runs[name] = tmp_path_factory.mktemp(name)
+        train(runs[name], char_data, *overrides, ds_config=ds_config)
+    return runs
+
+
+def at_step_2(run_dir, destination):
+    """A run stopped at step 2: its step-2 checkpoint alone, `latest` naming it."""
+    shutil.copytree(run_dir / "checkpoints" / "step_000002", destination / "checkpoints" / "step_000002")
+    (destination / "checkpoints" / checkpoint.LATEST).write_text("step_000002")
+    return destination
+
+
+def test_a_zero0_checkpoint_resumes_under_zero2_through_the_conversion_its_refusal_names(straight, tmp_path,
+                                                                                          char_data):
+    """The README's `python train.py`, then zero2.json in the same out_dir: refused, naming a conversion that
+    works, which continues the run as it would have gone on."""
+    out = at_step_2(straight["zero0_fp32"], tmp_path)
+    refused = train(out, char_data, *FP32, ds_config="zero2.json", check=False)
+    assert_refused_at_start(refused)
+    assert_one_error_line(refused.stderr, "the checkpoint was saved at dp=1 x pp=1 with ZeRO-0, this run is dp=1 x "
+                          "pp=1 with ZeRO-2: ... Convert it first: python -m training.checkpoint universal --out_dir "
+                          f"{out} --tag step_000002, then resume with train.resume=step_000002_universal; or start "
+                          "this layout fresh in another train.out_dir$", {})
+    convert, resume = re.search(r"Convert it first: (.*), then resume with (\S+);", error_line(refused)).groups()
+    run([sys.executable if word == "python" else word for word in shlex.split(convert)])
+    proc = train(out, char_data, *FP32, resume, ds_config="zero2.json")
+    assert f"resumed from {out}/checkpoints/step_000002_universal at step 2" in proc.stdout
+    resumed, uninterrupted = steps(out), steps(straight["zero0_fp32"])[2:]
+    assert [s for s, _, _ in resumed] == [3, 4]
+    assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], abs=1e-5)
+    assert [lr for _, _, lr in resumed] == pytest.approx([lr for _, _, lr in uninterrupted], rel=1e-12)
+
+
+@pytest.mark.parametrize("source,precision", [("zero1_fp32", FP32), ("zero0_bf16", BF16)],
+                         ids=["fp32-from-zero1", "bf16-from-zero0"])
+def test_a_universal_checkpoint_resumes_under_zero0(straight, tmp_path, char_data, source, precision):
+    """DeepSpeed's conversion of a ZeRO-1 checkpoint into torch's AdamW; this repo's of a ZeRO-0 bf16 one into
+    DeepSpeed's bf16 optimizer and its fp32 masters, continuing bit for bit."""
+    converted = universal(at_step_2(straight[source], tmp_path / "converted"), "step_000002")
+    out = tmp_path / "resumed"
+    proc = train(out, char_data, *precision, f"train.resume={converted}")
+    assert f"resumed from {converted} at step 2" in proc.stdout
+    resumed, uninterrupted = steps(out), steps(straight[source])[2:]
+    assert [s for s, _, _ in resumed] == [3, 4]
+    if source == "zero0_bf16":
+        assert resumed == uninterrupted
+    else:
+        assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], abs=1e-5)
+        assert [lr for _, _, lr in resumed] == pytest.approx([lr for _, _, lr in uninterrupted], rel=1e-12)
+
+
+def test_an_older_tag_is_refused_while_newer_checkpoints_exist_and_each_fix_works(straight, tmp_path, char_data):
+    out = tmp_path / "run"
+    shutil.copytree(straight["zero0_fp32"], out)
+    older = f"{out}/checkpoints/step_000002"
+    before = snapshot(out)
+    refused = train(out, char_data, *FP32, "train.resume=step_000002", check=False)
+    assert_refused_at_start(refused)
+    assert_one_error_line(refused.stderr, f"resuming {older} (step 2) would overwrite the newer checkpoints in "
+                          f"{out}/checkpoints (step_000004); fix: set train.discard_newer=true to delete them, or "
+                          f"resume it in another train.out_dir (train.out_dir=NEW_DIR train.resume={older})$", {})
+    assert snapshot(out) == before
+    uninterrupted = steps(straight["zero0_fp32"])
+
+    elsewhere = tmp_path / "elsewhere"  # the second fix: the run goes on in another out_dir, this one untouched
+    train(elsewhere, char_data, *FP32, f"train.resume={older}")
+    assert steps(elsewhere) == uninterrupted[2:] and snapshot(out) == before
+
+    # The first fix, stopped at step 3: step 4 is gone, not left for train.resume=auto to pick up after a stop.
+    proc = train(out, char_data, *FP32, "train.resume=step_000002", "train.discard_newer=true", "train.stop_at_step=3")
+    assert "deleted the newer checkpoints step_000004 (train.discard_newer=true)" in proc.stdout
+    assert (f"resumed from {older} at step 2; metrics.jsonl's 3 records past step 2 moved to "
+            f"metrics.after_step_000002.jsonl") in proc.stdout
+    assert checkpoint.complete_tags(out / "checkpoints") == ["step_000002", "step_000003"]
+    train(out, char_data, *FP32)  # train.resume=auto
+    assert steps(out) == uninterrupted  # each step once: 1 and 2 kept, 3 and 4 trained again
+    aside = [json.loads(line) for line in (out / "metrics.after_step_000002.jsonl").read_text().splitlines()]
+    assert aside == [m for m in metrics(straight["zero0_fp32"]) if m["step"] > 2]
+
+
+def test_stop_at_step_at_or_before_the_resumed_step_is_refused(straight, tmp_path, char_data):
+    out = tmp_path / "run"
+    shutil.copytree(straight["zero0_fp32"], out)
+    before = snapshot(out)
+    refused = train(out, char_data, *FP32, "train.max_steps=6", "train.stop_at_step=4", check=False)
+    assert_refused_at_start(refused)
+    assert_one_error_line(refused.stderr, f"train.stop_at_step=4 is not past step 4, where the run resumes "
+                          f"({out}/checkpoints/step_000004): there is nothing to train; fix: set it between 5 and "
+                          f"train.max_steps=6, or leave it out$", {})
+    assert snapshot(out) == before
+    train(out, char_data, *FP32, "train.max_steps=6", "train.stop_at_step=5")
+    assert [s for s, _, _ in steps(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_finished_run_given_eval_tasks_scores_them_at_its_last_step(straight, tmp_path, char_data, shakespeare_task):
+    out = tmp_path / "run"
+    shutil.copytree(straight["zero0_fp32"], out)
+    checkpoints = snapshot(out / "checkpoints")
+    proc = train(out, char_data, *FP32, f"eval.tasks=[{shakespeare_task}]")
+    assert "the run is at step 4, train.max_steps=4: nothing to train; scoring eval.tasks, then sampling" in proc.stdout
+    trained = next(m for m in metrics(straight["zero0_fp32"]) if m["step"] == 4 and "val_loss" in m)
+    assert (f"step 4: train loss {trained['train_loss']:.4f}, val loss {trained['val_loss']:.4f}; shakespeare acc "
+            f"{trained['shakespeare_acc']:.4f}, acc_norm {trained['shakespeare_acc_norm']:.4f}") in proc.stdout
+    assert metrics(out)[-1] == {"step": 4, "shakespeare_acc": trained["shakespeare_acc"],
+                                "shakespeare_acc_norm": trained["shakespeare_acc_norm"]}
+    assert snapshot(out / "checkpoints") == checkpoints and "step 5" not in proc.stdout
