@@ -545,8 +545,9 @@ def to_universal(out_dir: str, tag: str | None) -> str:
     else:
         convert_zero0(source, target, saved)
     mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
-    print(f"wrote {target}: resume it at any data-parallel size, pipeline stage count or ZeRO stage with "
-          f"train.resume={tag}_universal")
+    where = ("under ZeRO-3 at any data-parallel size" if saved["layout"]["zero_stage"] == 3 else
+             "at any data-parallel size, pipeline stage count or ZeRO stage from 0 to 2")
+    print(f"wrote {target}: resume it {where} with train.resume={tag}_universal")
     return target
 
 
