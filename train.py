@@ -167,10 +167,12 @@ def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
     if index == 0:
         save_effective_config(run.cfg, run.ds, layout)
         started = "one process, no launcher" if run.setup.launcher == "none" else run.setup.launcher
-        say(f"topology ({started}): {describe_hosts(hostnames)}; {layout.describe()}")
+        say(f"topology ({started}): {describe_hosts(hostnames)}; {layout.describe()}; {describe_zero(run.ds)}")
         say(describe_stages(run.specs, run.parts, layout))
         if layout.tp_size > 1 or layout.sp_size > 1:
             say(describe_topology(topo, layout.sp_size))
+        say(describe_data(run.data))
+        say(describe_outputs(run.cfg.train.out_dir))
     return index, say, topo
 
 
@@ -245,8 +247,8 @@ def throughput_meter(run: Run, rank: Rank) -> Throughput:
     cfg, layout, dtype = run.cfg, run.layout, run.setup.engine.dtype
     peak, peak_source = peak_flops(run.device, dtype, cfg.train.peak_tflops, tf32=cfg.train.tf32)
     tokens_per_step = layout.global_batch * cfg.model.block_size
-    rank.say(f"model: {run.n_params:,} parameters; {layout.describe()}; {tokens_per_step:,} tokens/step; {dtype}; "
-             f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
+    rank.say(f"model: {run.n_params:,} parameters ({describe_model(cfg.model)}); {tokens_per_step:,} tokens/step; "
+             f"{dtype}; MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
     for note in run.notes:
         rank.say(note)
     return Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak)
@@ -376,14 +378,48 @@ def sample(engine, forward, cfg: RunConfig, tokenizer, prompt_ids: list[int], de
 
 
 def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
-    """The run config and the ds_config as this run took them, printed and written beside its checkpoints."""
+    """The run config and the ds_config as this run took them, written beside its checkpoints; printed too with
+    train.print_config=true (the start-up lines say the rest)."""
     run_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     ds_json = json.dumps(ds, indent=2)
-    print(f"run config:\n{run_yaml}ds_config:\n{ds_json}\nlayout: {layout.describe()}", flush=True)
+    if cfg.train.print_config:
+        print(f"run config:\n{run_yaml}ds_config:\n{ds_json}\nlayout: {layout.describe()}", flush=True)
     with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
         f.write(run_yaml)
     with open(os.path.join(cfg.train.out_dir, "ds_config.json"), "w") as f:
         f.write(ds_json + "\n")
+
+
+def describe_zero(ds: dict) -> str:
+    """The ZeRO stage of the ds_config DeepSpeed is given, and where its offloads go."""
+    zero = ds.get("zero_optimization", {})
+    offloads = [f"{what} on the {zero[key]['device']}" for what, key in (("optimizer", "offload_optimizer"),
+                ("parameters", "offload_param")) if zero.get(key, {}).get("device", "none") != "none"]
+    return f"ZeRO-{zero.get('stage', 0)}" + (f" ({', '.join(offloads)})" if offloads else "")
+
+
+def describe_model(model) -> str:
+    """The architecture in a few words: what model.* shapes."""
+    heads = f"{model.n_head} heads" + (f" ({model.n_kv_head} key/value)" if model.n_kv_head not in (None, model.n_head)
+                                       else "")
+    return (f"{model.arch}: {model.n_layer} layers, {heads}, width {model.n_embd}, context {model.block_size}, "
+            f"vocabulary {model.vocab_size:,}")
+
+
+def describe_data(data) -> str:
+    """Where the run reads its data (absolute: a relative data.dir is read from the current folder), how much
+    of it, and its tokenizer."""
+    sources = [f"{os.path.abspath(d.dir)} ({d.splits['train']:,} train and {d.splits['val']:,} val tokens"
+               + (f", weight {w:g})" if len(data.datasets) > 1 else ")") for d, w in zip(data.datasets, data.weights)]
+    kind = "conversations" if data.CONVERSATIONS else "text"
+    return f"data: {'; '.join(sources)}; {kind}, {data.meta['tokenizer']} tokenizer"
+
+
+def describe_outputs(out_dir: str) -> str:
+    """Where the run writes: its checkpoints, metrics and full configuration."""
+    where = os.path.abspath(out_dir)
+    return (f"out_dir: {where}: checkpoints/, metrics.jsonl, config.yaml and ds_config.json (the full "
+            f"configuration; train.print_config=true prints it)")
 
 
 if __name__ == "__main__":

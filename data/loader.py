@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from common.checks import ConfigError
+from common.checks import REPO_ROOT, ConfigError, place, read_elsewhere, read_from, tool_command
 from data.documents import Documents
 from data.prepare import read_meta
 from data.sampler import Blend, Epochs
@@ -38,17 +38,29 @@ EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val loss
 IGNORE = -100  # target of a padding row: F.cross_entropy's ignore_index
 
 
+def missing_dataset(data_dir: str, prepare: str) -> str:
+    """The refusal of a data_dir without meta.json, with its fix: the `prepare` command, or where data_dir is
+    relative and read from another folder than the repo's root that holds one, running from there."""
+    problem = f"no prepared dataset in {place(data_dir)} (meta.json missing"
+    if not read_elsewhere(data_dir):
+        return f"{problem}); prepare it with: {prepare}"
+    problem = f"{problem}: {read_from(data_dir)}, not the repo's root)"
+    if os.path.exists(os.path.join(REPO_ROOT, data_dir, "meta.json")):
+        return (f"{problem}; fix: run from the repo's root, cd {REPO_ROOT}, where {data_dir} is prepared, or give "
+                f"its absolute path, {os.path.join(REPO_ROOT, data_dir)}")
+    return f"{problem}; prepare it with: {prepare}"
+
+
 class Dataset:
     """One prepared dataset: meta.json, <split>.bin and <split>.idx, the tokenizer's files."""
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int):
         self.dir, self.block_size = data_dir, block_size
         meta_path = os.path.join(data_dir, "meta.json")
-        self.prepare = (f"python -m data.prepare{f' --tokenizer {tokenizer}' if tokenizer else ''} --input "
+        self.prepare = (f"{tool_command('data.prepare')}{f' --tokenizer {tokenizer}' if tokenizer else ''} --input "
                         f"PATH/TO/text.txt --out_dir {data_dir}")
         if not os.path.exists(meta_path):
-            raise ConfigError(f"no prepared dataset in {data_dir} (meta.json missing); prepare it with: "
-                              f"{self.prepare}")
+            raise ConfigError(missing_dataset(data_dir, self.prepare))
         fix = f"prepare the dataset again with: {self.prepare}"
         self.meta = read_meta(data_dir, "data.dir", fix)
         missing = [key for key in LOADER_KEYS if key not in self.meta]

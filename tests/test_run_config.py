@@ -120,7 +120,7 @@ def test_the_table_covers_every_setting():
     # Booleans: the type is the whole check.
     no_range = {"model.bias", "model.tie_embeddings", "model.document_masking", "train.compile", "train.tf32",
                 "train.discard_newer",
-                "data.allow_changed", "data.pack"}
+                "data.allow_changed", "data.pack", "train.print_config"}
     no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
     tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
     settings = {f"{section.name}.{f.name}" for section in fields(RunConfig) for f in fields(section.type)}

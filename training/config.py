@@ -142,6 +142,9 @@ class TrainConfig:
     spike_factor: float = 3.0
     spike_window: int = 50
     on_spike: str = "warn"
+    # Print the run config and the ds_config, as the run took them, at start (they are always written to
+    # out_dir/config.yaml and ds_config.json); without it the start-up says what matters in a few lines.
+    print_config: bool = False
 
     def check(self, c: Checks) -> None:
         c.at_least("max_steps", 1)

@@ -26,7 +26,7 @@ from training.config import RunConfig, load_ds_config, load_run_config, parse_ar
 from training.device import compute_dtype
 from training.launcher_env import set_distributed_env
 from training.multiple_choice import open_tasks
-from training.optim import optimizer_and_schedule
+from training.optim import optimizer_and_schedule, schedule_note
 from training.topology import (
     ACCUM,
     GLOBAL,
@@ -181,7 +181,8 @@ def check_run(argv=None) -> Run:
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
-    notes = [note for note in (engine.precision_note, prompt_note, masking_note(cfg, data, setup.device)) if note]
+    notes = [note for note in (engine.precision_note, prompt_note, masking_note(cfg, data, setup.device),
+                               schedule_note(cfg)) if note]
     return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
                newer)
 
