@@ -37,7 +37,7 @@ from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
-from training.startup import Run, check_run
+from training.startup import Run, check_run, describe_data, describe_model, describe_outputs, describe_zero
 from training.steps import (
     PipelineLogits,
     choice_losses,
@@ -388,38 +388,6 @@ def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
         f.write(run_yaml)
     with open(os.path.join(cfg.train.out_dir, "ds_config.json"), "w") as f:
         f.write(ds_json + "\n")
-
-
-def describe_zero(ds: dict) -> str:
-    """The ZeRO stage of the ds_config DeepSpeed is given, and where its offloads go."""
-    zero = ds.get("zero_optimization", {})
-    offloads = [f"{what} on the {zero[key]['device']}" for what, key in (("optimizer", "offload_optimizer"),
-                ("parameters", "offload_param")) if zero.get(key, {}).get("device", "none") != "none"]
-    return f"ZeRO-{zero.get('stage', 0)}" + (f" ({', '.join(offloads)})" if offloads else "")
-
-
-def describe_model(model) -> str:
-    """The architecture in a few words: what model.* shapes."""
-    heads = f"{model.n_head} heads" + (f" ({model.n_kv_head} key/value)" if model.n_kv_head not in (None, model.n_head)
-                                       else "")
-    return (f"{model.arch}: {model.n_layer} layers, {heads}, width {model.n_embd}, context {model.block_size}, "
-            f"vocabulary {model.vocab_size:,}")
-
-
-def describe_data(data) -> str:
-    """Where the run reads its data (absolute: a relative data.dir is read from the current folder), how much
-    of it, and its tokenizer."""
-    sources = [f"{os.path.abspath(d.dir)} ({d.splits['train']:,} train and {d.splits['val']:,} val tokens"
-               + (f", weight {w:g})" if len(data.datasets) > 1 else ")") for d, w in zip(data.datasets, data.weights)]
-    kind = "conversations" if data.CONVERSATIONS else "text"
-    return f"data: {'; '.join(sources)}; {kind}, {data.meta['tokenizer']} tokenizer"
-
-
-def describe_outputs(out_dir: str) -> str:
-    """Where the run writes: its checkpoints, metrics and full configuration."""
-    where = os.path.abspath(out_dir)
-    return (f"out_dir: {where}: checkpoints/, metrics.jsonl, config.yaml and ds_config.json (the full "
-            f"configuration; train.print_config=true prints it)")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ CONFIGS = {"cost": ("configs/baby_gpt.yaml", "ds_configs/zero0.json"),
 
 def check_settings(args) -> None:
     """The runs' settings, checked before anything is prepared (the data is checked where it is opened)."""
-    from training.config import load_ds_config, load_run_config, split_overrides
+    from training.config import load_run_config, split_overrides
+    from training.ds_config import load_ds_config
 
     config, ds_config = CONFIGS[args.what]
     run_overrides, ds_overrides = split_overrides([*(BABY_LLAMA if args.what == "cost" else []), *args.overrides])

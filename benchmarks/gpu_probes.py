@@ -107,7 +107,7 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
     """For each ds_config, one process's engine built and stepped as train.py does, its peak memory over the
     later steps (from before the model existed) next to training/memory_plan.py's plan for one device."""
     from benchmarks.memory import MemoryProbe
-    from training.config import load_ds_config
+    from training.ds_config import load_ds_config
     from training.failure import leave_process_group
     from training.memory_plan import plan
     from training.startup import effective_ds_config

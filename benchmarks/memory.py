@@ -152,7 +152,8 @@ def worker(args) -> None:
 
     import train
     from data.loader import TokenData
-    from training.config import load_ds_config, load_run_config, split_overrides
+    from training.config import load_run_config, split_overrides
+    from training.ds_config import load_ds_config
     from training.failure import leave_process_group
     from training.optim import param_groups
     from training.startup import effective_ds_config

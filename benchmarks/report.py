@@ -117,7 +117,8 @@ def load_inputs(config: str, ds_config: str, overrides: list[str], root: str = "
     """(run config, ds_config, dataset) checked as train.py checks them, before any measurement: relative paths
     (data.dir too) from `root`, the folder the measured processes run in."""
     from data.loader import TokenData
-    from training.config import load_ds_config, load_run_config, split_overrides
+    from training.config import load_run_config, split_overrides
+    from training.ds_config import load_ds_config
 
     run_overrides, ds_overrides = split_overrides(overrides)
     cfg = load_run_config(os.path.join(root, config), run_overrides)

@@ -12,7 +12,8 @@ import torch
 from common.checks import ConfigError
 from harness import REPO, launch
 from refusals import assert_refused_at_start, train_py_as_typed
-from training.config import DEFAULT_CONFIG, load_ds_config, load_run_config
+from training.config import DEFAULT_CONFIG, load_run_config
+from training.ds_config import load_ds_config
 from training.startup import effective_ds_config
 from training.topology import resolve_layout
 
@@ -127,7 +128,7 @@ def test_bad_ds_config_number_is_refused_with_its_message(override, message):
 
 def test_the_ds_number_table_covers_the_keys_the_layout_reads():
     """topology.py reads these without checking their types: their one check is DS_NUMBERS."""
-    from training.config import DS_NUMBERS
+    from training.ds_config import DS_NUMBERS
     from training.topology import ACCUM, GLOBAL, MICRO, SP_KEY, TP_KEY
     assert {MICRO, ACCUM, GLOBAL, TP_KEY, SP_KEY, "pipeline.stages",
             "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)

@@ -14,7 +14,8 @@ from model import build_model
 from model.config import ModelConfig
 from model.gpt import Block
 from model_checks import SMALL_GPT
-from training.config import RunConfig, load_ds_config
+from training.config import RunConfig
+from training.ds_config import load_ds_config
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.startup import effective_ds_config
 from training.steps import lm_loss

@@ -9,7 +9,8 @@ import re
 import pytest
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-from training.config import REPO_ROOT, load_ds_config, load_run_config
+from training.config import REPO_ROOT, load_run_config
+from training.ds_config import load_ds_config
 from training.memory_plan import GB, plan
 
 DS_CONFIGS = os.path.join(REPO_ROOT, "ds_configs")

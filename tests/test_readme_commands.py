@@ -108,7 +108,8 @@ def test_the_quickstart_running_and_configuration_blocks_work_in_order(fresh_clo
 def test_the_at_scale_block_names_settings_that_load_and_data_it_prepares():
     """What the second block of the Running section cannot run here is checked as far as one machine can: each
     train.py line's settings load, and its data is what the block (or the quickstart) prepares."""
-    from training.config import load_ds_config, load_run_config, parse_args, split_overrides
+    from training.config import load_run_config, parse_args, split_overrides
+    from training.ds_config import load_ds_config
     commands = readme_commands("Running", blocks=slice(1, 2))
     prepared = {"data/shakespeare_char"}  # the quickstart's
     prepared |= {argv[argv.index("--out_dir") + 1] for argv in map(shlex.split, commands)

@@ -10,7 +10,8 @@ import pytest
 from common.checks import ConfigError
 from harness import FP32, REPO, TINY, metrics, train_py
 from refusals import assert_refused_at_start, train_py_as_typed
-from training.config import load_ds_config, load_run_config, parse_args, split_overrides
+from training.config import load_run_config, parse_args, split_overrides
+from training.ds_config import load_ds_config
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
 ENCODER = os.path.join(REPO, "configs", "encoder_tiny.yaml")

@@ -16,7 +16,7 @@ from hf_check import assert_export_matches_transformers
 from model import build_model, model_layers
 from model.config import ModelConfig
 from model.tensor_parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
-from training.config import load_ds_config
+from training.ds_config import load_ds_config
 from training.steps import replicated_weights_in_sync
 from training.topology import pipeline_settings, resolve_layout, tensor_parallel_size
 

@@ -7,10 +7,8 @@
 Every problem found here raises ConfigError before any process group or training work starts.
 """
 import argparse
-import collections.abc
 import dataclasses
 import difflib
-import json
 import os
 import types
 import typing
@@ -350,119 +348,6 @@ def _known_keys(section: str) -> list[str]:
     for part in filter(None, section.split(".")):
         node = node.get(part) if isinstance(node, DictConfig) else None
     return list(node.keys()) if isinstance(node, DictConfig) else []
-
-
-def load_ds_config(path: str, overrides: list[str]) -> dict:
-    """The ds_config JSON with `ds.` overrides applied, checked by DeepSpeed's own parser."""
-    shipped = sorted(os.listdir(os.path.join(REPO_ROOT, "ds_configs")))
-    existing_file(path, "ds_config", f"pass a DeepSpeed config JSON; shipped ones: {', '.join(shipped)}")
-    with open(path) as f:
-        text = f.read()
-    try:
-        ds = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}, line {e.lineno}, column {e.colno}: malformed JSON: {e.msg}") from None
-    if not isinstance(ds, dict):
-        raise ConfigError(f"{path} holds a JSON {type(ds).__name__}, not an object: a ds_config is one JSON object "
-                          f"of DeepSpeed settings, e.g. {{\"train_micro_batch_size_per_gpu\": 12}}")
-    if overrides:
-        try:
-            merged = OmegaConf.merge(OmegaConf.create(ds), OmegaConf.from_dotlist(overrides))
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"bad ds override {overrides}: {str(e).splitlines()[0]}") from None
-        ds = OmegaConf.to_container(merged)
-    for section, home in (("optimizer", "optim.*"), ("scheduler", "optim.* (warmup_steps, min_lr)")):
-        if section in ds:
-            raise ConfigError(f"{path}: the '{section}' section is a run setting here: set {home} in the "
-                              f"run YAML or on the command line, and remove it from the ds_config")
-    check_numbers(ds, path)
-    check_with_deepspeed(ds, path)
-    return ds
-
-
-# The ds_config's numbers that no typed model of DeepSpeed's checks (and our own keys): a string there fails
-# deep inside its parser ("'>' not supported between instances of 'str' and 'int'"), true passes as 1, and a
-# negative clip would flip the gradients. key -> (integer only, lowest value, what the lowest value means).
-DS_NUMBERS = {
-    "train_batch_size": (True, 1, ""),
-    "train_micro_batch_size_per_gpu": (True, 1, ""),
-    "gradient_accumulation_steps": (True, 1, ""),
-    "tensor_model_parallel_size": (True, 1, ""),
-    "sequence_parallel_size": (True, 1, ""),
-    "steps_per_print": (True, 1, ""),
-    "pipeline.stages": (True, 1, ""),
-    "pipeline.activation_checkpoint_interval": (True, 0, "0 disables it"),
-    "gradient_clipping": (False, 0, "0 disables clipping"),
-}
-
-
-def check_numbers(ds: dict, path: str) -> None:
-    for key, (integer, low, meaning) in DS_NUMBERS.items():
-        section, _, name = key.rpartition(".")
-        value = (ds.get(section) if section else ds)
-        value = value.get(name) if isinstance(value, dict) else None
-        kinds = (int,) if integer else (int, float)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds) or value < low):
-            must = f"{'an integer' if integer else 'a number'} >= {low}" + (f" ({meaning})" if meaning else "")
-            raise ConfigError(f"{key}={value!r} in {path}: must be {must}; fix: set ds.{key} to one, in the "
-                              f"ds_config or on the command line")
-
-
-def check_with_deepspeed(ds: dict, path: str) -> None:
-    """Parse `ds` with DeepSpeedConfig and reject top-level keys it never reads (it ignores them)."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    probe = _KeyRecorder(ds)
-    # DeepSpeedConfig checks the batch triple against world size 1; ours is checked in topology.py.
-    probe.pop("train_batch_size", None)
-    probe.pop("sequence_parallel_size", None)  # ours to read (training/topology.py SP_KEY); it divides that world
-    if isinstance(ds.get("bf16"), dict) and ds["bf16"].get("enabled") == "auto":  # ours: resolved for the device
-        probe["bf16"] = {**ds["bf16"], "enabled": True}                              # (training/startup.py)
-    try:
-        DeepSpeedConfig(probe)
-    except Exception as e:
-        if hasattr(e, "errors") and hasattr(e, "title"):  # a section's pydantic model: one line per problem
-            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-            raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}") from None
-        raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}") from None
-    # Our key beside DeepSpeed's (training/topology.py TP_KEY): the tensor-parallel degree of our own layers; and
-    # DeepSpeed's sequence-parallel degree, which this repo reads itself (SP_KEY).
-    ours = {"train_batch_size", "tensor_model_parallel_size", "sequence_parallel_size"}
-    unknown = sorted(set(ds) - probe.read - ours)
-    if unknown:
-        hints = [f"'{k}'" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(k, probe.read, 1))
-                             else "") for k in unknown]
-        raise ConfigError(f"{path}: DeepSpeed does not know the key(s) {', '.join(hints)}")
-
-
-class _KeyRecorder(dict):
-    """A dict that remembers which keys were looked up, however the lookup was spelled."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.read = set()
-
-    def get(self, key, *default):
-        self.read.add(key)
-        return super().get(key, *default)
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key):
-        self.read.add(key)
-        return super().__contains__(key)
-
-    def keys(self):
-        recorder = self
-
-        class _Keys(collections.abc.KeysView):
-            def __contains__(self, key):
-                recorder.read.add(key)
-                return super().__contains__(key)
-
-        return _Keys(self)
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:

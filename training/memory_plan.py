@@ -39,7 +39,8 @@ from common.checks import ToolParser
 from model import BLOCK_CLASS, model_layers
 from model.documents import document_kernel
 from model.tensor_parallel import TensorParallel
-from training.config import REPO_ROOT, load_ds_config, load_run_config
+from training.config import REPO_ROOT, load_run_config
+from training.ds_config import load_ds_config
 from training.steps import LOSS_CHUNK_ROWS
 from training.topology import (
     pipeline_settings,

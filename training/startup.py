@@ -1,5 +1,6 @@
-"""A run's start, before any process group: everything that can be checked first (`check_run`), and the
-ds_config DeepSpeed is given, assembled in one place (`effective_ds_config`).
+"""A run's start, before any process group: everything that can be checked first (`check_run`), the
+ds_config DeepSpeed is given, assembled in one place (`effective_ds_config`), and the few lines that say what
+the run is (`describe_*`), printed before step 0.
 
 train.py runs all of it on every rank, so a bad setting stops the job before any process waits on another.
 preflight.py runs the part that needs no dataset or checkpoint: `load_configs` and `configure`.
@@ -22,8 +23,9 @@ from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training import checkpoint, hf
-from training.config import RunConfig, load_ds_config, load_run_config, parse_args, split_overrides
+from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import compute_dtype
+from training.ds_config import load_ds_config
 from training.launcher_env import set_distributed_env
 from training.multiple_choice import open_tasks
 from training.optim import optimizer_and_schedule, schedule_note
@@ -216,3 +218,35 @@ def count_parameters(cfg: RunConfig) -> int:
     except (ValueError, AssertionError, RuntimeError, TypeError) as e:
         raise ConfigError(f"the model.* settings do not build a model ({type(e).__name__}: {e}); fix: change "
                           f"the model settings named there") from None
+
+
+def describe_zero(ds: dict) -> str:
+    """The ZeRO stage of the ds_config DeepSpeed is given, and where its offloads go."""
+    zero = ds.get("zero_optimization", {})
+    offloads = [f"{what} on the {zero[key]['device']}" for what, key in (("optimizer", "offload_optimizer"),
+                ("parameters", "offload_param")) if zero.get(key, {}).get("device", "none") != "none"]
+    return f"ZeRO-{zero.get('stage', 0)}" + (f" ({', '.join(offloads)})" if offloads else "")
+
+
+def describe_model(model) -> str:
+    """The architecture in a few words: what model.* shapes."""
+    heads = f"{model.n_head} heads" + (f" ({model.n_kv_head} key/value)" if model.n_kv_head not in (None, model.n_head)
+                                       else "")
+    return (f"{model.arch}: {model.n_layer} layers, {heads}, width {model.n_embd}, context {model.block_size}, "
+            f"vocabulary {model.vocab_size:,}")
+
+
+def describe_data(data) -> str:
+    """Where the run reads its data (absolute: a relative data.dir is read from the current folder), how much
+    of it, and its tokenizer."""
+    sources = [f"{os.path.abspath(d.dir)} ({d.splits['train']:,} train and {d.splits['val']:,} val tokens"
+               + (f", weight {w:g})" if len(data.datasets) > 1 else ")") for d, w in zip(data.datasets, data.weights)]
+    kind = "conversations" if data.CONVERSATIONS else "text"
+    return f"data: {'; '.join(sources)}; {kind}, {data.meta['tokenizer']} tokenizer"
+
+
+def describe_outputs(out_dir: str) -> str:
+    """Where the run writes: its checkpoints, metrics and full configuration."""
+    where = os.path.abspath(out_dir)
+    return (f"out_dir: {where}: checkpoints/, metrics.jsonl, config.yaml and ds_config.json (the full "
+            f"configuration; train.print_config=true prints it)")

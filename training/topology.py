@@ -58,7 +58,7 @@ TP_KEY = "tensor_model_parallel_size"
 
 def tensor_parallel_size(ds: dict) -> int:
     """The degree, checked against what this repo can combine it with."""
-    tp_size = ds.get(TP_KEY, 1)  # a positive integer (training/config.py DS_NUMBERS)
+    tp_size = ds.get(TP_KEY, 1)  # a positive integer (training/ds_config.py DS_NUMBERS)
     if tp_size > 1 and ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1:
         raise ConfigError(f"{TP_KEY}={tp_size} and DeepSpeed's AutoTP (tensor_parallel.autotp_size) are both set: the "
                           f"model's own tensor-parallel layers replace AutoTP here; remove the tensor_parallel section")
@@ -71,7 +71,7 @@ SP_KEY = "sequence_parallel_size"
 
 
 def sequence_parallel_size(ds: dict) -> int:
-    return ds.get(SP_KEY, 1)  # a positive integer (training/config.py DS_NUMBERS)
+    return ds.get(SP_KEY, 1)  # a positive integer (training/ds_config.py DS_NUMBERS)
 
 
 def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size: int = 1,
@@ -139,7 +139,7 @@ def pipeline_settings(ds: dict) -> Pipeline:
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in the ds_config's pipeline section; known: "
                           f"{sorted(PIPELINE_KEYS)}")
-    stages = section.get("stages", 1)  # numbers checked with the ds_config's others (training/config.py DS_NUMBERS)
+    stages = section.get("stages", 1)  # numbers checked with the ds_config's others (training/ds_config.py DS_NUMBERS)
     interval = section.get("activation_checkpoint_interval", 0)
     partition = section.get("partition", "parameters")
     if partition == "best":  # DeepSpeed's placeholder default; not a PipelineModule method
