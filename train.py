@@ -28,7 +28,7 @@ from model.generate import generate
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
 from model.tiling import tile_mlps
-from training import checkpoint, hf
+from training import checkpoint, hf, universal
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
 from training.divergence import Guard
@@ -115,7 +115,7 @@ def build_engine(run: Run) -> Rank:
     weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
-    universal_info = checkpoint.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
+    universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
     start_schedule(engine)
     if isinstance(engine, PipelineEngine):
         assert model.parts == run.parts, f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"

@@ -14,6 +14,7 @@ import sample
 import training.checkpoint
 import training.evaluate
 import training.export
+import training.universal
 from refusals import EXPORT, SHARD, TAG, assert_refused, command, only_tag_truncated, snapshot, truncated
 
 # Damage done to the run's copy before a row runs.
@@ -187,12 +188,12 @@ def test_a_failed_conversion_is_one_line_and_leaves_no_half_checkpoint(paths, mo
 
     def converter_fails(cmd, **kwargs):
         target.mkdir()
-        return training.checkpoint.subprocess.CompletedProcess(cmd, 1, "", "Traceback (most recent call last):\n"
+        return training.universal.subprocess.CompletedProcess(cmd, 1, "", "Traceback (most recent call last):\n"
                                                                "  ...\nValueError: shard 3 is short\n")
 
-    monkeypatch.setattr(training.checkpoint.subprocess, "run", converter_fails)
-    with pytest.raises(training.checkpoint.ConfigError) as error:
-        training.checkpoint.convert(str(paths["tag"]), str(target))
+    monkeypatch.setattr(training.universal.subprocess, "run", converter_fails)
+    with pytest.raises(training.universal.ConfigError) as error:
+        training.universal.convert(str(paths["tag"]), str(target))
     assert "\n" not in str(error.value) and "Traceback" not in str(error.value)
     assert "(ValueError: shard 3 is short); fix: see its whole output" in str(error.value) and not target.exists()
 

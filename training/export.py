@@ -29,7 +29,7 @@ from data.tokenizers import tokenizer_from_meta
 from model import build_model, layer_names, model_layers
 from model.config import ModelConfig, saved_settings_gaps
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
-from training import checkpoint
+from training import checkpoint, universal
 from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
 from training.optim import decay_split
 
@@ -68,7 +68,7 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
         scratch = f"{tag_dir}_export_tmp"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
-            checkpoint.convert(tag_dir, scratch)
+            universal.convert(tag_dir, scratch)
             return _from_universal(scratch, shapes)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,188 @@
+"""DeepSpeed's universal checkpoint format, in which a checkpoint resumes on another layout: what its converter
+needs to know of the model (`universal_info`, saved in each checkpoint), which checkpoints convert and how
+(DeepSpeed's converter for ZeRO shards, this module for ZeRO-0's whole optimizer state), and a universal
+checkpoint loaded into a ZeRO-0 engine, which DeepSpeed's loader does not do. The command is
+`python -m training.checkpoint universal` (training/checkpoint.py), which checks the checkpoint first."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+
+import torch
+from deepspeed.checkpoint.constants import (
+    CAT_DIM,
+    FP32_WEIGHT_KEY,
+    PARAM,
+    PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+    PARAMETER_WITH_SUB_PARAMS,
+    PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    SUB_PARAM_SHARD_WIDTHS,
+    TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
+from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model_parallel_world_size
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from common.checks import ConfigError
+from model.tensor_parallel import ROW, split_rule
+
+
+def universal_info(named_parameters: list, tp_size: int) -> dict:
+    """What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint, from this run's model
+    (its parameters as one rank holds them): the tied embedding is held by the first and the last pipeline
+    stage, and only one copy must be kept; under tensor parallelism each parameter's rule (model/tensor_parallel.py)
+    as DeepSpeed's patterns: replicated ones keep one slice, row-parallel ones join on dim 1, fused q|k|v
+    join block by block, the rest (column-parallel, vocabulary rows) on dim 0. The loader cuts them again
+    for the resuming run's degree."""
+    info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"]}
+    rules = {name: split_rule(p) for name, p in named_parameters}
+    if all(rule is None for rule in rules.values()):
+        return info  # tp = 1: nothing to join
+    exact = {name: f"^{re.escape(name)}$" for name in rules}
+    info[TP_REPLICATED_PARAMETER_PATTERNS] = [exact[n] for n, rule in rules.items() if rule is None]
+    info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [exact[n] for n, rule in rules.items() if rule == ROW]
+    fused = {n: rule for n, rule in rules.items() if isinstance(rule, tuple)}
+    info[PARAMETER_WITH_SUB_PARAMS], info[SUB_PARAM_SHARD_WIDTHS] = [], {}
+    shapes = {name: p.shape for name, p in named_parameters}
+    for name, (_, parts) in fused.items():
+        param = shapes[name]
+        block = param[0] // parts * tp_size  # rows of one of q, k, v in the whole weight
+        info[PARAMETER_WITH_SUB_PARAMS].append(
+            {"patterns": [exact[name]], "shape": ((block,) * parts, *param[1:]), "partition_dim": 0})
+        info[SUB_PARAM_SHARD_WIDTHS][exact[name]] = [[block // tp_size] * tp_size for _ in range(parts)]
+    return info
+
+
+class _WholeFragment:
+    """What DeepSpeed's universal loader (load_hp_checkpoint_state) fills for a ZeRO partition's fragment of a
+    parameter: under ZeRO-0 the fragment is the whole parameter (this tensor rank's slice of it)."""
+
+    def __init__(self, master: torch.Tensor):
+        self.master = master
+        self.lp_fragment_address = fragment_address(numel=master.numel(), start=0)
+        self.optim_fragment = {}
+
+    def get_hp_fragment(self) -> torch.Tensor:
+        return self.master.data.view(-1)
+
+
+def load_universal_without_zero(engine, tag_dir: str, saved_groups: list):
+    """A universal checkpoint's fp32 weights and Adam states (`saved_groups`: its optimizer's parameter groups) into
+    a ZeRO-0 engine's optimizer; returns what copies its fp32 masters into the model's weights, or None where
+    DeepSpeed's optimizer does that itself."""
+    optimizer = engine.optimizer
+    if isinstance(optimizer, BF16_Optimizer):  # a bf16 pipeline: DeepSpeed's loader, given the folder
+        optimizer.load_state_dict(None, checkpoint_folder=tag_dir, load_optimizer_states=True,
+                                  load_from_fp32_weights=True)
+        return None
+    if isinstance(optimizer, FP16_UnfusedOptimizer):  # bf16 or fp16: fp32 masters beside the model's weights
+        basic, weights = optimizer.optimizer, optimizer.fp16_groups
+    else:  # fp32: torch's AdamW steps the model's own weights
+        basic, weights = optimizer, [group["params"] for group in optimizer.param_groups]
+    tp_rank, tp_size = bwc_tensor_model_parallel_rank(engine.mpu), bwc_tensor_model_parallel_world_size(engine.mpu)
+    states, groups, index = {}, [], 0
+    for group, saved_group, lps in zip(basic.param_groups, saved_groups, weights):
+        ids = []
+        for master, lp in zip(group["params"], lps):
+            fragment = _WholeFragment(master)
+            target = types.SimpleNamespace(shape=master.shape, numel=master.numel, _hp_mapping=fragment)
+            step = load_hp_checkpoint_state(target, os.path.join(tag_dir, "zero", engine.param_names[lp]), tp_rank,
+                                            tp_size)  # the fp32 weight written into the master, cut for tp_rank
+            if fragment.optim_fragment:
+                states[index] = {"step": torch.as_tensor(step, dtype=torch.float32),
+                                 **{key: value.view_as(master) for key, value in fragment.optim_fragment.items()}}
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       **{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    basic.load_state_dict({"state": states, "param_groups": groups})  # torch places each state by its parameter
+
+    def copy_masters():
+        if basic is not optimizer:
+            for masters, lps in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+                for master, lp in zip(masters, lps):
+                    lp.data.copy_(master.data)
+    return copy_masters
+
+
+def has_optimizer_shards(tag_dir: str) -> bool:
+    """ZeRO 1-3 and bf16 pipelines save optimizer shards, which DeepSpeed's converter reads; ZeRO-0 otherwise keeps
+    the whole optimizer state in its model-states files."""
+    return bool(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))
+
+
+def unconvertible(tag_dir: str, saved: dict) -> str | None:
+    """Why the checkpoint (`saved`: its run state) cannot be converted to the universal format, with what to do
+    instead; None if it can."""
+    layout, tag = saved["layout"], os.path.basename(os.path.normpath(tag_dir))
+    if layout["tp"] > 1 and layout["zero_stage"] == 3:
+        return (f"{tag_dir} is a ZeRO-3 checkpoint at tensor-parallel degree {layout['tp']}: DeepSpeed's converter "
+                f"merges ZeRO-3 shards of one tensor slice only. Resume it at tp={layout['tp']}, or train with "
+                f"ZeRO-1/2 to change the degree later")
+    if not has_optimizer_shards(tag_dir) and (layout["pp"] > 1 or layout["tp"] > 1):
+        where = f"over {layout['pp']} pipeline stages" if layout["pp"] > 1 else \
+            f"at tensor-parallel degree {layout['tp']}"
+        out_dir = os.path.dirname(os.path.dirname(os.path.normpath(tag_dir)))
+        weights = "" if saved["config"]["model"]["arch"] == "encoder" else (
+            f", or start a new run from its weights: python -m training.export --out_dir {out_dir} --tag {tag}, then "
+            f"train.init_from={out_dir}/export/{tag}")
+        return (f"{tag_dir} is a ZeRO-0 checkpoint {where}, whose optimizer state no converter reads: resume it on "
+                f"its own layout (pp={layout['pp']}, tp={layout['tp']}){weights}")
+    return None
+
+
+def convert(source: str, target: str) -> None:
+    """DeepSpeed's universal-checkpoint converter, as a separate process: it parses its own command line."""
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
+                           "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ConfigError(f"DeepSpeed's universal converter failed on {source} ({last}); fix: see its whole output "
+                          f"with python -m deepspeed.checkpoint.ds_to_universal --input_folder {source} "
+                          f"--output_folder {target}, or convert another tag")
+
+
+def convert_zero0(source: str, target: str, saved: dict, states: dict) -> None:
+    """A ZeRO-0 checkpoint of one stage and one tensor rank in the universal format. Its model-states file holds
+    the whole optimizer state, which DeepSpeed's converter does not read (it reads ZeRO shards): written here as
+    its loaders read it, zero/<name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt per parameter and
+    zero/optimizer_state.pt, beside the model-states file without its optimizer entry (`states`: that file,
+    read safely)."""
+    from model import build_model  # here: training.export imports this module
+    from training.export import run_model
+    from training.optim import decay_split
+    with torch.device("meta"):
+        model = build_model(run_model(source, saved))
+    decay, no_decay = decay_split(model.named_parameters())  # the order train.py gave the optimizer
+    names, shapes = [n for n, _ in decay + no_decay], {n: p.shape for n, p in decay + no_decay}
+    optimizer = states["optimizer"]
+    masters = optimizer.get("fp32_groups")  # bf16: DeepSpeed's unfused optimizer keeps fp32 masters
+    adam = optimizer["optimizer_state_dict"] if masters is not None else optimizer
+    weights = [t for group in masters for t in group] if masters is not None else \
+        [states["module"].get(name) for name in names]
+    if len(weights) != len(names) or any(w is None or w.shape != shapes[n] for n, w in zip(names, weights)):
+        raise ValueError(f"{source}: its optimizer state does not fit the model its run_state.json describes, so "
+                         f"it cannot be converted")
+    try:
+        for index, (name, weight) in enumerate(zip(names, weights)):
+            folder = os.path.join(target, "zero", name)
+            os.makedirs(folder)
+            torch.save({PARAM: weight.float(), CAT_DIM: 0}, os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"))
+            for key, value in adam["state"].get(index, {}).items():  # step, exp_avg, exp_avg_sq
+                torch.save(value if key == "step" else {PARAM: value, CAT_DIM: 0}, os.path.join(folder, f"{key}.pt"))
+        torch.save({"ds_version": states["ds_version"], "param_groups": adam["param_groups"]},
+                   os.path.join(target, "zero", "optimizer_state.pt"))
+        torch.save({**states, "optimizer": None}, os.path.join(target, "mp_rank_00_model_states.pt"))
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
+        raise
