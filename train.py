@@ -31,7 +31,7 @@ from model.tiling import tile_mlps
 from training import checkpoint, hf, universal
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
-from training.divergence import Guard
+from training.divergence import Guard, Verdict
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.multiple_choice import ChoiceScorer
@@ -45,7 +45,6 @@ from training.steps import (
     eval_loss,
     keep_fp32_grad_norm,
     lm_loss,
-    mean_over_ranks,
     replicated_weights_in_sync,
     tied_weights_in_sync,
     train_step,
@@ -224,10 +223,11 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
             meter.pause()
         logs = step % cfg.train.log_interval == 0 or step == last_step
         saves = (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step
-        if logs:
-            log_progress(run, rank, step, loss, lr, meter)
-        if logs or saves:  # where the loss is read anyway, and never a non-finite model saved
-            rewound = guard.check(step, rank.batches_skipped)
+        # The watch is read where the loss is (its progress line), and before a save: no non-finite model saved.
+        verdict = log_progress(run, rank, step, loss, lr, meter, guard) if logs else \
+            guard.watch.read()[0] if saves else None
+        if verdict:
+            rewound = guard.act(verdict, step, rank.batches_skipped)
             if rewound:
                 step, rank.batches_skipped = rewound
                 return step
@@ -254,9 +254,11 @@ def throughput_meter(run: Run, rank: Rank) -> Throughput:
     return Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak)
 
 
-def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float, meter: Throughput) -> None:
-    """A progress line and its metrics record: the loss over all ranks, speed, gradient norm, memory."""
-    loss = mean_over_ranks(loss)  # the loop's only host synchronization (docs/performance.md)
+def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float, meter: Throughput,
+                 guard: Guard) -> Verdict:
+    """A progress line and its metrics record: the loss over all ranks, speed, gradient norm, memory; returns
+    the divergence watch's verdict, read with the loss."""
+    verdict, loss = guard.watch.read(loss)  # the loop's only host synchronization (docs/performance.md)
     tokens_per_s, mfu = meter.read()  # None for an interval holding only the warm-up step
     grad_norm = rank.engine.get_global_grad_norm()  # before clipping, which DeepSpeed does
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -267,6 +269,7 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
     rank.say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
              f"mem {memory:.2f} GB ({reserved:.2f} reserved)")
+    return verdict
 
 
 @torch.compiler.set_stance("force_eager")  # padded, variable batches: never worth a recompilation

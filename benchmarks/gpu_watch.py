@@ -149,8 +149,9 @@ class Watch:
 
         def watched_log(run, rank, step, *args, **kwargs):
             self.before_log(run, step)
-            log_progress(run, rank, step, *args, **kwargs)
+            verdict = log_progress(run, rank, step, *args, **kwargs)
             self.after_log(run, step)
+            return verdict
 
         def sleepy_step_batches(data, seed, step, *args, **kwargs):
             if self.sleep_from is not None and step >= self.sleep_from:

@@ -159,11 +159,12 @@ def test_the_watch_reads_the_first_bad_step_the_streak_and_the_first_spike(one_r
     watch = Watch(spike_factor=3.0, spike_window=2, device=torch.device("cpu"))
     for step, loss in enumerate([4.0, 2.0, float("nan"), float("inf"), 3.0, 9.5, 12.0, 2.9], start=1):
         watch.observe(step, torch.tensor(loss), update_skipped=False)
-    verdict = watch.read()  # the mean of 4.0 and 2.0 is 3.0; then 3.0 moves it halfway: 3.0; 9.5 is above 9.0
+    verdict, loss = watch.read(torch.tensor(2.5))  # the mean of 4.0 and 2.0 is 3.0, 3.0 keeps it; 9.5 is above 9.0
+    assert loss == 2.5  # the loss read with the verdict, its mean over the (one) rank
     assert (verdict.first_bad, verdict.bad_steps, verdict.longest_streak, verdict.spike) == (3, 2, 2, 6)
     assert verdict.spike_ratio == pytest.approx(9.5 / 3.0)
     watch.observe(9, torch.tensor(2.8), update_skipped=torch.tensor(True))  # a finite loss whose update was skipped
     watch.observe(10, torch.tensor(2.7), update_skipped=False)
-    verdict = watch.read()  # a new window: the earlier steps are gone
-    assert (verdict.first_bad, verdict.bad_steps, verdict.longest_streak, verdict.spike) == (9, 1, 1, None)
-    assert watch.read().first_bad is None
+    verdict, loss = watch.read()  # a new window: the earlier steps are gone
+    assert (verdict.first_bad, verdict.bad_steps, verdict.longest_streak, verdict.spike, loss) == (9, 1, 1, None, None)
+    assert watch.read()[0].first_bad is None

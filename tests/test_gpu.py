@@ -139,7 +139,7 @@ GPU_ONLY_SYNCS = {
     "zero2": {"* > stage_1_and_2.independent_gradient_partition_epilogue": 1},
     "zero3": {"* > stage3.independent_gradient_partition_epilogue": 1, "* > partition_parameters.wait": PER_FETCH},
 }
-LOG_SYNCS = {"train.log_progress > steps.mean_over_ranks": 1, "train.train > train.log_progress": 1}
+LOG_SYNCS = {"train.log_progress > divergence.read": 1, "train.train_steps > train.log_progress": 1}
 
 
 def per_step(seen: dict, expected: dict) -> dict:

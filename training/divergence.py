@@ -78,15 +78,21 @@ class Watch:
         self.mean = torch.where(counted, self.mean + (loss - self.mean) / self.seen.clamp(1, self.window),
                                 self.mean)
 
-    def read(self) -> Verdict:
-        """Collective: the verdict over every rank since the last read, which starts a new window."""
-        # One MAX all-reduce: the step slots go negated, so the maximum is the earliest step.
+    def read(self, loss: torch.Tensor | None = None) -> tuple[Verdict, float | None]:
+        """Collective: the verdict over every rank since the last read, which starts a new window, and the mean
+        of `loss` over the ranks: one host read for both (the progress line's, docs/performance.md)."""
+        # A MAX all-reduce of the slots (the step slots negated, so the maximum is the earliest step) and a SUM
+        # of the loss, read back together.
         slots = torch.stack([-self.first_bad, self.bad_steps, self.longest, -self.spike, self.ratio])
         torch.distributed.all_reduce(slots, op=torch.distributed.ReduceOp.MAX)
-        first_bad, bad_steps, longest, spike, ratio = slots.tolist()
+        if loss is not None:
+            loss = loss.detach().double().reshape(1)
+            torch.distributed.all_reduce(loss)
+            slots = torch.cat([slots, loss / torch.distributed.get_world_size()])
+        first_bad, bad_steps, longest, spike, ratio, *mean = slots.tolist()
         self._clear(torch.zeros_like(self.mean))
         return Verdict(None if -first_bad == NONE else int(-first_bad), int(bad_steps), int(longest),
-                       None if -spike == NONE else int(-spike), ratio)
+                       None if -spike == NONE else int(-spike), ratio), (mean[0] if mean else None)
 
 
 def skip_nonfinite_updates(engine) -> torch.Tensor | None:
@@ -133,10 +139,9 @@ class Guard:
             skipped, self.skipped_steps = self.engine.skipped_steps > self.skipped_steps, self.engine.skipped_steps
         self.watch.observe(step, loss, skipped)
 
-    def check(self, step: int, batches_skipped: int) -> tuple[int, int] | None:
-        """Collective, at a read point after `step`: act on the steps since the last read. None: go on; else
-        (the step rewound to, the batches skipped from now on). A stop raises Diverged."""
-        verdict = self.watch.read()
+    def act(self, verdict: Verdict, step: int, batches_skipped: int) -> tuple[int, int] | None:
+        """Collective (every rank has the same verdict), at a read point after `step`: None goes on; else (the
+        step rewound to, the batches skipped from now on). A stop raises Diverged."""
         if verdict.spike is not None:
             self.say(f"WARNING: step {verdict.spike}: a loss spike, {verdict.spike_ratio:.1f}x the recent mean "
                      f"(train.spike_factor {self.cfg.spike_factor:g})")

@@ -48,12 +48,6 @@ def data_parallel_group(engine):
     return engine.mpu.get_data_parallel_group() if engine.mpu else None
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.clone()
-    torch.distributed.all_reduce(value)
-    return value.item() / torch.distributed.get_world_size()
-
-
 def keep_fp32_grad_norm(engine) -> None:
     """Work around DeepSpeed in fp32 without ZeRO: it clips the gradients (engine.clip_fp32_gradients) but
     drops the norm it computed, so get_global_grad_norm() stays None; and its clip_grad_norm_ counts the
