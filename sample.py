@@ -27,15 +27,19 @@ def chat_prompt(message: str, meta: dict, tokenizer) -> tuple[list[int], int]:
         chat = check_chat_record(meta, "the model's dataset meta")
         template = ChatTemplate(chat["chat_template"])
         text, _ = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
-        return tokenizer.encode_with_offsets(text)[0], chat["end_of_turn_id"]
     except ChatTemplateError as e:  # a template that fails on a prompt alone, which preparation never rendered
         source = f", from {chat['template']}" if chat.get("template") else ""
         recorded = f"the model's chat template (meta.json chat.chat_template{source})"
         raise ConfigError(f"--chat {message!r}: {e.describe(recorded, 'the message')}; fix: correct the template so "
                           f"it renders a user message with add_generation_prompt, and prepare the conversations "
                           f"again with it (python -m data.prepare --format chat --chat_template FILE)") from None
-    except ValueError as e:  # a stale record, or a character outside a char tokenizer's vocabulary
+    except ValueError as e:  # a stale record
         raise ConfigError(f"--chat {message!r}: {e}") from None
+    try:
+        return tokenizer.encode_with_offsets(text)[0], chat["end_of_turn_id"]
+    except ValueError as e:  # a character outside a char tokenizer's vocabulary
+        raise ConfigError(f"--chat {message!r}: {e}; fix: write the message in the characters the model was trained "
+                          f"on") from None
 
 
 def main(argv=None) -> None:

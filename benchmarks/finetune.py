@@ -1,109 +1,170 @@
-"""Fine-tuning on a task with a checkable answer: exact-match accuracy on held-out prompts, before and after, with
-the prompt's tokens left out of the loss (the default) against trained on.
+"""Fine-tuning on a task with a checkable answer, the reverse-the-words task (data/reverse_task.py): exact-match
+accuracy on held-out prompts, before and after.
 
-    python benchmarks/finetune.py                # reverse-the-words tasks, the Llama quickstart's shape, on the CPU
+    python benchmarks/finetune.py --init_from out/llama_quickstart/export/step_002000   # the README's example
+    python benchmarks/finetune.py                # from scratch: the prompt left out of the loss, or trained on
     python benchmarks/finetune.py --steps 300    # a quicker, rougher figure
 
-Tasks: "Reverse: w1 ... wn" -> "wn ... w1", n from 2 to 6 of 24 words; --train tasks to train on and --test
-held-out prompts, none of them among the training ones. They are prepared twice with the character tokenizer
-(`data.prepare --format chat --context 128`: `--train_on all`, the assistant's tokens; `--train_on everything`,
-every token), and each dataset trains from the same initialization (configs/llama_quickstart_sft.yaml at context
-128; a pretraining learning rate, since it starts from scratch) for --steps steps. Accuracy: the share of held-out
-prompts whose greedy answer (`sample.py --chat`'s, up to the end of turn) is exactly the reversal; "before" is the
-same model at its initialization.
+--init_from EXPORT, the README's fine-tuning example as it runs: the task's defaults (`python -m data.reverse_task`:
+--train 3,000 conversations of 2 or 3 of its 23 words, --test 200 held-out prompts) are prepared with the export's
+own tokenizer (`data.prepare --format chat --tokenizer EXPORT --context 64`: the quickstart's characters, the
+built-in template lines), and configs/llama_quickstart_sft.yaml trains on them as it is (its epochs; --steps
+replaces them) from the export, then from scratch (train.init_from=null) on the same data; the seconds each
+train.py took are printed beside. "Before" is the export, or the initialization.
+
+Without it, the prompt masked or not: 2 to 6 words (--train 4,000), prepared twice with a character tokenizer of
+their own (`--context 128`: `--train_on all`, the assistant's tokens; `--train_on everything`, every token), each
+trained from the same initialization (the preset at context 128 and a pretraining learning rate, since it starts
+from scratch) for --steps steps (1,500). "Before" is the initialization.
+
+Accuracy: the share of held-out prompts whose greedy answer (`sample.py --chat`'s, up to the end of turn) is
+exactly the reversal.
 """
 import argparse
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import at_least, print_table, run_main, run_tool, work_folder  # noqa: E402
-from common.checks import ToolParser  # noqa: E402
+from common.checks import ConfigError, ToolParser  # noqa: E402
+from data.reverse_task import answer, conversation, prompt, tasks  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORDS = ("lord king sword night crown queen heart blood ghost storm grave rose moon star fool sea wind fire "
-         "tears honour bread gold stone horse").split()
 CONFIG = "configs/llama_quickstart_sft.yaml"
-CONTEXT = 128  # the longest task, in characters through the plain template, fits whole
+CONTEXT = 128  # the longest task of the masking comparison, in characters through the plain template, fits whole
 FROM_SCRATCH = ["optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=50", "train.eval_interval=0",
-                f"model.block_size={CONTEXT}", "ds.bf16.enabled=false"]
+                f"model.block_size={CONTEXT}", "ds.bf16.enabled=false", "sample.max_new_tokens=0"]
+EXAMPLE_CONTEXT = 64  # the quickstart Llama's block_size
 
 
-def tasks(train: int, test: int, seed: int = 0) -> tuple[list[dict], list[list[str]]]:
-    """Training conversations and held-out word lists, disjoint."""
-    rng, seen, drawn = random.Random(seed), set(), []
-    while len(drawn) < train + test:
-        words = tuple(rng.choice(WORDS) for _ in range(rng.randint(2, 6)))
-        if words not in seen:
-            seen.add(words)
-            drawn.append(list(words))
-    conversations = [{"messages": [{"role": "user", "content": "Reverse: " + " ".join(w)},
-                                   {"role": "assistant", "content": " ".join(reversed(w))}]} for w in drawn[:train]]
-    return conversations, drawn[train:]
+def trained(run_dir: str):
+    """(model config, model, tokenizer, dataset meta) of a run's last checkpoint."""
+    from training.export import load_trained
+
+    return load_trained(run_dir)
 
 
-def accuracy(run_dir: str, held_out: list[list[str]], initial: bool = False) -> float:
-    """The share of held-out prompts answered exactly, by the run's last checkpoint (or its initialization)."""
+def initial(run_dir: str):
+    """trained(run_dir) with the model at the run's initialization from scratch (its seed), not its weights."""
+    from model import build_model
+    from training import checkpoint
+
+    cfg, _, tokenizer, meta = trained(run_dir)
+    seed = checkpoint.read_run_state(checkpoint.find_checkpoint(run_dir, None))["config"]["train"]["seed"]
+    return cfg, build_model(cfg, seed), tokenizer, meta
+
+
+def accuracy(cfg, model, tokenizer, meta, held_out: list[list[str]]) -> float:
+    """The share of held-out prompts the model answers exactly (greedy, up to the end of turn), through the chat
+    template and tokenizer of `meta`."""
     import torch
 
-    from data.tokenizers import tokenizer_from_meta
-    from model import build_model
     from model.generate import generate
     from sample import chat_prompt
-    from training import checkpoint
-    from training.export import consolidated_state_dict, run_dataset, run_model
 
-    tag_dir = checkpoint.find_checkpoint(run_dir, None)
-    run_state = checkpoint.read_run_state(tag_dir)
-    meta, data_dir = run_dataset(tag_dir, run_state)
-    cfg = run_model(tag_dir, run_state)
-    model = build_model(cfg, run_state["config"]["train"]["seed"]).eval()
-    if not initial:
-        model.load_state_dict(consolidated_state_dict(tag_dir))
-    tokenizer = tokenizer_from_meta(meta, data_dir)
+    model.eval()
     right = 0
     for words in held_out:
-        ids, stop = chat_prompt("Reverse: " + " ".join(words), meta, tokenizer)
+        ids, stop = chat_prompt(prompt(words), meta, tokenizer)
         out = generate(model, torch.tensor([ids]), 48, cfg.block_size, cfg.vocab_size, 0.0, stop_id=stop)
-        answer = out[0, len(ids):].tolist()
-        right += answer == tokenizer.encode(" ".join(reversed(words))) + [stop]
+        right += out[0, len(ids):].tolist() == tokenizer.encode(answer(words)) + [stop]
     return right / len(held_out)
+
+
+def write_tasks(path: str, drawn: list[list[str]]) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(conversation(w)) + "\n" for w in drawn)
+    return path
+
+
+def train(data: str, run: str, settings: list[str]) -> float:
+    """train.py on `data` into a fresh `run`; its wall seconds."""
+    shutil.rmtree(run, ignore_errors=True)  # this benchmark's own earlier run
+    start = time.perf_counter()
+    run_tool([sys.executable, "train.py", "--config", CONFIG, f"data.dir={data}", f"train.out_dir={run}",
+              "train.resume=none", *settings], cwd=REPO, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def from_export(args, work: str) -> dict:
+    """The README's example: the preset from the export and from scratch, on the export's tokenizer."""
+    from training.export import load_trained
+
+    train_tasks, held_out = tasks(args.train or 3000, args.test)
+    data, export = os.path.join(work, "data_example"), os.path.abspath(args.init_from)
+    run_tool([sys.executable, "-m", "data.prepare", "--format", "chat", "--input",
+              write_tasks(os.path.join(work, "tasks.jsonl"), train_tasks), "--tokenizer", export,
+              "--context", str(EXAMPLE_CONTEXT), "--out_dir", data, "--force"], cwd=REPO)
+    steps = [f"train.max_steps={args.steps}", "train.epochs=null"] if args.steps else []
+    results = {}
+    for start in ("export", "scratch"):
+        run = os.path.join(work, f"run_{start}")
+        init = f"train.init_from={export}" if start == "export" else "train.init_from=null"
+        seconds = train(data, run, [init, "train.eval_interval=0", *steps, *args.overrides])
+        cfg, model, tokenizer, meta = trained(run)
+        before = (load_trained(None, None, args.init_from)[:2] if start == "export" else initial(run)[:2])
+        results[start] = {"before": accuracy(*before, tokenizer, meta, held_out),
+                          "after": accuracy(cfg, model, tokenizer, meta, held_out), "train_py_seconds": seconds,
+                          "steps": _last_step(run)}
+    print_table(["start", "steps", "train.py seconds", "exact match before", "exact match after"],
+                [[f"the export {args.init_from}" if k == "export" else "from scratch (train.init_from=null)",
+                  r["steps"], f"{r['train_py_seconds']:.0f}", f"{r['before']:.3f}", f"{r['after']:.3f}"]
+                 for k, r in results.items()])
+    return results
+
+
+def masking(args, work: str) -> dict:
+    """From scratch, the loss on the answers against on every token."""
+    train_tasks, held_out = tasks(args.train or 4000, args.test, lengths=(2, 6))
+    tasks_file = write_tasks(os.path.join(work, "tasks.jsonl"), train_tasks)
+    results = {}
+    for train_on in ("all", "everything"):
+        data, run = os.path.join(work, f"data_{train_on}"), os.path.join(work, f"run_{train_on}")
+        run_tool([sys.executable, "-m", "data.prepare", "--format", "chat", "--input", tasks_file, "--tokenizer",
+                  "char", "--context", str(CONTEXT), "--train_on", train_on, "--val_fraction", "0.02", "--out_dir",
+                  data, "--force"], cwd=REPO)
+        steps = args.steps or 1500
+        train(data, run, [f"train.max_steps={steps}", "train.epochs=null", f"train.save_interval={steps}",
+                          *FROM_SCRATCH, *args.overrides])
+        cfg, model, tokenizer, meta = trained(run)
+        results[train_on] = {"before": accuracy(*initial(run)[:2], tokenizer, meta, held_out),
+                             "after": accuracy(cfg, model, tokenizer, meta, held_out)}
+    print_table(["loss on", "exact match before", "exact match after"],
+                [["the answers (--train_on all)" if k == "all" else "every token (--train_on everything)",
+                  f"{r['before']:.3f}", f"{r['after']:.3f}"] for k, r in results.items()])
+    return results
+
+
+def _last_step(run: str) -> int:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return max(json.loads(line).get("step", 0) for line in f if line.strip())
 
 
 def main() -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train", type=int, default=4000, help="training conversations")
+    parser.add_argument("--init_from", help="an export of the quickstart Llama (python -m training.export): the "
+                        "README's example from it and from scratch")
+    parser.add_argument("--train", type=int, help="training conversations (default: 3,000 with --init_from, else "
+                        "4,000)")
     parser.add_argument("--test", type=int, default=200, help="held-out prompts")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, help="default: the preset's epochs with --init_from, else 1,500")
     parser.add_argument("--work_dir", default=os.path.join("out", "finetune"))
-    parser.add_argument("overrides", nargs="*", help="run-config key=value for both runs")
+    parser.add_argument("overrides", nargs="*", help="run-config key=value for every run")
     args = parser.parse_intermixed_args()
-    at_least(args, 1, "train", "test", "steps")
+    at_least(args, 1, "test", *(name for name in ("train", "steps") if getattr(args, name) is not None))
+    if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
+        raise ConfigError(f"--init_from {args.init_from} holds no export (config.json); fix: export the quickstart "
+                          f"Llama with python -m training.export --out_dir out/llama_quickstart")
     work = work_folder(os.path.join(REPO, args.work_dir))
-    conversations, held_out = tasks(args.train, args.test)
-    with open(os.path.join(work, "tasks.jsonl"), "w") as f:
-        f.writelines(json.dumps(c) + "\n" for c in conversations)
-    results = {}
-    for train_on in ("all", "everything"):
-        data, run = os.path.join(work, f"data_{train_on}"), os.path.join(work, f"run_{train_on}")
-        shutil.rmtree(run, ignore_errors=True)  # this benchmark's own earlier run
-        run_tool([sys.executable, "-m", "data.prepare", "--format", "chat", "--input",
-                  os.path.join(work, "tasks.jsonl"), "--tokenizer", "char", "--context", str(CONTEXT), "--train_on",
-                  train_on, "--val_fraction", "0.02", "--out_dir", data, "--force"], cwd=REPO)
-        run_tool([sys.executable, "train.py", "--config", CONFIG, f"data.dir={data}", f"train.out_dir={run}",
-                  "train.resume=none", f"train.max_steps={args.steps}", "train.epochs=null",
-                  f"train.save_interval={args.steps}", *FROM_SCRATCH, *args.overrides], cwd=REPO,
-                 stdout=subprocess.DEVNULL)
-        results[train_on] = {"before": accuracy(run, held_out, initial=True), "after": accuracy(run, held_out)}
-    print_table(["loss on", "exact match before", "exact match after"],
-                [["the answers (--train_on all)" if k == "all" else "every token (--train_on everything)",
-                  f"{r['before']:.3f}", f"{r['after']:.3f}"] for k, r in results.items()])
+    results = from_export(args, work) if args.init_from else masking(args, work)
     with open(os.path.join(work, "finetune.json"), "w") as f:
-        json.dump({"steps": args.steps, "train": args.train, "test": args.test, **results}, f, indent=1)
+        json.dump({"init_from": args.init_from, "steps": args.steps or (None if args.init_from else 1500),
+                   "train": args.train or (3000 if args.init_from else 4000), "test": args.test, **results}, f,
+                  indent=1)
 
 
 if __name__ == "__main__":

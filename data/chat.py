@@ -27,13 +27,28 @@ from data.tokenizers import EOT
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-# A plain-text template for tokenizers that have no chat template: each assistant turn ends with the
+# Plain-text templates for tokenizers that have no chat template of their own: each assistant turn ends with the
 # end-of-text token, which is also what generation stops at.
 BUILTIN_TEMPLATES = {
     "plain": (
         "{% for message in messages %}"
         "{% if message['role'] == 'assistant' %}"
         "Assistant: {% generation %}{{ message['content'] }}" + EOT + "{% endgeneration %}\n"
+        "{% else %}"
+        "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}Assistant: {% endif %}"
+    ),
+    # plain's layout for a tokenizer without an end-of-text token (a character vocabulary of one document, the
+    # quickstart's): each assistant turn ends with a newline, which generation stops at, so an answer is one line.
+    "lines": (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'assistant' %}"
+        "{% if '\\n' in message['content'] %}"
+        "{{ raise_exception('an assistant turn holds a newline, where the template lines ends the turn') }}"
+        "{% endif %}"
+        "Assistant: {% generation %}{{ message['content'] }}\n{% endgeneration %}"
         "{% else %}"
         "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
         "{% endif %}"

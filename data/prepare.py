@@ -28,9 +28,16 @@ import urllib.request
 
 if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, writable_dir
+from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file, writable_dir
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
-from data.tokenizers import CharTokenizer, TokenizerError, parse_spec, tokenizer_from_meta, train_bpe
+from data.tokenizers import (
+    CharTokenizer,
+    TokenizerError,
+    folder_tokenizer,
+    parse_spec,
+    tokenizer_from_meta,
+    train_bpe,
+)
 from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -109,6 +116,10 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: 
                          f"would replace; fix: pass --force to replace it, or another --out_dir")
     single = len(files) == 1 and kind_of(files[0]) == "txt" and not split_blank_lines
     kind, ready = parse_spec(tokenizer)  # an unreadable tokenizer fails here, before anything is written
+    if kind == "ready" and not single and ready.delimiter is None:
+        raise InputError(f"--tokenizer {tokenizer}: its {ready.vocab_size} characters hold no end-of-text token to end "
+                         f"each document with (a vocabulary of one document); fix: pass one .txt file (one document), "
+                         f"or --tokenizer char")
     workspace = _workspace(out_dir, job)
     pieces = plan_pieces(files, max(int(chunk_mb * 2**20), 1))
     options = {"text_key": text_key, "split_blank_lines": split_blank_lines, "val_fraction": val_fraction}
@@ -138,6 +149,8 @@ def _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb) 
     stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) if os.path.exists(p) else (p,) for p in files]
     if not isinstance(tokenizer, str):  # a tokenizer object (see data.tokenizers.parse_spec)
         tokenizer, tokenizer_file = tokenizer.name, tokenizer.fingerprint()
+    elif os.path.isdir(tokenizer):  # a dataset's or an export's tokenizer, which may change in place
+        tokenizer_file = folder_tokenizer(tokenizer).fingerprint()
     else:
         tokenizer_file = hashlib.sha256(open(tokenizer, "rb").read()).hexdigest() if os.path.isfile(tokenizer) else None
     return hashlib.sha256(json.dumps([FORMAT, stats, tokenizer, tokenizer_file, text_key, split_blank_lines,
@@ -312,8 +325,8 @@ def main(argv=None) -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", help="a file, folder, glob or hf:NAME[:CONFIG[:SPLIT]]; "
                         "repeat for several (default: download tinyshakespeare)")
-    parser.add_argument("--tokenizer", default="char", help="char, gpt2, tiktoken:NAME, PATH/tokenizer.json or "
-                                                            "bpe:SIZE (default: char)")
+    parser.add_argument("--tokenizer", default="char", help="char, gpt2, tiktoken:NAME, PATH/tokenizer.json, "
+                        "bpe:SIZE, or a folder: a dataset's or an export's tokenizer (default: char)")
     parser.add_argument("--out_dir", help="default: data/shakespeare_<tokenizer>")
     parser.add_argument("--text_key", default="text", help="the text field of JSONL, Parquet and HF records")
     parser.add_argument("--split_blank_lines", action="store_true", help="a .txt holds documents separated by "
@@ -326,8 +339,9 @@ def main(argv=None) -> None:
     chat = parser.add_argument_group("conversations (--format chat: data/prepare_chat.py)")
     chat.add_argument("--format", choices=["text", "chat"], default="text", help="documents of text, or "
                       "conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning")
-    chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain); default: the "
-                      "tokenizer's tokenizer_config.json, else plain")
+    chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain, lines); "
+                      "default: the tokenizer's tokenizer_config.json, else plain (lines for a tokenizer without an "
+                      "end-of-text token)")
     chat.add_argument("--train_on", choices=["all", "last", "everything"], default="all", help="the loss trains on "
                       "every assistant turn, on the last, or on every token (prompts too)")
     chat.add_argument("--context", type=int, default=1024, help="the model's block_size: longer conversations are "
@@ -337,8 +351,6 @@ def main(argv=None) -> None:
     out_dir = args.out_dir or default_out_dir(args.tokenizer)
     try:
         writable_dir(out_dir, "--out_dir", "pass a folder for the dataset (it is made if missing)")
-        if os.sep in args.tokenizer and os.path.isdir(args.tokenizer):  # a path (data.tokenizers.parse_spec)
-            existing_file(args.tokenizer, "--tokenizer", "pass the path of a Hugging Face tokenizer.json file")
         if args.format == "chat":
             from data.prepare_chat import prepare_chat
             if not args.input:

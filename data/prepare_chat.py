@@ -30,15 +30,16 @@ from data.chat import (
 )
 from data.prepare import SPLITS, _earlier_dataset, _finish, _workspace, in_val
 from data.readers import InputError, expand_inputs
-from data.tokenizers import EOT, CharTokenizer, parse_spec, train_bpe
+from data.tokenizers import EOT, CharTokenizer, HFTokenizer, parse_spec, train_bpe
 from data.writer import ShardWriter, token_dtype
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
-def chat_template(spec: str | None, tokenizer_spec) -> tuple[str, str]:
-    """(name, Jinja source) of the template: --chat_template (a built-in name or a file), else the tokenizer's own,
-    else `plain` for tokenizers that come without one."""
+def chat_template(spec: str | None, tokenizer_spec, tokenizer=None) -> tuple[str, str]:
+    """(name, Jinja source) of the template: --chat_template (a built-in name or a file), else the tokenizer's own
+    (the tokenizer_config.json beside a tokenizer.json, or in a --tokenizer folder), else, for tokenizers that come
+    without one, `plain`, or `lines` for a tokenizer without an end-of-text token (`tokenizer`, a ready one)."""
     if spec in BUILTIN_TEMPLATES:
         return spec, BUILTIN_TEMPLATES[spec]
     if spec is not None:
@@ -46,8 +47,14 @@ def chat_template(spec: str | None, tokenizer_spec) -> tuple[str, str]:
             raise InputError(f"--chat_template {spec} is neither a file nor a built-in template "
                              f"({', '.join(BUILTIN_TEMPLATES)}); pass a Jinja template file or a built-in name")
         return os.path.abspath(spec), _read_text(spec, "pass a Jinja chat template file")
-    if isinstance(tokenizer_spec, str) and tokenizer_spec.endswith(".json"):
-        config = os.path.join(os.path.dirname(os.path.abspath(tokenizer_spec)), TOKENIZER_CONFIG)
+    folder = isinstance(tokenizer_spec, str) and os.path.isdir(tokenizer_spec)
+    if folder and not isinstance(tokenizer, HFTokenizer):  # a model's own characters or tiktoken encoding
+        if not os.path.isfile(os.path.join(tokenizer_spec, TOKENIZER_CONFIG)):  # none fine-tuned on conversations
+            return ("plain", BUILTIN_TEMPLATES["plain"]) if tokenizer.eot_id is not None else \
+                ("lines", BUILTIN_TEMPLATES["lines"])
+    if isinstance(tokenizer_spec, str) and (tokenizer_spec.endswith(".json") or folder):
+        beside = tokenizer_spec if folder else os.path.dirname(os.path.abspath(tokenizer_spec))
+        config = os.path.join(os.path.abspath(beside), TOKENIZER_CONFIG)
         fix = "pass --chat_template FILE (a Jinja chat template), or --chat_template plain"
         if not os.path.isfile(config):
             raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: {fix}")
@@ -97,7 +104,12 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     if not_jsonl:
         raise InputError(f"input {not_jsonl[0]} is not a .jsonl file: conversations are read from JSONL records")
     tokenizer_kind = parse_spec(tokenizer_spec)  # a tokenizer.json that is not one ends here, before any rendering
-    name, source = chat_template(template_spec, tokenizer_spec)
+    ready = tokenizer_kind[1] if tokenizer_kind[0] == "ready" else None
+    name, source = chat_template(template_spec, tokenizer_spec, ready)
+    if name == "plain" and isinstance(ready, CharTokenizer) and ready.eot_id is None:
+        raise InputError(f"the built-in template plain ends each answer with {EOT}, which the tokenizer of --tokenizer "
+                         f"{tokenizer_spec} ({ready.vocab_size} characters, no end-of-text token) does not hold; fix: "
+                         f"pass --chat_template lines (each answer ends with a newline), or leave --chat_template out")
     try:
         template = ChatTemplate(source)
     except ChatTemplateError as e:
@@ -107,8 +119,9 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
         raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... "
                          f"{{% endgeneration %}}): add the marks around each assistant turn's content and end-of-turn")
     stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in files]
-    job = hashlib.sha256(json.dumps(["chat", stats, str(tokenizer_spec), source, train_on, context, overlong,
-                                     val_fraction]).encode()).hexdigest()
+    fingerprint = ready.fingerprint() if ready is not None else None  # a folder's tokenizer may change in place
+    job = hashlib.sha256(json.dumps(["chat", stats, str(tokenizer_spec), fingerprint, source, train_on, context,
+                                     overlong, val_fraction]).encode()).hexdigest()
     meta = _earlier_dataset(out_dir)
     if meta is not None and meta.get("job") == job:
         print(f"{out_dir} already holds these conversations; nothing to do")
@@ -117,7 +130,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
         raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
                          f"would replace; fix: pass --force to replace it, or another --out_dir")
 
-    conversations, formats, texts = [], {}, []
+    conversations, formats, texts, lines = [], {}, [], []
     for path in files:
         try:
             for line, kind, turns in read_conversations(path):
@@ -125,6 +138,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                     raise InputError(f"{path}:{line}: a {kind} record in a file of {formats[path]} records: keep one "
                                      f"format a file")
                 conversations.append(turns)
+                lines.append(f"{path}:{line}")
                 texts.append(template.render(turns)[0])
         except ChatError as e:
             raise InputError(f"{e}; fix the record or leave it out") from None
@@ -137,7 +151,12 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     if not conversations:
         raise InputError(f"no conversation in {', '.join(files)}: the inputs are empty")
     tok = _tokenizer(tokenizer_kind, texts)
-    end_of_turn = _end_of_turn(template, tok, conversations[0])
+    try:
+        end_of_turn = _end_of_turn(template, tok, conversations[0])
+    except ChatTemplateError:
+        raise
+    except ValueError as e:  # a character outside a given character vocabulary
+        raise _untokenizable(e, lines[0], tokenizer_spec) from None
     if end_of_turn is None:
         raise InputError(f"{template_label(name)} marks no token of the first assistant turn of {files[0]} (its "
                          f"{{% generation %}} blocks render nothing there); fix: put the marks around each assistant "
@@ -148,8 +167,13 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     writer = ShardWriter(prefix, token_dtype(tok.vocab_size), masks=True)
     counts = {"truncated": 0, "dropped_overlong": 0, "dropped_unsupervised": 0}
     supervised = dict.fromkeys(SPLITS, 0)
-    for turns, text in zip(conversations, texts):
-        ids, mask = tokenize(turns, template, tok, train_on)
+    for turns, text, where in zip(conversations, texts, lines):
+        try:
+            ids, mask = tokenize(turns, template, tok, train_on)
+        except ChatTemplateError:
+            raise
+        except ValueError as e:
+            raise _untokenizable(e, where, tokenizer_spec) from None
         if len(ids) > context + 1:
             if overlong == "drop":
                 counts["dropped_overlong"] += 1
@@ -175,6 +199,11 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                        **{f"{s}_supervised_tokens": supervised[s] for s in SPLITS}}}
     return _finish(out_dir, workspace, [prefix], tok, job, files, f"conversations by hash, val_fraction {val_fraction}",
                    None, record)
+
+
+def _untokenizable(e: ValueError, where: str, tokenizer_spec) -> InputError:
+    return InputError(f"{where}: the conversation does not encode with --tokenizer {tokenizer_spec} ({e}); fix: leave "
+                      f"the record out, or write it in the tokenizer's characters")
 
 
 def _end_of_turn(template: ChatTemplate, tok, turns: list[dict]) -> int | None:

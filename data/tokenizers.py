@@ -3,6 +3,8 @@
     char                      the characters of the corpus (+ an end-of-text id when it has several documents)
     gpt2, tiktoken:NAME       tiktoken encodings (cl100k_base, o200k_base, ...)
     PATH/tokenizer.json       any Hugging Face tokenizer (Llama-3's, ...)
+    FOLDER                    the tokenizer of a prepared dataset, of an export (python -m training.export) or
+                              of a Hugging Face model folder (its tokenizer.json): a model's own, to fine-tune it
     bpe:SIZE                  a byte-level BPE of SIZE ids trained on the corpus itself (data/prepare.py)
 
 Each one is saved beside the data it tokenized (chars in meta.json, tokenizer.tiktoken, tokenizer.json) with a
@@ -238,12 +240,46 @@ def parse_spec(spec: str):
         return "bpe", int(size)
     if spec == "gpt2" or spec.startswith("tiktoken:"):
         return "ready", TiktokenTokenizer.by_name(spec.split(":", 1)[-1])
+    if os.path.isdir(spec):
+        return "ready", folder_tokenizer(spec)
     if spec.endswith(".json") or os.path.sep in spec:
         if not os.path.isfile(spec):
             raise TokenizerError(f"tokenizer file {spec} not found: pass the path of a Hugging Face tokenizer.json")
         return "ready", HFTokenizer.from_file(spec)
     raise TokenizerError(f"unknown --tokenizer {spec!r}: use char, gpt2, tiktoken:NAME (cl100k_base, o200k_base), "
-                         f"a path to a tokenizer.json, or bpe:SIZE")
+                         f"a path to a tokenizer.json, a folder holding a tokenizer (a dataset's, an export's), or "
+                         f"bpe:SIZE")
+
+
+def folder_tokenizer(folder: str):
+    """The tokenizer a folder holds: a prepared dataset's (meta.json), an export's (config.json's
+    megalite.tokenizer, written by python -m training.export; a character vocabulary lives there) or a Hugging Face
+    model's tokenizer.json. A model fine-tuned from an export takes its ids from the same tokenizer this way."""
+    fix = ("pass a prepared dataset's folder (meta.json), an export's (python -m training.export) or a folder with a "
+           "Hugging Face tokenizer.json")
+    for name, section in (("meta.json", None), ("config.json", "megalite")):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                record = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise TokenizerError(f"--tokenizer {folder}: {path} does not read as JSON ({type(e).__name__}); fix: "
+                                 f"{fix}") from None
+        meta = record
+        if section is not None:  # an export's config.json: {"megalite": {"tokenizer": {...}}}
+            meta = record.get(section) if isinstance(record, dict) else None
+            meta = meta.get("tokenizer") if isinstance(meta, dict) else None
+        if isinstance(meta, dict) and "tokenizer" in meta:
+            try:
+                return tokenizer_from_meta(meta, folder)
+            except (KeyError, TypeError) as e:
+                raise TokenizerError(f"--tokenizer {folder}: the tokenizer record of {path} lacks {e}; fix: prepare "
+                                     f"or export it again") from None
+    if os.path.isfile(os.path.join(folder, HF_FILE)):
+        return HFTokenizer.from_file(os.path.join(folder, HF_FILE))
+    raise TokenizerError(f"--tokenizer {folder} is a folder that holds no tokenizer; fix: {fix}")
 
 
 def tokenizer_from_meta(meta: dict, directory: str | None = None):

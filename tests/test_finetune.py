@@ -1,9 +1,12 @@
 """Fine-tuning a transformers-built Llama on conversations through the real launcher, fp32: the loss is the mean over
 the global batch's supervised tokens (checked against transformers on each conversation alone), the same for
 one process, accumulation, data parallelism, ZeRO-3, pipeline stages and tensor parallelism; a stopped run
-resumes exactly; the export answers in transformers as sample.py --chat does."""
+resumes exactly; the export answers in transformers as sample.py --chat does. And the README's example, smaller: the
+reverse task, prepared with a pretrained Llama's own characters, fine-tuned from its export, answers its held-out
+prompt; conversations of other characters are refused by the export."""
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,13 +16,15 @@ from chats import chatml_folder, reverse_tasks, write_jsonl
 from data.conversations import ChatData
 from data.loader import IGNORE
 from data.prepare_chat import prepare_chat
-from harness import FP32, export, grad_norms, launch, metrics, run, train_losses
+from harness import FP32, export, grad_norms, launch, metrics, run, train_losses, train_py
 from hf_check import transformers_model
 from model.config import ModelConfig
+from refusals import assert_refused_at_start
 from training.topology import Layout
 
 # The launch marker test by test (python -m pytest -m "not launch" skips those: several train.py processes, or long
-# runs): the supervised-token mean, one process of 4 steps, is in the inner loop too.
+# runs): the supervised-token mean, one process of 4 steps, is in the inner loop too. The README's example trains twice
+# (pretraining, fine-tuning): launch.
 
 CONTEXT = 64
 # The reverse tasks' answers hold 1 to 8 words: windows hold very different numbers of supervised tokens.
@@ -175,3 +180,81 @@ def test_the_export_answers_in_transformers_as_sample_chat_does(chatml_export):
         out = out[:-1]
     assert tokenizer.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tokenizer.eos_token_id
     assert ours == tokenizer.decode(out) and ours  # an answer, the same text
+
+
+# The README's fine-tuning example at a small size: a Llama of the quickstart's kind (its block_size, its characters),
+# narrower and pretrained for 100 steps; the fine-tuning at a higher learning rate for as many steps as it takes such
+# a model to answer the README's prompt (tried with six seeds).
+EXAMPLE_LLAMA = ["model.n_layer=2", "model.n_embd=64", "model.ffn_hidden=192", "train.eval_interval=0",
+                 "train.eval_windows=8", "optim.warmup_steps=10", *FP32]
+EXAMPLE_PROMPT = "Reverse: king crown night"
+TWO_THREADS = {"OMP_NUM_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def example_task(tmp_path_factory) -> Path:
+    """`python -m data.reverse_task`, smaller: train.jsonl and test.jsonl."""
+    from data import reverse_task
+
+    task = tmp_path_factory.mktemp("reverse_task")
+    reverse_task.main(["--out_dir", str(task), "--train", "600", "--test", "20"])
+    return task
+
+
+@pytest.fixture(scope="module")
+def example_export(tmp_path_factory, char_data) -> Path:
+    """The quickstart Llama, smaller and shorter (`python train.py --config configs/llama_quickstart.yaml`), exported
+    (`python -m training.export`)."""
+    import training.export
+
+    pretrained = tmp_path_factory.mktemp("llama_quickstart")
+    train_py(["--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}", f"train.out_dir={pretrained}",
+              "train.max_steps=100", "optim.lr=3e-3", *EXAMPLE_LLAMA], env=TWO_THREADS)
+    training.export.main(["--out_dir", str(pretrained)])
+    return pretrained / "export" / "step_000100"
+
+
+@pytest.mark.launch
+def test_the_readme_example_answers_from_the_pretrained_llama(tmp_path, char_data, example_task, example_export,
+                                                              capsys):
+    """The README's path, each command as typed, in this process but for train.py (forked from the rank server): the
+    task; its conversations prepared with the pretrained export's own tokenizer (the quickstart's characters: the
+    template lines, the newline ending each answer); the fine-tuning preset from the export; and sample.py --chat
+    answering the held-out prompt through the template, up to the end of turn."""
+    import sample
+    from data import prepare
+
+    assert EXAMPLE_PROMPT not in (example_task / "train.jsonl").read_text()  # held out
+    data = tmp_path / "reverse"
+    prepare.main(["--format", "chat", "--input", str(example_task / "train.jsonl"), "--tokenizer", str(example_export),
+                  "--context", "64", "--out_dir", str(data)])
+    meta, pretraining = (json.loads((path / "meta.json").read_text()) for path in (data, Path(char_data)))
+    assert meta["tokenizer_fingerprint"] == pretraining["tokenizer_fingerprint"]  # the pretrained model's ids
+    assert (meta["chat"]["template"], meta["chat"]["end_of_turn"]) == ("lines", "\n")
+
+    sft = tmp_path / "llama_quickstart_sft"
+    proc = train_py(["--config", "configs/llama_quickstart_sft.yaml", f"train.init_from={example_export}",
+                     f"data.dir={data}", f"train.out_dir={sft}", "train.epochs=null", "train.max_steps=600",
+                     "optim.lr=3e-3", *EXAMPLE_LLAMA], env=TWO_THREADS)
+    assert f"initialized from {example_export}" in proc.stdout
+    first = next(m for m in metrics(sft) if "val_loss" in m)  # before any update: the pretrained weights' loss
+    assert first["step"] == 0 and first["val_loss"] < 3.6  # from scratch: 4.8, about ln 128 (the padded vocabulary)
+    capsys.readouterr()
+    sample.main(["--out_dir", str(sft), "--chat", EXAMPLE_PROMPT])
+    assert capsys.readouterr().out == "night crown king\n"  # the answer, stopped at the end of turn
+
+
+@pytest.mark.launch
+def test_conversations_of_their_own_characters_are_refused_by_the_export(tmp_path, example_task, example_export):
+    """Prepared with the default --tokenizer char (the conversations' 27 characters and an end-of-text), not the
+    export's: train.init_from refuses at start, naming the fix."""
+    from data import prepare
+
+    prepare.main(["--format", "chat", "--input", str(example_task / "train.jsonl"), "--context", "64", "--out_dir",
+                  str(tmp_path / "own")])
+    proc = train_py(["--config", "configs/llama_quickstart_sft.yaml", f"train.init_from={example_export}",
+                     f"data.dir={tmp_path / 'own'}", f"train.out_dir={tmp_path / 'run'}", *EXAMPLE_LLAMA], check=False)
+    assert_refused_at_start(proc, f"error: train.init_from={example_export}: its vocabulary holds 65 ids, this run's "
+                                  f"model 28 (model.vocab_size, the dataset's unless set): the dataset was prepared "
+                                  f"with another tokenizer; fix: prepare it with the folder's (python -m data.prepare "
+                                  f"... --tokenizer {example_export})\n")

@@ -81,6 +81,7 @@ def llama_folder(tmp_path_factory):
     (dict(ffn_hidden=96), "tensor model.layers.0.mlp.gate_proj.weight has shape [64, 32] there, [96, 32]"),
     (dict(n_layer=3), "tensor model.layers.2.input_layernorm.weight is missing there"),
     (dict(rope_theta=10000.0), "rope_theta is 500.0 there, 10000.0 in this run's model config"),
+    (dict(vocab_size=28), "its vocabulary holds 65 ids, this run's model 28"),  # the fix: test_finetune.py
 ])
 def test_mismatching_folder_is_refused_naming_the_first_difference(llama_folder, change, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):

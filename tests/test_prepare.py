@@ -223,7 +223,8 @@ PREPARE_ROWS = [
                                              "is a file"),
     ({"--out_dir": "{data}"}, "--out_dir {data} already holds a dataset, of other inputs or options, that this one "
                               "would replace; fix: pass --force to replace it, or another --out_dir"),
-    ({"--tokenizer": "{inputs}/tokenizer_folder"}, "--tokenizer {inputs}/tokenizer_folder is a folder, not a file"),
+    ({"--tokenizer": "{inputs}/tokenizer_folder"}, "--tokenizer {inputs}/tokenizer_folder is a folder that holds no "
+                                                   "tokenizer; fix: pass a prepared dataset's folder (meta.json)"),
     ({"--workers": "0"}, "--workers 0: must be >= 1; fix: pass the number of processes that tokenize"),
     ({"--chunk_mb": "0"}, "--chunk_mb 0.0: must be > 0"),
     ({"--chunk_mb": "-1"}, "--chunk_mb -1.0: must be > 0"),

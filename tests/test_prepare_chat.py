@@ -137,6 +137,13 @@ def bad_chat_inputs(folder, tokenizer_json) -> None:
     for name, source in templates.items():
         (folder / name).write_text(source)
     (folder / "latin1.jinja").write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
+    # The characters of a one-document text (the quickstart's: no end-of-text), as a dataset's folder holds them:
+    # all those good.jsonl needs through the template lines, or all but q.
+    chars = sorted(set("".join(f"User: {q['content']}\nAssistant: {a['content']}\n" for q, a in FILLER)))
+    for name, kept in (("one_document", chars), ("without_q", [c for c in chars if c != "q"])):
+        (folder / name).mkdir()
+        (folder / name / "meta.json").write_text(json.dumps({"format": 2, "tokenizer": "char", "chars": kept,
+                                                             "vocab_size": len(kept), "eot_id": None}))
     write_jsonl(folder / "system.jsonl", [{"messages": FILLER[0]}, {"messages": CONVERSATIONS[1]}])
     configs = {
         "config_not_json": '{"chat_template": "x",}',
@@ -209,6 +216,13 @@ CHAT_ROWS = [
      "Face tokenizer.json, e.g. --tokenizer path/to/Meta-Llama-3-8B/tokenizer.json$"),
     ({"--context": "1"}, "none of the 12 conversations keeps an assistant token within --context 1; fix: pass the "
      "model's block_size as --context$"),
+    ({"--chat_template": "plain", "--tokenizer": "{inputs}/one_document"}, "the built-in template plain ends each "
+     "answer with <|endoftext|>, which the tokenizer of --tokenizer {inputs}/one_document (24 characters, no "
+     "end-of-text token) does not hold; fix: pass --chat_template lines (each answer ends with a newline), or leave "
+     "--chat_template out$"),
+    ({"--tokenizer": "{inputs}/without_q"}, "{inputs}/good.jsonl:1: the conversation does not encode with "
+     "--tokenizer {inputs}/without_q (character 'q' is not in this dataset's vocabulary); fix: leave the record out, "
+     "or write it in the tokenizer's characters$"),
 ]
 
 
@@ -228,7 +242,8 @@ def earlier(tmp_path_factory, chat_inputs):
 
 
 @pytest.mark.parametrize("flags,message", CHAT_ROWS, ids=[next(iter(f)) + "=" + list(f.values())[0].split("/")[-2 if
-                                                          f.get("--tokenizer") else -1] for f, _ in CHAT_ROWS])
+                                                          f.get("--tokenizer", "").endswith(".json") else -1]
+                                                          for f, _ in CHAT_ROWS])
 def test_prepare_chat_refuses(chat_inputs, earlier, tmp_path, capsys, flags, message):
     out = tmp_path / "out"
     shutil.copytree(earlier, out)

@@ -173,10 +173,16 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     found = {}
     for path in sorted(set(weight_files(folder).values())):
         found.update(tensor_shapes(path))
+    vocab = {theirs for _, theirs, how in tensor_pairs(cfg) if how == VOCAB}
     for name, tensor in expected.items():
         if name not in found:
             raise ConfigError(f"train.init_from={folder}: tensor {name} is missing there; this run's model config "
                               f"(model.*) needs it: match the folder's config.json")
+        if name in vocab and found[name][1:] == tuple(tensor.shape[1:]) and found[name][0] != tensor.shape[0]:
+            raise ConfigError(f"train.init_from={folder}: its vocabulary holds {found[name][0]:,} ids, this run's "
+                              f"model {tensor.shape[0]:,} (model.vocab_size, the dataset's unless set): the dataset "
+                              f"was prepared with another tokenizer; fix: prepare it with the folder's (python -m "
+                              f"data.prepare ... --tokenizer {folder})")
         if found[name] != tuple(tensor.shape):
             raise ConfigError(f"train.init_from={folder}: tensor {name} has shape {list(found[name])} there, "
                               f"{list(tensor.shape)} in this run's model config: match model.* to the folder's "
