@@ -1,7 +1,7 @@
 """Fine-tuning on a task with a checkable answer, the reverse-the-words task (data/reverse_task.py): exact-match
 accuracy on held-out prompts, before and after.
 
-    python benchmarks/finetune.py --init_from out/llama_quickstart/export/step_002000   # the README's example
+    python benchmarks/finetune.py --init_from out/llama_quickstart_export   # the README's example
     python benchmarks/finetune.py                # from scratch: the prompt left out of the loss, or trained on
     python benchmarks/finetune.py --steps 300    # a quicker, rougher figure
 

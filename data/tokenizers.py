@@ -243,8 +243,11 @@ def parse_spec(spec: str):
     if os.path.isdir(spec):
         return "ready", folder_tokenizer(spec)
     if spec.endswith(".json") or os.path.sep in spec:
-        if not os.path.isfile(spec):
+        if not os.path.isfile(spec) and spec.endswith(".json"):
             raise TokenizerError(f"tokenizer file {spec} not found: pass the path of a Hugging Face tokenizer.json")
+        if not os.path.isfile(spec):
+            raise TokenizerError(f"--tokenizer {spec} not found: pass a Hugging Face tokenizer.json, or a folder that "
+                                 f"holds a tokenizer (an export of python -m training.export, a prepared dataset)")
         return "ready", HFTokenizer.from_file(spec)
     raise TokenizerError(f"unknown --tokenizer {spec!r}: use char, gpt2, tiktoken:NAME (cl100k_base, o200k_base), "
                          f"a path to a tokenizer.json, a folder holding a tokenizer (a dataset's, an export's), or "

@@ -207,11 +207,11 @@ def example_export(tmp_path_factory, char_data) -> Path:
     (`python -m training.export`)."""
     import training.export
 
-    pretrained = tmp_path_factory.mktemp("llama_quickstart")
-    train_py(["--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}", f"train.out_dir={pretrained}",
+    out = tmp_path_factory.mktemp("out")
+    train_py(["--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}", f"train.out_dir={out / 'llama'}",
               "train.max_steps=100", "optim.lr=3e-3", *EXAMPLE_LLAMA], env=TWO_THREADS)
-    training.export.main(["--out_dir", str(pretrained)])
-    return pretrained / "export" / "step_000100"
+    training.export.main(["--out_dir", str(out / "llama"), "--output", str(out / "llama_export")])
+    return out / "llama_export"
 
 
 @pytest.mark.launch

@@ -16,8 +16,8 @@ import pytest
 from harness import REPO, free_port, job_env, release_shm
 
 BIN = os.path.dirname(sys.executable)
-TRAINS_FOR_MINUTES = ["train.max_steps=6", "train.save_interval=3", "train.eval_interval=3", "train.eval_windows=8",
-                      "train.log_interval=3", "sample.max_new_tokens=16"]
+TRAINS_FOR_MINUTES = ["train.max_steps=6", "train.epochs=null", "train.save_interval=3", "train.eval_interval=3",
+                      "train.eval_windows=8", "train.log_interval=3", "sample.max_new_tokens=16"]
 # (how a command starts, what its output holds when it ends as the README says)
 ENDINGS = [
     ("python -m data.prepare", "wrote "),
@@ -26,6 +26,7 @@ ENDINGS = [
     ("torchrun", "--- sample ---"),
     ("python sample.py", ""),
     ("python -m training.export", "wrote "),
+    ("python -m data.reverse_task", "wrote "),
 ]
 
 
