@@ -19,6 +19,7 @@ from typing import Callable
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from omegaconf import OmegaConf
 
@@ -354,6 +355,10 @@ def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParalle
         def partition(layer):
             deepspeed.zero.Init(module=layer, config_dict_or_path=ds, data_parallel_group=group,
                                 mpu=grid if tp.size > 1 else None)
+            # zero.Init(module=) places the parameters only, and the engine moves no partitioned module to the
+            # device: the buffers (the Llama's RoPE tables) go there here.
+            for buffer in layer.buffers():
+                buffer.data = buffer.data.to(get_accelerator().current_device_name())
         model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition, tp=tp, sp=sp)
     else:
         model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp)

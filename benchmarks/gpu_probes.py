@@ -129,9 +129,10 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
                 memory.reset_peak()
             train_step(engine, data.step_batches(cfg.train.seed, step, 0, engine_settings.layout, device))
         measured = memory.peak_since_reset() - baseline
+        states = memory.current() - baseline  # what outlives a step: the model states and DeepSpeed's buffers
         results[os.path.basename(path)] = {"plan": predicted["total"], "plan_states": predicted["states"],
                                            "plan_activations": predicted["activations"], "measured": measured,
-                                           "baseline": baseline}
+                                           "measured_states": states, "baseline": baseline}
         engine.destroy()
         del engine
         release(device)

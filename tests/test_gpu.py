@@ -124,7 +124,7 @@ def runs(tmp_path_factory, char_data) -> Runs:
 # Host synchronizations per training step between two log intervals, by call site 'caller > callee' (module.function;
 # '*': any caller), as docs/performance.md "Host synchronizations in a GPU step" lists them; PER_FETCH: once per
 # parameter fetch. The GPU-only sites are DeepSpeed's stream and device synchronizations, which the CPU
-# accelerator skips.
+# accelerator skips, and its scalars made on the host and copied to the device, which on a CPU copy nothing.
 PER_FETCH = "per fetch"
 SYNCS = {
     "zero1": {"bf16_optimizer.step > utils.is_invalid_grad_norm": 1,
@@ -135,9 +135,11 @@ SYNCS = {
     "zero3": {"stage3.step > utils.is_invalid_grad_norm": 1},
 }
 GPU_ONLY_SYNCS = {
-    "zero1": {},
-    "zero2": {"* > stage_1_and_2.independent_gradient_partition_epilogue": 1},
-    "zero3": {"* > stage3.independent_gradient_partition_epilogue": 1, "* > partition_parameters.wait": PER_FETCH},
+    "zero1": {"utils.get_global_norm_of_tensors > utils.mask_nan_or_inf_with_val_inplace": 2},
+    "zero2": {"* > stage_1_and_2.independent_gradient_partition_epilogue": 1,
+              "stage_1_and_2.get_grad_norm_direct > utils.mask_nan_or_inf_with_val_inplace": 4},
+    "zero3": {"* > stage3.independent_gradient_partition_epilogue": 1, "* > partition_parameters.wait": PER_FETCH,
+              "stage3._get_norm_groups > stage3.get_grad_norm_direct": 2},
 }
 LOG_SYNCS = {"train.log_progress > divergence.read": 1, "train.train_steps > train.log_progress": 1}
 
@@ -308,8 +310,11 @@ def test_compiling_is_not_charged_to_throughput(runs, device):
     first = metrics(run.out_dir)[1]  # after the step-0 evaluation
     assert first["step"] == INTERVAL
     timed = tokens_per_step * (INTERVAL - 1) / first["tokens_per_s"]
-    walled = sum(steps[s] + record["batch_waits"][str(s)] for s in later)
-    assert 0.9 * walled <= timed < 1.5 * walled + 0.02 and timed < steps[1] / 2, (timed, walled, steps[1])
+    # The wait before step 2 holds the first step's epilogue (the divergence watch's first kernels), which the
+    # meter leaves out with the warm-up: the steps alone bound the timed interval from below.
+    stepped = sum(steps[s] for s in later)
+    walled = stepped + sum(record["batch_waits"][str(s)] for s in later)
+    assert 0.9 * stepped <= timed < 1.5 * walled + 0.02 and timed < steps[1] / 2, (timed, stepped, walled, steps[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
