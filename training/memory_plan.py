@@ -24,7 +24,9 @@ Under document masking the GPU's FlexAttention keeps no T x T mask; the dense ke
 the CPU) keeps each block's mask for its backward, converted to the compute dtype: T x 2 bytes per token in
 16-bit, whole on every tensor rank; the Llama keeps its RoPE tables per token (document_masking_bytes,
 measured by benchmarks/documents.py).
-Allocator fragmentation, communication buckets and the CUDA context (a few GB) come on top.
+ZeRO-3 adds its gradient bucket, allocated whole at start. Allocator fragmentation, the other communication
+buckets and the CUDA context (a few GB) come on top. Under ZeRO-3 a GPU's peak runs above this count of the
+activations (docs/performance.md, "The memory plan on a GPU").
 """
 import argparse
 import glob
@@ -93,6 +95,17 @@ def repeated_ties(specs: list) -> list[int]:
     return repeats
 
 
+def zero3_gradient_bucket(ds: dict) -> int:
+    """Bytes of the gradient bucket ZeRO-3 allocates whole at start with contiguous gradients (DeepSpeed's
+    estimator leaves it out): reduce_bucket_size elements of the communication dtype. The shipped zero3.json's
+    500M fp32 elements are 1.86 GiB, whatever the model's size."""
+    zero = ds.get("zero_optimization", {})
+    if not zero.get("contiguous_gradients", True):
+        return 0
+    comm = ds.get("communication_data_type") or ("bf16" if ds.get("bf16", {}).get("enabled") else "fp32")
+    return int(float(zero.get("reduce_bucket_size", 5e8))) * (4 if comm in ("fp32", "float32") else 2)
+
+
 def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
     """Bytes per GPU (the busiest one) for this model, ds_config and GPU count (and train.mlp_tiles)."""
     pipe, tp_size, sp_size = pipeline_settings(ds), tensor_parallel_size(ds), sequence_parallel_size(ds)
@@ -122,6 +135,7 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
         cpu, states, _ = estimate_zero3_model_states_mem_needs(total, max(counts), num_gpus_per_node=dp,
                                                                cpu_offload=offload, cpu_offload_params=False)
         cpu = cpu if offload else 0
+        states += zero3_gradient_bucket(ds)
 
     tokens = layout.micro_batch * cfg.block_size // sp_size
     full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles)
