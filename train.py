@@ -20,36 +20,26 @@ from typing import Callable
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from omegaconf import OmegaConf
 
 from data.loader import prefetched
 from model import build_model, build_pipeline, compile_blocks
 from model.generate import generate
-from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
-from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
+from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel
+from model.tensor_parallel import SINGLE, TensorParallel
 from model.tiling import tile_mlps
 from training import checkpoint, hf, universal
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
 from training.divergence import Guard, Verdict
+from training.engines import PlainDriver, drive, train_step
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
 from training.startup import Run, check_run, describe_data, describe_model, describe_outputs, describe_zero
-from training.steps import (
-    PipelineLogits,
-    choice_losses,
-    data_parallel_group,
-    eval_loss,
-    keep_fp32_grad_norm,
-    lm_loss,
-    replicated_weights_in_sync,
-    tied_weights_in_sync,
-    train_step,
-)
+from training.steps import data_parallel_group, keep_fp32_grad_norm, lm_loss
 from training.topology import (
     GLOBAL,
     Layout,
@@ -81,15 +71,12 @@ class Rank:
     say: Callable[[str], None]  # prints on rank 0 only
     model: torch.nn.Module
     engine: deepspeed.DeepSpeedEngine
+    driver: PlainDriver  # what the loop asks of the engine, plain or pipelined (training/engines.py)
     start_step: int
     batches_skipped: int  # by rewinds (training/divergence.py): step s trains on the batch of step s + this
     log: MetricsLog
     scorer: ChoiceScorer | None  # this rank's share of eval.tasks
     universal_info: dict  # what DeepSpeed's universal converter needs to know of the model (training/checkpoint.py)
-
-    @property
-    def pipelined(self) -> bool:
-        return isinstance(self.engine, PipelineEngine)
 
 
 def build_engine(run: Run) -> Rank:
@@ -117,8 +104,9 @@ def build_engine(run: Run) -> Rank:
     keep_fp32_grad_norm(engine)
     universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
     start_schedule(engine)
-    if isinstance(engine, PipelineEngine):
-        assert model.parts == run.parts, f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"
+    driver = drive(engine, tp, groups.sp)
+    assert getattr(model, "parts", run.parts) == run.parts, \
+        f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"
 
     start_step, batches_skipped = 0, 0
     if run.resume_dir:
@@ -141,14 +129,12 @@ def build_engine(run: Run) -> Rank:
     if index == 0 and run.ds.get("wandb", {}).get("enabled"):
         import wandb  # DeepSpeed's monitor started the run (rank 0 only); it records no configuration
         wandb.config.update({"run": OmegaConf.to_container(OmegaConf.structured(cfg)), "ds_config": run.ds})
-    # A pipeline keeps its first shape; sequence ranks split the whole window.
-    fixed_shape = isinstance(engine, PipelineEngine) or layout.sp_size > 1
     scorer = ChoiceScorer(run.tasks, cfg.model.block_size, groups.dp_rank, layout.dp, layout.micro_batch,
-                          fixed_shape, layout.sp_size) if run.tasks else None
+                          driver.fixed_shape, layout.sp_size) if run.tasks else None
     if scorer:
         say(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
-    return Rank(index, groups.dp_rank, tp, groups.sp, say, model, engine, start_step, batches_skipped, log, scorer,
-                universal_info)
+    return Rank(index, groups.dp_rank, tp, groups.sp, say, model, engine, driver, start_step, batches_skipped, log,
+                scorer, universal_info)
 
 
 def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
@@ -200,8 +186,7 @@ def train(run: Run, rank: Rank) -> int:
 def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: int, last_step: int) -> int:
     """Steps start + 1 to last_step; returns the last, or the step a rewind went back to."""
     cfg, layout, engine = run.cfg, run.layout, rank.engine
-    # Only the first and last pipeline stages read data (inputs, targets); the others get none.
-    feeds_data = not rank.pipelined or engine.is_first_stage() or engine.is_last_stage()
+    feeds_data = rank.driver.feeds_data
     steps = range(start + 1, last_step + 1)
     batches = prefetched(lambda s: [rank.sp.split(*batch) for batch in run.data.step_batches(
         cfg.train.seed, s + rank.batches_skipped, rank.dp_rank, layout, run.device)] if feeds_data else [], steps)
@@ -211,11 +196,10 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
         # The tensor ranks of a replica draw alike: their replicated activations must stay equal. (Megatron
         # draws attention dropout per head slice from a second generator; here the slices' masks repeat.)
         torch.manual_seed(hash((cfg.train.seed, rank.index // layout.tp_size, step)) % 2**63)
-        if rank.pipelined:
-            rank.model.micro_offset = step * layout.grad_accum
+        rank.driver.start_step(step, layout.grad_accum)
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
-        loss = train_step(engine, micro_batches, rank.tp, supervised=run.data.CONVERSATIONS)
+        loss = train_step(rank.driver, micro_batches, supervised=run.data.CONVERSATIONS)
         guard.observe(step, loss)
         meter.step()
         if step == start + 1:
@@ -278,14 +262,14 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged (the losses
     unless log_losses is false) and printed."""
     windows = run.cfg.train.eval_windows
-    losses = {split: eval_loss(rank.engine, [rank.sp.split(*batch) for batch in run.data.eval_batches(
-        split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows), rank.tp)
+    losses = {split: rank.driver.eval_loss([rank.sp.split(*batch) for batch in run.data.eval_batches(
+        split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows))
         for split in ("train", "val")}
     scores = {}
     if rank.scorer:
         batches = [rank.sp.split(*batch) for batch in rank.scorer.batches(
-            run.device, with_positions=rank.pipelined and run.data.positions)]
-        row_losses = choice_losses(rank.engine, batches, run.cfg.model.vocab_size, rank.tp, rank.sp)
+            run.device, with_positions=rank.driver.carries_positions and run.data.positions)]
+        row_losses = rank.driver.choice_losses(batches, run.cfg.model.vocab_size)
         scores = rank.scorer.scores(row_losses, data_parallel_group(rank.engine))
     record = {f"{task}_{metric}": value for task, accuracies in scores.items()
               for metric, value in zip(("acc", "acc_norm"), accuracies)}
@@ -309,28 +293,23 @@ def save(run: Run, rank: Rank, step: int) -> None:
     rank.say(f"saved {tag}")
 
 
+OUT_OF_SYNC = {"tied_weights_in_sync": "the tied embedding and LM head differ between the first and last stage",
+               "replicated_weights_in_sync": "a replicated weight (a norm, a row-parallel bias) differs between "
+                                             "tensor-parallel ranks"}
+
+
 def finish(run: Run, rank: Rank, last_step: int) -> None:
     """The end of a run: the copies of each shared weight checked alike, a sample printed, the group left."""
     cfg, engine = run.cfg, rank.engine
-    if rank.pipelined:
-        in_sync = tied_weights_in_sync(engine)
-        rank.log.log(last_step, tied_weights_in_sync=in_sync)
+    for check, in_sync in rank.driver.weights_in_sync().items():
+        rank.log.log(last_step, **{check: in_sync})
         if not in_sync:
-            rank.say("WARNING: the tied embedding and LM head differ between the first and last stage")
-    if run.layout.tp_size > 1:
-        in_sync = replicated_weights_in_sync(engine.module, rank.tp)
-        rank.log.log(last_step, replicated_weights_in_sync=in_sync)
-        if not in_sync:
-            rank.say("WARNING: a replicated weight (a norm, a row-parallel bias) differs between tensor-parallel ranks")
+            rank.say(f"WARNING: {OUT_OF_SYNC[check]}")
     rank.log.close()
 
     PHASE.now("sampling")
-    if rank.pipelined:
-        forward = PipelineLogits(engine, run.layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size,
-                                 rank.tp, with_positions=run.data.positions, sp=rank.sp)
-    else:
-        forward = (lambda idx: gather_vocab(engine(idx), rank.tp)) if run.layout.tp_size > 1 else engine
-        forward = gathered_logits(forward, rank.sp)
+    forward = rank.driver.next_token_logits(run.layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size,
+                                            with_positions=run.data.positions)
     rank.say(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"
              f"--------------")
     leave_process_group()

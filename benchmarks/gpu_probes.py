@@ -108,10 +108,10 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
     later steps (from before the model existed) next to training/memory_plan.py's plan for one device."""
     from benchmarks.memory import MemoryProbe
     from training.ds_config import load_ds_config
+    from training.engines import train_step
     from training.failure import leave_process_group
     from training.memory_plan import plan
     from training.startup import effective_ds_config
-    from training.steps import train_step
 
     run = start_one_process(["--config", config, "--ds_config", ds_configs[0], *overrides])
     cfg, data, device, memory = run.cfg, run.data, run.device, MemoryProbe(run.device)

@@ -60,15 +60,15 @@ def counted_rank(record: str) -> None:
     layer.dist.all_to_all_single = counting
     train_step, steps = train.train_step, []
 
-    def measured(engine, micro_batches, *args, **kwargs):
+    def measured(driver, micro_batches, *args, **kwargs):
         if not steps:  # one extra forward of the first micro-batch, every rank at once (its all-to-alls)
             before = sent["bytes"]
-            kept = saved_bytes(engine.module, micro_batches[0][0], torch)
+            kept = saved_bytes(driver.engine.module, micro_batches[0][0], torch)
             sent["bytes"] = before
         else:
             kept = steps[0]["saved"]
         before = sent["bytes"]
-        loss = train_step(engine, micro_batches, *args, **kwargs)
+        loss = train_step(driver, micro_batches, *args, **kwargs)
         steps.append({"all_to_all_bytes": sent["bytes"] - before, "saved": kept, "micro_batches": len(micro_batches)})
         return loss
 

@@ -59,11 +59,11 @@ def counted_rank(record: str) -> None:
     parallel._all_reduce = counting
     train_step, steps = train.train_step, []
 
-    def measured(engine, micro_batches, tp=parallel.SINGLE, **kwargs):
+    def measured(driver, micro_batches, *args, **kwargs):
         before = sent["bytes"]
-        loss = train_step(engine, micro_batches, tp, **kwargs)
-        steps.append({"tp_bytes": sent["bytes"] - before, "states": live_tensor_bytes(engine.device),
-                      "params": sum(p.numel() for p in engine.module.parameters())})
+        loss = train_step(driver, micro_batches, *args, **kwargs)
+        steps.append({"tp_bytes": sent["bytes"] - before, "states": live_tensor_bytes(driver.engine.device),
+                      "params": sum(p.numel() for p in driver.engine.module.parameters())})
         return loss
 
     train.train_step = measured

@@ -30,11 +30,12 @@ from common.checks import ToolParser  # noqa: E402
 from data.loader import TokenData  # noqa: E402
 from model import build_model, compile_blocks  # noqa: E402
 from training.device import peak_flops  # noqa: E402
+from training.engines import train_step  # noqa: E402
 from training.failure import leave_process_group  # noqa: E402
 from training.launcher_env import set_single_process_env  # noqa: E402
 from training.metrics import flops_per_token  # noqa: E402
 from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
-from training.steps import lm_loss, train_step  # noqa: E402
+from training.steps import lm_loss  # noqa: E402
 from training.topology import resolve_layout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

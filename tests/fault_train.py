@@ -26,15 +26,15 @@ def inject(fault: str) -> None:
     real_train_step = train.train_step
     steps_taken = 0
 
-    def faulty_train_step(engine, micro_batches, *args, **kwargs):
+    def faulty_train_step(driver, micro_batches, *args, **kwargs):
         nonlocal steps_taken
         steps_taken += 1
         if os.environ.get("RANK", "0") not in fault_ranks.split(",") or steps_taken != int(fault_step):
-            return real_train_step(engine, micro_batches, *args, **kwargs)
+            return real_train_step(driver, micro_batches, *args, **kwargs)
         if kind in SCALES:
-            scaled = engine.module.register_forward_hook(lambda module, inputs, output: output * SCALES[kind])
+            scaled = driver.engine.module.register_forward_hook(lambda module, inputs, output: output * SCALES[kind])
             try:
-                return real_train_step(engine, micro_batches, *args, **kwargs)
+                return real_train_step(driver, micro_batches, *args, **kwargs)
             finally:
                 scaled.remove()
         if kind == "raise":

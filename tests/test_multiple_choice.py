@@ -12,8 +12,8 @@ from data.tokenizers import train_bpe
 from harness import free_port
 from model import build_model
 from model.config import ModelConfig
+from training.engines import PlainDriver
 from training.multiple_choice import ChoiceScorer, open_tasks
-from training.steps import choice_losses
 
 CORPUS = "the king is in his kingdom and the queen is in her chamber; the kingdom is the king's. " * 40
 # Whole words of the corpus are one token each, letters it never joins one a letter: " kingdom" is 1 token of 8
@@ -57,7 +57,7 @@ def test_acc_norm_divides_each_choices_loss_by_its_tokens_not_its_characters(tmp
     # The loop's path: eval.tasks opened, this rank's rows in micro-batches of 4, the evaluation forward, the counts.
     tasks = open_tasks([str(path)], str(tmp_path), None, tokenizer, cfg.block_size)
     scorer = ChoiceScorer(tasks, cfg.block_size, dp_rank=0, dp=1, micro_batch=4, fixed_shape=False)
-    losses = choice_losses(model, scorer.batches(torch.device("cpu")), cfg.vocab_size)
+    losses = PlainDriver(model).choice_losses(scorer.batches(torch.device("cpu")), cfg.vocab_size)
     acc, acc_norm = scorer.scores(losses, None)["words"]
 
     # Here: each choice on its own, " " + ending after the context, its tokens and characters counted.

@@ -1,0 +1,215 @@
+"""The one place that tells DeepSpeed's two engines apart. A driver holds the built engine and does what the
+loop, the evaluation, the scorer and the sampler ask of it: a training step, evaluation losses, choice losses,
+next-token logits, and the end-of-run weight checks. The plain engine runs micro-batches one by one; the
+pipeline engine takes all of a step's micro-batches at once and returns the loss averaged over them and over
+the data-parallel ranks. `drive(engine)` picks the driver; nothing else asks which engine it holds."""
+import functools
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
+from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
+from training.multiple_choice import row_losses
+from training.steps import data_parallel_group, lm_loss, replicated_weights_in_sync, supervised_share, token_loss_sum
+
+
+class PlainDriver:
+    """DeepSpeed's DeepSpeedEngine (ZeRO 0-3, tensor and sequence parallel): every rank reads data, one
+    micro-batch at a time."""
+    feeds_data = True
+    carries_positions = False  # the model takes a document-masked batch's positions beside its tokens
+
+    def __init__(self, engine, tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL):
+        self.engine, self.tp, self.sp = engine, tp, sp
+
+    @property
+    def fixed_shape(self) -> bool:
+        """Must every batch have the training shape? Sequence ranks split the whole window."""
+        return self.sp.size > 1
+
+    def start_step(self, step: int, grad_accum: int) -> None:
+        """Before a training step: nothing to tell a plain engine."""
+
+    def train_step(self, micro_batches: list, supervised: bool = False) -> torch.Tensor:
+        """One optimizer step over the step's micro-batches; returns their mean loss, still on the device. With
+        `supervised` (conversations), the loss is the mean over the global batch's supervised tokens."""
+        engine = self.engine
+        divisor = None
+        if supervised:
+            divisor = supervised_share(micro_batches, data_parallel_group(engine), engine.dp_world_size)
+        total = 0.0
+        for inputs, targets in micro_batches:
+            loss = lm_loss(engine(inputs), targets, tp=self.tp, divisor=divisor)
+            engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
+            engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
+            total += loss.detach()
+        return total / len(micro_batches)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list, tokens: int) -> float:
+        """Mean loss over the `tokens` target tokens of every data-parallel rank's batches (a fixed validation
+        set: see data/loader.py), the same for any layout."""
+        engine = self.engine
+        engine.eval()
+        total = sum(token_loss_sum(engine(inputs), targets, self.tp).double() for inputs, targets in batches)
+        engine.train()
+        # Over the data-parallel ranks only: the tensor ranks of a replica hold the same sum.
+        torch.distributed.all_reduce(total, group=data_parallel_group(engine))
+        return total.item() / tokens
+
+    @torch.no_grad()
+    def choice_losses(self, batches: list, vocab_size: int) -> torch.Tensor:
+        """The summed loss of each row's scored targets (multiple-choice rows: training/multiple_choice.py), for
+        every row of this rank's batches, on every rank (the sequence ranks add up their slices')."""
+        engine = self.engine
+        engine.eval()
+        losses = torch.cat([row_losses(engine(inputs), targets, vocab_size, self.tp) for inputs, targets in batches])
+        engine.train()
+        return self._summed_over_sequence(losses)
+
+    def _summed_over_sequence(self, losses: torch.Tensor) -> torch.Tensor:
+        if self.sp.size > 1:
+            torch.distributed.all_reduce(losses, group=self.sp.group)
+        return losses
+
+    def next_token_logits(self, micro_batch: int, block_size: int, padded_vocab_size: int, with_positions: bool):
+        """A callable for model.generate: the logits of a sequence, whole on every rank."""
+        forward = (lambda idx: gather_vocab(self.engine(idx), self.tp)) if self.tp.size > 1 else self.engine
+        return gathered_logits(forward, self.sp)
+
+    def weights_in_sync(self) -> dict:
+        """The end-of-run checks of weights that nothing re-synchronizes: {name: all ranks' copies equal}."""
+        if self.tp.size > 1:
+            return {"replicated_weights_in_sync": replicated_weights_in_sync(self.engine.module, self.tp)}
+        return {}
+
+
+class PipelineDriver(PlainDriver):
+    """DeepSpeed's PipelineEngine: only the first and last stages read data (inputs, targets); the last
+    computes the loss, through the loss function the PipelineModule holds."""
+
+    def __init__(self, engine: PipelineEngine, tp: TensorParallel = SINGLE,
+                 sp: SequenceParallel = NO_SEQUENCE_PARALLEL):
+        super().__init__(engine, tp, sp)
+        self.feeds_data = engine.is_first_stage() or engine.is_last_stage()
+        self.last_stage = engine.grid.stage_to_global(engine.num_stages - 1)
+
+    fixed_shape = True  # the pipeline keeps the activation shapes of its first micro-batch
+    carries_positions = True  # under document masking a batch is (tokens, positions), passed stage to stage
+
+    def start_step(self, step: int, grad_accum: int) -> None:
+        """PipelineModule reseeds dropout per micro-batch from its own count: a resumed run counts on."""
+        self.engine.module.micro_offset = step * grad_accum
+
+    def train_step(self, micro_batches: list, supervised: bool = False) -> torch.Tensor:
+        engine = self.engine
+        if supervised and engine.is_last_stage():  # where the loss is computed
+            share = supervised_share(micro_batches, data_parallel_group(engine), engine.dp_world_size)
+            engine.module.loss_fn = functools.partial(lm_loss, tp=self.tp, divisor=share)
+        return engine.train_batch(iter(micro_batches))
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list, tokens: int) -> float:
+        """The pipeline engine averages its loss function's outputs over micro-batches and data-parallel
+        ranks, so during evaluation that function returns the micro-batch's summed loss scaled by
+        micro-batches x dp / tokens: the average is then the mean over the set."""
+        engine, tp = self.engine, self.tp
+        module, scale = engine.module, len(batches) * engine.dp_world_size / tokens
+        training_loss = module.loss_fn
+        module.loss_fn = lambda logits, targets: token_loss_sum(logits, targets, tp) * scale
+        try:
+            return float(engine.eval_batch(iter(batches), num_micro_batches=len(batches)))
+        finally:
+            module.loss_fn = training_loss
+
+    @torch.no_grad()
+    def choice_losses(self, batches: list, vocab_size: int) -> torch.Tensor:
+        """The last stage computes the rows' losses and sends them along its pipeline."""
+        engine = self.engine
+        module, training_loss, monitor_on = engine.module, engine.module.loss_fn, engine.monitor.enabled
+        module.loss_fn = functools.partial(row_losses, vocab_size=vocab_size, tp=self.tp)
+        # Work around DeepSpeed's eval_batch, made for one scalar loss: it adds each output into the training
+        # loss accumulator (which only train_batch resets) and, with a monitor on, broadcasts and logs the
+        # result as one.
+        engine.total_loss, engine.monitor.enabled = None, False
+        try:
+            outputs = engine.eval_batch(iter(batches), num_micro_batches=len(batches), reduce_output=None,
+                                        bcast_loss=False)
+        finally:
+            module.loss_fn, engine.monitor.enabled, engine.total_loss = training_loss, monitor_on, None
+        rows = sum(len(targets) for _, targets in batches)
+        losses = torch.cat(outputs).float() if engine.is_last_stage() else torch.empty(rows, device=engine.device)
+        torch.distributed.broadcast(losses, src=self.last_stage, group=engine.grid.get_pipe_parallel_group())
+        return self._summed_over_sequence(losses)
+
+    def next_token_logits(self, micro_batch: int, block_size: int, padded_vocab_size: int, with_positions: bool):
+        return PipelineLogits(self, micro_batch, block_size, padded_vocab_size, with_positions)
+
+    def weights_in_sync(self) -> dict:
+        return {"tied_weights_in_sync": self._tied_weights_in_sync(), **super().weights_in_sync()}
+
+    def _tied_weights_in_sync(self) -> bool:
+        """Are the stage copies of each tied weight (the embedding on the first stage, the LM head on the
+        last) bitwise equal? DeepSpeed all-reduces their gradients so that they never drift; this checks it
+        over the same process groups it uses."""
+        module = self.engine.module
+        in_sync = torch.ones((), dtype=torch.int32, device=self.engine.device)
+        for comm in module.tied_comms.values():  # only on ranks that hold a copy
+            for attr in comm["weight_attr"]:
+                weight = module._recursive_getattr(comm["module"], attr).detach()
+                reference = weight.clone()
+                torch.distributed.broadcast(reference, src=min(comm["ranks"]), group=comm["group"])
+                in_sync &= int(torch.equal(reference, weight))
+        torch.distributed.all_reduce(in_sync, op=torch.distributed.ReduceOp.MIN)
+        return bool(in_sync.item())
+
+
+class PipelineLogits:
+    """Next-token logits of one sequence through a pipeline, as a callable for model.generate.
+
+    The pipeline engine caches activation shapes from its first micro-batch, so the sequence is sent
+    right-padded in a batch of training shape (causal attention keeps the padding out of its logits).
+    The last stage holds the logits and broadcasts the last position's row along its pipeline."""
+
+    def __init__(self, driver: PipelineDriver, micro_batch: int, block_size: int, padded_vocab_size: int,
+                 with_positions: bool = False):
+        """with_positions: the run trains under document masking, so its stages pass (hidden, positions); under
+        sequence parallelism they always do, each rank sending its slice."""
+        self.engine, self.tp, self.sp, self.last_stage = driver.engine, driver.tp, driver.sp, driver.last_stage
+        self.shape, self.vocab, self.with_positions = (micro_batch, block_size), padded_vocab_size, with_positions
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.size(1)
+        batch = torch.zeros(self.shape, dtype=torch.long, device=idx.device)
+        batch[0, :t] = idx[0]
+        row = torch.zeros(1, 1, self.vocab, device=idx.device)
+        inputs = batch
+        if self.with_positions:  # one document per row
+            inputs = (batch, torch.arange(self.shape[1], device=idx.device).expand(self.shape).contiguous())
+        inputs, labels = self.sp.split(inputs, batch)
+        # A loss on dummy labels rides along: with compute_loss=False this DeepSpeed version adds the
+        # logits into its scalar loss accumulator and fails.
+        _, logits = self.engine.eval_batch(iter([(inputs, labels)]), return_logits=True, bcast_loss=False,
+                                           num_micro_batches=1)
+        if self.engine.is_last_stage():
+            held = self.sp.part(self.shape[1])
+            if held.start <= t - 1 < held.stop:  # the sequence rank holding the last position
+                row.copy_(gather_vocab(logits[0:1, t - 1 - held.start: t - held.start].float(), self.tp))
+            if self.sp.size > 1:
+                torch.distributed.all_reduce(row, group=self.sp.group)
+        torch.distributed.broadcast(row, src=self.last_stage, group=self.engine.grid.get_pipe_parallel_group())
+        return row
+
+
+def drive(engine, tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> PlainDriver:
+    """The driver of a built DeepSpeed engine."""
+    if isinstance(engine, PipelineEngine):
+        return PipelineDriver(engine, tp, sp)
+    return PlainDriver(engine, tp, sp)
+
+
+def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE, supervised: bool = False) -> torch.Tensor:
+    """One training step of a driver, or of a bare DeepSpeed engine (the benchmarks hold one), which gets one."""
+    driver = engine if isinstance(engine, PlainDriver) else drive(engine, tp)
+    return driver.train_step(micro_batches, supervised)
