@@ -9,7 +9,7 @@ them apart (model.document_masking must be on). Without packing a window holds o
 a window is padding: input 0, target IGNORE, position 0.
 
 The packing is fixed; each epoch visits the train windows in its own order, drawn from (seed, epoch), so a
-sample is a pure function of (seed, sample index) as for text (data/loader.py) and resuming is exact. Validation
+sample is a pure function of (seed, sample index) as for text (data/token_data.py) and resuming is exact. Validation
 is the first train.eval_windows windows of the val split (all of them if there are fewer).
 """
 import math
@@ -20,7 +20,7 @@ import torch
 
 from common.checks import ConfigError
 from data.chat import check_chat_record
-from data.loader import IGNORE, TokenData, _move
+from data.token_data import IGNORE, TokenData, move_to_device
 from data.writer import read_index
 
 
@@ -137,7 +137,7 @@ class ChatData(TokenData):
         return (batch[:, :T], batch[:, 2 * T:]) if self.pack else batch[:, :T]
 
     def _to_device(self, rows: np.ndarray, device):
-        batch = _move(torch.from_numpy(rows), device)
+        batch = move_to_device(torch.from_numpy(rows), device)
         return self._inputs(batch), batch[:, self.block_size:2 * self.block_size]
 
     def epochs_used(self, samples: int) -> dict:

@@ -22,13 +22,13 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import sys
 import urllib.request
 
 if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file, writable_dir
+from data.out_dir import FORMAT, earlier_dataset, finish_dataset, in_val, job_workspace
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import (
     CharTokenizer,
@@ -38,13 +38,11 @@ from data.tokenizers import (
     tokenizer_from_meta,
     train_bpe,
 )
-from data.writer import SPLITS, ShardWriter, merge, read_done, token_dtype, write_atomic
+from data.writer import SPLITS, ShardWriter, read_done, token_dtype, write_atomic
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TRAIN_FRACTION = 0.9  # the single-document split
-FORMAT = 2  # meta.json's "format": train/val tokens, document index and tokenizer files; only this one is read
 BATCH_CHARS = 1 << 22  # characters tokenized at once by a worker: its memory bound
-WORKSPACE = ".prepare"
 
 
 def default_out_dir(tokenizer: str) -> str:
@@ -106,7 +104,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: 
                          f"(default: 16)")
     files = expand_inputs(inputs)
     job = _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb)
-    meta = _earlier_dataset(out_dir)
+    meta = earlier_dataset(out_dir)
     if meta is not None and meta.get("job") == job and all(os.path.exists(os.path.join(out_dir, f"{s}.bin"))
                                                            for s in SPLITS):
         print(f"{out_dir} already holds these inputs with the {meta['tokenizer']} tokenizer; nothing to do")
@@ -120,7 +118,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: 
         raise InputError(f"--tokenizer {tokenizer}: its {ready.vocab_size} characters hold no end-of-text token to end "
                          f"each document with (a vocabulary of one document); fix: pass one .txt file (one document), "
                          f"or --tokenizer char")
-    workspace = _workspace(out_dir, job)
+    workspace = job_workspace(out_dir, job)
     pieces = plan_pieces(files, max(int(chunk_mb * 2**20), 1))
     options = {"text_key": text_key, "split_blank_lines": split_blank_lines, "val_fraction": val_fraction}
     if single:
@@ -129,19 +127,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: 
         tok = ready if kind == "ready" else _corpus_tokenizer(kind, tokenizer, pieces, options, workers)
         prefixes = _tokenize_pieces(pieces, tok, workspace, options, workers)
     split = f"{TRAIN_FRACTION:.0%} of the characters" if single else f"documents by hash, val_fraction {val_fraction}"
-    return _finish(out_dir, workspace, prefixes, tok, job, files, split, None if single else tok.delimiter)
-
-
-def _earlier_dataset(out_dir: str) -> dict | None:
-    """The meta of the dataset in out_dir ({} for a meta.json that does not read), None where there is none."""
-    try:
-        with open(os.path.join(out_dir, "meta.json"), "rb") as f:
-            meta = json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
+    return finish_dataset(out_dir, workspace, prefixes, tok, job, files, split, None if single else tok.delimiter)
 
 
 def _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb) -> str:
@@ -155,17 +141,6 @@ def _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb) 
         tokenizer_file = hashlib.sha256(open(tokenizer, "rb").read()).hexdigest() if os.path.isfile(tokenizer) else None
     return hashlib.sha256(json.dumps([FORMAT, stats, tokenizer, tokenizer_file, text_key, split_blank_lines,
                                       val_fraction, chunk_mb]).encode()).hexdigest()
-
-
-def _workspace(out_dir: str, job: str) -> str:
-    """out_dir/.prepare: the shards of this job; another job's leftovers are removed."""
-    workspace = os.path.join(out_dir, WORKSPACE)
-    job_path = os.path.join(workspace, "job")
-    if not os.path.exists(job_path) or open(job_path).read() != job:
-        shutil.rmtree(workspace, ignore_errors=True)
-        os.makedirs(os.path.join(workspace, "shards"))
-        write_atomic(job_path, job.encode())
-    return workspace
 
 
 def _prepare_single(path: str, kind: str, ready, workspace: str):
@@ -256,12 +231,6 @@ def _write_batch(writer: ShardWriter, tok, docs: list[str], val_fraction: float)
     writer.write("val", [d for d, v in zip(ids, split) if v])
 
 
-def in_val(document: str, val_fraction: float) -> bool:
-    """A document's split: a hash of its text, so it does not depend on where the document is."""
-    digest = hashlib.blake2b(document.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
-
-
 def _map(fn, items, workers: int, options):
     """fn(item, options) over items, in `workers` processes (in this one for 1); results in order."""
     if workers <= 1 or len(items) <= 1:
@@ -278,47 +247,6 @@ class _Call:
 
     def __call__(self, item):
         return self.fn(item, self.options)
-
-
-def _finish(out_dir, workspace, prefixes, tok, job, files, split_rule: str, delimiter,
-            extra: dict | None = None) -> dict:
-    """Merge the shards into the dataset's files, replace out_dir's dataset with them, write meta.json (with
-    `extra`, a kind of dataset's own record) last."""
-    done = [read_done(p) for p in prefixes]
-    counts = {s: {k: sum(d["counts"][s][k] for d in done) for k in ("documents", "tokens")} for s in SPLITS}
-    documents_total = sum(c["documents"] for c in counts.values())
-    if documents_total == 0 or sum(c["tokens"] for c in counts.values()) == 0:
-        raise InputError(f"no documents in {', '.join(files)}: the inputs are empty (or --text_key names an empty "
-                         f"field); pass files with text")
-    for split in SPLITS:
-        if counts[split]["documents"] == 0:
-            raise InputError(f"no document of the {documents_total:,} fell in the {split} split ({split_rule}): "
-                             f"pass more documents, or a --val_fraction that gives each split one")
-    dtype = token_dtype(tok.vocab_size)
-    for split in SPLITS:
-        merge(prefixes, split, workspace, dtype, "")
-    meta = {"format": FORMAT, "tokenizer": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
-            "vocab_size": tok.vocab_size, "max_token_id": max(d["max_id"] for d in done), "dtype": dtype.name,
-            "delimiter": delimiter, "split": split_rule,
-            **{f"{s}_tokens": counts[s]["tokens"] for s in SPLITS},
-            **{f"{s}_documents": counts[s]["documents"] for s in SPLITS},
-            "source": files, "job": job, **tok.meta(), **(extra or {})}
-    # Replace the dataset: its old meta.json first (what is left is not trusted), meta.json last.
-    meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
-    masks = [f"{s}.mask" for s in SPLITS if os.path.exists(os.path.join(workspace, f"{s}.mask"))]
-    for stale in {f"{s}.mask" for s in SPLITS} - set(masks):  # an earlier conversation dataset's
-        if os.path.exists(os.path.join(out_dir, stale)):
-            os.remove(os.path.join(out_dir, stale))
-    for name in [f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx")] + masks + tok.save(workspace):
-        os.replace(os.path.join(workspace, name), os.path.join(out_dir, name))
-    write_atomic(meta_path, json.dumps(meta, indent=1).encode())
-    shutil.rmtree(workspace, ignore_errors=True)
-    print(f"wrote {out_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
-          f"({counts['train']['documents']:,} + {counts['val']['documents']:,} documents), vocab "
-          f"{meta['vocab_size']:,} ({tok.name}, {dtype.name})")
-    return meta
 
 
 def main(argv=None) -> None:

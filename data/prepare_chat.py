@@ -28,10 +28,10 @@ from data.chat import (
     supervised_mask,
     tokenize,
 )
-from data.prepare import SPLITS, _earlier_dataset, _finish, _workspace, in_val
+from data.out_dir import earlier_dataset, finish_dataset, in_val, job_workspace
 from data.readers import InputError, expand_inputs
 from data.tokenizers import EOT, CharTokenizer, HFTokenizer, parse_spec, train_bpe
-from data.writer import ShardWriter, token_dtype
+from data.writer import SPLITS, ShardWriter, token_dtype
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -122,7 +122,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     fingerprint = ready.fingerprint() if ready is not None else None  # a folder's tokenizer may change in place
     job = hashlib.sha256(json.dumps(["chat", stats, str(tokenizer_spec), fingerprint, source, train_on, context,
                                      overlong, val_fraction]).encode()).hexdigest()
-    meta = _earlier_dataset(out_dir)
+    meta = earlier_dataset(out_dir)
     if meta is not None and meta.get("job") == job:
         print(f"{out_dir} already holds these conversations; nothing to do")
         return meta
@@ -162,7 +162,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                          f"{{% generation %}} blocks render nothing there); fix: put the marks around each assistant "
                          f"turn's content and end-of-turn")
 
-    workspace = _workspace(out_dir, job)
+    workspace = job_workspace(out_dir, job)
     prefix = os.path.join(workspace, "shards", "chat")
     writer = ShardWriter(prefix, token_dtype(tok.vocab_size), masks=True)
     counts = {"truncated": 0, "dropped_overlong": 0, "dropped_unsupervised": 0}
@@ -197,8 +197,8 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                        "end_of_turn_id": end_of_turn, "end_of_turn": tok.decode([end_of_turn]),
                        "context": context, "overlong": overlong, "conversations": len(conversations), **counts,
                        **{f"{s}_supervised_tokens": supervised[s] for s in SPLITS}}}
-    return _finish(out_dir, workspace, [prefix], tok, job, files, f"conversations by hash, val_fraction {val_fraction}",
-                   None, record)
+    return finish_dataset(out_dir, workspace, [prefix], tok, job, files,
+                          f"conversations by hash, val_fraction {val_fraction}", None, record)
 
 
 def _untokenizable(e: ValueError, where: str, tokenizer_spec) -> InputError:

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import common.checks
-import data.loader
+import data.token_data
 from common.checks import ConfigError
 from data.loader import TokenData
 from harness import REPO, TINY, train_py
@@ -97,7 +97,7 @@ def test_missing_data_read_from_another_folder_points_at_the_repos_own(tmp_path,
     (root / "data" / "chars" / "meta.json").write_text("{}")
     (root / "docs").mkdir()
     monkeypatch.setattr(common.checks, "REPO_ROOT", str(root))
-    monkeypatch.setattr(data.loader, "REPO_ROOT", str(root))
+    monkeypatch.setattr(data.token_data, "REPO_ROOT", str(root))
     monkeypatch.chdir(root / "docs")
     with pytest.raises(ConfigError) as caught:
         TokenData("data/chars", None, 32)

@@ -65,7 +65,7 @@ class DataConfig:
         if self.tokenizer is not None:  # None: the dataset's own
             c.not_empty("tokenizer")
         # data.sources (each dir prepared, each weight positive) is checked where the blend is opened, at start:
-        # data/loader.py TokenData.
+        # data/token_data.py TokenData.
 
 
 @dataclass

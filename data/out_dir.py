@@ -1,0 +1,82 @@
+"""The out_dir a preparation writes, of text (data/prepare.py) or conversations (data/prepare_chat.py): the dataset
+already there, the workspace of the job's shards, each document's split, and the finished dataset, meta.json last."""
+import hashlib
+import json
+import os
+import shutil
+
+from data.readers import InputError
+from data.writer import SPLITS, merge, read_done, token_dtype, write_atomic
+
+FORMAT = 2  # meta.json's "format": train/val tokens, document index and tokenizer files; only this one is read
+WORKSPACE = ".prepare"
+
+
+def earlier_dataset(out_dir: str) -> dict | None:
+    """The meta of the dataset in out_dir ({} for a meta.json that does not read), None where there is none."""
+    try:
+        with open(os.path.join(out_dir, "meta.json"), "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def job_workspace(out_dir: str, job: str) -> str:
+    """out_dir/.prepare: the shards of this job; another job's leftovers are removed."""
+    workspace = os.path.join(out_dir, WORKSPACE)
+    job_path = os.path.join(workspace, "job")
+    if not os.path.exists(job_path) or open(job_path).read() != job:
+        shutil.rmtree(workspace, ignore_errors=True)
+        os.makedirs(os.path.join(workspace, "shards"))
+        write_atomic(job_path, job.encode())
+    return workspace
+
+
+def in_val(document: str, val_fraction: float) -> bool:
+    """A document's split: a hash of its text, so it does not depend on where the document is."""
+    digest = hashlib.blake2b(document.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+def finish_dataset(out_dir, workspace, prefixes, tok, job, files, split_rule: str, delimiter,
+            extra: dict | None = None) -> dict:
+    """Merge the shards into the dataset's files, replace out_dir's dataset with them, write meta.json (with
+    `extra`, a kind of dataset's own record) last."""
+    done = [read_done(p) for p in prefixes]
+    counts = {s: {k: sum(d["counts"][s][k] for d in done) for k in ("documents", "tokens")} for s in SPLITS}
+    documents_total = sum(c["documents"] for c in counts.values())
+    if documents_total == 0 or sum(c["tokens"] for c in counts.values()) == 0:
+        raise InputError(f"no documents in {', '.join(files)}: the inputs are empty (or --text_key names an empty "
+                         f"field); pass files with text")
+    for split in SPLITS:
+        if counts[split]["documents"] == 0:
+            raise InputError(f"no document of the {documents_total:,} fell in the {split} split ({split_rule}): "
+                             f"pass more documents, or a --val_fraction that gives each split one")
+    dtype = token_dtype(tok.vocab_size)
+    for split in SPLITS:
+        merge(prefixes, split, workspace, dtype, "")
+    meta = {"format": FORMAT, "tokenizer": tok.name, "tokenizer_fingerprint": tok.fingerprint(),
+            "vocab_size": tok.vocab_size, "max_token_id": max(d["max_id"] for d in done), "dtype": dtype.name,
+            "delimiter": delimiter, "split": split_rule,
+            **{f"{s}_tokens": counts[s]["tokens"] for s in SPLITS},
+            **{f"{s}_documents": counts[s]["documents"] for s in SPLITS},
+            "source": files, "job": job, **tok.meta(), **(extra or {})}
+    # Replace the dataset: its old meta.json first (what is left is not trusted), meta.json last.
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    masks = [f"{s}.mask" for s in SPLITS if os.path.exists(os.path.join(workspace, f"{s}.mask"))]
+    for stale in {f"{s}.mask" for s in SPLITS} - set(masks):  # an earlier conversation dataset's
+        if os.path.exists(os.path.join(out_dir, stale)):
+            os.remove(os.path.join(out_dir, stale))
+    for name in [f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx")] + masks + tok.save(workspace):
+        os.replace(os.path.join(workspace, name), os.path.join(out_dir, name))
+    write_atomic(meta_path, json.dumps(meta, indent=1).encode())
+    shutil.rmtree(workspace, ignore_errors=True)
+    print(f"wrote {out_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+          f"({counts['train']['documents']:,} + {counts['val']['documents']:,} documents), vocab "
+          f"{meta['vocab_size']:,} ({tok.name}, {dtype.name})")
+    return meta
