@@ -5,7 +5,7 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    arch: str = "gpt"  # "gpt" (model/gpt.py), "llama" (model/llama.py) or "encoder" (model/encoder.py)
+    arch: str = "gpt"  # an architecture of model/registry.py: "gpt" (model/gpt.py), "llama" or "encoder"
     # Defaults are GPT-2 small (124M); presets in configs/ override them.
     n_layer: int = 12
     n_head: int = 12
@@ -39,25 +39,24 @@ class ModelConfig:
     document_masking: bool = False
 
     def check(self, c) -> None:
-        """Range checks (c: common.checks.Checks), run by load_run_config."""
-        c.one_of("arch", ("gpt", "llama", "encoder"))
+        """Range checks (c: common.checks.Checks), run by load_run_config; then the architecture's own."""
+        from model.registry import ARCHITECTURES, supporting  # its models import this file
+
+        c.one_of("arch", tuple(ARCHITECTURES))
+        arch = ARCHITECTURES[self.arch]
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden",
                     "ffn_multiple_of", "n_kv_head", "rope_original_context"):
             c.at_least(key, 1)
         c.that(self.n_embd % self.n_head == 0, "n_embd", f"be divisible by model.n_head={self.n_head}",
                f"make model.n_embd a multiple of {self.n_head}")
-        c.that(self.arch != "encoder" or self.n_embd % 2 == 0, "n_embd", "be even for the encoder (its sinusoidal "
-               "positions pair sines with cosines)", "make model.n_embd an even multiple of model.n_head")
         c.in_range("dropout", 0.0, 1.0, high_open=True)
         c.that(self.n_kv_head is None or self.n_head % self.n_kv_head == 0, "n_kv_head",
                f"divide model.n_head={self.n_head}: each key/value head serves a whole group of query heads",
                f"choose a divisor of {self.n_head}")
-        c.that(self.arch != "llama" or self.head_dim % 2 == 0, "n_embd", f"give an even head size n_embd / n_head "
-               f"(now {self.head_dim}): rotary embeddings rotate pairs of dimensions",
-               "choose model.n_embd and model.n_head with an even quotient")
-        c.that(self.arch != "encoder" or not self.document_masking, "document_masking", "be false for the encoder "
-               "(its sinusoidal positions and nn.TransformerEncoderLayer take no per-document positions)",
-               "set model.document_masking=false, or train the GPT or the Llama")
+        arch.check(self, c)
+        c.that(arch.supports("document_masking") or not self.document_masking, "document_masking",
+               f"be false for {arch.title} ({arch.unsupported.get('document_masking')})",
+               f"set model.document_masking=false, or train {supporting('document_masking')}")
         for key in ("norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor"):
             c.above(key, 0)
         c.that(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
@@ -65,16 +64,13 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        if self.arch == "llama":  # SwiGLU has three matrices: 2/3 of 4d keeps the MLP's FLOPs
-            m = self.ffn_multiple_of
-            return (int(8 * self.n_embd / 3) + m - 1) // m * m
-        return 4 * self.n_embd
+        from model.registry import architecture
+        return self.ffn_hidden or architecture(self).mlp_width(self)
 
     @property
     def mlp_matrices(self) -> int:
-        return 3 if self.arch == "llama" else 2  # SwiGLU: gate, up, down
+        from model.registry import architecture
+        return architecture(self).mlp_matrices
 
     @property
     def kv_heads(self) -> int:

@@ -16,8 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 
+from model.architecture import Architecture
 from model.config import ModelConfig
 from model.layers import LMHead, TokenEmbedding, causal_attention, merge_heads
+from model.tensor_parallel import COLUMN, ROW, VOCAB
 
 INIT_RANGE = 0.1  # the tutorial's uniform init for the embedding and decoder
 
@@ -94,3 +96,24 @@ def encoder_layers(cfg: ModelConfig) -> list:
           for _ in range(cfg.n_layer)],
         LayerSpec(Decoder, cfg.n_embd, vocab),
     ]
+
+
+def check(cfg: ModelConfig, c) -> None:
+    c.that(cfg.n_embd % 2 == 0, "n_embd", "be even for the encoder (its sinusoidal positions pair sines with "
+           "cosines)", "make model.n_embd an even multiple of model.n_head")
+
+
+ENCODER = Architecture(
+    name="encoder", title="the encoder", layers=encoder_layers, block=CausalEncoderLayer,
+    # nn.MultiheadAttention's fused q|k|v is a bare parameter pair, not an nn.Linear: it splits by heads as one.
+    plan={EncoderEmbedding: {"embedding": VOCAB},
+          CausalEncoderLayer: {"self_attn.in_proj_weight": (COLUMN, 3), "self_attn.in_proj_bias": (COLUMN, 3),
+                               "self_attn.out_proj": ROW, "linear1": COLUMN, "linear2": ROW},
+          Decoder: {"": COLUMN}},
+    hf=None, mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="never",
+    unsupported={
+        "document_masking": "its sinusoidal positions and nn.TransformerEncoderLayer take no per-document positions",
+        "sequence_parallel": "the encoder's attention (nn.MultiheadAttention) has no core to split over sequence ranks",
+        "mlp_tiling": "the encoder's feed-forward maps are inside nn.TransformerEncoderLayer's own forward"},
+    check=check,
+)

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+from common.checks import ConfigError
+from model.architecture import SAME, TRANSPOSED, VOCAB_ROWS, Architecture, HuggingFace
 from model.config import ModelConfig
 from model.documents import hidden_and_positions, with_positions
 from model.layers import (
@@ -22,6 +24,7 @@ from model.layers import (
     merge_heads,
     normal_init,
 )
+from model.tensor_parallel import COLUMN, ROW, VOCAB
 
 
 class PositionEmbedding(nn.Module):
@@ -84,3 +87,39 @@ def gpt_layers(cfg: ModelConfig) -> list:
         LayerSpec(FinalLayerNorm, cfg.n_embd, bias=cfg.bias),
         TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),
     ]
+
+
+# Hugging Face's GPT2LMHeadModel: (our name, theirs, how it moves) per layer class; "{i}" is the block's index.
+HF_BLOCK = [("ln_1.weight", "ln_1.weight", SAME), ("ln_1.bias", "ln_1.bias", SAME),
+            ("attn.qkv.weight", "attn.c_attn.weight", TRANSPOSED), ("attn.qkv.bias", "attn.c_attn.bias", SAME),
+            ("attn.proj.weight", "attn.c_proj.weight", TRANSPOSED), ("attn.proj.bias", "attn.c_proj.bias", SAME),
+            ("ln_2.weight", "ln_2.weight", SAME), ("ln_2.bias", "ln_2.bias", SAME),
+            ("mlp.fc.weight", "mlp.c_fc.weight", TRANSPOSED), ("mlp.fc.bias", "mlp.c_fc.bias", SAME),
+            ("mlp.proj.weight", "mlp.c_proj.weight", TRANSPOSED), ("mlp.proj.bias", "mlp.c_proj.bias", SAME)]
+HF_LAYERS = {TokenEmbedding: [("weight", "transformer.wte.weight", VOCAB_ROWS)],
+             PositionEmbedding: [("weight", "transformer.wpe.weight", SAME)],
+             Block: [(ours, f"transformer.h.{{i}}.{theirs}", how) for ours, theirs, how in HF_BLOCK],
+             FinalLayerNorm: [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)]}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    return {"n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head, "n_inner": cfg.mlp_hidden, "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout}
+
+
+def check_hf(cfg: ModelConfig) -> None:
+    if not cfg.bias:
+        raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model has model.bias=false")
+
+
+GPT = Architecture(
+    name="gpt", title="the GPT", layers=gpt_layers, block=Block,
+    # Attention splits by heads (q|k|v), the MLP by hidden features, each pair closed by a row-parallel map; the
+    # embedding (and so the tied LM head) by vocabulary rows.
+    plan={TokenEmbedding: {"": VOCAB},
+          Block: {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}},
+    hf=HuggingFace("GPT2LMHeadModel", "gpt2", HF_LAYERS, hf_config, check_hf),
+    mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="always",
+)

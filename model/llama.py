@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+from model.architecture import SAME, VOCAB_ROWS, Architecture, HuggingFace
 from model.config import ModelConfig
 from model.documents import hidden_and_positions, with_positions
 from model.layers import (
@@ -26,6 +27,7 @@ from model.layers import (
     rope_tables,
     split_heads,
 )
+from model.tensor_parallel import COLUMN, ROW, VOCAB
 
 
 class Attention(nn.Module):
@@ -82,3 +84,53 @@ def llama_layers(cfg: ModelConfig) -> list:
         first, head = LayerSpec(TokenEmbedding, **embed), LayerSpec(LMHead, cfg.n_embd, cfg.padded_vocab_size)
     return [first, *[LayerSpec(LlamaBlock, cfg) for _ in range(cfg.n_layer)],
             LayerSpec(FinalRMSNorm, cfg.n_embd, eps=cfg.norm_eps), head]
+
+
+def mlp_width(cfg: ModelConfig) -> int:
+    """SwiGLU has three matrices: 2/3 of 4d keeps the MLP's FLOPs, rounded up to model.ffn_multiple_of."""
+    m = cfg.ffn_multiple_of
+    return (int(8 * cfg.n_embd / 3) + m - 1) // m * m
+
+
+def check(cfg: ModelConfig, c) -> None:
+    c.that(cfg.head_dim % 2 == 0, "n_embd", f"give an even head size n_embd / n_head (now {cfg.head_dim}): rotary "
+           f"embeddings rotate pairs of dimensions", "choose model.n_embd and model.n_head with an even quotient")
+
+
+# Hugging Face's LlamaForCausalLM: (our name, theirs) per block; every tensor moves as it is.
+HF_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight", "self_attn.q_proj.weight"),
+            ("attn.k.weight", "self_attn.k_proj.weight"), ("attn.v.weight", "self_attn.v_proj.weight"),
+            ("attn.o.weight", "self_attn.o_proj.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"),
+            ("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up_proj.weight"),
+            ("mlp.down.weight", "mlp.down_proj.weight")]
+HF_LAYERS = {TokenEmbedding: [("weight", "model.embed_tokens.weight", VOCAB_ROWS)],
+             LlamaBlock: [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in HF_BLOCK],
+             FinalRMSNorm: [("weight", "model.norm.weight", SAME)],
+             LMHead: [("weight", "lm_head.weight", VOCAB_ROWS)]}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scale_factor is not None:
+        rope.update(rope_type="llama3", factor=cfg.rope_scale_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_context)
+    return {"hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": cfg.dropout}
+
+
+LLAMA = Architecture(
+    name="llama", title="the Llama", layers=llama_layers, block=LlamaBlock,
+    # Attention splits by heads (query and key/value heads alike, so each rank keeps whole groups), the MLP by
+    # hidden features, each closed by a row-parallel map; the embedding and LM head by vocabulary rows.
+    plan={TokenEmbedding: {"": VOCAB},
+          LlamaBlock: {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
+                       "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW},
+          LMHead: {"": COLUMN}},
+    hf=HuggingFace("LlamaForCausalLM", "llama", HF_LAYERS, hf_config),
+    mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, grouped_query_attention=True,
+    check=check,
+)

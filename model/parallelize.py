@@ -1,5 +1,5 @@
 """Tensor parallelism applied to an architecture's layer list, from its plan (torchtitan's way: the model
-has no parallel code; a plan names which of its maps split and how).
+has no parallel code; the plan, declared with its Architecture, names which of its maps split and how).
 
 Each layer is built whole from its seed, as at tp = 1, and then split: the split layers of
 model/tensor_parallel.py take this rank's slice of the whole weights. So one seed gives the same full
@@ -10,9 +10,9 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from common.checks import ConfigError
 from model.config import ModelConfig
+from model.registry import architecture
 from model.tensor_parallel import (
     COLUMN,
-    ROW,
     VOCAB,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -22,30 +22,6 @@ from model.tensor_parallel import (
     copy_to_tensor_ranks,
 )
 
-# Per architecture, per layer class: the submodule (or parameter) at each path and how it splits. "" is the
-# layer itself. Attention splits by heads (q|k|v; under grouped-query attention query and key/value heads
-# alike, so each rank keeps whole groups), the MLP by hidden features, each pair closed by a row-parallel
-# map; embeddings and LM heads by vocabulary rows.
-PLANS = {
-    "gpt": {
-        "TokenEmbedding": {"": VOCAB},
-        "Block": {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW},
-    },
-    "llama": {
-        "TokenEmbedding": {"": VOCAB},
-        "LlamaBlock": {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
-                       "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW},
-        "LMHead": {"": COLUMN},
-    },
-    "encoder": {
-        "EncoderEmbedding": {"embedding": VOCAB},
-        # nn.MultiheadAttention's fused q|k|v is a bare parameter pair, not an nn.Linear.
-        "CausalEncoderLayer": {"self_attn.in_proj_weight": (COLUMN, 3), "self_attn.in_proj_bias": (COLUMN, 3),
-                               "self_attn.out_proj": ROW, "linear1": COLUMN, "linear2": ROW},
-        "Decoder": {"": COLUMN},
-    },
-}
-
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     """What a tensor-parallel degree must divide: each rank holds whole heads (whole groups of query heads
@@ -54,7 +30,7 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         return
     shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
               "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": cfg.mlp_hidden}
-    if cfg.arch == "llama":
+    if architecture(cfg).grouped_query_attention:
         shares["the key/value heads (model.n_kv_head)"] = cfg.kv_heads
     for what, count in shares.items():
         if count % size:
@@ -62,14 +38,12 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
                               f"parallel rank holds an equal share. Choose a degree that divides it")
 
 
-def parallelize(specs: list, arch: str, tp: TensorParallel) -> list:
+def parallelize(specs: list, plan: dict, tp: TensorParallel) -> list:
     """The layer list whose layers split themselves over `tp` as they are built (PipelineModule builds each
-    stage's layers itself, so the plan travels with the specs)."""
+    stage's layers itself, so the plan travels with the specs). plan: the Architecture's, per layer class."""
     if tp.size == 1:
         return specs
-    plans = PLANS[arch]
-    return [_split_spec(spec, plans[spec.typename.__name__], tp) if spec.typename.__name__ in plans else spec
-            for spec in specs]
+    return [_split_spec(spec, plan[spec.typename], tp) if spec.typename in plan else spec for spec in specs]
 
 
 class _SplitOnBuild:

@@ -20,6 +20,7 @@ from deepspeed.sequence.layer import DistributedAttention
 from common.checks import ConfigError
 from model.config import ModelConfig
 from model.layers import causal_attention
+from model.registry import architecture, supporting
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,14 @@ NO_SEQUENCE_PARALLEL = SequenceParallel()
 
 
 def check_sequence_parallel(cfg: ModelConfig, tp_size: int, sp_size: int) -> None:
-    """Refuse what Ulysses cannot split: a context or a head count the degrees do not divide, the encoder."""
+    """Refuse what Ulysses cannot split: a context or a head count the degrees do not divide, an architecture
+    without it."""
     if sp_size == 1:
         return
-    if cfg.arch == "encoder":
-        raise ConfigError("sequence_parallel_size > 1 needs the GPT or the Llama: the encoder's attention "
-                          "(nn.MultiheadAttention) has no core to split over sequence ranks")
+    arch = architecture(cfg)
+    if not arch.supports("sequence_parallel"):
+        raise ConfigError(f"sequence_parallel_size > 1 needs {supporting('sequence_parallel')}: "
+                          f"{arch.unsupported['sequence_parallel']}")
     if cfg.block_size % sp_size:
         raise ConfigError(f"sequence_parallel_size={sp_size} does not divide model.block_size={cfg.block_size}: each "
                           f"sequence rank holds an equal slice of the window; choose a degree that divides it")

@@ -29,7 +29,8 @@ class LayerStack(nn.Module):
     one build can be resumed or exported under the other."""
 
     def __init__(self, specs: list, seed: int, checkpoint_interval: int = 0, checkpointable: tuple = (), place=None):
-        """place(layer), if given, is called on each new layer as soon as it is built (ZeRO-3 partitions it)."""
+        """checkpointable: the layer classes activation checkpointing may wrap. place(layer), if given, is called
+        on each new layer as soon as it is built (ZeRO-3 partitions it)."""
         super().__init__()
         self.checkpoint_interval = checkpoint_interval
         self.checkpointable = set(checkpointable)
@@ -61,7 +62,7 @@ class LayerStack(nn.Module):
         return x
 
     def _is_checkpointable(self, calls: list) -> bool:
-        return all(fn is None and type(layer).__name__ in self.checkpointable for layer, fn in calls)
+        return all(fn is None and type(layer) in self.checkpointable for layer, fn in calls)
 
     def forward(self, x) -> torch.Tensor:
         if not (self.checkpoint_interval and torch.is_grad_enabled()):
@@ -83,5 +84,5 @@ def pipeline_module(specs: list, seed: int, topology, partition: str, loss_fn, c
                     checkpointable: tuple = ()) -> PipelineModule:
     return PipelineModule(layers=specs, topology=topology, loss_fn=loss_fn, partition_method=partition,
                           activation_checkpoint_interval=checkpoint_interval,
-                          checkpointable_layers=list(checkpointable), seed_layers=True, base_seed=seed,
+                          checkpointable_layers=[c.__name__ for c in checkpointable], seed_layers=True, base_seed=seed,
                           seed_fn=seed_layer)

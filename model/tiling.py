@@ -12,14 +12,16 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from common.checks import ConfigError
 from model.config import ModelConfig
 from model.layers import MLP, SwiGLU
+from model.registry import architecture, supporting
 
 
 def check_tiles(cfg: ModelConfig, tiles: int) -> None:
     if tiles == 1:
         return
-    if cfg.arch == "encoder":
-        raise ConfigError(f"train.mlp_tiles={tiles} needs the GPT or the Llama: the encoder's feed-forward maps are "
-                          f"inside nn.TransformerEncoderLayer's own forward; set train.mlp_tiles=1")
+    arch = architecture(cfg)
+    if not arch.supports("mlp_tiling"):
+        raise ConfigError(f"train.mlp_tiles={tiles} needs {supporting('mlp_tiling')}: "
+                          f"{arch.unsupported['mlp_tiling']}; set train.mlp_tiles=1")
     if cfg.dropout > 0:
         raise ConfigError(f"train.mlp_tiles={tiles} computes the MLP again in its backward, which would draw other "
                           f"dropout masks than its forward: set model.dropout=0 or train.mlp_tiles=1")

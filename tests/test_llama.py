@@ -8,9 +8,9 @@ import torch
 
 from common.checks import ConfigError
 from harness import train_py
-from model import BLOCK_CLASS, build_model, model_layers
+from model import build_model, model_layers
 from model.config import ModelConfig
-from model.llama import Attention, apply_rope, rope_frequencies, rope_tables
+from model.llama import Attention, LlamaBlock, apply_rope, rope_frequencies, rope_tables
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
 from training import memory_plan
 from training.config import REPO_ROOT, load_run_config
@@ -140,7 +140,7 @@ def test_train_refuses_a_bad_shape_at_start(char_data, tmp_path):
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_parameter_balanced_stages_hold_blocks(tie):
     specs = model_layers(dataclasses.replace(SMALL, n_layer=6, tie_embeddings=tie))
-    parts = stage_partition(specs, 3, "parameters", BLOCK_CLASS["llama"])
+    parts = stage_partition(specs, 3, "parameters", LlamaBlock)
     assert all(any(s.typename.__name__ == "LlamaBlock" for s in specs[a:b]) for a, b in zip(parts, parts[1:]))
 
 

@@ -6,8 +6,9 @@ import pytest
 
 from common.checks import ConfigError
 from harness import BF16, FP32, grad_norms, launch, metrics, train_losses
-from model import BLOCK_CLASS, model_layers
+from model import ARCHITECTURES, model_layers
 from model.config import ModelConfig
+from model.gpt import Block
 from training.topology import Layout, describe_stages, pipeline_settings, resolve_layout, stage_partition
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
@@ -102,7 +103,7 @@ def tiny(arch="gpt", n_layer=4, vocab_size=65):
 
 def test_more_stages_than_blocks():
     with pytest.raises(ConfigError, match=r"5 pipeline stages but the model has 4 transformer blocks"):
-        stage_partition(model_layers(tiny()), 5, "parameters", "Block")
+        stage_partition(model_layers(tiny()), 5, "parameters", Block)
 
 
 def test_partition_that_starves_a_stage_suggests_type_partition():
@@ -111,17 +112,17 @@ def test_partition_that_starves_a_stage_suggests_type_partition():
     specs = model_layers(tiny(n_layer=3, vocab_size=50257))
     with pytest.raises(ConfigError, match=r"leaves stage 0 without a transformer block \(it would hold "
                                           r"\['TokenEmbedding'\]\): use \"partition\": \"type:Block\""):
-        stage_partition(specs, 3, "parameters", "Block")
-    assert stage_partition(specs, 3, "type:Block", "Block") == [0, 3, 4, 7]
+        stage_partition(specs, 3, "parameters", Block)
+    assert stage_partition(specs, 3, "type:Block", Block) == [0, 3, 4, 7]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parameter_balanced_stages_hold_blocks(arch):
     specs = model_layers(tiny(arch, n_layer=6))
-    parts = stage_partition(specs, 3, "parameters", BLOCK_CLASS[arch])
+    parts = stage_partition(specs, 3, "parameters", ARCHITECTURES[arch].block)
     text = describe_stages(specs, parts, Layout(world_size=6, pipeline_stages=3, micro_batch=1, grad_accum=1))
     assert text.count("\n") == 2 and "on ranks [4, 5]" in text
-    assert all(BLOCK_CLASS[arch] in line for line in text.splitlines())
+    assert all(ARCHITECTURES[arch].block.__name__ in line for line in text.splitlines())
 
 
 def test_batch_triple_with_pipeline_names_dp_pp_and_world():

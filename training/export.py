@@ -26,11 +26,11 @@ from safetensors.torch import load_file, save_file
 from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
 from data.prepare import check_meta, read_meta
 from data.tokenizers import tokenizer_from_meta
-from model import build_model, layer_names, model_layers
+from model import architecture, build_model, layer_names, model_layers
 from model.config import ModelConfig, saved_settings_gaps
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint, universal
-from training.hf import ARCHITECTURES, from_hf, hf_config, to_hf
+from training.hf import from_hf, hf_config, to_hf
 from training.optim import decay_split
 
 
@@ -170,7 +170,7 @@ def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: i
                  source: dict | None = None) -> str:
     """model.safetensors (Hugging Face's layout where it has one) and config.json in `output`, whole or not at
     all; `source`: the checkpoint they come from, recorded in config.json."""
-    in_hf_layout = cfg.arch in ARCHITECTURES
+    in_hf_layout = architecture(cfg).hf is not None
     config = hf_config(cfg, meta) if in_hf_layout else {}
     config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step,
                           **({"source": source} if source else {})}
@@ -221,7 +221,7 @@ def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
     cfg = model_config(record["model"], f"export config {path}")
     weights = _read_weights(os.path.join(folder, "model.safetensors"), fix)
     try:
-        state = from_hf(weights, cfg) if cfg.arch in ARCHITECTURES else weights
+        state = from_hf(weights, cfg) if architecture(cfg).hf is not None else weights
     except KeyError as e:
         raise ConfigError(f"export weights {folder}/model.safetensors lack the tensor {e} that its config.json's "
                           f"model needs; fix: {fix}") from None

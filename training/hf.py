@@ -1,9 +1,9 @@
-"""This repo's weights and settings <-> Hugging Face's layout, both directions, for the GPT
-(`GPT2LMHeadModel`) and Llama (`LlamaForCausalLM`). Used by export.py, sample.py and `train.init_from`;
-`transformers` itself is never imported here (it is a test-only dependency: the tests load what this
-writes with it).
+"""This repo's weights and settings <-> Hugging Face's layout, both directions, for each architecture that has
+one (its Architecture's `hf`: the GPT's `GPT2LMHeadModel`, the Llama's `LlamaForCausalLM`). Used by export.py,
+sample.py and `train.init_from`; `transformers` itself is never imported here (it is a test-only dependency: the
+tests load what this writes with it).
 
-One table per family pairs each of our tensor names with Hugging Face's and how it moves: as it is,
+The architecture's table pairs each of our tensor names with Hugging Face's and how it moves: as it is,
 transposed (GPT-2's Conv1D stores (in, out)), or cut to / padded from the real vocabulary (our embedding
 and head have `padded_vocab_size` rows; the padding is exported away and imported as zeros).
 """
@@ -14,54 +14,32 @@ from deepspeed.runtime.zero import GatheredParameters
 from safetensors import SafetensorError, safe_open
 
 from common.checks import ConfigError, existing_file, json_file
-from model import BLOCK_CLASS, build_model, layer_names, model_layers
+from model import ARCHITECTURES, architecture, build_model, layer_names, model_layers
+from model.architecture import TRANSPOSED, VOCAB_ROWS
 from model.config import ModelConfig
 from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
 
-SAME, TRANSPOSED, VOCAB = "same", "transposed", "vocab"
-ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-MODEL_TYPES = {"gpt2": "gpt", "llama": "llama"}
 
-# Per architecture and layer class: (our name within the layer, Hugging Face's, how it moves). "{i}" is the
-# block's index among the blocks.
-GPT2_BLOCK = [("ln_1.weight", "ln_1.weight", SAME), ("ln_1.bias", "ln_1.bias", SAME),
-              ("attn.qkv.weight", "attn.c_attn.weight", TRANSPOSED), ("attn.qkv.bias", "attn.c_attn.bias", SAME),
-              ("attn.proj.weight", "attn.c_proj.weight", TRANSPOSED), ("attn.proj.bias", "attn.c_proj.bias", SAME),
-              ("ln_2.weight", "ln_2.weight", SAME), ("ln_2.bias", "ln_2.bias", SAME),
-              ("mlp.fc.weight", "mlp.c_fc.weight", TRANSPOSED), ("mlp.fc.bias", "mlp.c_fc.bias", SAME),
-              ("mlp.proj.weight", "mlp.c_proj.weight", TRANSPOSED), ("mlp.proj.bias", "mlp.c_proj.bias", SAME)]
-LLAMA_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight", "self_attn.q_proj.weight"),
-               ("attn.k.weight", "self_attn.k_proj.weight"), ("attn.v.weight", "self_attn.v_proj.weight"),
-               ("attn.o.weight", "self_attn.o_proj.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"),
-               ("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up_proj.weight"),
-               ("mlp.down.weight", "mlp.down_proj.weight")]
-LAYERS = {
-    "gpt": {"TokenEmbedding": [("weight", "transformer.wte.weight", VOCAB)],
-            "PositionEmbedding": [("weight", "transformer.wpe.weight", SAME)],
-            "Block": [(ours, f"transformer.h.{{i}}.{theirs}", how) for ours, theirs, how in GPT2_BLOCK],
-            "FinalLayerNorm": [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)]},
-    "llama": {"TokenEmbedding": [("weight", "model.embed_tokens.weight", VOCAB)],
-              "LlamaBlock": [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in LLAMA_BLOCK],
-              "FinalRMSNorm": [("weight", "model.norm.weight", SAME)],
-              "LMHead": [("weight", "lm_head.weight", VOCAB)]},
-}
+def model_types() -> dict[str, str]:
+    """Hugging Face's model_type -> the model.arch that reads it."""
+    return {a.hf.model_type: a.name for a in ARCHITECTURES.values() if a.hf}
 
 
 def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
     """(our name, Hugging Face's name, how it moves) for every tensor of the model, in layer order, read off
     the model's layer list."""
-    if cfg.arch not in LAYERS:
+    arch = architecture(cfg)
+    if arch.hf is None:
         raise ConfigError(f"model.arch={cfg.arch!r} has no Hugging Face layout (the GPT and Llama have one)")
-    if cfg.arch == "gpt" and not cfg.bias:
-        raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model has model.bias=false")
+    arch.hf.check(cfg)
     specs = model_layers(cfg)
     pairs, block = [], 0
     for prefix, spec in zip(layer_names(specs), specs):
         if getattr(spec, "forward_fn", None):  # a tied layer's reuse (the LM head): its tensors are paired
             continue
-        kind = spec.typename.__name__
-        pairs += [(f"{prefix}.{ours}", theirs.format(i=block), how) for ours, theirs, how in LAYERS[cfg.arch][kind]]
-        block += kind == BLOCK_CLASS[cfg.arch]
+        kind = spec.typename
+        pairs += [(f"{prefix}.{ours}", theirs.format(i=block), how) for ours, theirs, how in arch.hf.layers[kind]]
+        block += kind is arch.block
     return pairs
 
 
@@ -69,7 +47,7 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {}
     for ours, theirs, how in tensor_pairs(cfg):
         tensor = state[ours]
-        out[theirs] = tensor.t() if how == TRANSPOSED else tensor[: cfg.vocab_size] if how == VOCAB else tensor
+        out[theirs] = tensor.t() if how == TRANSPOSED else tensor[: cfg.vocab_size] if how == VOCAB_ROWS else tensor
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
@@ -79,7 +57,7 @@ def from_hf(hf: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def _to_ours(tensor: torch.Tensor, how: str, cfg: ModelConfig) -> torch.Tensor:
-    if how == VOCAB:
+    if how == VOCAB_ROWS:
         padded = torch.zeros(cfg.padded_vocab_size, tensor.size(1), dtype=tensor.dtype)
         padded[: tensor.size(0)] = tensor
         return padded
@@ -106,24 +84,10 @@ def special_token_ids(meta: dict) -> dict:
 
 def hf_config(cfg: ModelConfig, meta: dict) -> dict:
     """config.json for transformers, special token ids from the dataset's tokenizer meta."""
-    common = {"architectures": [ARCHITECTURES[cfg.arch]], "vocab_size": cfg.vocab_size, "initializer_range": 0.02,
-              "tie_word_embeddings": cfg.arch == "gpt" or cfg.tie_embeddings, "dtype": "float32",
-              **special_token_ids(meta)}
-    if cfg.arch == "gpt":
-        return {**common, "model_type": "gpt2", "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
-                "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.mlp_hidden,
-                "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout,
-                "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout}
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scale_factor is not None:
-        rope.update(rope_type="llama3", factor=cfg.rope_scale_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                    high_freq_factor=cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=cfg.rope_original_context)
-    return {**common, "model_type": "llama", "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_hidden,
-            "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "max_position_embeddings": cfg.block_size,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout}
+    hf = architecture(cfg).hf
+    return {"architectures": [hf.architecture], "vocab_size": cfg.vocab_size, "initializer_range": 0.02,
+            "tie_word_embeddings": architecture(cfg).ties(cfg), "dtype": "float32", **special_token_ids(meta),
+            "model_type": hf.model_type, **hf.config(cfg)}
 
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -164,7 +128,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
                           f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
                           f"python -m training.export")
     config = json_file(config_path, "train.init_from's config", FOLDER_FIX)
-    family = MODEL_TYPES.get(config.get("model_type"))
+    family = model_types().get(config.get("model_type"))
     if family != cfg.arch:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
@@ -173,7 +137,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     found = {}
     for path in sorted(set(weight_files(folder).values())):
         found.update(tensor_shapes(path))
-    vocab = {theirs for _, theirs, how in tensor_pairs(cfg) if how == VOCAB}
+    vocab = {theirs for _, theirs, how in tensor_pairs(cfg) if how == VOCAB_ROWS}
     for name, tensor in expected.items():
         if name not in found:
             raise ConfigError(f"train.init_from={folder}: tensor {name} is missing there; this run's model config "

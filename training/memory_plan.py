@@ -38,7 +38,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from common.checks import ToolParser
-from model import BLOCK_CLASS, model_layers
+from model import architecture, model_layers
 from model.documents import document_kernel
 from model.tensor_parallel import TensorParallel
 from training.config import REPO_ROOT, load_run_config
@@ -69,7 +69,7 @@ def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2)
     if not cfg.document_masking:
         return 0
     mask = cfg.block_size if document_kernel(device_type, cfg.dropout) == "dense" else 0
-    rope = 2 * cfg.head_dim if cfg.arch == "llama" else 0
+    rope = 2 * cfg.head_dim if architecture(cfg).rope else 0
     return (mask + rope) * dtype_bytes
 
 
@@ -112,7 +112,8 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
     layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size, sp_size)
     counts = layer_params(cfg, tp_size)
     specs = model_layers(cfg, TensorParallel(tp_size))
-    parts = stage_partition(specs, pipe.stages, pipe.partition, BLOCK_CLASS[cfg.arch])
+    block = architecture(cfg).block
+    parts = stage_partition(specs, pipe.stages, pipe.partition, block)
     zero = ds.get("zero_optimization", {})
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
     total = sum(counts) - sum(counts[i] for i in repeated_ties(specs))  # the tied head owns no weights
@@ -141,7 +142,7 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
     full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles)
     checkpointed = pipe.checkpoint_interval > 0
     per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
-    blocks = max(sum(spec.typename.__name__ == BLOCK_CLASS[cfg.arch] for spec in specs[parts[s]: parts[s + 1]])
+    blocks = max(sum(spec.typename is block for spec in specs[parts[s]: parts[s + 1]])
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)

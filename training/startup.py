@@ -17,7 +17,7 @@ from common.checks import ConfigError
 from data.loader import TokenData, open_data
 from data.tasks import Task
 from data.tokenizers import sampling_start
-from model import BLOCK_CLASS, build_model, model_layers
+from model import architecture, build_model, model_layers
 from model.documents import KERNEL_NAMES, document_kernel
 from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
@@ -173,7 +173,7 @@ def check_run(argv=None) -> Run:
     engine = setup.engine
     specs = model_layers(cfg.model, TensorParallel(engine.layout.tp_size))  # this rank's shapes, no group needed
     check_sequence_parallel(cfg.model, engine.layout.tp_size, engine.layout.sp_size)
-    parts = stage_partition(specs, engine.pipe.stages, engine.pipe.partition, BLOCK_CLASS[cfg.model.arch])
+    parts = stage_partition(specs, engine.pipe.stages, engine.pipe.partition, architecture(cfg.model).block)
     newer = []
     if saved:
         checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), engine.layout_record(), resume_dir,

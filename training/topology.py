@@ -152,14 +152,15 @@ def pipeline_settings(ds: dict) -> Pipeline:
     return Pipeline(stages, partition, interval)
 
 
-def stage_partition(specs: list, stages: int, method: str, block_class: str) -> list[int]:
+def stage_partition(specs: list, stages: int, method: str, block_class: type) -> list[int]:
     """The layer boundaries PipelineModule will choose (its rule, with layers counted on the meta device),
-    checked before any process group starts: every stage must hold at least one transformer block."""
+    checked before any process group starts: every stage must hold at least one transformer block (block_class,
+    the Architecture's block)."""
     import torch
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     names = [spec.typename.__name__ for spec in specs]
-    n_blocks = names.count(block_class)
+    n_blocks = sum(spec.typename is block_class for spec in specs)
     if stages > n_blocks:
         raise ConfigError(f"{stages} pipeline stages but the model has {n_blocks} transformer blocks: each stage needs "
                           f"at least one. Use at most {n_blocks} stages or more model.n_layer")
@@ -175,10 +176,10 @@ def stage_partition(specs: list, stages: int, method: str, block_class: str) -> 
     else:
         raise ConfigError(f"pipeline.partition={method!r} is not one of parameters, uniform, type:<layer class>")
     for stage in range(stages):
-        held = names[parts[stage]: parts[stage + 1]]
-        if block_class not in held:
+        if not any(spec.typename is block_class for spec in specs[parts[stage]: parts[stage + 1]]):
             raise ConfigError(f"pipeline.partition={method!r} leaves stage {stage} without a transformer block (it "
-                              f"would hold {held or 'nothing'}): use \"partition\": \"type:{block_class}\"")
+                              f"would hold {names[parts[stage]: parts[stage + 1]] or 'nothing'}): use \"partition\": "
+                              f"\"type:{block_class.__name__}\"")
     return parts
 
 

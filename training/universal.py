@@ -31,6 +31,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError
+from model.registry import ARCHITECTURES
 from model.tensor_parallel import ROW, split_rule
 
 
@@ -131,7 +132,8 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
         where = f"over {layout['pp']} pipeline stages" if layout["pp"] > 1 else \
             f"at tensor-parallel degree {layout['tp']}"
         out_dir = os.path.dirname(os.path.dirname(os.path.normpath(tag_dir)))
-        weights = "" if saved["config"]["model"]["arch"] == "encoder" else (
+        in_hf_layout = ARCHITECTURES[saved["config"]["model"]["arch"]].hf is not None  # what an export can start
+        weights = "" if not in_hf_layout else (
             f", or start a new run from its weights: python -m training.export --out_dir {out_dir} --tag {tag}, then "
             f"train.init_from={out_dir}/export/{tag}")
         return (f"{tag_dir} is a ZeRO-0 checkpoint {where}, whose optimizer state no converter reads: resume it on "

@@ -1,0 +1,62 @@
+"""An architecture as one object (torchtitan's ModelSpec): everything the rest of the repo asks of a model,
+declared at the bottom of the model's own file (model/gpt.py, model/llama.py, model/encoder.py) and found from
+`model.arch` through model/registry.py. Code outside model/ asks the object, never compares `arch` with a name.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from model.config import ModelConfig
+
+# How a tensor moves between this repo's layout and Hugging Face's: as it is, transposed (GPT-2's Conv1D stores
+# (in, out)), or cut to / padded from the real vocabulary (our embedding and head have `padded_vocab_size` rows).
+SAME, TRANSPOSED, VOCAB_ROWS = "same", "transposed", "vocab"
+
+
+def _accepts_all(*_) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class HuggingFace:
+    """The architecture in Hugging Face's layout (training/hf.py reads and writes it, both directions)."""
+    architecture: str  # config.json's "architectures" entry, e.g. "GPT2LMHeadModel"
+    model_type: str  # config.json's "model_type": how an import recognizes the family
+    # Per layer class: (our name within the layer, Hugging Face's, how it moves); "{i}" is the block's index.
+    layers: dict
+    config: Callable[[ModelConfig], dict]  # config.json's fields of this family, after the shared ones
+    check: Callable[[ModelConfig], None] = _accepts_all  # raises ConfigError for a model the layout cannot hold
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # the value of model.arch
+    title: str  # how messages name it: "the GPT"
+    layers: Callable[[ModelConfig], list]  # the ordered layer list (LayerSpecs): the model's single definition
+    # The class of its transformer blocks: every pipeline stage must hold one; activation checkpointing and
+    # torch.compile wrap only these (never the embedding: its input needs no grad).
+    block: type
+    # Tensor parallelism: per layer class, the submodule (or parameter) at each path and how it splits; "" is
+    # the layer itself (model/parallelize.py applies it).
+    plan: dict
+    hf: Optional[HuggingFace]  # None: no Hugging Face layout; an export keeps this repo's names
+    mlp_matrices: int  # weight matrices of the MLP (FLOPs per token, the memory plan's MLP activations)
+    mlp_width: Callable[[ModelConfig], int]  # the MLP's hidden width when model.ffn_hidden is unset
+    tied_embeddings: str  # "always", "optional" (model.tie_embeddings) or "never": the LM head reuses the embedding
+    # Rotary position tables: under document masking each token gathers its own cos and sin (the memory plan).
+    rope: bool = False
+    grouped_query_attention: bool = False  # model.n_kv_head key/value heads, which tensor ranks split too
+    # Features it lacks ("document_masking", "sequence_parallel", "mlp_tiling"), each with the reason told to a
+    # run that asks for it; it supports every other.
+    unsupported: dict = field(default_factory=dict)
+    # check(cfg, c): its own range checks (c: common.checks.Checks), run by ModelConfig.check after the shared ones.
+    check: Callable = _accepts_all
+
+    def __repr__(self) -> str:
+        return f"Architecture({self.name!r})"
+
+    def supports(self, feature: str) -> bool:
+        return feature not in self.unsupported
+
+    def ties(self, cfg: ModelConfig) -> bool:
+        """Whether this model's LM head is its token embedding."""
+        return self.tied_embeddings == "always" or (self.tied_embeddings == "optional" and cfg.tie_embeddings)
