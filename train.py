@@ -19,15 +19,12 @@ from typing import Callable
 
 import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 from omegaconf import OmegaConf
 
 from data.loader import prefetched
-from model import build_model, build_pipeline, compile_blocks
 from model.generate import generate
-from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel
-from model.tensor_parallel import SINGLE, TensorParallel
-from model.tiling import tile_mlps
+from model.sequence_parallel import SequenceParallel
+from model.tensor_parallel import TensorParallel
 from training import checkpoint, hf, universal
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
@@ -38,12 +35,12 @@ from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
+from training.parallelize import parallelize, whole_model_parameters
 from training.startup import Run, check_run, describe_data, describe_model, describe_outputs, describe_zero
-from training.steps import data_parallel_group, keep_fp32_grad_norm, lm_loss
+from training.steps import data_parallel_group, keep_fp32_grad_norm
 from training.topology import (
     GLOBAL,
     Layout,
-    Pipeline,
     describe_hosts,
     describe_stages,
     describe_topology,
@@ -91,9 +88,9 @@ def build_engine(run: Run) -> Rank:
 
     PHASE.now("building the model and the DeepSpeed engine")
     ds = run.setup.engine.deepspeed_config()
-    model = build(cfg, run.setup.engine.pipe, ds, topo, tp, grid, groups.sp)
-    if cfg.train.compile:
-        say(f"compiling {compile_blocks(model, cfg.model.arch)} blocks (torch.compile) at the first step")
+    model, compiled = parallelize(cfg, run.setup.engine.pipe, ds, topo, tp, grid, groups.sp)
+    if compiled:
+        say(f"compiling {compiled} blocks (torch.compile) at the first step")
     if run.init_from:
         hf.load_into(model, run.init_from, cfg.model, tp)
         say(f"initialized from {run.init_from}")
@@ -313,42 +310,6 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
     rank.say(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"
              f"--------------")
     leave_process_group()
-
-
-def build(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParallel = SINGLE,
-          grid=None, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> torch.nn.Module:
-    """The model's layer list as a PipelineModule (more than one stage: topo is the run's topology) or as a
-    plain module (split over the tensor ranks of `tp`, whose `grid` partitions ZeRO-3 within each slice), its
-    attention over the sequence ranks of `sp`, its MLPs in train.mlp_tiles tiles. `ds`: the ds_config as
-    DeepSpeed is given it."""
-    if pipe.stages > 1:
-        model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
-                               pipe.checkpoint_interval, tp, sp)
-    # Under ZeRO-3 each layer is partitioned as soon as it is built: no rank ever holds the whole model. It is
-    # built on the CPU, from the CPU generator, as in every other layout, then partitioned (zero.Init(module=)):
-    # inside zero.Init's context it would be made on the GPU by the GPU's generator, other weights for a seed.
-    # Under tensor parallelism it is partitioned over the data-parallel replicas of each slice.
-    elif ds.get("zero_optimization", {}).get("stage", 0) == 3:
-        group = grid.get_data_parallel_group() if tp.size > 1 else None
-
-        def partition(layer):
-            deepspeed.zero.Init(module=layer, config_dict_or_path=ds, data_parallel_group=group,
-                                mpu=grid if tp.size > 1 else None)
-            # zero.Init(module=) places the parameters only, and the engine moves no partitioned module to the
-            # device: the buffers (the Llama's RoPE tables) go there here.
-            for buffer in layer.buffers():
-                buffer.data = buffer.data.to(get_accelerator().current_device_name())
-        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, place=partition, tp=tp, sp=sp)
-    else:
-        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp)
-    return tile_mlps(model, cfg.train.mlp_tiles)
-
-
-def whole_model_parameters(cfg: RunConfig, tp_size: int) -> list:
-    """Every layer's parameters as one tensor rank holds them, on the meta device: a pipeline stage holds only
-    its own, and DeepSpeed's universal converter reads one stage's file for the whole model's rules."""
-    with torch.device("meta"):
-        return list(build_model(cfg.model, tp=TensorParallel(tp_size)).named_parameters())
 
 
 @torch.no_grad()

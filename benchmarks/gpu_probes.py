@@ -83,11 +83,11 @@ def built_weights(argv: list[str]) -> dict:
     then gathered here), on the CPU: what a run starts from, to compare with another layout or device."""
     import deepspeed
 
-    import train
     from training.failure import leave_process_group
+    from training.parallelize import parallelize
 
     run = start_one_process(argv)
-    model = train.build(run.cfg, run.setup.engine.pipe, run.ds)
+    model, _ = parallelize(run.cfg, run.setup.engine.pipe, run.ds)
     params = dict(model.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())) if run.setup.engine.zero_stage == 3 else _nothing():
         weights = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
@@ -143,10 +143,10 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
 def build_engine(cfg, settings):
     import deepspeed
 
-    import train
     from training.optim import param_groups, start_schedule
+    from training.parallelize import parallelize
 
-    model = train.build(cfg, settings.pipe, settings.ds)
+    model, _ = parallelize(cfg, settings.pipe, settings.ds)
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=settings.ds)
     start_schedule(engine)

@@ -150,12 +150,12 @@ def worker(args) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    import train
     from data.loader import TokenData
     from training.config import load_run_config, split_overrides
     from training.ds_config import load_ds_config
     from training.failure import leave_process_group
     from training.optim import param_groups
+    from training.parallelize import parallelize
     from training.startup import effective_ds_config
     from training.steps import lm_loss
 
@@ -175,7 +175,7 @@ def worker(args) -> None:
     torch.distributed.barrier()
     baseline = probe.current()
 
-    model = train.build(cfg, engine_config.pipe, ds)
+    model, _ = parallelize(cfg, engine_config.pipe, ds)
     built = probe.current() - baseline
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
                                                                                   cfg.optim.weight_decay), config=ds)

@@ -1,0 +1,68 @@
+"""Everything done to a model between its layer list and DeepSpeed, in one place and in this order:
+
+1. tensor parallelism: each layer splits its weights over the tensor ranks as it is built (the architecture's
+   plan, model/parallelize.py);
+2. activation checkpointing of every `checkpoint_interval` blocks (model/stack.py, or DeepSpeed's
+   PipelineModule);
+3. the ZeRO-3 partition: each layer partitioned as soon as it is built, so no rank ever holds the whole model;
+4. the pipeline: the layer list as a PipelineModule of the run's stages, the plain module otherwise;
+5. sequence parallelism: attention over the sequence ranks (DeepSpeed's Ulysses layer);
+6. MLP tiling (train.mlp_tiles);
+7. compilation of each block (train.compile), which wraps the blocks in place and leaves the rest eager.
+
+DeepSpeed's engine then brings data parallelism and the ZeRO stage's sharding of optimizer states."""
+import functools
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from model import build_model, build_pipeline, compile_blocks
+from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel
+from model.tensor_parallel import SINGLE, TensorParallel
+from model.tiling import tile_mlps
+from training.config import RunConfig
+from training.steps import lm_loss
+from training.topology import Pipeline
+
+
+def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParallel = SINGLE, grid=None,
+                sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> tuple[torch.nn.Module, int]:
+    """The model of `cfg` as this rank trains it, and how many blocks were compiled (train.compile). `pipe`:
+    the run's stages (more than one: `topo` is the run's topology); `tp`: its tensor ranks, whose `grid`
+    partitions ZeRO-3 within each slice; `sp`: its sequence ranks; `ds`: the ds_config as DeepSpeed is given
+    it."""
+    if pipe.stages > 1:
+        model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
+                               pipe.checkpoint_interval, tp, sp)
+    elif ds.get("zero_optimization", {}).get("stage", 0) == 3:
+        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval,
+                            place=zero3_partition(ds, tp, grid), tp=tp, sp=sp)
+    else:
+        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp)
+    model = tile_mlps(model, cfg.train.mlp_tiles)
+    return model, compile_blocks(model, cfg.model.arch) if cfg.train.compile else 0
+
+
+def zero3_partition(ds: dict, tp: TensorParallel, grid):
+    """What partitions each layer as it is built. It is built on the CPU, from the CPU generator, as in every
+    other layout, then partitioned (zero.Init(module=)): inside zero.Init's context it would be made on the GPU
+    by the GPU's generator, other weights for a seed. Under tensor parallelism it is partitioned over the
+    data-parallel replicas of each slice."""
+    group = grid.get_data_parallel_group() if tp.size > 1 else None
+
+    def partition(layer: torch.nn.Module) -> None:
+        deepspeed.zero.Init(module=layer, config_dict_or_path=ds, data_parallel_group=group,
+                            mpu=grid if tp.size > 1 else None)
+        # zero.Init(module=) places the parameters only, and the engine moves no partitioned module to the
+        # device: the buffers (the Llama's RoPE tables) go there here.
+        for buffer in layer.buffers():
+            buffer.data = buffer.data.to(get_accelerator().current_device_name())
+    return partition
+
+
+def whole_model_parameters(cfg: RunConfig, tp_size: int) -> list:
+    """Every layer's parameters as one tensor rank holds them, on the meta device: a pipeline stage holds only
+    its own, and DeepSpeed's universal converter reads one stage's file for the whole model's rules."""
+    with torch.device("meta"):
+        return list(build_model(cfg.model, tp=TensorParallel(tp_size)).named_parameters())
