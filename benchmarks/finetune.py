@@ -146,7 +146,7 @@ def _last_step(run: str) -> int:
 
 def main() -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--init_from", help="an export of the quickstart Llama (python -m training.export): the "
+    parser.add_argument("--init_from", help="an export of the quickstart Llama (python -m scripts.export): the "
                         "README's example from it and from scratch")
     parser.add_argument("--train", type=int, help="training conversations (default: 3,000 with --init_from, else "
                         "4,000)")
@@ -158,7 +158,7 @@ def main() -> None:
     at_least(args, 1, "test", *(name for name in ("train", "steps") if getattr(args, name) is not None))
     if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
         raise ConfigError(f"--init_from {args.init_from} holds no export (config.json); fix: export the quickstart "
-                          f"Llama with python -m training.export --out_dir out/llama_quickstart")
+                          f"Llama with python -m scripts.export --out_dir out/llama_quickstart")
     work = work_folder(os.path.join(REPO, args.work_dir))
     results = from_export(args, work) if args.init_from else masking(args, work)
     with open(os.path.join(work, "finetune.json"), "w") as f:

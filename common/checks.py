@@ -32,7 +32,7 @@ class ToolParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-        if spec is not None and spec.name.split(".")[0] in ("data", "training", "benchmarks"):
+        if spec is not None and spec.name.split(".")[0] in ("data", "scripts", "benchmarks"):
             kwargs.setdefault("prog", f"python -m {spec.name}")
         super().__init__(*args, **kwargs)
 
@@ -65,7 +65,7 @@ def read_from(path: str) -> str:
 def tool_command(module: str) -> str:
     """How to start the repo's tool `module` (e.g. "data.prepare") from the current folder: `python -m
     data.prepare` at the repo's root, its script by its absolute path from any other (data/prepare.py and
-    training/plot.py put the repo's root on their import path)."""
+    scripts/plot.py put the repo's root on their import path)."""
     if _at_repo_root():
         return f"python -m {module}"
     return f"python {os.path.join(REPO_ROOT, *module.split('.'))}.py"

@@ -1,5 +1,5 @@
 """Multiple-choice tasks: what the training loop scores (eval.tasks; training/multiple_choice.py) and what
-`python -m training.evaluate` hands lm-evaluation-harness as a local task. One format, HellaSwag's own
+`python -m scripts.evaluate` hands lm-evaluation-harness as a local task. One format, HellaSwag's own
 validation JSONL, one example a line:
 
     {"ctx": "A man is sitting on a roof. He", "endings": ["is using wrap ...", "starts ...", ...], "label": 3}

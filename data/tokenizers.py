@@ -3,7 +3,7 @@
     char                      the characters of the corpus (+ an end-of-text id when it has several documents)
     gpt2, tiktoken:NAME       tiktoken encodings (cl100k_base, o200k_base, ...)
     PATH/tokenizer.json       any Hugging Face tokenizer (Llama-3's, ...)
-    FOLDER                    the tokenizer of a prepared dataset, of an export (python -m training.export) or
+    FOLDER                    the tokenizer of a prepared dataset, of an export (python -m scripts.export) or
                               of a Hugging Face model folder (its tokenizer.json): a model's own, to fine-tune it
     bpe:SIZE                  a byte-level BPE of SIZE ids trained on the corpus itself (data/prepare.py)
 
@@ -247,7 +247,7 @@ def parse_spec(spec: str):
             raise TokenizerError(f"tokenizer file {spec} not found: pass the path of a Hugging Face tokenizer.json")
         if not os.path.isfile(spec):
             raise TokenizerError(f"--tokenizer {spec} not found: pass a Hugging Face tokenizer.json, or a folder that "
-                                 f"holds a tokenizer (an export of python -m training.export, a prepared dataset)")
+                                 f"holds a tokenizer (an export of python -m scripts.export, a prepared dataset)")
         return "ready", HFTokenizer.from_file(spec)
     raise TokenizerError(f"unknown --tokenizer {spec!r}: use char, gpt2, tiktoken:NAME (cl100k_base, o200k_base), "
                          f"a path to a tokenizer.json, a folder holding a tokenizer (a dataset's, an export's), or "
@@ -256,9 +256,9 @@ def parse_spec(spec: str):
 
 def folder_tokenizer(folder: str):
     """The tokenizer a folder holds: a prepared dataset's (meta.json), an export's (config.json's
-    megalite.tokenizer, written by python -m training.export; a character vocabulary lives there) or a Hugging Face
+    megalite.tokenizer, written by python -m scripts.export; a character vocabulary lives there) or a Hugging Face
     model's tokenizer.json. A model fine-tuned from an export takes its ids from the same tokenizer this way."""
-    fix = ("pass a prepared dataset's folder (meta.json), an export's (python -m training.export) or a folder with a "
+    fix = ("pass a prepared dataset's folder (meta.json), an export's (python -m scripts.export) or a folder with a "
            "Hugging Face tokenizer.json")
     for name, section in (("meta.json", None), ("config.json", "megalite")):
         path = os.path.join(folder, name)

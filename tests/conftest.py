@@ -59,13 +59,13 @@ def shakespeare_task(tmp_path_factory, shakespeare_path) -> str:
 @pytest.fixture(scope="session")
 def checkpointed_run(tmp_path_factory, char_data):
     """Two steps of one process (ZeRO-0), a checkpoint after each, and the export of the first."""
-    import training.export  # imports torch: after pytest_configure has hidden the GPUs
+    import scripts.export  # imports torch: after pytest_configure has hidden the GPUs
 
     out = tmp_path_factory.mktemp("tools_run")
     train_py([f"data.dir={char_data}", f"train.out_dir={out}", *TINY, *FP32, "train.max_steps=2",
               "train.save_interval=1", "ds.train_micro_batch_size_per_gpu=2", "sample.max_new_tokens=1"],
              env={"OMP_NUM_THREADS": "1"})
-    training.export.main(["--out_dir", str(out), "--tag", "step_000001"])
+    scripts.export.main(["--out_dir", str(out), "--tag", "step_000001"])
     return out
 
 

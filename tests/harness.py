@@ -148,13 +148,13 @@ def expected_lr(step: int, lr: float, min_lr: float, warmup: int, max_steps: int
 
 
 def export(out_dir, tag: str) -> str:
-    """`python -m training.export` of a run's checkpoint `tag`, into OUT_DIR/export/TAG."""
+    """`python -m scripts.export` of a run's checkpoint `tag`, into OUT_DIR/export/TAG."""
     folder = os.path.join(out_dir, "export", tag)
-    run([sys.executable, "-m", "training.export", "--out_dir", str(out_dir), "--tag", tag, "--output", folder])
+    run([sys.executable, "-m", "scripts.export", "--out_dir", str(out_dir), "--tag", tag, "--output", folder])
     return folder
 
 
 def universal(run_dir, tag: str) -> str:
-    """`python -m training.checkpoint universal` of a run's checkpoint `tag`: the converted tag's folder."""
-    run([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", str(run_dir), "--tag", tag])
+    """`python -m scripts.convert_checkpoint universal` of a run's checkpoint `tag`: the converted tag's folder."""
+    run([sys.executable, "-m", "scripts.convert_checkpoint", "universal", "--out_dir", str(run_dir), "--tag", tag])
     return os.path.join(run_dir, "checkpoints", f"{tag}_universal")

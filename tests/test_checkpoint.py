@@ -82,7 +82,7 @@ def assert_resumed(proc, out_dir, tag_dir, step=3, last=6):
 
 
 def universal_copy(source_run, destination) -> str:
-    """The step-3 checkpoint of a run, converted with `python -m training.checkpoint universal`."""
+    """The step-3 checkpoint of a run, converted with `python -m scripts.convert_checkpoint universal`."""
     shutil.copytree(source_run / "checkpoints", destination / "checkpoints")
     return universal(destination, "step_000003")
 
@@ -236,7 +236,7 @@ def test_a_checkpoint_of_an_earlier_version_is_refused_not_converted(damaged, ch
     (tag / "manifest.json").write_text(json.dumps(manifest))
     assert (f"error: checkpoint run state {tag}/run_state.json lacks layout.tp: it was saved by an earlier version of "
             f"this repo, which this one does not read; fix: resume or export it with that version (python -m "
-            f"training.export), then start from the export with train.init_from=EXPORT_DIR\n") in resume_fails(damaged,
+            f"scripts.export), then start from the export with train.init_from=EXPORT_DIR\n") in resume_fails(damaged,
                                                                                                     char_data)
 
 
@@ -245,7 +245,7 @@ def test_other_layout_without_universal_format_says_how_to_convert(straight, tmp
     shutil.copytree(straight["zero2"], copy)
     error = resume_fails(copy, char_data, "ds.train_micro_batch_size_per_gpu=4", ds_config="zero2.json")
     assert ("the checkpoint was saved at dp=2 x pp=1 with ZeRO-2, this run is dp=1 x pp=1 with ZeRO-2" in error
-            and "python -m training.checkpoint universal" in error)
+            and "python -m scripts.convert_checkpoint universal" in error)
 
 
 # Export.

@@ -1,5 +1,5 @@
-"""The tools that read a run's checkpoints and exports (python -m training.export, sample.py, python -m
-training.checkpoint universal, python -m training.evaluate) answer a bad path or a damaged file with one line,
+"""The tools that read a run's checkpoints and exports (python -m scripts.export, sample.py, python -m
+scripts.convert_checkpoint universal, python -m scripts.evaluate) answer a bad path or a damaged file with one line,
 `error: ...`, and exit code 2, no traceback, and leave every file they would have overwritten as it was. One
 table per tool, run in process through the tool's main(argv) on one tiny run (conftest's `checkpointed_run`:
 two checkpoints, an export), damaged afresh for each row."""
@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import sample
+import scripts.convert_checkpoint
+import scripts.evaluate
+import scripts.export
 import training.checkpoint
-import training.evaluate
 import training.export
 import training.universal
 from refusals import EXPORT, SHARD, TAG, assert_refused, command, only_tag_truncated, snapshot, truncated
@@ -99,17 +101,17 @@ CHECKPOINTS = [
     ("before-llama", run_state(lambda s, _: [s["config"]["model"].pop(k) for k in LLAMA_SETTINGS]), "checkpoint run "
      "state {tag}/run_state.json lacks " + ", ".join(f"config.model.{k}" for k in LLAMA_SETTINGS) + ": it was saved "
      "by an earlier version of this repo, which this one does not read; fix: resume or export it with that version "
-     "(python -m training.export), then start from the export with train.init_from=EXPORT_DIR$", "all"),
+     "(python -m scripts.export), then start from the export with train.init_from=EXPORT_DIR$", "all"),
     ("before-tensor-parallelism", run_state(lambda s, _: s["layout"].pop("tp")), "checkpoint run state "
      "{tag}/run_state.json lacks layout.tp: it was saved by an earlier version of this repo, which this one does not "
      "read; fix: resume or export it with that version", "all"),
     ("before-the-data-record", run_state(lambda s, _: s.pop("data")), "checkpoint run state {tag}/run_state.json "
      "lacks data: it was saved by an earlier version of this repo", "all"),
 ]
-READERS = {"export": (training.export.main, {"--out_dir": "{run}", "--output": "{tmp}/new_export"}),
+READERS = {"export": (scripts.export.main, {"--out_dir": "{run}", "--output": "{tmp}/new_export"}),
            "sample": (sample.main, {"--out_dir": "{run}"}),
-           "universal": (training.checkpoint.main, {"command": "universal", "--out_dir": "{run}"}),
-           "evaluate": (training.evaluate.main, {"--out_dir": "{run}", "--tasks": "{tmp}/task.jsonl"})}
+           "universal": (scripts.convert_checkpoint.main, {"command": "universal", "--out_dir": "{run}"}),
+           "evaluate": (scripts.evaluate.main, {"--out_dir": "{run}", "--tasks": "{tmp}/task.jsonl"})}
 
 
 CHECKPOINT_CASES = [(f"{tool}-{name}", tool, damage, message) for name, damage, message, tools in CHECKPOINTS
@@ -132,7 +134,7 @@ def test_a_corrupt_tag_never_advises_itself(paths):
     assert "step_000002" not in str(error.value).split("fix:")[1]
 
 
-# (flags, message) of training.export, on the intact run.
+# (flags, message) of scripts.export, on the intact run.
 EXPORT_ROWS = [
     ({"--out_dir": "{tmp}/missing"}, "--out_dir {tmp}/missing does not exist; fix: pass the train.out_dir of a run"),
     ({"--out_dir": "{run}/metrics.jsonl"}, "--out_dir {run}/metrics.jsonl is a file, not a folder; fix: pass the "
@@ -155,15 +157,15 @@ EXPORT_ROWS = [
 
 @pytest.mark.parametrize("flags,message", EXPORT_ROWS, ids=[f"row{i}" for i in range(len(EXPORT_ROWS))])
 def test_export_refuses(paths, capsys, flags, message):
-    assert_refused(training.export.main, command({"--out_dir": "{run}"}, flags, paths), message, paths, capsys,
+    assert_refused(scripts.export.main, command({"--out_dir": "{run}"}, flags, paths), message, paths, capsys,
                    [paths["run"]])
 
 
 def test_export_again_is_nothing_to_do_and_force_replaces_the_earlier_export(paths, capsys):
     before = snapshot(paths["export"])
-    training.export.main(["--out_dir", str(paths["run"]), "--tag", "step_000001"])
+    scripts.export.main(["--out_dir", str(paths["run"]), "--tag", "step_000001"])
     assert "already holds the export of" in capsys.readouterr().out and snapshot(paths["export"]) == before
-    training.export.main(["--out_dir", str(paths["run"]), "--output", str(paths["export"]), "--force"])
+    scripts.export.main(["--out_dir", str(paths["run"]), "--output", str(paths["export"]), "--force"])
     assert json.loads((paths["export"] / "config.json").read_text())["megalite"]["step"] == 2
     assert sorted(os.listdir(paths["export"].parent)) == ["step_000001"]  # no scratch folder left beside it
 
@@ -198,7 +200,7 @@ def test_a_failed_conversion_is_one_line_and_leaves_no_half_checkpoint(paths, mo
     assert "(ValueError: shard 3 is short); fix: see its whole output" in str(error.value) and not target.exists()
 
 
-# (flags, message) of `python -m training.checkpoint universal`, on the intact run.
+# (flags, message) of `python -m scripts.convert_checkpoint universal`, on the intact run.
 UNIVERSAL_ROWS = [
     ({"--out_dir": "{tmp}/missing"}, "--out_dir {tmp}/missing does not exist; fix: pass the train.out_dir of a run"),
     ({"--tag": "step_000009"}, "--tag=step_000009: no such checkpoint"),
@@ -207,25 +209,25 @@ UNIVERSAL_ROWS = [
 
 @pytest.mark.parametrize("flags,message", UNIVERSAL_ROWS, ids=["out_dir", "tag"])
 def test_universal_refuses(paths, capsys, flags, message):
-    assert_refused(training.checkpoint.main, command(READERS["universal"][1], flags, paths), message, paths, capsys,
-                   [paths["run"]])
+    assert_refused(scripts.convert_checkpoint.main, command(READERS["universal"][1], flags, paths), message, paths,
+                   capsys, [paths["run"]])
 
 
 def test_universal_refuses_a_zero0_pipeline_checkpoint_naming_what_works(paths, capsys):
     """ZeRO-0 over pipeline stages in fp32 keeps its optimizer state in per-stage files that no converter reads
     (one stage and one tensor rank convert)."""
     run_state(lambda s, _: s["layout"].update(pp=2, world=2))(paths["run"])
-    assert_refused(training.checkpoint.main, ["universal", "--out_dir", str(paths["run"])], "{tag} is a ZeRO-0 "
+    assert_refused(scripts.convert_checkpoint.main, ["universal", "--out_dir", str(paths["run"])], "{tag} is a ZeRO-0 "
                    "checkpoint over 2 pipeline stages, whose optimizer state no converter reads: resume it on its own "
-                   "layout (pp=2, tp=1), or start a new run from its weights: python -m training.export --out_dir "
+                   "layout (pp=2, tp=1), or start a new run from its weights: python -m scripts.export --out_dir "
                    "{run} --tag step_000002, then train.init_from={run}/export/step_000002$", paths, capsys,
                    [paths["run"]])
 
 
 def test_universal_refuses_a_universal_checkpoint(paths, capsys):
     run_state(lambda s, _: s.update(universal=True))(paths["run"])
-    assert_refused(training.checkpoint.main, ["universal", "--out_dir", str(paths["run"])], "--tag step_000002 is "
-                   "already in the universal format; fix: resume it with train.resume=step_000002", paths, capsys,
+    assert_refused(scripts.convert_checkpoint.main, ["universal", "--out_dir", str(paths["run"])], "--tag step_000002 "
+                   "is already in the universal format; fix: resume it with train.resume=step_000002", paths, capsys,
                    [paths["run"]])
 
 
@@ -234,7 +236,7 @@ SAMPLE_ROWS = [
     (None, {"--out_dir": "{tmp}/missing"}, "--out_dir {tmp}/missing does not exist"),
     (None, {"--tag": "step_000009"}, "--tag=step_000009: no such checkpoint"),
     (None, {"--out_dir": None, "--export": "{tmp}/missing"}, "--export {tmp}/missing does not exist; fix: pass a "
-                                                             "folder written by python -m training.export"),
+                                                             "folder written by python -m scripts.export"),
     (None, {"--out_dir": None, "--export": "{run}/metrics.jsonl"}, "--export {run}/metrics.jsonl is a file, not a "
                                                                    "folder"),
     (None, {"--out_dir": None, "--export": "{run}"}, "export config {run}/config.json does not exist"),

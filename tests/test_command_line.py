@@ -12,18 +12,18 @@ from refusals import assert_one_error_line, only_tag_truncated, snapshot, trunca
 AS_TYPED = [
     ([sys.executable, "-m", "data.prepare", "--input", "{inputs}/not_gzip.jsonl.gz", "--out_dir", "{tmp}/out"], None,
      "input {inputs}/not_gzip.jsonl.gz is not gzip data"),
-    ([sys.executable, "-m", "training.export", "--out_dir", "{run}", "--output", "{run}/metrics.jsonl"], None,
+    ([sys.executable, "-m", "scripts.export", "--out_dir", "{run}", "--output", "{run}/metrics.jsonl"], None,
      "--output {run}/metrics.jsonl is a file, not a folder"),
     ([sys.executable, "sample.py", "--out_dir", "{run}"], only_tag_truncated, "is corrupt: 1,000 bytes, ... fix: "
      "there is no other complete checkpoint in {root}"),
-    ([sys.executable, "-m", "training.checkpoint", "universal", "--out_dir", "{run}"], truncated, "is corrupt: 1,000 "
-     "bytes, ... fix: resume from another tag: step_000001$"),
-    ([sys.executable, "-m", "training.plot", "{run}", "--output", "{run}/metrics.jsonl", "--force"], None,
+    ([sys.executable, "-m", "scripts.convert_checkpoint", "universal", "--out_dir", "{run}"], truncated,
+     "is corrupt: 1,000 bytes, ... fix: resume from another tag: step_000001$"),
+    ([sys.executable, "-m", "scripts.plot", "{run}", "--output", "{run}/metrics.jsonl", "--force"], None,
      "--output {run}/metrics.jsonl is not an image file matplotlib writes"),
     ([sys.executable, "preflight.py", "--min_busbw", "-1"], None, "--min_busbw -1.0: must be >= 0"),
-    ([sys.executable, "-m", "training.evaluate", "--out_dir", "{run}", "--tasks", "{tmp}/none.jsonl"], None,
+    ([sys.executable, "-m", "scripts.evaluate", "--out_dir", "{run}", "--tasks", "{tmp}/none.jsonl"], None,
      "--tasks file {tmp}/none.jsonl does not exist"),
-    ([sys.executable, "-m", "training.evaluate", "--out_dir", "{run}", "--tasks", "{inputs}/empty.jsonl"], None,
+    ([sys.executable, "-m", "scripts.evaluate", "--out_dir", "{run}", "--tasks", "{inputs}/empty.jsonl"], None,
      "--tasks file {inputs}/empty.jsonl is empty; fix: pass a JSONL file in HellaSwag's format$"),
     ([sys.executable, "-m", "data.continuation_task", "--input", "{tmp}/none.txt"], None,
      "--input {tmp}/none.txt does not exist; fix: pass tinyshakespeare.txt"),
@@ -51,11 +51,12 @@ BAD_COMMAND_LINES = [
     ("sample.py", [], "error: sample.py: one of the arguments --out_dir --export is required"),
     ("-m data.prepare", ["--workers", "x"], "error: python -m data.prepare: argument --workers: invalid int value: "
                                             "'x'; fix: see python -m data.prepare --help"),
-    ("-m training.export", [], "error: python -m training.export: the following arguments are required: --out_dir"),
-    ("-m training.checkpoint", ["convert"], "error: python -m training.checkpoint: argument command: invalid choice"),
-    ("-m training.plot", [], "error: python -m training.plot: the following arguments are required: RUN_DIR"),
-    ("-m training.memory_plan", [], "error: python -m training.memory_plan: the following arguments are required"),
-    ("-m training.evaluate", ["--out_dir", "x"], "error: python -m training.evaluate: the following arguments are "
+    ("-m scripts.export", [], "error: python -m scripts.export: the following arguments are required: --out_dir"),
+    ("-m scripts.convert_checkpoint", ["convert"], "error: python -m scripts.convert_checkpoint: argument command: "
+                                                   "invalid choice"),
+    ("-m scripts.plot", [], "error: python -m scripts.plot: the following arguments are required: RUN_DIR"),
+    ("-m scripts.memory_plan", [], "error: python -m scripts.memory_plan: the following arguments are required"),
+    ("-m scripts.evaluate", ["--out_dir", "x"], "error: python -m scripts.evaluate: the following arguments are "
                                                  "required: --tasks"),
     ("-m data.continuation_task", [], "error: python -m data.continuation_task: the following arguments are required: "
                                       "--input"),

@@ -1,5 +1,5 @@
 """Multiple-choice accuracy in the training loop and lm-evaluation-harness on its checkpoints, fp32, on the
-Shakespeare continuation task: the loop's score and python -m training.evaluate's of one checkpoint agree
+Shakespeare continuation task: the loop's score and python -m scripts.evaluate's of one checkpoint agree
 (acc by the same rule, acc_norm per token from the harness interface's log-likelihoods); data parallelism
 under ZeRO-3, pipeline stages and tensor parallelism give the one-process score, in the loop and once their
 checkpoints are merged."""
@@ -12,7 +12,7 @@ import pytest
 
 from data.tasks import DELIMITER, read_task
 from harness import FP32, REPO, TINY, export, launch, metrics
-from training import evaluate
+from scripts import evaluate
 from training.export import load_trained
 from training.lm_eval_model import CheckpointLM
 from training.multiple_choice import choose
@@ -35,7 +35,7 @@ def loop_scores(out_dir) -> dict[int, tuple[float, float]]:
 
 
 def harness_acc(out_dir, task: str, tmp_path) -> float:
-    """acc of python -m training.evaluate on the run's newest checkpoint (its slices merged, one process)."""
+    """acc of python -m scripts.evaluate on the run's newest checkpoint (its slices merged, one process)."""
     output = tmp_path / f"{out_dir.name}.json"
     evaluate.main(["--out_dir", str(out_dir), "--tasks", task, "--limit", str(EXAMPLES), "--output", str(output)])
     return json.loads(output.read_text())["tasks"]["shakespeare"]["metrics"]["acc,none"]

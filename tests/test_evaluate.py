@@ -1,4 +1,4 @@
-"""python -m training.evaluate refuses what it cannot score, in one `error:` line and exit code 2, before any
+"""python -m scripts.evaluate refuses what it cannot score, in one `error:` line and exit code 2, before any
 scoring and leaving the run as it was (one table, in process on conftest's `checkpointed_run`, a char model of
 context 32); the docs' task YAML runs offline and scores as the JSONL form does; without the eval extra it says
 how to install it."""
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import training.evaluate
+import scripts.evaluate
 from harness import run
 from refusals import assert_refused, command
 
@@ -45,7 +45,7 @@ ROWS = [
                                                      "output", "too-long", "limit"])
 def test_evaluate_refuses(paths, capsys, flags, message):
     write_tasks(paths["tmp"])
-    assert_refused(training.evaluate.main, command(BASE, flags, paths), message, paths, capsys,
+    assert_refused(scripts.evaluate.main, command(BASE, flags, paths), message, paths, capsys,
                    [paths["run"], paths["tmp"] / "other.json"])
 
 
@@ -54,10 +54,10 @@ def test_without_the_eval_extra_it_says_how_to_install_it(tmp_path, paths):
     shim = tmp_path / "shim" / "lm_eval"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError(\"No module named 'lm_eval'\")\n")
-    proc = run([sys.executable, "-m", "training.evaluate", "--out_dir", str(paths["run"]), "--tasks", "x.jsonl"],
+    proc = run([sys.executable, "-m", "scripts.evaluate", "--out_dir", str(paths["run"]), "--tasks", "x.jsonl"],
                check=False, env={"PYTHONPATH": str(tmp_path / "shim")})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == ("error: python -m training.evaluate needs lm-evaluation-harness "
+    assert proc.stderr.strip().splitlines()[-1] == ("error: python -m scripts.evaluate needs lm-evaluation-harness "
                                                     "(No module named 'lm_eval'); fix: pip install '.[eval]'")
 
 
@@ -66,7 +66,7 @@ def test_results_of_other_tasks_are_kept(paths, capsys):
     write_tasks(paths["tmp"])
     shutil.copy(paths["tmp"] / "task.jsonl", paths["tmp"] / "second.jsonl")
     for name in ("task", "second"):
-        training.evaluate.main(command(BASE, {"--tasks": f"{{tmp}}/{name}.jsonl"}, paths))
+        scripts.evaluate.main(command(BASE, {"--tasks": f"{{tmp}}/{name}.jsonl"}, paths))
     record = json.loads((paths["tmp"] / "results.json").read_text())
     assert record["step"] == 2 and record["source"] == str(paths["tag"])
     assert sorted(record["tasks"]) == ["second", "task"]
@@ -81,7 +81,7 @@ def test_an_export_scores_as_its_checkpoint(paths):
     scored = {}
     for name, source in (("export", {"--out_dir": None, "--export": "{export}"}),
                          ("checkpoint", {"--tag": "step_000001"})):
-        training.evaluate.main(command(BASE, {**source, "--output": f"{{tmp}}/{name}.json"}, paths))
+        scripts.evaluate.main(command(BASE, {**source, "--output": f"{{tmp}}/{name}.json"}, paths))
         scored[name] = json.loads((paths["tmp"] / f"{name}.json").read_text())
     assert scored["export"]["step"] == scored["checkpoint"]["step"] == 1
     assert scored["export"]["tasks"]["task"]["metrics"] == scored["checkpoint"]["tasks"]["task"]["metrics"]

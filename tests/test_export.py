@@ -69,7 +69,7 @@ def test_checkpoint_pickling_an_arbitrary_object_is_refused(bf16_run, tmp_path, 
     checkpoint.mark_complete(str(tag_dir), json.loads((tag_dir / "run_state.json").read_text()))  # sizes match
     expected = (f"checkpoint file {path} pickles posix.system, which is not a tensor or a setting DeepSpeed saves: "
                 f"refused")
-    for cmd in ([sys.executable, "-m", "training.export", "--out_dir", str(copy)],
+    for cmd in ([sys.executable, "-m", "scripts.export", "--out_dir", str(copy)],
                 [sys.executable, "sample.py", "--out_dir", str(copy)],
                 ["train.py", f"train.out_dir={copy}", f"data.dir={char_data}", *TINY, "train.max_steps=6"]):
         proc = (train_py(cmd[1:], check=False, timeout=120) if cmd[0] == "train.py"

@@ -204,13 +204,13 @@ def example_task(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def example_export(tmp_path_factory, char_data) -> Path:
     """The quickstart Llama, smaller and shorter (`python train.py --config configs/llama_quickstart.yaml`), exported
-    (`python -m training.export`)."""
-    import training.export
+    (`python -m scripts.export`)."""
+    import scripts.export
 
     out = tmp_path_factory.mktemp("out")
     train_py(["--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}", f"train.out_dir={out / 'llama'}",
               "train.max_steps=100", "optim.lr=3e-3", *EXAMPLE_LLAMA], env=TWO_THREADS)
-    training.export.main(["--out_dir", str(out / "llama"), "--output", str(out / "llama_export")])
+    scripts.export.main(["--out_dir", str(out / "llama"), "--output", str(out / "llama_export")])
     return out / "llama_export"
 
 

@@ -83,9 +83,9 @@ def test_a_changed_pipeline_tensor_parallel_or_zero_stage_is_refused(tmp_path, n
     with pytest.raises(ConfigError) as error:
         plan_resume(str(tmp_path), "step_000003", MODEL, now)
     assert (f"the checkpoint was saved at dp=2 x pp=1 with ZeRO-1, this run is {changed}: its optimizer state only "
-            f"fits the old layout. Convert it first: python -m training.checkpoint universal --out_dir {tmp_path} "
-            f"--tag step_000003, then resume with train.resume=step_000003_universal; or start this layout fresh in "
-            f"another train.out_dir") == str(error.value)
+            f"fits the old layout. Convert it first: python -m scripts.convert_checkpoint universal --out_dir "
+            f"{tmp_path} --tag step_000003, then resume with train.resume=step_000003_universal; or start this layout "
+            f"fresh in another train.out_dir") == str(error.value)
 
 
 def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
@@ -98,7 +98,7 @@ def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
     assert str(error.value) == (
         "the checkpoint was saved at tensor-parallel degree 2 without ZeRO, this run has 1: DeepSpeed's universal "
         "converter, which reshards, needs ZeRO optimizer shards. Resume it with tensor_model_parallel_size=2, or "
-        "start from its weights (python -m training.export, then train.init_from=EXPORT_DIR)")
+        "start from its weights (python -m scripts.export, then train.init_from=EXPORT_DIR)")
     fake_checkpoint(root, 4, layout={"world": 4, "dp": 2, "pp": 1, "tp": 2, "zero_stage": 3})
     with pytest.raises(ConfigError, match=r"is a ZeRO-3 checkpoint at tensor-parallel degree 2: DeepSpeed's converter "
                                           r"merges ZeRO-3 shards of one tensor slice only. Resume it at tp=2"):

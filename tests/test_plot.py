@@ -1,4 +1,4 @@
-"""training.plot draws a real run's metrics.jsonl: every logged point, runs overlaid, steps or tokens; a bad
+"""scripts.plot draws a real run's metrics.jsonl: every logged point, runs overlaid, steps or tokens; a bad
 path or file is one `error:` line and exit code 2, with every file it would overwrite as it was (one table,
 in process on conftest's `checkpointed_run`)."""
 import json
@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import scripts.plot
 import training.plot
 from harness import FP32, TINY, metrics, run, train_py
 from refusals import assert_refused, command
@@ -33,11 +34,11 @@ def test_read_run_holds_every_logged_point(tiny_run):
 
 def test_plot_writes_a_png_of_several_runs(tiny_run, tmp_path):
     png = tmp_path / "compare.png"
-    proc = run([sys.executable, "-m", "training.plot", str(tiny_run), str(tiny_run), "--x", "tokens", "--output",
+    proc = run([sys.executable, "-m", "scripts.plot", str(tiny_run), str(tiny_run), "--x", "tokens", "--output",
                 str(png)])
     assert proc.stdout.strip() == f"wrote {png}"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
-    run([sys.executable, "training/plot.py", str(tiny_run)])  # as a script, default output beside the run
+    run([sys.executable, "scripts/plot.py", str(tiny_run)])  # as a script, default output beside the run
     assert (tiny_run / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -59,11 +60,11 @@ def test_a_run_that_scores_tasks_gets_an_accuracy_panel(tiny_run, tmp_path):
 
 
 def test_plot_names_a_directory_without_metrics(tmp_path):
-    proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
+    proc = run([sys.executable, "-m", "scripts.plot", str(tmp_path)], check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: metrics file {tmp_path}/metrics.jsonl does not " \
         "exist; fix: pass the train.out_dir of a run that has logged a step"
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + '\n{"step": 2, "lo')
-    proc = run([sys.executable, "-m", "training.plot", str(tmp_path)], check=False)
+    proc = run([sys.executable, "-m", "scripts.plot", str(tmp_path)], check=False)
     assert "metrics.jsonl, line 2: not JSON" in proc.stderr
 
 
@@ -73,7 +74,7 @@ def metrics_torn(run_dir):
 
 
 
-# (damage, flags, message) of training.plot.
+# (damage, flags, message) of scripts.plot.
 PLOT_ROWS = [
     (None, {"RUN": "{tmp}/missing"}, "run folder {tmp}/missing does not exist; fix: pass the train.out_dir of a run"),
     (None, {"RUN": "{run}/metrics.jsonl"}, "run folder {run}/metrics.jsonl is a file, not a folder"),
@@ -101,12 +102,12 @@ PLOT_ROWS = [
 def test_plot_refuses(paths, capsys, damage, flags, message):
     if damage:
         damage(paths["run"])
-    assert_refused(training.plot.main, command({"RUN": "{run}"}, flags, paths), message, paths, capsys,
+    assert_refused(scripts.plot.main, command({"RUN": "{run}"}, flags, paths), message, paths, capsys,
                    [paths["run"]])
 
 
 def test_plot_force_replaces_the_earlier_image(paths, capsys):
     (paths["run"] / "metrics.png").write_bytes(b"an earlier plot")
-    training.plot.main([str(paths["run"]), "--force"])
+    scripts.plot.main([str(paths["run"]), "--force"])
     assert (paths["run"] / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in paths["run"].iterdir() if p.name.startswith(".")) == []  # no scratch left

@@ -221,7 +221,7 @@ CHAT_ROWS = [
      "end-of-text token) does not hold; fix: pass --chat_template lines (each answer ends with a newline), or leave "
      "--chat_template out$"),
     ({"--tokenizer": "{inputs}/no_export"}, "--tokenizer {inputs}/no_export not found: pass a Hugging Face "
-     "tokenizer.json, or a folder that holds a tokenizer (an export of python -m training.export, a prepared "
+     "tokenizer.json, or a folder that holds a tokenizer (an export of python -m scripts.export, a prepared "
      "dataset)$"),
     ({"--tokenizer": "{inputs}/without_q"}, "{inputs}/good.jsonl:1: the conversation does not encode with "
      "--tokenizer {inputs}/without_q (character 'q' is not in this dataset's vocabulary); fix: leave the record out, "

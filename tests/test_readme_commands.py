@@ -25,7 +25,7 @@ ENDINGS = [
     ("deepspeed", "--- sample ---"),
     ("torchrun", "--- sample ---"),
     ("python sample.py", ""),
-    ("python -m training.export", "wrote "),
+    ("python -m scripts.export", "wrote "),
     ("python -m data.reverse_task", "wrote "),
 ]
 

@@ -59,9 +59,9 @@ def test_a_zero0_checkpoint_resumes_under_zero2_through_the_conversion_its_refus
     refused = train(out, char_data, *FP32, ds_config="zero2.json", check=False)
     assert_refused_at_start(refused)
     assert_one_error_line(refused.stderr, "the checkpoint was saved at dp=1 x pp=1 with ZeRO-0, this run is dp=1 x "
-                          "pp=1 with ZeRO-2: ... Convert it first: python -m training.checkpoint universal --out_dir "
-                          f"{out} --tag step_000002, then resume with train.resume=step_000002_universal; or start "
-                          "this layout fresh in another train.out_dir$", {})
+                          "pp=1 with ZeRO-2: ... Convert it first: python -m scripts.convert_checkpoint universal "
+                          f"--out_dir {out} --tag step_000002, then resume with train.resume=step_000002_universal; or "
+                          "start this layout fresh in another train.out_dir$", {})
     convert, resume = re.search(r"Convert it first: (.*), then resume with (\S+);", error_line(refused)).groups()
     run([sys.executable if word == "python" else word for word in shlex.split(convert)])
     proc = train(out, char_data, *FP32, resume, ds_config="zero2.json")

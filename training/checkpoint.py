@@ -24,7 +24,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file
+from common.checks import ConfigError, existing_dir, json_file
 from data.writer import write_atomic
 from model.config import TRAINING_SETTINGS, saved_settings_gaps
 from training import universal
@@ -229,7 +229,7 @@ def check_current(state: dict, path: str) -> None:
     if missing:
         raise ConfigError(f"checkpoint run state {path} lacks {', '.join(missing)}: it was saved by an earlier version "
                           f"of this repo, which this one does not read; fix: resume or export it with that version "
-                          f"(python -m training.export), then start from the export with train.init_from=EXPORT_DIR")
+                          f"(python -m scripts.export), then start from the export with train.init_from=EXPORT_DIR")
 
 
 def elsewhere(tag_dir: str, advice: str = "resume from another tag") -> str:
@@ -260,7 +260,7 @@ def check_pickles(tag_dir: str, manifest: dict) -> None:
                 path = os.path.join(tag_dir, name)
                 try:
                     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-                except Exception as e:  # noqa: BLE001 (torch raises ValueError, RuntimeError, EOFError, ...)
+                except Exception as e:  # torch raises ValueError, RuntimeError, EOFError, ...
                     why = " ".join(str(e).split())  # one line, whatever torch's message
                     raise ConfigError(f"checkpoint file {path} is corrupt: it is not a torch file ({why}); fix: "
                                       f"{elsewhere(tag_dir)}") from None
@@ -329,7 +329,7 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
         raise ConfigError(f"the checkpoint was saved at tensor-parallel degree {was['tp']} without ZeRO, this run has "
                           f"{now['tp']}: DeepSpeed's universal converter, which reshards, needs ZeRO optimizer shards. "
                           f"Resume it with tensor_model_parallel_size={was['tp']}, or start from its weights "
-                          f"(python -m training.export, then train.init_from=EXPORT_DIR)")
+                          f"(python -m scripts.export, then train.init_from=EXPORT_DIR)")
     if any(was[key] != now[key] for key in ("dp", "pp", "tp", "sp", "zero_stage")):
         reason = universal.unconvertible(tag_dir, saved) if tag_dir else None
         if reason:
@@ -343,8 +343,8 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
         fresh = "; or start this layout fresh in another train.out_dir" if out_dir else ""
         raise ConfigError(
             f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: its optimizer state only "
-            f"fits the old layout. Convert it first: python -m training.checkpoint universal --out_dir {source} --tag "
-            f"{tag}, then resume with train.resume={resume}{fresh}")
+            f"fits the old layout. Convert it first: python -m scripts.convert_checkpoint universal --out_dir {source} "
+            f"--tag {tag}, then resume with train.resume={resume}{fresh}")
 
 
 def _describe(layout: dict) -> str:
@@ -382,20 +382,3 @@ def to_universal(out_dir: str, tag: str | None) -> str:
     print(f"wrote {target}: resume it {where} with train.resume={tag}_universal")
     return target
 
-
-def main(argv=None) -> None:
-    parser = ToolParser(description="Checkpoint tools.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    universal = commands.add_parser("universal", help="convert a checkpoint to DeepSpeed's universal format, "
-                                                      "to resume it on another layout")
-    universal.add_argument("--out_dir", required=True, help="the run's train.out_dir")
-    universal.add_argument("--tag", help="default: the newest complete checkpoint")
-    args = parser.parse_args(argv)
-    try:
-        to_universal(args.out_dir, args.tag)
-    except ConfigError as e:
-        exit_bad_input(e)
-
-
-if __name__ == "__main__":
-    main()

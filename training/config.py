@@ -158,7 +158,7 @@ class TrainConfig:
         c.not_empty("resume")
         c.that(self.init_from is None or os.path.isdir(self.init_from), "init_from", "be a folder holding a Hugging "
                "Face checkpoint (config.json and model.safetensors)", "point it at one, e.g. written by "
-               "save_pretrained or python -m training.export")
+               "save_pretrained or python -m scripts.export")
         c.at_least("stop_at_step", 1)
         c.that(self.stop_at_step is None or self.epochs is not None or self.stop_at_step <= self.max_steps,
                "stop_at_step",

@@ -1,17 +1,7 @@
-"""Export a checkpoint as one safetensors file of full fp32 weights plus a config.json.
-
-    python -m training.export --out_dir out/gpt2_124m [--tag step_005000] [--output DIR] [--force]
-
-Any checkpoint works: ZeRO 0-3, pipelined or not, or already universal. GPT and Llama weights are written
-in Hugging Face's layout (training/hf.py), so `GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(DIR)`
-load them; encoder weights keep this repo's names. config.json also carries this repo's model settings
-and the tokenizer, for `sample.py --export DIR`.
-
-The export is written into a scratch folder beside DIR and renamed into place, so a failed export never
-leaves half of one; an existing DIR is refused (--force replaces an earlier export), unless it already holds
-the export of this very checkpoint (nothing to do).
+"""A checkpoint of any layout as one safetensors file of full fp32 weights plus a config.json, in Hugging Face's
+layout where the architecture has one (training/hf.py), written whole or not at all; and an export, or a
+checkpoint's merged weights, read back into a model (load_trained). The command: scripts/export.py.
 """
-import argparse
 import dataclasses
 import glob
 import hashlib
@@ -23,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from common.checks import ConfigError, ToolParser, existing_dir, existing_file, exit_bad_input, json_file, new_output
+from common.checks import ConfigError, existing_dir, existing_file, json_file, new_output
 from data.prepare import check_meta, read_meta
 from data.tokenizers import tokenizer_from_meta
 from model import architecture, build_model, layer_names, model_layers
@@ -214,7 +204,7 @@ def _replace_folder(new: str, old: str) -> None:
 
 def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
     """(model config, state dict with this repo's names, tokenizer meta) of an export."""
-    fix = "pass a folder written by python -m training.export, or export the checkpoint again"
+    fix = "pass a folder written by python -m scripts.export, or export the checkpoint again"
     existing_dir(folder, "--export", fix)
     path = os.path.join(folder, "config.json")
     record = json_file(path, "export config", fix, keys=("megalite.model", "megalite.tokenizer"))["megalite"]
@@ -249,7 +239,7 @@ def _with_weights(cfg: ModelConfig, state: dict, source: str) -> torch.nn.Module
     except RuntimeError as e:  # names or shapes that another model's export would have
         why = " ".join(str(e).split())[:300]
         raise ConfigError(f"the weights of {source} do not fit its model settings ({why}); fix: export the "
-                          f"checkpoint again with python -m training.export") from None
+                          f"checkpoint again with python -m scripts.export") from None
     return model
 
 
@@ -260,20 +250,3 @@ def _read_weights(path: str, fix: str) -> dict:
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"export weights {path} are not a safetensors file ({e}); fix: {fix}") from None
 
-
-def main(argv=None) -> None:
-    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", required=True, help="the run's train.out_dir")
-    parser.add_argument("--tag", help="default: the newest complete checkpoint")
-    parser.add_argument("--output", help="a new folder (default: <out_dir>/export/<tag>)")
-    parser.add_argument("--force", action="store_true", help="replace an earlier export in --output")
-    args = parser.parse_args(argv)
-    try:
-        tag_dir = checkpoint.find_checkpoint(args.out_dir, args.tag)
-        export(tag_dir, args.output or os.path.join(args.out_dir, "export", os.path.basename(tag_dir)), args.force)
-    except ConfigError as e:
-        exit_bad_input(e)
-
-
-if __name__ == "__main__":
-    main()

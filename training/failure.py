@@ -83,7 +83,7 @@ class JobStore:
             store = self.client(5)
             if store.add(self.key() + "/count", 1) == 1:
                 store.set(self.key(), reason)
-        except Exception:  # noqa: BLE001 (the store's host may be the rank that failed)
+        except Exception:  # the store's host may be the rank that failed
             pass
 
     def aborted(self) -> str | None:
@@ -93,7 +93,7 @@ class JobStore:
             return None
         try:
             return store.get(self.key()).decode() if store.check([self.key()]) else None
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None if self.watching is None else "the loss of the job's store (rank 0 or torchrun's agent)"
 
 
@@ -130,7 +130,7 @@ def ranks_that_never_arrived(grace_s: float) -> str:
         store.set(TIMEOUT_KEY.format(rank=rank), PHASE.what)
         time.sleep(grace_s)
         waiting = [r for r in range(world) if store.check([TIMEOUT_KEY.format(rank=r)])]
-    except Exception:  # noqa: BLE001 (the store's host may be the rank that died)
+    except Exception:  # the store's host may be the rank that died
         return ""
     missing = [r for r in range(world) if r not in waiting]
     if rank != min(waiting) or not missing:
@@ -262,6 +262,6 @@ def run_rank(main, argv=None) -> None:
         sys.exit(DIVERGED)
     except SystemExit:
         raise
-    except BaseException as e:  # noqa: B036
+    except BaseException as e:
         report_failure(e)
         exit_now(1)

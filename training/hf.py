@@ -92,7 +92,7 @@ def hf_config(cfg: ModelConfig, meta: dict) -> dict:
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 FOLDER_FIX = ("point train.init_from at a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
-              "python -m training.export")
+              "python -m scripts.export")
 
 
 def weight_files(folder: str) -> dict[str, str]:
@@ -126,7 +126,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     if not os.path.isfile(config_path) or not any(os.path.isfile(os.path.join(folder, f)) for f in (WEIGHTS, INDEX)):
         raise ConfigError(f"train.init_from={folder}: no config.json and {WEIGHTS} (or {INDEX} and its shards) "
                           f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
-                          f"python -m training.export")
+                          f"python -m scripts.export")
     config = json_file(config_path, "train.init_from's config", FOLDER_FIX)
     family = model_types().get(config.get("model_type"))
     if family != cfg.arch:

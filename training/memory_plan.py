@@ -1,7 +1,5 @@
-"""Per-GPU memory plan for a preset under each ds_config layout: model states plus activations.
-
-    python -m training.memory_plan --config configs/encoder_1b.yaml  # every shipped ds_config, 1 and 8 GPUs
-    python -m training.memory_plan --config configs/gpt2_1.5b.yaml --ds_config ds_configs/zero3.json --gpus 8
+"""Per-GPU memory plan for a preset under each ds_config layout: model states plus activations (the command:
+scripts/memory_plan.py).
 
 Model states follow DeepSpeed's accounting for 16-bit mixed precision with AdamW, 20 bytes a parameter:
 16-bit weights (2) and gradients (2), fp32 gradients (4), fp32 master weights (4), Adam moments (8).
@@ -28,21 +26,14 @@ ZeRO-3 adds its gradient bucket, allocated whole at start. Allocator fragmentati
 buckets and the CUDA context (a few GB) come on top. Under ZeRO-3 a GPU's peak runs above this count of the
 activations (docs/performance.md, "The memory plan on a GPU").
 """
-import argparse
-import glob
-import os
-
 import torch
 from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from common.checks import ToolParser
 from model import architecture, model_layers
 from model.documents import document_kernel
 from model.tensor_parallel import TensorParallel
-from training.config import REPO_ROOT, load_run_config
-from training.ds_config import load_ds_config
 from training.steps import LOSS_CHUNK_ROWS
 from training.topology import (
     pipeline_settings,
@@ -151,38 +142,3 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
             "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
             "cpu": cpu, "micro": layout.micro_batch}
 
-
-def main() -> None:
-    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="a preset, e.g. configs/encoder_1b.yaml")
-    parser.add_argument("--ds_config", action="append", help="default: every shipped ds_config")
-    parser.add_argument("--gpus", type=int, action="append", help="default: 1 and 8")
-    parser.add_argument("--gpu_gb", type=float, help="memory of one GPU (default: this machine's GPU 0, else 80)")
-    parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. model.block_size=2048")
-    args = parser.parse_args()
-
-    if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
-        args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
-    run = load_run_config(args.config, args.overrides)
-    cfg = run.model
-    ds_paths = args.ds_config or sorted(glob.glob(os.path.join(REPO_ROOT, "ds_configs", "*.json")))
-    print(f"{args.config}: {cfg.arch}, {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}\n")
-    print(f"| ds_config | GPUs | layout | ZeRO | micro | params/GPU | model states | activations | total/GPU | "
-          f"fits {args.gpu_gb:.0f} GB |\n|---|---|---|---|---|---|---|---|---|---|")
-    for path in ds_paths:
-        ds = load_ds_config(path, [])
-        for gpus in args.gpus or [1, 8]:
-            try:
-                p = plan(cfg, ds, gpus, run.train.mlp_tiles)
-            except ValueError as e:  # a layout that cannot exist on this many GPUs
-                print(f"| {os.path.basename(path)} | {gpus} | impossible: {e} |")
-                continue
-            cpu = f" (+{p['cpu'] / GB:.0f} GB CPU)" if p["cpu"] else ""
-            print(f"| {os.path.basename(path)} | {gpus} | {p['layout']} | {p['zero']} | {p['micro']} | "
-                  f"{p['params_per_gpu'] / 1e9:.2f}B | {p['states'] / GB:.1f} GB{cpu} | "
-                  f"{p['activations'] / GB:.1f} GB | "
-                  f"{p['total'] / GB:.1f} GB | {'yes' if p['total'] < 0.9 * args.gpu_gb * GB else 'no'} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 needs to know of the model (`universal_info`, saved in each checkpoint), which checkpoints convert and how
 (DeepSpeed's converter for ZeRO shards, this module for ZeRO-0's whole optimizer state), and a universal
 checkpoint loaded into a ZeRO-0 engine, which DeepSpeed's loader does not do. The command is
-`python -m training.checkpoint universal` (training/checkpoint.py), which checks the checkpoint first."""
+`python -m scripts.convert_checkpoint universal` (training/checkpoint.py), which checks the checkpoint first."""
 import glob
 import os
 import re
@@ -134,7 +134,7 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
         out_dir = os.path.dirname(os.path.dirname(os.path.normpath(tag_dir)))
         in_hf_layout = ARCHITECTURES[saved["config"]["model"]["arch"]].hf is not None  # what an export can start
         weights = "" if not in_hf_layout else (
-            f", or start a new run from its weights: python -m training.export --out_dir {out_dir} --tag {tag}, then "
+            f", or start a new run from its weights: python -m scripts.export --out_dir {out_dir} --tag {tag}, then "
             f"train.init_from={out_dir}/export/{tag}")
         return (f"{tag_dir} is a ZeRO-0 checkpoint {where}, whose optimizer state no converter reads: resume it on "
                 f"its own layout (pp={layout['pp']}, tp={layout['tp']}){weights}")

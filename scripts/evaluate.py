@@ -1,0 +1,87 @@
+"""Score a checkpoint of any layout (or an export) on lm-evaluation-harness tasks, with the run's own tokenizer.
+
+    pip install '.[eval]'
+    python -m scripts.evaluate --out_dir out/quickstart --tasks data/eval/shakespeare.jsonl
+    python -m scripts.evaluate --out_dir out/gpt2_124m --tag step_005000 --tasks hellaswag,arc_easy,piqa --limit 500
+    python -m scripts.evaluate --export out/quickstart/export/step_002000 --tasks my_tasks/shakespeare.yaml
+
+A task is a name the harness knows (its dataset comes from the Hugging Face hub, or the datasets cache), a task
+YAML file (--include_path: a folder of them), or a JSONL file in HellaSwag's format (data/tasks.py), scored
+as the training loop scores eval.tasks. A list of JSONL files runs offline; for local task YAMLs set
+HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1. The results are printed as a table and written to
+<out_dir>/eval/<tag>.json (an export's: <export>/eval.json), merged with the tasks scored there before.
+"""
+import argparse
+import os
+
+import torch
+
+from common.checks import ConfigError, ToolParser, exit_bad_input
+from data.tokenizers import TokenizerError
+from training.evaluate import LOCAL, earlier_results, task_spec, where, write_results
+from training.export import load_trained
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if all(name.endswith(".jsonl") for name in names):  # read before datasets is imported, which reads them once
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import make_table
+
+        from training.lm_eval_model import CheckpointLM, RequestError
+    except ImportError as e:
+        exit_bad_input(f"python -m scripts.evaluate needs lm-evaluation-harness ({e}); fix: pip install '.[eval]'")
+    try:
+        source, step, output = where(args.out_dir, args.tag, args.export, args.output)
+        cfg, model, tokenizer, _ = load_trained(args.out_dir, args.tag, args.export)
+        manager = TaskManager(include_path=args.include_path,
+                              include_defaults=any(not name.endswith(LOCAL) for name in names))
+        specs = [task_spec(name, tokenizer, manager, args.limit) for name in names]
+        earlier = earlier_results(output)
+    except (ConfigError, TokenizerError) as e:
+        exit_bad_input(e)
+    lm = CheckpointLM(model, cfg.block_size, cfg.vocab_size, tokenizer, args.device, args.batch_size)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=args.limit,
+                                          num_fewshot=args.num_fewshot, log_samples=False, bootstrap_iters=1000)
+    except RequestError as e:
+        exit_bad_input(e)
+    except ConnectionError as e:  # a task's dataset is on the hub, which cannot be reached
+        exit_bad_input(f"a task's dataset could not be fetched ({type(e).__name__}: {e}); fix: run once where the "
+                       f"Hugging Face hub is reachable (the datasets cache keeps it), or score local task files")
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    write_results(output, earlier, results, source, step, args.limit)
+    print(f"wrote {output}")
+
+
+def parse_args(argv):
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--out_dir", help="a run's train.out_dir: score its checkpoint")
+    source.add_argument("--export", help="a folder written by python -m scripts.export")
+    parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
+    parser.add_argument("--tasks", required=True, help="comma-separated: harness task names, task YAML files, "
+                        "JSONL files in HellaSwag's format")
+    parser.add_argument("--limit", type=int, help="the first N examples of each task")
+    parser.add_argument("--num_fewshot", type=int, help="examples shown before each question (the task's default)")
+    parser.add_argument("--batch_size", type=int, default=16, help="rows a forward pass")
+    parser.add_argument("--include_path", help="a folder of task YAML files, named in --tasks by their task names")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--output", help="the results file (default: <out_dir>/eval/<tag>.json)")
+    args = parser.parse_args(argv)
+    for name, low in (("limit", 1), ("num_fewshot", 0), ("batch_size", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            parser.error(f"--{name} {value} must be >= {low}")
+    return args
+
+
+if __name__ == "__main__":
+    main()
