@@ -1,5 +1,5 @@
 """Write the Shakespeare continuation task: a multiple-choice task in HellaSwag's format (data/tasks.py) made
-from tinyshakespeare, for eval.tasks and python -m training.evaluate.
+from tinyshakespeare, for eval.tasks and python -m scripts.evaluate.
 
     python -m data.continuation_task --input ../shared/data/tinyshakespeare.txt --output data/eval/shakespeare.jsonl
 
