@@ -21,7 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError, ToolParser
-from data.loader import TokenData
+from data.token_data import TokenData
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
 from training.startup import configure, load_configs
 from training.topology import describe_hosts
@@ -40,7 +40,7 @@ def main(argv=None) -> None:
                           f"bus bandwidth below which to warn, e.g. --min_busbw 10")
     # train.py's start-up, up to what needs the dataset (every rank reports on it below) or a checkpoint
     cfg, ds = load_configs(rest)
-    layout = configure(cfg, ds).engine.layout
+    layout = configure(cfg, ds)[1].engine_settings.layout
     world = layout.world_size
     PHASE.now(f"joining the process group (world {world})")
     deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))

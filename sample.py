@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--out_dir", help="a run's train.out_dir: sample from its checkpoint")
-    source.add_argument("--export", help="a folder written by python -m training.export")
+    source.add_argument("--export", help="a folder written by python -m scripts.export")
     parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
     parser.add_argument("--prompt", default="\n")
     parser.add_argument("--chat", help="a user message: the model's answer, with its chat template applied")

@@ -65,7 +65,7 @@ class Rank:
     dp_rank: int
     tp: TensorParallel
     sp: SequenceParallel
-    say: Callable[[str], None]  # prints on rank 0 only
+    print0: Callable[[str], None]  # prints on rank 0 only
     model: torch.nn.Module
     engine: deepspeed.DeepSpeedEngine
     driver: PlainDriver  # what the loop asks of the engine, plain or pipelined (training/engines.py)
@@ -82,18 +82,18 @@ def build_engine(run: Run) -> Rank:
     if run.device.type == "cuda":
         torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")  # TF32 or full fp32 matmuls
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-    index, say, topo = join_process_group(run)
+    index, print0, topo = join_process_group(run)
     groups = parallel_groups(topo, layout.sp_size)
     grid, tp = groups.grid, groups.tp
 
     PHASE.now("building the model and the DeepSpeed engine")
-    ds = run.setup.engine.deepspeed_config()
-    model, compiled = parallelize(cfg, run.setup.engine.pipe, ds, topo, tp, grid, groups.sp)
+    ds = run.setup.engine_settings.deepspeed_config()
+    model, compiled = parallelize(cfg, run.setup.engine_settings.pipe, ds, topo, tp, grid, groups.sp)
     if compiled:
-        say(f"compiling {compiled} blocks (torch.compile) at the first step")
+        print0(f"compiling {compiled} blocks (torch.compile) at the first step")
     if run.init_from:
         hf.load_into(model, run.init_from, cfg.model, tp)
-        say(f"initialized from {run.init_from}")
+        print0(f"initialized from {run.init_from}")
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
     weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
@@ -114,12 +114,12 @@ def build_engine(run: Run) -> Rank:
         if index == 0:  # what steps after start_step left behind: this run writes them anew
             if run.discard:
                 checkpoint.discard(cfg.train.out_dir, run.discard)
-                say(f"deleted the newer checkpoints {', '.join(run.discard)} (train.discard_newer=true)")
+                print0(f"deleted the newer checkpoints {', '.join(run.discard)} (train.discard_newer=true)")
             moved = checkpoint.set_aside_metrics(cfg.train.out_dir, start_step)
         torch.distributed.barrier()  # before any rank saves
-        say(f"resumed from {run.resume_dir} at step {start_step}" + (f"; {moved}" if moved else ""))
+        print0(f"resumed from {run.resume_dir} at step {start_step}" + (f"; {moved}" if moved else ""))
     else:
-        say(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
+        print0(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
     # Against the engine's own count of samples, the x of its monitor events (sequence ranks counted in).
     log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=index == 0, append=bool(run.resume_dir),
                      samples_per_step=ds[GLOBAL])
@@ -129,20 +129,20 @@ def build_engine(run: Run) -> Rank:
     scorer = ChoiceScorer(run.tasks, cfg.model.block_size, groups.dp_rank, layout.dp, layout.micro_batch,
                           driver.fixed_shape, layout.sp_size) if run.tasks else None
     if scorer:
-        say(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
-    return Rank(index, groups.dp_rank, tp, groups.sp, say, model, engine, driver, start_step, batches_skipped, log,
+        print0(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
+    return Rank(index, groups.dp_rank, tp, groups.sp, print0, model, engine, driver, start_step, batches_skipped, log,
                 scorer, universal_info)
 
 
 def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
-    """This rank in the job's process group: its global rank, its `say`, and DeepSpeed's topology of the job,
+    """This rank in the job's process group: its global rank, its `print0`, and DeepSpeed's topology of the job,
     which rank 0 reports with the effective configuration."""
     layout = run.layout
     PHASE.now(f"joining the process group (world {layout.world_size})")
     deepspeed.init_distributed(timeout=collective_timeout(run.cfg.train.dist_timeout_s))
     JOB.watch()  # from here a rank that fails stops the whole job (training/failure.py)
     index = torch.distributed.get_rank()
-    say = functools.partial(print_line, file=sys.stdout) if index == 0 else lambda *_: None
+    print0 = functools.partial(print_line, file=sys.stdout) if index == 0 else lambda *_: None
     hostnames = [None] * layout.world_size
     torch.distributed.all_gather_object(hostnames, socket.gethostname())
     os.makedirs(run.cfg.train.out_dir, exist_ok=True)
@@ -150,13 +150,13 @@ def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
     if index == 0:
         save_effective_config(run.cfg, run.ds, layout)
         started = "one process, no launcher" if run.setup.launcher == "none" else run.setup.launcher
-        say(f"topology ({started}): {describe_hosts(hostnames)}; {layout.describe()}; {describe_zero(run.ds)}")
-        say(describe_stages(run.specs, run.parts, layout))
+        print0(f"topology ({started}): {describe_hosts(hostnames)}; {layout.describe()}; {describe_zero(run.ds)}")
+        print0(describe_stages(run.specs, run.parts, layout))
         if layout.tp_size > 1 or layout.sp_size > 1:
-            say(describe_topology(topo, layout.sp_size))
-        say(describe_data(run.data))
-        say(describe_outputs(run.cfg.train.out_dir))
-    return index, say, topo
+            print0(describe_topology(topo, layout.sp_size))
+        print0(describe_data(run.data))
+        print0(describe_outputs(run.cfg.train.out_dir))
+    return index, print0, topo
 
 
 def train(run: Run, rank: Rank) -> int:
@@ -168,12 +168,12 @@ def train(run: Run, rank: Rank) -> int:
         evaluate(run, rank, 0)
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     if rank.start_step >= last_step:  # resumed at its end: what a user asks of a finished run is its scores
-        rank.say(f"the run is at step {rank.start_step}, train.max_steps={cfg.train.max_steps}: nothing to train; "
+        rank.print0(f"the run is at step {rank.start_step}, train.max_steps={cfg.train.max_steps}: nothing to train; "
                  + ("scoring eval.tasks, then sampling" if rank.scorer else "sampling"))
         if rank.scorer:
             PHASE.now(f"evaluating at step {rank.start_step}")
             evaluate(run, rank, rank.start_step, log_losses=False)  # the losses of this step are logged already
-    guard = Guard(cfg.train, rank.engine, rank.say, rank.log.log)
+    guard = Guard(cfg.train, rank.engine, rank.print0, rank.log.log)
     step = rank.start_step
     while step < last_step:  # again from a checkpoint after each rewind
         step = train_steps(run, rank, meter, guard, step, last_step)
@@ -226,13 +226,13 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
 
 def throughput_meter(run: Run, rank: Rank) -> Throughput:
     """Tokens/s and MFU against the device's peak, once the run has said what it trains."""
-    cfg, layout, dtype = run.cfg, run.layout, run.setup.engine.dtype
+    cfg, layout, dtype = run.cfg, run.layout, run.setup.engine_settings.dtype
     peak, peak_source = peak_flops(run.device, dtype, cfg.train.peak_tflops, tf32=cfg.train.tf32)
     tokens_per_step = layout.global_batch * cfg.model.block_size
-    rank.say(f"model: {run.n_params:,} parameters ({describe_model(cfg.model)}); {tokens_per_step:,} tokens/step; "
+    rank.print0(f"model: {run.n_params:,} parameters ({describe_model(cfg.model)}); {tokens_per_step:,} tokens/step; "
              f"{dtype}; MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
     for note in run.notes:
-        rank.say(note)
+        rank.print0(note)
     return Throughput(tokens_per_step, flops_per_token(cfg.model) * tokens_per_step / layout.world_size, peak)
 
 
@@ -249,7 +249,7 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
                  peak_mem_gb=memory, reserved_gb=reserved,
                  **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))
     speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
-    rank.say(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
+    rank.print0(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
              f"mem {memory:.2f} GB ({reserved:.2f} reserved)")
     return verdict
 
@@ -274,7 +274,7 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
         record = {"train_loss": losses["train"], "val_loss": losses["val"], **record}
     rank.log.log(step, **record)
     tasks = "".join(f"; {task} acc {acc:.4f}, acc_norm {norm:.4f}" for task, (acc, norm) in scores.items())
-    rank.say(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{tasks}")
+    rank.print0(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{tasks}")
 
 
 def save(run: Run, rank: Rank, step: int) -> None:
@@ -283,11 +283,11 @@ def save(run: Run, rank: Rank, step: int) -> None:
     run_state = {"tag": checkpoint.tag_for(step), "step": step,
                  "tokens_seen": step * run.layout.global_batch * cfg.model.block_size,
                  "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
-                 "layout": run.setup.engine.layout_record(), "data": run.data.record(),
+                 "layout": run.setup.engine_settings.layout_record(), "data": run.data.record(),
                  "batches_skipped": rank.batches_skipped}
     tag = checkpoint.save(rank.engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints,
                           rank.universal_info)
-    rank.say(f"saved {tag}")
+    rank.print0(f"saved {tag}")
 
 
 OUT_OF_SYNC = {"tied_weights_in_sync": "the tied embedding and LM head differ between the first and last stage",
@@ -301,13 +301,13 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
     for check, in_sync in rank.driver.weights_in_sync().items():
         rank.log.log(last_step, **{check: in_sync})
         if not in_sync:
-            rank.say(f"WARNING: {OUT_OF_SYNC[check]}")
+            rank.print0(f"WARNING: {OUT_OF_SYNC[check]}")
     rank.log.close()
 
     PHASE.now("sampling")
     forward = rank.driver.next_token_logits(run.layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size,
                                             with_positions=run.data.positions)
-    rank.say(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"
+    rank.print0(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"
              f"--------------")
     leave_process_group()
 
@@ -327,7 +327,7 @@ def sample(engine, forward, cfg: RunConfig, tokenizer, prompt_ids: list[int], de
 
 def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
     """The run config and the ds_config as this run took them, written beside its checkpoints; printed too with
-    train.print_config=true (the start-up lines say the rest)."""
+    train.print_config=true (the start-up lines print0 the rest)."""
     run_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     ds_json = json.dumps(ds, indent=2)
     if cfg.train.print_config:

@@ -21,8 +21,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import at_least, print_table, results_file, run_main, work_folder, write_json  # noqa: E402
-from common.checks import ToolParser, existing_file  # noqa: E402
+from benchmarks.report import at_least, print_table, results_file, run_main, work_folder, write_json
+from common.checks import ToolParser, existing_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # $SHAKESPEARE_TXT, else the shared copy beside the repo, else the quickstart's download (as the tests).
@@ -115,7 +115,7 @@ def measure_batches(plays: str, docs: str, iters: int = 2000) -> dict:
     import numpy as np
     import torch
 
-    from data.loader import TokenData
+    from data.token_data import TokenData
     from training.topology import Layout
 
     data = TokenData(None, None, 1024, [{"dir": plays, "weight": 0.3}, {"dir": docs, "weight": 0.7}])

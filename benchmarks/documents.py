@@ -23,9 +23,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.data import SHAKESPEARE  # noqa: E402
-from benchmarks.report import at_least, load_inputs, print_table, run_main, run_tool, work_folder  # noqa: E402
-from common.checks import ToolParser, existing_file  # noqa: E402
+from benchmarks.data import SHAKESPEARE
+from benchmarks.report import at_least, load_inputs, print_table, run_main, run_tool, work_folder
+from common.checks import ToolParser, existing_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BABY_LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.dropout=0", "ds.bf16.enabled=false"]

@@ -29,9 +29,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import at_least, print_table, run_main, run_tool, work_folder  # noqa: E402
-from common.checks import ConfigError, ToolParser  # noqa: E402
-from data.reverse_task import answer, conversation, prompt, tasks  # noqa: E402
+from benchmarks.report import at_least, print_table, run_main, run_tool, work_folder
+from common.checks import ConfigError, ToolParser
+from data.reverse_task import answer, conversation, prompt, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/llama_quickstart_sft.yaml"

@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import print_table  # noqa: E402
+from benchmarks.report import print_table
 
 
 def preset_vocab(path: str) -> str:

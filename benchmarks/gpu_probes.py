@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,9 +87,10 @@ def built_weights(argv: list[str]) -> dict:
     from training.parallelize import parallelize
 
     run = start_one_process(argv)
-    model, _ = parallelize(run.cfg, run.setup.engine.pipe, run.ds)
+    model, _ = parallelize(run.cfg, run.setup.engine_settings.pipe, run.ds)
     params = dict(model.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())) if run.setup.engine.zero_stage == 3 else _nothing():
+    zero3 = run.setup.engine_settings.zero_stage == 3
+    with deepspeed.zero.GatheredParameters(list(params.values())) if zero3 else _nothing():
         weights = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
     leave_process_group()
     return weights

@@ -132,7 +132,7 @@ class Watch:
 
     def install(self, cuda: bool) -> None:
         import train
-        from data.loader import TokenData
+        from data.token_data import TokenData
 
         if "--syncs" in self.options:
             self.syncs = Syncs(cuda)

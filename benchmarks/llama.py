@@ -19,8 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import at_least, load_inputs, print_table, run_main, run_tool  # noqa: E402
-from common.checks import ToolParser, new_output  # noqa: E402
+from benchmarks.report import at_least, load_inputs, print_table, run_main, run_tool
+from common.checks import ToolParser, new_output
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTARTS = {"gpt": "configs/quickstart.yaml", "llama": "configs/llama_quickstart.yaml"}

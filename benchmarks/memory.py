@@ -38,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (  # noqa: E402
+from benchmarks.report import (
     DEEPSPEED,
     REPO,
     at_least,
@@ -50,7 +50,7 @@ from benchmarks.report import (  # noqa: E402
     run_tool,
     write_json,
 )
-from common.checks import ConfigError, ToolParser  # noqa: E402
+from common.checks import ConfigError, ToolParser
 
 # ZeRO-3 as zero3_lowmem.json by default: zero3.json's GPU-sized buckets (DeepSpeed's defaults) hold every
 # parameter of a model this size gathered at once, which is not what ZeRO-3 is measured for here.
@@ -150,7 +150,7 @@ def worker(args) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from data.loader import TokenData
+    from data.token_data import TokenData
     from training.config import load_run_config, split_overrides
     from training.ds_config import load_ds_config
     from training.failure import leave_process_group

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (  # noqa: E402
+from benchmarks.report import (
     DEEPSPEED,
     REPO,
     at_least,
@@ -30,7 +30,7 @@ from benchmarks.report import (  # noqa: E402
     work_folder,
     write_json,
 )
-from common.checks import ToolParser  # noqa: E402
+from common.checks import ToolParser
 
 DS_CONFIG = "ds_configs/pipe2.json"
 

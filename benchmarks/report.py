@@ -116,7 +116,7 @@ def work_folder(path: str, what: str = "--work_dir") -> str:
 def load_inputs(config: str, ds_config: str, overrides: list[str], root: str = ""):
     """(run config, ds_config, dataset) checked as train.py checks them, before any measurement: relative paths
     (data.dir too) from `root`, the folder the measured processes run in."""
-    from data.loader import TokenData
+    from data.token_data import TokenData
     from training.config import load_run_config, split_overrides
     from training.ds_config import load_ds_config
 

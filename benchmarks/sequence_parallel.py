@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (  # noqa: E402
+from benchmarks.report import (
     REPO,
     at_least,
     launch_recorded,
@@ -35,7 +35,7 @@ from benchmarks.report import (  # noqa: E402
     work_folder,
     write_json,
 )
-from common.checks import ConfigError, ToolParser  # noqa: E402
+from common.checks import ConfigError, ToolParser
 
 # name: (ranks, ds_config, sequence-parallel degree, MLP tiles)
 LAYOUTS = {"one": (1, "zero1.json", 1, 1), "dp2": (2, "zero1.json", 1, 1), "sp2": (2, "sp2.json", 2, 1),

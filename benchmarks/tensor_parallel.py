@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.report import (  # noqa: E402
+from benchmarks.report import (
     REPO,
     at_least,
     launch_recorded,
@@ -35,7 +35,7 @@ from benchmarks.report import (  # noqa: E402
     work_folder,
     write_json,
 )
-from common.checks import ConfigError, ToolParser  # noqa: E402
+from common.checks import ConfigError, ToolParser
 
 # name: (ranks, ds_config)
 LAYOUTS = {"tp1": (1, "zero1.json"), "dp2": (2, "zero1.json"), "tp2": (2, "tp2.json")}

@@ -20,23 +20,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-from deepspeed.accelerator import get_accelerator  # noqa: E402
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
 
-from benchmarks.report import at_least, environment, load_inputs, print_table, results_file, run_main, write_json  # noqa: E402
-from benchmarks.turns import timed_turns  # noqa: E402
-from common.checks import ToolParser  # noqa: E402
-from data.loader import TokenData  # noqa: E402
-from model import build_model, compile_blocks  # noqa: E402
-from training.device import peak_flops  # noqa: E402
-from training.engines import train_step  # noqa: E402
-from training.failure import leave_process_group  # noqa: E402
-from training.launcher_env import set_single_process_env  # noqa: E402
-from training.metrics import flops_per_token  # noqa: E402
-from training.optim import optimizer_and_schedule, param_groups  # noqa: E402
-from training.steps import lm_loss  # noqa: E402
-from training.topology import resolve_layout  # noqa: E402
+from benchmarks.report import at_least, environment, load_inputs, print_table, results_file, run_main, write_json
+from benchmarks.turns import timed_turns
+from common.checks import ToolParser
+from data.token_data import TokenData
+from model import build_model, compile_blocks
+from training.device import peak_flops
+from training.engines import train_step
+from training.failure import leave_process_group
+from training.launcher_env import set_single_process_env
+from training.metrics import flops_per_token
+from training.optim import optimizer_and_schedule, param_groups
+from training.steps import lm_loss
+from training.topology import resolve_layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -5,9 +5,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from data.conversations import ChatData
-from data.token_data import IGNORE, TokenData
-
-__all__ = ["IGNORE", "TokenData", "open_data", "prefetched"]  # what train.py and training/ take from here
+from data.token_data import TokenData
 
 
 def open_data(data_dir: str, tokenizer: str | None, block_size: int, sources=(), document_masking: bool = False,

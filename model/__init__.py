@@ -20,9 +20,9 @@ def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
     return parallelize(arch.layers(cfg), arch.plan, tp)
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, place=None,
+def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, partition=None,
                 tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> nn.Module:
-    stack = LayerStack(model_layers(cfg, tp), seed, checkpoint_interval, (architecture(cfg).block,), place)
+    stack = LayerStack(model_layers(cfg, tp), seed, checkpoint_interval, (architecture(cfg).block,), partition)
     return sequence_parallel(stack, sp, cfg.document_masking)
 
 

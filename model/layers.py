@@ -9,7 +9,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from deepspeed.runtime.zero import GatheredParameters
 
 from model.documents import document_attention, hidden_and_positions, with_positions
 
@@ -24,16 +23,13 @@ def init_weights(module: nn.Module, n_layer: int, residual: tuple) -> None:
     """GPT-2 init, shared by the GPT and Llama blocks: matrices N(0, 0.02), the residual projections
     (names ending in `residual`) scaled by 1/sqrt(2 x n_layer), one per residual add; biases zero; norm
     weights keep their ones."""
-    # Under ZeRO-3's zero.Init each nn.Linear is partitioned as soon as its own constructor returns,
-    # so re-initializing it here needs the full tensors back (a no-op without ZeRO-3).
-    with GatheredParameters(list(module.parameters()), modifier_rank=0):
-        for name, p in module.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif name.endswith(residual):
-                nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
-            elif p.dim() == 2:
-                nn.init.normal_(p, mean=0.0, std=INIT_STD)
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif name.endswith(residual):
+            nn.init.normal_(p, mean=0.0, std=INIT_STD / math.sqrt(2 * n_layer))
+        elif p.dim() == 2:
+            nn.init.normal_(p, mean=0.0, std=INIT_STD)
 
 
 class TokenEmbedding(nn.Module):

@@ -28,9 +28,10 @@ class LayerStack(nn.Module):
     ("<layer index>.<name>", tied layers "tied_modules.<key>.<name>"), so a checkpoint taken under
     one build can be resumed or exported under the other."""
 
-    def __init__(self, specs: list, seed: int, checkpoint_interval: int = 0, checkpointable: tuple = (), place=None):
-        """checkpointable: the layer classes activation checkpointing may wrap. place(layer), if given, is called
-        on each new layer as soon as it is built (ZeRO-3 partitions it)."""
+    def __init__(self, specs: list, seed: int, checkpoint_interval: int = 0, checkpointable: tuple = (),
+                 partition=None):
+        """checkpointable: the layer classes activation checkpointing may wrap. partition(layer), if given, is
+        called on each new layer as soon as it is built (ZeRO-3's)."""
         super().__init__()
         self.checkpoint_interval = checkpoint_interval
         self.checkpointable = set(checkpointable)
@@ -46,8 +47,8 @@ class LayerStack(nn.Module):
             else:
                 seed_layer(seed + i)
                 layer = spec.build()
-                if place is not None:
-                    place(layer)
+                if partition is not None:
+                    partition(layer)
                 if isinstance(spec, TiedLayerSpec):
                     self.tied_modules[spec.key] = layer
                 else:

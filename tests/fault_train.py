@@ -14,8 +14,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train  # noqa: E402
-from training.failure import exit_now, report_failure, run_rank  # noqa: E402
+import train
+from training.failure import exit_now, report_failure, run_rank
 
 SCALES = {"nan": float("nan"), "spike": 100.0}
 

@@ -3,7 +3,7 @@ rank would otherwise import or load on its own at start. Loading only: no thread
 work, which a fork would not carry over."""
 import deepspeed  # noqa: F401
 import functorch.compile  # noqa: F401  (deepspeed.initialize calls torch.compile's configuration: ~1.4 s a rank)
-import torch  # noqa: F401
+import torch
 import torch._inductor.compile_fx  # noqa: F401
 from deepspeed.accelerator import get_accelerator
 

@@ -13,8 +13,9 @@ import sample
 from chats import documents, reverse_tasks
 from common.checks import ConfigError
 from data.conversations import ChatData
-from data.loader import IGNORE, TokenData, open_data
+from data.loader import open_data
 from data.prepare_chat import prepare_chat
+from data.token_data import IGNORE, TokenData
 from data.tokenizers import CharTokenizer
 from harness import run
 from refusals import assert_refused

@@ -10,9 +10,10 @@ import torch
 
 from common.checks import ConfigError
 from corpora import byte_level_encoding, prepare_blend_sources
-from data.loader import IGNORE, TokenData, prefetched
+from data.loader import prefetched
 from data.prepare import prepare
 from data.sampler import Blend
+from data.token_data import IGNORE, TokenData
 from data.tokenizers import CharTokenizer, TiktokenTokenizer
 from harness import run
 from training.topology import Layout

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from data.documents import Documents
-from data.loader import TokenData
+from data.token_data import TokenData
 from model import build_model
 from model.config import ModelConfig
 from model.documents import dense_document_mask, document_kernel

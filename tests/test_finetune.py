@@ -14,8 +14,8 @@ import torch
 
 from chats import chatml_folder, reverse_tasks, write_jsonl
 from data.conversations import ChatData
-from data.loader import IGNORE
 from data.prepare_chat import prepare_chat
+from data.token_data import IGNORE
 from harness import FP32, export, grad_norms, launch, metrics, run, train_losses, train_py
 from hf_check import transformers_model
 from model.config import ModelConfig

@@ -32,7 +32,7 @@ def fake_checkpoint(root, step: int, complete: bool = True, layout=None, suffix:
     os.makedirs(tag_dir)
     torch.save({"module": {"weight": torch.zeros(4)}}, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if complete:
-        layout = layout or {"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1}
+        layout = layout or {"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1}
         checkpoint.mark_complete(tag_dir, {"tag": tag, "step": step, "config": {"model": MODEL}, "layout": layout,
                                            "data": {"sources": []}})
     return tag
@@ -64,22 +64,23 @@ def test_an_unfinished_tag_asked_for_by_name_is_refused(tmp_path):
     fake_checkpoint(root, 3)
     fake_checkpoint(root, 6, complete=False)
     with pytest.raises(ConfigError) as error:
-        plan_resume(str(tmp_path), "step_000006", MODEL, {"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1})
+        plan_resume(str(tmp_path), "step_000006", MODEL,
+                    {"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1})
     assert str(error.value) == (f"{root}/step_000006 is not a complete checkpoint (no manifest.json: its save never "
                                 f"finished). Resume from an earlier tag: step_000003")
 
 
 @pytest.mark.parametrize("now,changed", [
-    ({"world": 2, "dp": 1, "pp": 2, "tp": 1, "zero_stage": 1}, "dp=1 x pp=2 with ZeRO-1"),
-    ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 2}, "dp=2 x pp=1 with ZeRO-2"),
-    ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 0}, "dp=2 x pp=1 with ZeRO-0"),
-    ({"world": 4, "dp": 2, "pp": 1, "tp": 2, "zero_stage": 1}, "dp=2 x pp=1 x tp=2 with ZeRO-1"),
+    ({"world": 2, "dp": 1, "pp": 2, "tp": 1, "sp": 1, "zero_stage": 1}, "dp=1 x pp=2 with ZeRO-1"),
+    ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 2}, "dp=2 x pp=1 with ZeRO-2"),
+    ({"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 0}, "dp=2 x pp=1 with ZeRO-0"),
+    ({"world": 4, "dp": 2, "pp": 1, "tp": 2, "sp": 1, "zero_stage": 1}, "dp=2 x pp=1 x tp=2 with ZeRO-1"),
     # The same data axis (dp x sp = 2), but other windows on each rank: not a layout to resume as it is.
     ({"world": 2, "dp": 1, "pp": 1, "tp": 1, "sp": 2, "zero_stage": 1}, "dp=1 x pp=1 x sp=2 with ZeRO-1"),
 ], ids=["pipeline", "zero-stage-up", "zero-stage-down", "tensor-parallel", "sequence-parallel"])
 def test_a_changed_pipeline_tensor_parallel_or_zero_stage_is_refused(tmp_path, now, changed):
     root = str(tmp_path / "checkpoints")
-    fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 1})
+    fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1})
     with pytest.raises(ConfigError) as error:
         plan_resume(str(tmp_path), "step_000003", MODEL, now)
     assert (f"the checkpoint was saved at dp=2 x pp=1 with ZeRO-1, this run is {changed}: its optimizer state only "
@@ -92,14 +93,15 @@ def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
     """ZeRO-0 ones (no optimizer shards for DeepSpeed's converter) at another degree, and ZeRO-3 ones at tp > 1
     sent to the converter: refused, with the way forward, the checkpoint untouched."""
     root = str(tmp_path / "checkpoints")
-    fake_checkpoint(root, 3, layout={"world": 2, "dp": 1, "pp": 1, "tp": 2, "zero_stage": 0})
+    fake_checkpoint(root, 3, layout={"world": 2, "dp": 1, "pp": 1, "tp": 2, "sp": 1, "zero_stage": 0})
     with pytest.raises(ConfigError) as error:
-        plan_resume(str(tmp_path), "step_000003", MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0})
+        plan_resume(str(tmp_path), "step_000003", MODEL,
+                    {"world": 1, "dp": 1, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 0})
     assert str(error.value) == (
         "the checkpoint was saved at tensor-parallel degree 2 without ZeRO, this run has 1: DeepSpeed's universal "
         "converter, which reshards, needs ZeRO optimizer shards. Resume it with tensor_model_parallel_size=2, or "
         "start from its weights (python -m scripts.export, then train.init_from=EXPORT_DIR)")
-    fake_checkpoint(root, 4, layout={"world": 4, "dp": 2, "pp": 1, "tp": 2, "zero_stage": 3})
+    fake_checkpoint(root, 4, layout={"world": 4, "dp": 2, "pp": 1, "tp": 2, "sp": 1, "zero_stage": 3})
     with pytest.raises(ConfigError, match=r"is a ZeRO-3 checkpoint at tensor-parallel degree 2: DeepSpeed's converter "
                                           r"merges ZeRO-3 shards of one tensor slice only. Resume it at tp=2"):
         checkpoint.to_universal(str(tmp_path), "step_000004")
@@ -108,15 +110,17 @@ def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
 
 def test_universal_checkpoints_resume_on_any_layout_and_zero0_at_any_dp(tmp_path):
     root = str(tmp_path / "checkpoints")
-    tag = fake_checkpoint(root, 3, layout={"world": 4, "dp": 2, "pp": 2, "tp": 1, "zero_stage": 1},
+    tag = fake_checkpoint(root, 3, layout={"world": 4, "dp": 2, "pp": 2, "tp": 1, "sp": 1, "zero_stage": 1},
                           suffix="_universal")
     with open(os.path.join(root, tag, checkpoint.RUN_STATE)) as f:
         state = json.load(f)
     checkpoint.mark_complete(os.path.join(root, tag), {**state, "universal": True})
-    tag_dir, saved = plan_resume(str(tmp_path), tag, MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 2})
+    tag_dir, saved = plan_resume(str(tmp_path), tag, MODEL,
+                                 {"world": 1, "dp": 1, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 2})
     assert tag_dir and saved["universal"]  # training/startup.py then asks DeepSpeed for universal loading
-    fake_checkpoint(root, 4, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": 0})
-    assert plan_resume(str(tmp_path), "step_000004", MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0})[0]
+    fake_checkpoint(root, 4, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 0})
+    assert plan_resume(str(tmp_path), "step_000004", MODEL,
+                       {"world": 1, "dp": 1, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 0})[0]
 
 
 @pytest.mark.parametrize("made_from,now,fix", [(1, 3, "a ZeRO-0, 1 or 2 ds_config (e.g. ds_configs/zero2.json)"),
@@ -125,13 +129,13 @@ def test_a_universal_checkpoint_crossing_zero3_is_refused(tmp_path, made_from, n
     """DeepSpeed's ZeRO-3 writes and reads model-states files of other names than ZeRO 0-2: a universal checkpoint
     made on one side does not load on the other (DeepSpeed fails midway in the load)."""
     root = str(tmp_path / "checkpoints")
-    tag = fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "zero_stage": made_from},
+    tag = fake_checkpoint(root, 3, layout={"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": made_from},
                           suffix="_universal")
     with open(os.path.join(root, tag, checkpoint.RUN_STATE)) as f:
         state = json.load(f)
     checkpoint.mark_complete(os.path.join(root, tag), {**state, "universal": True})
     with pytest.raises(ConfigError) as error:
-        plan_resume(str(tmp_path), tag, MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": now})
+        plan_resume(str(tmp_path), tag, MODEL, {"world": 1, "dp": 1, "pp": 1, "tp": 1, "sp": 1, "zero_stage": now})
     assert str(error.value) == (f"the checkpoint is a universal one made from a ZeRO-{made_from} checkpoint, this "
                                 f"run is ZeRO-{now}: DeepSpeed loads one made from ZeRO-3 under ZeRO-3 only, and one "
                                 f"made from ZeRO 0-2 under ZeRO 0-2 only; fix: resume it with {fix}")
@@ -207,7 +211,7 @@ def test_the_commit_order_leaves_auto_resume_a_complete_checkpoint_at_every_poin
     long write) leaves train.resume=auto a complete checkpoint: the previous one until `latest` names the new."""
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *args, **kwargs: 0)
-    layout = {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0}
+    layout = {"world": 1, "dp": 1, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 0}
     state = {"tag": "step_000002", "step": 2, "config": {"model": MODEL}, "layout": layout, "data": {"sources": []}}
 
     class Engine:  # writes a shard as DeepSpeed's save_checkpoint does, leaving `latest` to the caller

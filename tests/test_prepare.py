@@ -14,10 +14,10 @@ import zstandard
 
 import data.prepare
 from corpora import byte_level_encoding, speeches, write_corpus
-from data.loader import TokenData
 from data.out_dir import in_val
 from data.prepare import prepare
 from data.readers import InputError, Piece, documents
+from data.token_data import TokenData
 from data.tokenizers import EOT, TiktokenTokenizer, TokenizerError, load_tokenizer, train_bpe
 from data.writer import ShardWriter, read_index
 from harness import run

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 import common.checks
 import data.token_data
 from common.checks import ConfigError
-from data.loader import TokenData
+from data.token_data import TokenData
 from harness import REPO, TINY, train_py
 from refusals import assert_one_error_line
 

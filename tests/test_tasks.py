@@ -10,8 +10,8 @@ import torch
 
 import data.tasks
 from common.checks import ConfigError
-from data.loader import IGNORE
 from data.tasks import Example, Task, harness_task, pair_ids, read_task, task_file
+from data.token_data import IGNORE
 from data.tokenizers import CharTokenizer
 from model import build_model
 from model.config import ModelConfig

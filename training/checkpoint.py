@@ -322,7 +322,7 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
                               f"ZeRO-{layout['zero_stage']}: DeepSpeed loads one made from ZeRO-3 under ZeRO-3 only, "
                               f"and one made from ZeRO 0-2 under ZeRO 0-2 only; fix: resume it with {fix}")
         return
-    was, now = {"sp": 1, **saved["layout"]}, {"sp": 1, **layout}  # recorded before sequence parallelism: sp 1
+    was, now = saved["layout"], layout
     if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
         return  # without ZeRO every rank saves and loads the whole optimizer state: any dp (and sp) fits
     if was["zero_stage"] == 0 and was["tp"] != now["tp"]:

@@ -123,8 +123,8 @@ def skip_nonfinite_updates(engine) -> torch.Tensor | None:
 class Guard:
     """A rank's watch over its steps and the run's policy for what it sees (train.on_nonfinite, train.on_spike)."""
 
-    def __init__(self, train, engine, say: Callable[[str], None], log):
-        self.cfg, self.engine, self.say, self.log = train, engine, say, log
+    def __init__(self, train, engine, print0: Callable[[str], None], log):
+        self.cfg, self.engine, self.print0, self.log = train, engine, print0, log
         self.watch = Watch(train.spike_factor, train.spike_window, engine.device)
         self.root = checkpoint.checkpoint_root(train.out_dir)
         self.rewinds = 0
@@ -143,7 +143,7 @@ class Guard:
         """Collective (every rank has the same verdict), at a read point after `step`: None goes on; else (the
         step rewound to, the batches skipped from now on). A stop raises Diverged."""
         if verdict.spike is not None:
-            self.say(f"WARNING: step {verdict.spike}: a loss spike, {verdict.spike_ratio:.1f}x the recent mean "
+            self.print0(f"WARNING: step {verdict.spike}: a loss spike, {verdict.spike_ratio:.1f}x the recent mean "
                      f"(train.spike_factor {self.cfg.spike_factor:g})")
             self.log(verdict.spike, loss_spike=verdict.spike_ratio)
         if verdict.first_bad is not None:
@@ -154,7 +154,7 @@ class Guard:
             policy, setting = self.cfg.on_nonfinite, "on_nonfinite"
             if policy == "skip":
                 if verdict.longest_streak < self.cfg.max_skipped_steps:
-                    self.say(f"WARNING: {problem}: their updates were skipped (train.on_nonfinite=skip)")
+                    self.print0(f"WARNING: {problem}: their updates were skipped (train.on_nonfinite=skip)")
                     return None
                 problem += (f", {verdict.longest_streak} in a row: train.max_skipped_steps="
                             f"{self.cfg.max_skipped_steps}")
@@ -199,7 +199,7 @@ class Guard:
         back = checkpoint.load(self.engine, os.path.join(self.root, tags[-1]))["step"]
         self.watch.streak.zero_()
         batches_skipped += step - back
-        self.say(f"WARNING: {problem}: rewound to {tags[-1]} (rewind {self.rewinds} of train.max_rewinds "
+        self.print0(f"WARNING: {problem}: rewound to {tags[-1]} (rewind {self.rewinds} of train.max_rewinds "
                  f"{self.cfg.max_rewinds}); the batches of steps {back + 1}-{step} are left out: step {back + 1} "
                  f"trains on the batch step {step + 1} would have, {batches_skipped} batches skipped in all")
         self.log(step, rewound_to=back, batches_skipped=batches_skipped)

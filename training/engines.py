@@ -49,7 +49,7 @@ class PlainDriver:
     @torch.no_grad()
     def eval_loss(self, batches: list, tokens: int) -> float:
         """Mean loss over the `tokens` target tokens of every data-parallel rank's batches (a fixed validation
-        set: see data/loader.py), the same for any layout."""
+        set: see data/token_data.py), the same for any layout."""
         engine = self.engine
         engine.eval()
         total = sum(token_loss_sum(engine(inputs), targets, self.tp).double() for inputs, targets in batches)

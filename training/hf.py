@@ -163,8 +163,8 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
 def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
     """Copy a checked Hugging Face checkpoint into a freshly built model, before deepspeed.initialize, one
     tensor at a time from the memory-mapped files. A pipeline stage holds, and so reads, only its own
-    layers, a tensor rank its slice of each; under ZeRO-3 (built in zero.Init) each partitioned parameter is
-    gathered, written by rank 0 and partitioned again (GatheredParameters is a no-op otherwise)."""
+    layers, a tensor rank its slice of each; under ZeRO-3 (each layer partitioned as it is built) each
+    parameter is gathered, written by rank 0 and partitioned again (GatheredParameters is a no-op otherwise)."""
     files, pairs = weight_files(folder), {ours: (theirs, how) for ours, theirs, how in tensor_pairs(cfg)}
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -12,8 +12,8 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from data.loader import IGNORE
 from data.tasks import context_ids, pair_ids
+from data.token_data import IGNORE
 from data.tokenizers import delimiter_id
 from training.multiple_choice import Row, batches, choice_row, row_losses
 

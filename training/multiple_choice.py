@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from common.checks import ConfigError
-from data.loader import IGNORE
 from data.tasks import Example, Task, read_task, task_file, task_name
+from data.token_data import IGNORE
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_rows
 
 

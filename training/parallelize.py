@@ -37,7 +37,7 @@ def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorP
                                pipe.checkpoint_interval, tp, sp)
     elif ds.get("zero_optimization", {}).get("stage", 0) == 3:
         model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval,
-                            place=zero3_partition(ds, tp, grid), tp=tp, sp=sp)
+                            partition=zero3_partition(ds, tp, grid), tp=tp, sp=sp)
     else:
         model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp)
     model = tile_mlps(model, cfg.train.mlp_tiles)

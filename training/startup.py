@@ -14,8 +14,9 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError
-from data.loader import TokenData, open_data
+from data.loader import open_data
 from data.tasks import Task
+from data.token_data import TokenData
 from data.tokenizers import sampling_start
 from model import architecture, build_model, model_layers
 from model.documents import KERNEL_NAMES, document_kernel
@@ -46,7 +47,7 @@ from training.topology import (
 
 
 @dataclass
-class Engine:
+class EngineSettings:
     """The ds_config DeepSpeed is given, and what follows from it for this process."""
     ds: dict
     layout: Layout
@@ -69,12 +70,11 @@ class Engine:
 
 
 def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch.device,
-                        load_universal: bool = False, data: TokenData | None = None) -> Engine:
+                        load_universal: bool = False) -> EngineSettings:
     """The ds_config DeepSpeed is given, assembled here only, from the loaded one (left as it is): the batch
     triple completed for this world size, bf16 "auto" resolved for the device, the run's optimizer and
     schedule, and universal loading for a run that resumes a universal checkpoint. Raises ConfigError for what
-    the device, the world size or the run config cannot take. With train.epochs, the schedule's length
-    (train.max_steps) is set here from the data and the global batch."""
+    the device, the world size or the run config cannot take."""
     dtype, precision_note = compute_dtype(ds, device)
     pipe = pipeline_settings(ds)
     tp_size, sp_size = tensor_parallel_size(ds), sequence_parallel_size(ds)
@@ -86,15 +86,31 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     if ds.get("bf16", {}).get("enabled") == "auto":
         effective["bf16"]["enabled"] = dtype == torch.bfloat16
     effective.update({MICRO: layout.micro_batch, ACCUM: layout.grad_accum, GLOBAL: layout.global_batch})
-    if cfg.train.epochs is not None and data is not None:
-        cfg.train.max_steps = data.steps_for_epochs(cfg.train.epochs, layout.global_batch)
-        if cfg.train.stop_at_step is not None and cfg.train.stop_at_step > cfg.train.max_steps:
-            raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is beyond the {cfg.train.max_steps} "
-                              f"steps of train.epochs={cfg.train.epochs}: lower it")
     effective.update(optimizer_and_schedule(cfg, ds))
     if load_universal:
         effective.setdefault("checkpoint", {})["load_universal"] = True
-    return Engine(effective, layout, pipe, dtype, precision_note)
+    return EngineSettings(effective, layout, pipe, dtype, precision_note)
+
+
+def with_vocabulary(cfg: RunConfig, data: TokenData) -> RunConfig:
+    """The run config with model.vocab_size, when unset, the data's."""
+    if cfg.model.vocab_size is not None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data.meta["vocab_size"]))
+
+
+def with_schedule_length(cfg: RunConfig, ds: dict, world_size: int, data: TokenData) -> RunConfig:
+    """The run config with train.max_steps, under train.epochs, the steps those epochs of the data take at this
+    world size's global batch."""
+    if cfg.train.epochs is None:
+        return cfg
+    layout = resolve_layout(ds, world_size, pipeline_settings(ds).stages, tensor_parallel_size(ds),
+                            sequence_parallel_size(ds))
+    max_steps = data.steps_for_epochs(cfg.train.epochs, layout.global_batch)
+    if cfg.train.stop_at_step is not None and cfg.train.stop_at_step > max_steps:
+        raise ConfigError(f"train.stop_at_step={cfg.train.stop_at_step} is beyond the {max_steps} "
+                          f"steps of train.epochs={cfg.train.epochs}: lower it")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=max_steps))
 
 
 def load_configs(argv=None) -> tuple[RunConfig, dict]:
@@ -109,18 +125,21 @@ class Setup:
     """This process placed in the job: the launcher that started it, its device, its engine's settings."""
     launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launcher_env.py)
     device: torch.device
-    engine: Engine
+    engine_settings: EngineSettings
 
 
-def configure(cfg: RunConfig, ds: dict, load_universal: bool = False, data: TokenData | None = None) -> Setup:
-    """The launcher's environment read (RANK, WORLD_SIZE, ...), this rank's device made current, and the ds_config
-    assembled for both."""
+def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
+              data: TokenData | None = None) -> tuple[RunConfig, Setup]:
+    """The launcher's environment read (RANK, WORLD_SIZE, ...), this rank's device made current, the run config
+    resolved for the job (its schedule's length, under train.epochs of `data`), and the ds_config assembled."""
     launcher = set_distributed_env()
     # Current before anything touches the device: NCCL binds a process group to the current device.
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
-    engine = effective_ds_config(ds, cfg, int(os.environ["WORLD_SIZE"]), device, load_universal, data)
-    return Setup(launcher, device, engine)
+    world_size = int(os.environ["WORLD_SIZE"])
+    if data is not None:
+        cfg = with_schedule_length(cfg, ds, world_size, data)
+    return cfg, Setup(launcher, device, effective_ds_config(ds, cfg, world_size, device, load_universal))
 
 
 @dataclass
@@ -142,11 +161,11 @@ class Run:
 
     @property
     def ds(self) -> dict:
-        return self.setup.engine.ds
+        return self.setup.engine_settings.ds
 
     @property
     def layout(self) -> Layout:
-        return self.setup.engine.layout
+        return self.setup.engine_settings.layout
 
     @property
     def device(self) -> torch.device:
@@ -159,8 +178,7 @@ def check_run(argv=None) -> Run:
     cfg, ds = load_configs(argv)
     data = open_data(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources,
                      cfg.model.document_masking, cfg.data.pack)
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = data.meta["vocab_size"]
+    cfg = with_vocabulary(cfg, data)  # the run record: resolved here and in configure, never changed after
     data.check_vocab(cfg.model.vocab_size)
     tokenizer = data.tokenizer()
     prompt_ids, prompt_note = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
@@ -169,21 +187,21 @@ def check_run(argv=None) -> Run:
     n_params = count_parameters(cfg)
     resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
     saved = checkpoint.read_run_state(resume_dir) if resume_dir else None
-    setup = configure(cfg, ds, load_universal=bool(saved and saved.get("universal")), data=data)
-    engine = setup.engine
-    specs = model_layers(cfg.model, TensorParallel(engine.layout.tp_size))  # this rank's shapes, no group needed
-    check_sequence_parallel(cfg.model, engine.layout.tp_size, engine.layout.sp_size)
-    parts = stage_partition(specs, engine.pipe.stages, engine.pipe.partition, architecture(cfg.model).block)
+    cfg, setup = configure(cfg, ds, load_universal=bool(saved and saved.get("universal")), data=data)
+    settings = setup.engine_settings
+    specs = model_layers(cfg.model, TensorParallel(settings.layout.tp_size))  # this rank's shapes, no group needed
+    check_sequence_parallel(cfg.model, settings.layout.tp_size, settings.layout.sp_size)
+    parts = stage_partition(specs, settings.pipe.stages, settings.pipe.partition, architecture(cfg.model).block)
     newer = []
     if saved:
-        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), engine.layout_record(), resume_dir,
+        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), settings.layout_record(), resume_dir,
                                     cfg.train.out_dir)
         data.check_resume(saved["data"], cfg.data.allow_changed)
         newer = checkpoint.check_resume_point(cfg.train, resume_dir, saved["step"])
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
-    notes = [note for note in (engine.precision_note, prompt_note, masking_note(cfg, data, setup.device),
+    notes = [note for note in (settings.precision_note, prompt_note, masking_note(cfg, data, setup.device),
                                schedule_note(cfg)) if note]
     return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
                newer)

@@ -4,7 +4,7 @@ training/engines.py drives the engines with them."""
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from data.loader import IGNORE
+from data.token_data import IGNORE
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_sum, split_rule
 
 # Rows (tokens) of logits whose fp32 copy and softmax exist at once in the training loss: 8192 x 50304 x 4
