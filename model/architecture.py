@@ -54,6 +54,10 @@ class Architecture:
     def __repr__(self) -> str:
         return f"Architecture({self.name!r})"
 
+    def mlp_hidden(self, cfg: ModelConfig) -> int:
+        """The MLP's hidden width: model.ffn_hidden, else this architecture's own."""
+        return cfg.ffn_hidden or self.mlp_width(cfg)
+
     def supports(self, feature: str) -> bool:
         return feature not in self.unsupported
 

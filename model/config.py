@@ -2,6 +2,8 @@
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from common.checks import ConfigError
+
 
 @dataclass
 class ModelConfig:
@@ -39,11 +41,8 @@ class ModelConfig:
     document_masking: bool = False
 
     def check(self, c) -> None:
-        """Range checks (c: common.checks.Checks), run by load_run_config; then the architecture's own."""
-        from model.registry import ARCHITECTURES, supporting  # its models import this file
-
-        c.one_of("arch", tuple(ARCHITECTURES))
-        arch = ARCHITECTURES[self.arch]
+        """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
+        model/registry.py's check_architecture."""
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden",
                     "ffn_multiple_of", "n_kv_head", "rope_original_context"):
             c.at_least(key, 1)
@@ -53,24 +52,10 @@ class ModelConfig:
         c.that(self.n_kv_head is None or self.n_head % self.n_kv_head == 0, "n_kv_head",
                f"divide model.n_head={self.n_head}: each key/value head serves a whole group of query heads",
                f"choose a divisor of {self.n_head}")
-        arch.check(self, c)
-        c.that(arch.supports("document_masking") or not self.document_masking, "document_masking",
-               f"be false for {arch.title} ({arch.unsupported.get('document_masking')})",
-               f"set model.document_masking=false, or train {supporting('document_masking')}")
         for key in ("norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor"):
             c.above(key, 0)
         c.that(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
                f"be above model.rope_low_freq_factor={self.rope_low_freq_factor}", "raise it (Llama 3.1: 4 and 1)")
-
-    @property
-    def mlp_hidden(self) -> int:
-        from model.registry import architecture
-        return self.ffn_hidden or architecture(self).mlp_width(self)
-
-    @property
-    def mlp_matrices(self) -> int:
-        from model.registry import architecture
-        return architecture(self).mlp_matrices
 
     @property
     def kv_heads(self) -> int:
@@ -97,3 +82,18 @@ def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:
     ones it holds that this version does not know. Both mean another version of the repo wrote it."""
     names = [f.name for f in fields(ModelConfig)]
     return [n for n in names if n not in settings], sorted(set(settings) - set(names))
+
+
+def model_config(settings: dict, source: str) -> ModelConfig:
+    """The ModelConfig of saved model settings; `source` names the file they were read from. Settings this
+    version does not know, or lacks, were written by another version: refused, not guessed."""
+    missing, unknown = saved_settings_gaps(settings)
+    if unknown:
+        raise ConfigError(f"{source} holds model settings this version does not know ({', '.join(unknown)}): it was "
+                          f"written by a newer version of this repo; fix: read it with that version")
+    if missing:
+        raise ConfigError(f"{source} lacks the model settings {', '.join(missing)}: it was written by an earlier "
+                          f"version of this repo, which this one does not read; fix: read it with that version, or "
+                          f"start a run from its weights with train.init_from (a GPT or Llama export is a Hugging "
+                          f"Face folder)")
+    return ModelConfig(**settings)

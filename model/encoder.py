@@ -92,7 +92,7 @@ def encoder_layers(cfg: ModelConfig) -> list:
     vocab = cfg.padded_vocab_size
     return [
         LayerSpec(EncoderEmbedding, vocab, cfg.n_embd, cfg.block_size, cfg.dropout),
-        *[LayerSpec(CausalEncoderLayer, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.dropout)
+        *[LayerSpec(CausalEncoderLayer, cfg.n_embd, cfg.n_head, ENCODER.mlp_hidden(cfg), cfg.dropout)
           for _ in range(cfg.n_layer)],
         LayerSpec(Decoder, cfg.n_embd, vocab),
     ]

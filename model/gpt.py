@@ -82,7 +82,7 @@ def gpt_layers(cfg: ModelConfig) -> list:
     return [
         TiedLayerSpec("embed", TokenEmbedding, **embed),
         LayerSpec(PositionEmbedding, cfg.block_size, cfg.n_embd, cfg.dropout),
-        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, cfg.mlp_hidden, cfg.n_layer, cfg.dropout, cfg.bias)
+        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, GPT.mlp_hidden(cfg), cfg.n_layer, cfg.dropout, cfg.bias)
           for _ in range(cfg.n_layer)],
         LayerSpec(FinalLayerNorm, cfg.n_embd, bias=cfg.bias),
         TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),
@@ -104,7 +104,7 @@ HF_LAYERS = {TokenEmbedding: [("weight", "transformer.wte.weight", VOCAB_ROWS)],
 
 def hf_config(cfg: ModelConfig) -> dict:
     return {"n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head, "n_inner": cfg.mlp_hidden, "activation_function": "gelu_new",
+            "n_head": cfg.n_head, "n_inner": GPT.mlp_hidden(cfg), "activation_function": "gelu_new",
             "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
             "attn_pdrop": cfg.dropout}
 

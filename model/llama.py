@@ -65,7 +65,7 @@ class LlamaBlock(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.n_embd, cfg.mlp_hidden)
+        self.mlp = SwiGLU(cfg.n_embd, LLAMA.mlp_hidden(cfg))
         init_weights(self, cfg.n_layer, residual=("attn.o.weight", "mlp.down.weight"))
 
     def forward(self, inputs):
@@ -115,7 +115,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         rope.update(rope_type="llama3", factor=cfg.rope_scale_factor, low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_context)
-    return {"hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layer,
+    return {"hidden_size": cfg.n_embd, "intermediate_size": LLAMA.mlp_hidden(cfg), "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
             "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,

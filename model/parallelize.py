@@ -28,9 +28,10 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     under grouped-query attention), an equal share of the MLP's features and of the padded vocabulary."""
     if size == 1:
         return
+    arch = architecture(cfg)
     shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
-              "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": cfg.mlp_hidden}
-    if architecture(cfg).grouped_query_attention:
+              "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": arch.mlp_hidden(cfg)}
+    if arch.grouped_query_attention:
         shares["the key/value heads (model.n_kv_head)"] = cfg.kv_heads
     for what, count in shares.items():
         if count % size:

@@ -16,6 +16,16 @@ def architecture(cfg: ModelConfig) -> Architecture:
     return ARCHITECTURES[cfg.arch]
 
 
+def check_architecture(cfg: ModelConfig, c) -> None:
+    """The model settings' checks that depend on the architecture (c: common.checks.Checks), after ModelConfig's."""
+    c.one_of("arch", tuple(ARCHITECTURES))
+    arch = ARCHITECTURES[cfg.arch]
+    arch.check(cfg, c)
+    c.that(arch.supports("document_masking") or not cfg.document_masking, "document_masking",
+           f"be false for {arch.title} ({arch.unsupported.get('document_masking')})",
+           f"set model.document_masking=false, or train {supporting('document_masking')}")
+
+
 def supporting(feature: str) -> str:
     """The architectures that have a feature, as a message names them: "the GPT or the Llama"."""
     return " or ".join(a.title for a in ARCHITECTURES.values() if a.supports(feature))

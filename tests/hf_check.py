@@ -5,9 +5,9 @@ import os
 
 import torch
 
-from model import build_model
-from model.config import ModelConfig
-from training.export import _fingerprint, consolidated_state_dict, model_config
+from model import architecture, build_model
+from model.config import ModelConfig, model_config
+from training.export import _fingerprint, consolidated_state_dict
 
 CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM"}
 
@@ -61,7 +61,7 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
         model = transformers.GPT2LMHeadModel(config)
     else:
         config = transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
+            vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=architecture(cfg).mlp_hidden(cfg),
             num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
             max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})

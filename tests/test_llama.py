@@ -10,7 +10,7 @@ from common.checks import ConfigError
 from harness import train_py
 from model import build_model, model_layers
 from model.config import ModelConfig
-from model.llama import Attention, LlamaBlock, apply_rope, rope_frequencies, rope_tables
+from model.llama import LLAMA, Attention, LlamaBlock, apply_rope, rope_frequencies, rope_tables
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
 from training import memory_plan
 from training.config import REPO_ROOT, load_run_config
@@ -88,8 +88,9 @@ def test_tied_head_is_the_embedding():
 
 
 def test_llama_hidden_size_rule():
-    assert dataclasses.replace(SMALL, ffn_hidden=None, n_embd=2048).mlp_hidden == 5632  # TinyLlama, Llama-2 7B: 11008
-    assert dataclasses.replace(SMALL, ffn_hidden=None, n_embd=4096).mlp_hidden == 11008
+    # TinyLlama (width 2048) and Llama-2 7B (4096)
+    assert LLAMA.mlp_hidden(dataclasses.replace(SMALL, ffn_hidden=None, n_embd=2048)) == 5632
+    assert LLAMA.mlp_hidden(dataclasses.replace(SMALL, ffn_hidden=None, n_embd=4096)) == 11008
 
 
 @pytest.mark.parametrize("name,vocab,expected", [

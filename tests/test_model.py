@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 import torch
 
-from model import build_model
+from model import architecture, build_model
 from model.config import ModelConfig
 from model.generate import generate
 from model.gpt import Block
@@ -104,7 +104,7 @@ def test_encoder_is_causal():
 
 def test_encoder_1b_parameter_count():
     cfg = preset("encoder_1b")
-    assert (cfg.n_layer, cfg.n_embd, cfg.mlp_hidden, cfg.n_head) == (8, 4096, 4096, 16)
+    assert (cfg.n_layer, cfg.n_embd, architecture(cfg).mlp_hidden(cfg), cfg.n_head) == (8, 4096, 4096, 16)
     count = count_on_meta(cfg)
     assert count == 1_217_774_720 and count >= 1_000_000_000
     # 8 x (4d^2 + 2 d ffn + biases and norms) + embedding + decoder over 50,304 padded rows

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from common.checks import Checks, ConfigError, ToolParser, existing_file
 from data.tasks import task_name
 from model.config import ModelConfig
-from training.divergence import NONFINITE_POLICIES, SPIKE_POLICIES
+from model.registry import check_architecture
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -89,6 +89,10 @@ class OptimConfig:
         c.in_range("beta2", 0.0, 1.0, high_open=True)
         c.above("eps", 0)
 
+
+# train.on_nonfinite and train.on_spike: what training/divergence.py does about a non-finite loss, a spike
+NONFINITE_POLICIES = ("stop", "skip", "rewind")
+SPIKE_POLICIES = ("warn", "stop", "rewind")
 
 @dataclass
 class TrainConfig:
@@ -304,6 +308,7 @@ def check_run_config(cfg: RunConfig) -> None:
     for section in fields(cfg):
         values = getattr(cfg, section.name)
         values.check(Checks(section.name, values))
+    check_architecture(cfg.model, Checks("model", cfg.model))
 
 
 def _explain_omegaconf_error(e: OmegaConfBaseException, source: str) -> str:

@@ -25,8 +25,6 @@ import torch
 from training import checkpoint
 from training.steps import grad_norm
 
-NONFINITE_POLICIES = ("stop", "skip", "rewind")
-SPIKE_POLICIES = ("warn", "stop", "rewind")
 NONE = 2**62  # "no such step" in the MIN-reduced step slots
 
 

@@ -17,26 +17,11 @@ from common.checks import ConfigError, existing_dir, existing_file, json_file, n
 from data.prepare import check_meta, read_meta
 from data.tokenizers import tokenizer_from_meta
 from model import architecture, build_model, layer_names, model_layers
-from model.config import ModelConfig, saved_settings_gaps
+from model.config import ModelConfig, model_config
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training import checkpoint, universal
 from training.hf import from_hf, hf_config, to_hf
 from training.optim import decay_split
-
-
-def model_config(settings: dict, source: str) -> ModelConfig:
-    """The ModelConfig of saved model settings; `source` names the file they were read from. Settings this
-    version does not know, or lacks, were written by another version: refused, not guessed."""
-    missing, unknown = saved_settings_gaps(settings)
-    if unknown:
-        raise ConfigError(f"{source} holds model settings this version does not know ({', '.join(unknown)}): it was "
-                          f"written by a newer version of this repo; fix: read it with that version")
-    if missing:
-        raise ConfigError(f"{source} lacks the model settings {', '.join(missing)}: it was written by an earlier "
-                          f"version of this repo, which this one does not read; fix: read it with that version, or "
-                          f"start a run from its weights with train.init_from (a GPT or Llama export is a Hugging "
-                          f"Face folder)")
-    return ModelConfig(**settings)
 
 
 def run_model(tag_dir: str, run_state: dict) -> ModelConfig:

@@ -70,9 +70,9 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1) -> float:
     hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn);
     in tiles (train.mlp_tiles) it keeps only its input, the second norm's output, counted already.
     The two norms' inputs and outputs (8 d) are whole on every tensor rank, the rest is split."""
-    kv = cfg.kv_heads * cfg.head_dim
+    kv, arch = cfg.kv_heads * cfg.head_dim, architecture(cfg)
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
-    mlp = 0 if mlp_tiles > 1 else (8 if cfg.mlp_matrices == 3 else 4) * cfg.mlp_hidden
+    mlp = 0 if mlp_tiles > 1 else (8 if arch.mlp_matrices == 3 else 4) * arch.mlp_hidden(cfg)
     split = 4 * cfg.n_embd + 4 * kv + mlp
     return 8 * cfg.n_embd + masks + document_masking_bytes(cfg) + split / tp_size
 

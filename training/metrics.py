@@ -4,6 +4,7 @@ import json
 import os
 import time
 
+from model import architecture
 from model.config import ModelConfig
 
 
@@ -14,9 +15,9 @@ def flops_per_token(cfg: ModelConfig) -> float:
     head) for forward and backward, plus 12 x n_layer x d x block_size for the attention score and value
     matmuls (every query head attends). Biases, norms, RoPE and the embedding lookup are left out. The
     same formula holds for the GPT, Llama and the encoder stack."""
-    d, layers = cfg.n_embd, cfg.n_layer
+    d, layers, arch = cfg.n_embd, cfg.n_layer, architecture(cfg)
     attention = 2 * d * d + 2 * d * cfg.kv_heads * cfg.head_dim
-    matmul_weights = layers * (attention + cfg.mlp_matrices * d * cfg.mlp_hidden) + cfg.padded_vocab_size * d
+    matmul_weights = layers * (attention + arch.mlp_matrices * d * arch.mlp_hidden(cfg)) + cfg.padded_vocab_size * d
     return 6 * matmul_weights + 12 * layers * d * cfg.block_size
 
 

@@ -31,8 +31,11 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError
+from model import build_model
+from model.config import model_config
 from model.registry import ARCHITECTURES
 from model.tensor_parallel import ROW, split_rule
+from training.optim import decay_split
 
 
 def universal_info(named_parameters: list, tp_size: int) -> dict:
@@ -160,11 +163,8 @@ def convert_zero0(source: str, target: str, saved: dict, states: dict) -> None:
     its loaders read it, zero/<name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt per parameter and
     zero/optimizer_state.pt, beside the model-states file without its optimizer entry (`states`: that file,
     read safely)."""
-    from model import build_model  # here: training.export imports this module
-    from training.export import run_model
-    from training.optim import decay_split
     with torch.device("meta"):
-        model = build_model(run_model(source, saved))
+        model = build_model(model_config(saved["config"]["model"], f"the run state of {source}"))
     decay, no_decay = decay_split(model.named_parameters())  # the order train.py gave the optimizer
     names, shapes = [n for n, _ in decay + no_decay], {n: p.shape for n, p in decay + no_decay}
     optimizer = states["optimizer"]
