@@ -68,7 +68,7 @@ class Rank:
     print0: Callable[[str], None]  # prints on rank 0 only
     model: torch.nn.Module
     engine: deepspeed.DeepSpeedEngine
-    driver: PlainDriver  # what the loop asks of the engine, plain or pipelined (training/engines.py)
+    driver: PlainDriver  # what the loop asks of the engine, whichever DeepSpeed built (training/engines.py)
     start_step: int
     batches_skipped: int  # by rewinds (training/divergence.py): step s trains on the batch of step s + this
     log: MetricsLog

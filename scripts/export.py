@@ -2,7 +2,7 @@
 
     python -m scripts.export --out_dir out/gpt2_124m [--tag step_005000] [--output DIR] [--force]
 
-Any checkpoint works: ZeRO 0-3, pipelined or not, or already universal. GPT and Llama weights are written
+Any checkpoint works: ZeRO 0-3, with pipeline stages or not, or already universal. GPT and Llama weights are written
 in Hugging Face's layout (training/hf.py), so `GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(DIR)`
 load them; encoder weights keep this repo's names. config.json also carries this repo's model settings
 and the tokenizer, for `sample.py --export DIR`.
