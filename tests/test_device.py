@@ -1,11 +1,14 @@
 """The device's precision and peak (training/device.py): datasheet peaks by GPU name, the measured CPU peak,
 bf16 "auto", and bf16 refused where a GPU only emulates it."""
+import os
 import time
 
 import pytest
 import torch
 
 from common.checks import ConfigError
+from harness import train_py
+from refusals import assert_refused_at_start
 from training import device as dev
 
 
@@ -74,3 +77,27 @@ def test_fp16_is_refused_on_any_cpu_whatever_the_accelerator_reports(monkeypatch
     with pytest.raises(ConfigError, match=r"^fp16 is not supported on cpu: use a bf16 ds_config \(e.g. "
                                           r"ds_configs/zero2.json\) or set ds.fp16.enabled=false$"):
         dev.compute_dtype({"fp16": {"enabled": True}}, torch.device("cpu"))
+
+
+def test_a_stale_op_build_lock_stops_a_run_at_start_and_a_fresh_one_is_left_to_its_build(tmp_path, monkeypatch,
+                                                                                         char_data):
+    """A lock of torch's JIT builder left by a process killed mid-build of one of DeepSpeed's ops: every run would
+    wait on it forever without a word. One younger than any build belongs to a build under way. (Only the calls
+    here and the refused run see the lock: the tests' rank server, started with this environment, would wait.)"""
+    lock = tmp_path / "extensions" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    an_hour_ago = time.time() - 3600
+    message = (f"{lock} is 60 minutes old: a process killed while torch built one of DeepSpeed's ops left it, and "
+               f"every run would wait on it forever; fix: delete it (rm {lock}), and the next run builds the op again")
+    with monkeypatch.context() as patched:
+        patched.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+        dev.check_op_build_locks()
+        os.utime(lock, (an_hour_ago, an_hour_ago))
+        with pytest.raises(ConfigError) as refused:
+            dev.check_op_build_locks()
+    assert str(refused.value) == message
+    proc = train_py([f"data.dir={char_data}", f"train.out_dir={tmp_path}/out"], check=False, timeout=120,
+                    env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})
+    assert_refused_at_start(proc, f"error: {message}")
+    assert lock.exists()  # the user's to delete

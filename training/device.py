@@ -1,4 +1,5 @@
-"""What the device computes with: its precision, its peak FLOP/s (the MFU denominator) and its memory.
+"""What the device computes with: its precision, its peak FLOP/s (the MFU denominator), its memory, and the
+ops DeepSpeed builds for it.
 
 A GPU named in the table below is measured against its datasheet's dense peak for the precision in use
 (what MFU means in the PaLM paper and in Megatron's and torchtitan's logs); `train.peak_tflops` overrides
@@ -6,11 +7,14 @@ it; anything else (a CPU, a GPU the table does not know) against a matmul peak m
 that only emulates bf16 (no AVX512-BF16 or AMX: bf16 matmuls there run far below fp32 ones), the hardware
 does fp32 arithmetic, so its fp32 peak is the denominator.
 """
+import glob
+import os
 import resource
 import time
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from torch.utils.cpp_extension import get_default_build_root
 
 from common.checks import ConfigError
 
@@ -138,3 +142,22 @@ def peak_memory_gb(device: torch.device) -> tuple[float, float]:
         return allocated / 2**30, reserved / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
     return rss, rss
+
+
+# Older than any build of an op. Work around torch's JIT builder, which DeepSpeed uses for its ops (on a CPU: the
+# shared-memory all-reduce every run starts, the CPU Adam of offload): it takes a build folder's lock file and
+# waits, without end or word, for any lock that is there, so one left by a process killed mid-build stops every
+# later run at "joining the process group".
+STALE_LOCK_SECONDS = 600
+
+
+def check_op_build_locks() -> None:
+    """Refuse to start on a build lock left behind (ConfigError naming it and the fix)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # torch's own variable: then one folder per op under it
+    pattern = os.path.join(root, "*", "lock") if root else os.path.join(get_default_build_root(), "*", "*", "lock")
+    for lock in sorted(glob.glob(pattern)):
+        minutes = (time.time() - os.path.getmtime(lock)) / 60
+        if minutes > STALE_LOCK_SECONDS / 60:
+            raise ConfigError(f"{lock} is {minutes:.0f} minutes old: a process killed while torch built one of "
+                              f"DeepSpeed's ops left it, and every run would wait on it forever; fix: delete it "
+                              f"(rm {lock}), and the next run builds the op again")

@@ -25,7 +25,7 @@ from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training import checkpoint, hf
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
-from training.device import compute_dtype
+from training.device import check_op_build_locks, compute_dtype
 from training.ds_config import load_ds_config
 from training.launcher_env import set_distributed_env
 from training.multiple_choice import open_tasks
@@ -176,6 +176,7 @@ def check_run(argv=None) -> Run:
     """Everything checkable before any process group: configs, data, prompt, tasks, model, layout, resume,
     init_from."""
     cfg, ds = load_configs(argv)
+    check_op_build_locks()
     data = open_data(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources,
                      cfg.model.document_masking, cfg.data.pack)
     cfg = with_vocabulary(cfg, data)  # the run record: resolved here and in configure, never changed after
