@@ -12,9 +12,12 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A model small enough that a multi-process run takes seconds on 2 cores.
+# A model small enough that a multi-process run takes seconds on 2 cores. Its MFU's denominator is given: every
+# rank would measure its CPU's matmul peak at start, a tenth of such a run (tests/test_device.py tests the
+# measurement, and the MFU line test of tests/test_gpu.py a run's).
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-        "train.eval_windows=8", "train.eval_interval=1000", "train.log_interval=1", "sample.max_new_tokens=16"]
+        "train.eval_windows=8", "train.eval_interval=1000", "train.log_interval=1", "sample.max_new_tokens=16",
+        "train.peak_tflops=1"]
 FP32 = ["ds.bf16.enabled=false"]
 BF16 = ["ds.bf16.enabled=true"]  # the shipped configs say "auto": fp32 on a machine without bf16 arithmetic
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # N ranks share this machine's cores

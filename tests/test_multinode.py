@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pytest
+from torch.utils.cpp_extension import _get_build_directory
 
 from harness import (
     PP2_DP2,
@@ -90,12 +91,16 @@ def test_pdsh_over_ssh_trains_like_one_launcher(tmp_path, char_data, loopback_ss
     port, ssh_args = loopback_sshd
     hostfile = two_node_hostfile(tmp_path / "hostfile", hosts=("localhost", "127.0.0.1"))
     env_file = tmp_path / "deepspeed_env"
-    env_file.write_text("OMP_NUM_THREADS=1\nWANDB_MODE=disabled\n")
+    # PATH as a user sets it for the nodes: ssh's own would give the ranks the system's ninja, and a ninja of
+    # another version rebuilds each of DeepSpeed's JIT ops the other one built
+    env_file.write_text(f"OMP_NUM_THREADS=1\nWANDB_MODE=disabled\nPATH={os.environ['PATH']}\n")
     master_port = free_port()
     cmd = launch_cmd(["--hostfile", hostfile, "--master_addr", "127.0.0.1", "--master_port", str(master_port),
                       "--ssh_port", str(port), "--no_ssh_check"], "train.py", "pipe2.json", tmp_path / "out", char_data,
                      PP2_DP2)
     env = {**os.environ, "PDSH_SSH_ARGS_APPEND": ssh_args, "DS_ENV_FILE": str(env_file)}
+    shm_op = os.path.join(_get_build_directory("deepspeed_shm_comm", verbose=False), "deepspeed_shm_comm.so")
+    built = os.stat(shm_op).st_mtime_ns
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     finally:
@@ -104,4 +109,5 @@ def test_pdsh_over_ssh_trains_like_one_launcher(tmp_path, char_data, loopback_ss
     assert proc.returncode == 0, output[-5000:]
     assert "pdsh -S -f 1024 -w localhost,127.0.0.1" in output  # DeepSpeed's own pdsh runner did the launch
     assert "export OMP_NUM_THREADS=1; export WANDB_MODE=disabled;" in output  # the env file travelled
+    assert os.stat(shm_op).st_mtime_ns == built, "the ranks rebuilt DeepSpeed's shm op the one-launcher run built"
     assert train_losses(tmp_path / "out") == pytest.approx(one_launcher_losses, abs=1e-5)
