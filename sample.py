@@ -7,39 +7,16 @@
 """
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from data.chat import ChatTemplate, ChatTemplateError, check_chat_record
+from data.chat import chat_prompt
+from data.documents import documents_seen
 from data.tokenizers import TokenizerError, sampling_start
-from model.generate import generate
+from model.generate import Sampling, decoder_for, generate
 from training.export import load_trained
-
-
-def chat_prompt(message: str, meta: dict, tokenizer) -> tuple[list[int], int]:
-    """The ids of a one-message conversation rendered by the model's chat template up to the assistant's turn,
-    and the end-of-turn id its answer stops at."""
-    if "chat" not in meta:
-        raise ConfigError("--chat needs a model fine-tuned on conversations (data.prepare --format chat), whose "
-                          "chat template it applies; this one was trained on text: sample it with --prompt")
-    try:
-        chat = check_chat_record(meta, "the model's dataset meta")
-        template = ChatTemplate(chat["chat_template"])
-        text, _ = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
-    except ChatTemplateError as e:  # a template that fails on a prompt alone, which preparation never rendered
-        source = f", from {chat['template']}" if chat.get("template") else ""
-        recorded = f"the model's chat template (meta.json chat.chat_template{source})"
-        raise ConfigError(f"--chat {message!r}: {e.describe(recorded, 'the message')}; fix: correct the template so "
-                          f"it renders a user message with add_generation_prompt, and prepare the conversations "
-                          f"again with it (python -m data.prepare --format chat --chat_template FILE)") from None
-    except ValueError as e:  # a stale record
-        raise ConfigError(f"--chat {message!r}: {e}") from None
-    try:
-        return tokenizer.encode_with_offsets(text)[0], chat["end_of_turn_id"]
-    except ValueError as e:  # a character outside a char tokenizer's vocabulary
-        raise ConfigError(f"--chat {message!r}: {e}; fix: write the message in the characters the model was trained "
-                          f"on") from None
 
 
 def main(argv=None) -> None:
@@ -53,16 +30,22 @@ def main(argv=None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=500)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_k", type=int, default=200)
+    parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        exit_bad_input(f"--{e}")
+    try:
         cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
         stop_id = None
         if args.chat is not None:
-            prompt_ids, stop_id = chat_prompt(args.chat, meta, tokenizer)
-    except (ConfigError, TokenizerError) as e:
+            prompt_ids, stop_id = chat_prompt([{"role": "user", "content": args.chat}], meta, tokenizer,
+                                              f"--chat {args.chat!r}", "sample it with --prompt")
+    except (ConfigError, TokenizerError, ValueError) as e:
         exit_bad_input(e)
     if args.chat is None:
         try:
@@ -72,14 +55,16 @@ def main(argv=None) -> None:
         if note:
             print(note, file=sys.stderr)
     model.to(args.device).eval()
-    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=args.device)
+    decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, documents=documents_seen(cfg.document_masking, meta))
+    if stop_id is not None:
+        sampling = replace(sampling, stop_ids=(stop_id,))
     generator = torch.Generator().manual_seed(args.seed)
     for i in range(args.num_samples):
-        out = generate(model, prompt, args.max_new_tokens, cfg.block_size, cfg.vocab_size, args.temperature,
-                       args.top_k, generator, stop_id)[0].tolist()
-        if args.chat is not None:  # the answer alone, without its end of turn
-            out = out[len(prompt_ids):]
-            out = out[:-1] if out and out[-1] == stop_id else out
+        out = generate(decoder, prompt_ids, sampling, generator)
+        if args.chat is None:
+            out = prompt_ids + out
+        elif out and out[-1] == stop_id:  # the answer alone, without its end of turn
+            out = out[:-1]
         print(tokenizer.decode(out) + ("\n---------------" if i + 1 < args.num_samples else ""))
 
 

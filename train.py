@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import prefetched
-from model.generate import generate
+from model.generate import Sampling, generate
 from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
 from training import checkpoint, hf, universal
@@ -305,24 +305,24 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
     rank.log.close()
 
     PHASE.now("sampling")
-    forward = rank.driver.next_token_logits(run.layout.micro_batch, cfg.model.block_size, cfg.model.padded_vocab_size,
-                                            with_positions=run.data.positions)
-    rank.print0(f"--- sample ---\n{sample(engine, forward, cfg, run.tokenizer, run.prompt_ids, run.device)}\n"
-             f"--------------")
+    vocab = (cfg.model.vocab_size, cfg.model.padded_vocab_size)
+    decoder = rank.driver.decoder(run.layout.micro_batch, cfg.model.block_size, vocab, run.data.positions)
+    rank.print0(f"--- sample ---\n{sample(engine, decoder, cfg, run.tokenizer, run.prompt_ids)}\n--------------")
     leave_process_group()
 
 
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # a growing sequence: every length would be a new graph
-def sample(engine, forward, cfg: RunConfig, tokenizer, prompt_ids: list[int], device) -> str:
-    """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part."""
-    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+def sample(engine, decoder, cfg: RunConfig, tokenizer, prompt_ids: list[int]) -> str:
+    """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part. The
+    window is one document, as in every layout (a pipeline's stages and sequence ranks see no delimiters)."""
     generator = torch.Generator().manual_seed(cfg.sample.seed)
     engine.eval()
-    out = generate(forward, prompt, cfg.sample.max_new_tokens, cfg.model.block_size, cfg.model.vocab_size,
-                   cfg.sample.temperature, cfg.sample.top_k, generator)
+    settings = cfg.sample
+    out = generate(decoder, prompt_ids, Sampling(settings.max_new_tokens, settings.temperature, settings.top_k,
+                                                 settings.top_p), generator)
     engine.train()
-    return tokenizer.decode(out[0].tolist())
+    return tokenizer.decode(prompt_ids + out)
 
 
 def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:

@@ -61,17 +61,17 @@ def initial(run_dir: str):
 def accuracy(cfg, model, tokenizer, meta, held_out: list[list[str]]) -> float:
     """The share of held-out prompts the model answers exactly (greedy, up to the end of turn), through the chat
     template and tokenizer of `meta`."""
-    import torch
 
-    from model.generate import generate
-    from sample import chat_prompt
+    from data.chat import chat_prompt
+    from model.generate import Sampling, decoder_for, generate
 
-    model.eval()
+    decoder = decoder_for(model.eval(), cfg.block_size, cfg.vocab_size)
     right = 0
     for words in held_out:
-        ids, stop = chat_prompt(prompt(words), meta, tokenizer)
-        out = generate(model, torch.tensor([ids]), 48, cfg.block_size, cfg.vocab_size, 0.0, stop_id=stop)
-        right += out[0, len(ids):].tolist() == tokenizer.encode(answer(words)) + [stop]
+        ids, stop = chat_prompt([{"role": "user", "content": prompt(words)}], meta, tokenizer, "a held-out prompt",
+                                "fine-tune it first")
+        out = generate(decoder, ids, Sampling(48, 0.0, stop_ids=(stop,)))
+        right += out == tokenizer.encode(answer(words)) + [stop]
     return right / len(held_out)
 
 

@@ -103,6 +103,12 @@ def conversation(record) -> tuple[str, list[dict]]:
     return kind, turns
 
 
+def prompt_turns(messages) -> list[dict]:
+    """The turns of an OpenAI `messages` list to answer, checked as a record's are: known roles, text content; a
+    prompt needs no assistant turn."""
+    return _turns(messages, "messages", "role", "content", {r: r for r in ROLES})
+
+
 def _turns(items, key: str, role_key: str, content_key: str, roles: dict) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise ChatError(f"\"{key}\" must be a non-empty list of turns")
@@ -270,6 +276,31 @@ def _environment(spans: ContextVar):
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
     return env
+
+
+def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: str) -> tuple[list[int], int]:
+    """The ids of a conversation (`turns` of {"role", "content"}) rendered by the model's chat template up to the
+    assistant's turn, and the end-of-turn id its answer stops at. A ValueError says why not, beginning with `what`
+    (the input as its command names it); `instead`: what to do with a model trained on plain text."""
+    if "chat" not in meta:
+        raise ValueError(f"{what} needs a model fine-tuned on conversations (data.prepare --format chat), whose chat "
+                         f"template it applies; this one was trained on text: {instead}")
+    try:
+        chat = check_chat_record(meta, "the model's dataset meta")
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    try:
+        text, _ = ChatTemplate(chat["chat_template"]).render(turns, add_generation_prompt=True)
+    except ChatTemplateError as e:  # a template that fails on a prompt alone, which preparation never rendered
+        source = f", from {chat['template']}" if chat.get("template") else ""
+        recorded = f"the model's chat template (meta.json chat.chat_template{source})"
+        raise ValueError(f"{what}: {e.describe(recorded, 'the messages')}; fix: correct the template so it renders "
+                         f"user messages with add_generation_prompt, and prepare the conversations again with it "
+                         f"(python -m data.prepare --format chat --chat_template FILE)") from None
+    try:
+        return tokenizer.encode_with_offsets(text)[0], chat["end_of_turn_id"]
+    except ValueError as e:  # a character outside a char tokenizer's vocabulary
+        raise ValueError(f"{what}: {e}; fix: write the messages in the characters the model was trained on") from None
 
 
 def supervised_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:

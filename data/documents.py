@@ -26,3 +26,10 @@ class Documents:
             starts |= tokens == self.delimiter_id
         index = np.broadcast_to(np.arange(T, dtype=np.int64), (rows, T))
         return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+
+
+def documents_seen(document_masking: bool, meta: dict) -> Documents | None:
+    """Where a model sees documents begin when it generates: as it trained, at its dataset's delimiter under
+    document masking; else None, a window being one document."""
+    documents = Documents(meta)
+    return documents if document_masking and documents.delimiter else None

@@ -1,25 +1,168 @@
-"""Autoregressive sampling, for any callable that maps token ids to logits (a module or an engine)."""
+"""Autoregressive generation: how a sequence draws its next token (Sampling, choose), and decoders that give the
+next-token logits of several sequences at once: `CachedDecoder` through a key/value cache (model/kv_cache.py), a
+token a step; `WindowDecoder` for a model that cannot cache (a pipeline, sequence-parallel ranks, the encoder),
+by a forward pass over the whole window for every token. Both read a sequence the same way, so they draw the same
+tokens: its last block_size tokens (a longer one slides, dropping its oldest token and filling the cache again),
+each at its position within its document when `documents` says where documents start (data/documents.py), else
+at its index in the window.
+"""
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+
+from model.kv_cache import KVCache, attention_modules
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one sequence draws its tokens."""
+    max_new_tokens: int
+    temperature: float = 1.0  # 0: the most likely token
+    top_k: int | None = None  # draw among the k most likely only
+    top_p: float = 1.0  # draw among the fewest most likely tokens whose probabilities add up to top_p
+    stop_ids: tuple = ()  # a drawn id that ends the sequence (an end of turn or of text), kept as its last token
+
+    def __post_init__(self):
+        """A ValueError naming the first setting out of range."""
+        for ok, setting, rule in [(self.max_new_tokens >= 0, "max_new_tokens", ">= 0"),
+                                  (self.temperature >= 0, "temperature", ">= 0 (0: greedy)"),
+                                  (self.top_k is None or self.top_k >= 1, "top_k", "at least 1"),
+                                  (0 < self.top_p <= 1, "top_p", "in (0, 1]")]:
+            if not ok:
+                raise ValueError(f"{setting}={getattr(self, setting)}: must be {rule}")
+
+
+def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token from a row of logits over the real vocabulary (padding ids already cut off)."""
+    logits = logits.float()
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None:
+        kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        outside = ordered.cumsum(0) - ordered >= sampling.top_p  # the mass before it already reaches top_p
+        probs = probs.scatter(0, order, ordered.masked_fill(outside, 0.0))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+class WindowDecoder:
+    """Next-token logits of up to `slots` sequences, each by a forward pass over its whole window.
+    `forward` maps token ids (1, T) on `device`, or (ids, positions) when `documents` is given, to logits."""
+
+    def __init__(self, forward, block_size: int, vocab_size: int, device: torch.device, slots: int = 1,
+                 documents=None):
+        self.forward, self.block_size, self.vocab_size, self.documents = forward, block_size, vocab_size, documents
+        self.device = device
+        self.windows: dict[int, list[int]] = {}
+        self.free = list(range(slots))
+
+    def start(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
+        """A slot for a sequence beginning with `prompt` (at least one token), and its next-token logits."""
+        if not self.free:
+            raise RuntimeError("every slot holds a sequence")
+        slot = self.free.pop(0)
+        self.windows[slot] = []
+        return slot, self.step({slot: list(prompt)})[slot]
+
+    def step(self, new: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Each slot's next-token logits (vocab_size,) after its sequence is extended by new[slot]."""
+        out = {}
+        for slot, tokens in new.items():
+            window = self.windows[slot] = (self.windows[slot] + tokens)[-self.block_size:]
+            ids = torch.tensor([window], device=self.device)
+            inputs = ids if self.documents is None else (ids, self.positions(window))
+            out[slot] = self.forward(inputs)[0, -1, :self.vocab_size]
+        return out
+
+    def release(self, slot: int) -> None:
+        del self.windows[slot]
+        self.free.append(slot)
+
+    def positions(self, window: list[int]) -> torch.Tensor:
+        """(1, len(window)) each token's position within its document, counted from the window's start."""
+        if self.documents is None:
+            return torch.arange(len(window), device=self.device)[None]
+        return torch.from_numpy(self.documents.positions(np.array([window]))).to(self.device)
+
+
+class CachedDecoder(WindowDecoder):
+    """Next-token logits through a KVCache: a sequence's prompt goes through the model once (prefill), then each
+    step feeds every sequence its one new token, together in one forward pass. `model` is the module whose
+    attention the cache attaches to; `forward` (default: the model) maps (ids, positions) to logits through it."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, vocab_size: int, slots: int = 1, documents=None,
+                 forward=None):
+        super().__init__(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents)
+        self.model, self.cache = model, KVCache(slots, block_size)
+        self.attentions = attention_modules(model)
+        self.window_positions: dict[int, list[int]] = {}
+
+    def step(self, new: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        out, decoding = {}, {}
+        for slot, tokens in new.items():
+            if len(tokens) == 1 and 0 < len(self.windows[slot]) < self.block_size:
+                decoding[slot] = tokens[0]
+            else:  # a prompt, or a full window that slides: the kept tokens go through again
+                window = self.windows[slot] = (self.windows[slot] + tokens)[-self.block_size:]
+                self.cache.free(slot)
+                positions = self.positions(window)
+                self.window_positions[slot] = positions[0].tolist()
+                out[slot] = self._forward([slot], torch.tensor([window], device=self.device), positions)[0]
+        if decoding:
+            slots = list(decoding)
+            positions = [self._next_position(slot, token) for slot, token in decoding.items()]
+            for slot, token, position in zip(slots, decoding.values(), positions):
+                self.windows[slot].append(token)
+                self.window_positions[slot].append(position)
+            logits = self._forward(slots, torch.tensor([[t] for t in decoding.values()], device=self.device),
+                                   torch.tensor([[p] for p in positions], device=self.device))
+            out.update(zip(slots, logits))
+        return out
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.cache.free(slot)
+        del self.window_positions[slot]
+
+    def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The last position's logits (rows, vocab_size) of each row, its tokens appended to its slot."""
+        with self.cache.attached(self.attentions):
+            return self.cache.forward(self.forward, slots, ids, positions)[:, -1, :self.vocab_size]
+
+    def _next_position(self, slot: int, token: int) -> int:
+        previous = self.windows[slot][-1]
+        if self.documents is not None and self.documents.positions(np.array([[previous, token]]))[0, 1] == 0:
+            return 0  # the token starts a document
+        return self.window_positions[slot][-1] + 1
+
+
+def decoder_for(model: torch.nn.Module, block_size: int, vocab_size: int, slots: int = 1, documents=None,
+                forward=None) -> WindowDecoder:
+    """A CachedDecoder where the model's attention can be cached, else a WindowDecoder over `forward`."""
+    if attention_modules(model):
+        return CachedDecoder(model, block_size, vocab_size, slots, documents, forward)
+    return WindowDecoder(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents)
 
 
 @torch.no_grad()
-def generate(forward, idx: torch.Tensor, max_new_tokens: int, block_size: int, vocab_size: int,
-             temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None,
-             stop_id: int | None = None):
-    """Extend `idx` (batch, time) by max_new_tokens tokens, or (one sequence) until it draws `stop_id`. Logits
-    past vocab_size are vocab padding and never sampled; temperature 0 takes the most likely token."""
-    for _ in range(max_new_tokens):
-        logits = forward(idx[:, -block_size:])[:, -1, :vocab_size].float()
-        if temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, vocab_size)).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
-        idx = torch.cat([idx, next_id], dim=1)
-        if stop_id is not None and idx.size(0) == 1 and next_id.item() == stop_id:
-            break
-    return idx
+def generate(decoder: WindowDecoder, prompt: list[int], sampling: Sampling,
+             generator: torch.Generator | None = None) -> list[int]:
+    """The tokens drawn after `prompt`: max_new_tokens of them, or fewer up to and including a stop id."""
+    if sampling.max_new_tokens == 0:
+        return []
+    slot, logits = decoder.start(prompt)
+    out = []
+    try:
+        while len(out) < sampling.max_new_tokens:
+            out.append(choose(logits, sampling, generator))
+            if out[-1] in sampling.stop_ids or len(out) == sampling.max_new_tokens:
+                break
+            logits = decoder.step({slot: [out[-1]]})[slot]
+    finally:
+        decoder.release(slot)
+    return out

@@ -17,6 +17,7 @@ import os
 import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
+from data.documents import documents_seen
 from data.tokenizers import TokenizerError
 from training.evaluate import LOCAL, earlier_results, task_spec, where, write_results
 from training.export import load_trained
@@ -38,14 +39,15 @@ def main(argv=None) -> None:
         exit_bad_input(f"python -m scripts.evaluate needs lm-evaluation-harness ({e}); fix: pip install '.[eval]'")
     try:
         source, step, output = where(args.out_dir, args.tag, args.export, args.output)
-        cfg, model, tokenizer, _ = load_trained(args.out_dir, args.tag, args.export)
+        cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
         manager = TaskManager(include_path=args.include_path,
                               include_defaults=any(not name.endswith(LOCAL) for name in names))
         specs = [task_spec(name, tokenizer, manager, args.limit) for name in names]
         earlier = earlier_results(output)
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
-    lm = CheckpointLM(model, cfg.block_size, cfg.vocab_size, tokenizer, args.device, args.batch_size)
+    lm = CheckpointLM(model, cfg.block_size, cfg.vocab_size, tokenizer, args.device, args.batch_size,
+                      documents_seen(cfg.document_masking, meta))
     try:
         results = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=args.limit,
                                           num_fewshot=args.num_fewshot, log_samples=False, bootstrap_iters=1000)

@@ -97,7 +97,7 @@ def test_what_a_conversation_dataset_refuses(chat_data, char_data):
 def test_sample_chat_refuses_a_model_trained_on_text(checkpointed_run):
     proc = run([sys.executable, "sample.py", "--out_dir", str(checkpointed_run), "--chat", "hi"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert ("error: --chat needs a model fine-tuned on conversations (data.prepare --format chat), whose chat "
+    assert ("error: --chat 'hi' needs a model fine-tuned on conversations (data.prepare --format chat), whose chat "
             "template it applies; this one was trained on text: sample it with --prompt") in proc.stderr
 
 
@@ -110,7 +110,7 @@ def test_sample_chat_refuses_a_template_that_fails_on_the_prompt_in_one_line(mon
                      "end_of_turn": "\n"}}
     monkeypatch.setattr(sample, "load_trained", lambda *args: (None, None, CharTokenizer(list("hi\n")), meta))
     assert_refused(sample.main, ["--out_dir", "run", "--chat", "hi"], "--chat 'hi': the model's chat template "
-                   "(meta.json chat.chat_template, from /models/t.jinja) fails at line 2 on the message "
-                   "(UndefinedError: 'assistant_prefix' is undefined); fix: correct the template so it renders a user "
-                   "message with add_generation_prompt, and prepare the conversations again with it (python -m "
+                   "(meta.json chat.chat_template, from /models/t.jinja) fails at line 2 on the messages "
+                   "(UndefinedError: 'assistant_prefix' is undefined); fix: correct the template so it renders user "
+                   "messages with add_generation_prompt, and prepare the conversations again with it (python -m "
                    "data.prepare --format chat --chat_template FILE)$", {}, capsys, [])

@@ -7,7 +7,6 @@ import torch
 
 from model import architecture, build_model
 from model.config import ModelConfig
-from model.generate import generate
 from model.gpt import Block
 from model.layers import TokenEmbedding, lm_head
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
@@ -137,41 +136,6 @@ def test_encoder_layer_is_nn_transformer_encoder_layer_written_out():
         fast = library.eval()(x, src_mask=mask, is_causal=True)
     assert len(calls) == 1  # the library took its fast path
     torch.testing.assert_close(ours.eval()(x), fast, rtol=1e-5, atol=1e-5)
-
-
-class FixedLogits:
-    """A 'model' whose next-token logits are one fixed row (padded vocabulary: 8 real ids + 8 padding ids
-    whose logits are the largest, as an untrained head can make them)."""
-
-    def __init__(self, row: torch.Tensor):
-        self.row = row
-
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.row.expand(idx.size(0), idx.size(1), -1)
-
-
-def fixed_row() -> torch.Tensor:
-    row = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.0, 1.9, -3.0, 0.5])
-    return torch.cat([row, torch.full((8,), 50.0)])  # padding ids would win every draw if ever allowed
-
-
-def test_temperature_zero_is_argmax_over_the_real_vocabulary():
-    out = generate(FixedLogits(fixed_row()), torch.zeros(3, 1, dtype=torch.long), 4, block_size=8, vocab_size=8,
-                   temperature=0)
-    assert out[:, 1:].tolist() == [[1] * 4] * 3  # logit 2.0 at id 1
-
-
-def test_top_k_samples_only_the_k_best_and_never_padding():
-    prompts = torch.zeros(4000, 1, dtype=torch.long)
-    generator = torch.Generator().manual_seed(0)
-    top3 = generate(FixedLogits(fixed_row()), prompts, 1, block_size=8, vocab_size=8, temperature=1.0, top_k=3,
-                    generator=generator)[:, 1]
-    assert set(top3.tolist()) == {1, 3, 5}  # the three best logits (2.0, 1.9, 1.5), each drawn
-    everything = generate(FixedLogits(fixed_row()), prompts, 1, block_size=8, vocab_size=8, temperature=1.0,
-                          top_k=None, generator=generator)[:, 1]
-    assert set(everything.tolist()) == set(range(8))  # no top-k: every real id, still no padding id
-    assert generate(FixedLogits(fixed_row()), prompts[:5], 1, block_size=8, vocab_size=8, temperature=1.0,
-                    top_k=100, generator=generator)[:, 1].max() < 8  # top_k beyond the vocabulary
 
 
 def test_mfu_flop_count_is_the_hand_count_for_the_gpt():

@@ -106,7 +106,7 @@ def test_the_final_sample_tells_the_last_positions_logits_from_any_other(runs, a
     the text differs."""
     import torch
 
-    from model.generate import generate
+    from model.generate import Sampling, WindowDecoder, generate
     from training.config import SampleConfig
     from training.export import load_trained
 
@@ -115,11 +115,12 @@ def test_the_final_sample_tells_the_last_positions_logits_from_any_other(runs, a
     settings = SampleConfig()  # the runs' top_k and seed
 
     def drawn(logits_of) -> str:
-        with torch.no_grad():
-            ids = generate(lambda idx: logits_of(model.eval()(idx)), torch.tensor([tokenizer.encode(PROMPT)]),
-                           NEW_TOKENS, cfg.block_size, cfg.vocab_size, TEMPERATURE, settings.top_k,
-                           torch.Generator().manual_seed(settings.seed))
-        return tokenizer.decode(ids[0].tolist())
+        decoder = WindowDecoder(lambda idx: logits_of(model.eval()(idx)), cfg.block_size, cfg.vocab_size,
+                                torch.device("cpu"))
+        prompt = tokenizer.encode(PROMPT)
+        ids = generate(decoder, prompt, Sampling(NEW_TOKENS, TEMPERATURE, settings.top_k),
+                       torch.Generator().manual_seed(settings.seed))
+        return tokenizer.decode(prompt + ids)
 
     assert drawn(lambda logits: logits) == sample(stdout)
     assert drawn(torch.zeros_like) != sample(stdout)

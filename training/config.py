@@ -185,6 +185,7 @@ class SampleConfig:
     max_new_tokens: int = 300
     temperature: float = 0.8
     top_k: Optional[int] = 200
+    top_p: float = 1.0  # nucleus sampling: 1 keeps every token top_k keeps
     seed: int = 0
 
     def check(self, c: Checks) -> None:
@@ -194,6 +195,8 @@ class SampleConfig:
         c.at_least("max_new_tokens", 0)
         c.at_least("temperature", 0, "0 takes the most likely token")
         c.at_least("top_k", 1)
+        c.above("top_p", 0)
+        c.in_range("top_p", 0, 1)
         c.at_least("seed", 0)
 
 

@@ -8,6 +8,8 @@ import functools
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from model.generate import CachedDecoder, WindowDecoder
+from model.kv_cache import attention_modules
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
 from training.multiple_choice import row_losses
@@ -73,10 +75,14 @@ class PlainDriver:
             torch.distributed.all_reduce(losses, group=self.sp.group)
         return losses
 
-    def next_token_logits(self, micro_batch: int, block_size: int, padded_vocab_size: int, with_positions: bool):
-        """A callable for model.generate: the logits of a sequence, whole on every rank."""
-        forward = (lambda idx: gather_vocab(self.engine(idx), self.tp)) if self.tp.size > 1 else self.engine
-        return gathered_logits(forward, self.sp)
+    def decoder(self, micro_batch: int, block_size: int, vocab: tuple[int, int], with_positions: bool) -> WindowDecoder:
+        """A decoder of one sequence for model.generate, its logits whole on every rank; `vocab`: (real, padded)
+        vocabulary sizes. Through a key/value cache where the attention runs whole on each rank (tensor ranks
+        cache their heads), else a forward pass over the window for every token."""
+        forward = (lambda inputs: gather_vocab(self.engine(inputs), self.tp)) if self.tp.size > 1 else self.engine
+        if self.sp.size == 1 and attention_modules(self.engine.module):
+            return CachedDecoder(self.engine.module, block_size, vocab[0], forward=forward)
+        return WindowDecoder(gathered_logits(forward, self.sp), block_size, vocab[0], self.engine.device)
 
     def weights_in_sync(self) -> dict:
         """The end-of-run checks of weights that nothing re-synchronizes: {name: all ranks' copies equal}."""
@@ -143,8 +149,9 @@ class PipelineDriver(PlainDriver):
         torch.distributed.broadcast(losses, src=self.last_stage, group=engine.grid.get_pipe_parallel_group())
         return self._summed_over_sequence(losses)
 
-    def next_token_logits(self, micro_batch: int, block_size: int, padded_vocab_size: int, with_positions: bool):
-        return PipelineLogits(self, micro_batch, block_size, padded_vocab_size, with_positions)
+    def decoder(self, micro_batch: int, block_size: int, vocab: tuple[int, int], with_positions: bool) -> WindowDecoder:
+        logits = PipelineLogits(self, micro_batch, block_size, vocab[1], with_positions)
+        return WindowDecoder(logits, block_size, vocab[0], self.engine.device)
 
     def weights_in_sync(self) -> dict:
         return {"tied_weights_in_sync": self._tied_weights_in_sync(), **super().weights_in_sync()}
@@ -166,7 +173,7 @@ class PipelineDriver(PlainDriver):
 
 
 class PipelineLogits:
-    """Next-token logits of one sequence through a pipeline, as a callable for model.generate.
+    """Next-token logits of one sequence through a pipeline, for a WindowDecoder.
 
     The pipeline engine caches activation shapes from its first micro-batch, so the sequence is sent
     right-padded in a batch of training shape (causal attention keeps the padding out of its logits).

@@ -15,6 +15,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from data.tasks import context_ids, pair_ids
 from data.token_data import IGNORE
 from data.tokenizers import delimiter_id
+from model.generate import decoder_for
 from training.multiple_choice import Row, batches, choice_row, row_losses
 
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default
@@ -26,11 +27,12 @@ class RequestError(ValueError):
 
 class CheckpointLM(LM):
     def __init__(self, model: torch.nn.Module, block_size: int, vocab_size: int, tokenizer, device: str,
-                 batch_size: int = 16):
+                 batch_size: int = 16, documents=None):
+        """documents: where the model sees documents begin as it generates (data/documents.py's documents_seen)."""
         super().__init__()
         self.model = model.to(device).eval()
         self.block_size, self.vocab_size, self.tokenizer = block_size, vocab_size, tokenizer
-        self.batch_size, self._device = batch_size, torch.device(device)
+        self.batch_size, self._device, self.documents = batch_size, torch.device(device), documents
         # The document delimiter: rolling windows start after it, generation stops at it (None: a one-document model).
         self.delimiter = delimiter_id(tokenizer)
 
@@ -51,23 +53,25 @@ class CheckpointLM(LM):
 
     @torch.no_grad()
     def generate_until(self, requests) -> list[str]:
+        decoder = decoder_for(self.model, self.block_size, self.vocab_size, documents=self.documents)
         out = []
         for request in requests:
             context, options = request.args
             until = options.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            idx = torch.tensor([self._encoded(context, lambda: context_ids(self.tokenizer, context))],
-                               device=self._device)
+            ids = self._encoded(context, lambda: context_ids(self.tokenizer, context))
             new, text = [], ""
+            slot, logits = decoder.start(ids)
             for _ in range(options.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)):
-                token = int(self.model(idx[:, -self.block_size:])[0, -1, :self.vocab_size].argmax())
+                token = int(logits.argmax())
                 if token == self.delimiter:
                     break
                 new.append(token)
-                idx = torch.cat([idx, idx.new_tensor([[token]])], dim=1)
                 text = self.tokenizer.decode(new)
                 if any(stop in text for stop in until):
                     break
+                logits = decoder.step({slot: [token]})[slot]
+            decoder.release(slot)
             for stop in until:
                 text = text.split(stop)[0]
             out.append(text)

@@ -1,0 +1,118 @@
+"""A key/value cache for generation: each attention layer keeps the keys and values of the tokens a sequence has
+seen, so a new token costs one position's forward pass instead of the whole window's.
+
+The model has no caching code. Its attention modules call `self.core(q, k, v, dropout, positions)` (the seam
+model/sequence_parallel.py uses too); while `KVCache.attached(...)` is open, each core writes the new keys and
+values into the cache and attends over all that the sequence holds. The input goes in as (tokens, positions),
+the document-masking convention (model/documents.py): each new token's position within its document, which
+learned positions and RoPE read, so a sequence goes on where its cache ends.
+
+The cache has a fixed number of slots of block_size tokens, each slot a sequence with its own length: sequences
+of different lengths decode together, a token each a step, with no padding. A token attends to the earlier
+tokens of its own document (a position of 0 starts the next one), so a prompt of several documents is masked as
+training masked it. Grouped-query attention caches its key/value heads only.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from model.layers import causal_attention
+
+
+def attention_modules(model: torch.nn.Module) -> list:
+    """The modules whose attention a cache can take over: those running the plain causal core."""
+    return [m for m in model.modules() if getattr(m, "core", None) is causal_attention]
+
+
+class KVCache:
+    def __init__(self, slots: int, block_size: int):
+        self.slots, self.block_size = slots, block_size
+        self.lengths = [0] * slots  # tokens cached in each slot
+        self.keys: list[torch.Tensor] = []  # per attention layer: (slots, kv_heads, block_size, head_dim)
+        self.values: list[torch.Tensor] = []
+        self.documents = None  # (slots, block_size): the document index of each cached token
+        self._pass = None  # the forward pass under way: where its tokens go, what they may attend to
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    @contextmanager
+    def attached(self, attentions: list):
+        """The cores of `attentions` (attention_modules of a model) swapped for this cache's while the block runs."""
+        if not attentions:
+            raise ValueError("the model has no attention core to cache (a sequence-parallel or encoder model)")
+        for layer, module in enumerate(attentions):
+            module.core = _CachedCore(self, layer)
+        try:
+            yield
+        finally:
+            for module in attentions:
+                module.core = causal_attention
+
+    def forward(self, model, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The logits (rows, t, vocab) of `tokens` (rows, t), appended to each row's slot after its cached tokens,
+        at `positions` (rows, t) within their documents; `model` maps (tokens, positions) to logits and runs
+        with this cache attached."""
+        rows, t = tokens.shape
+        starts = torch.tensor([self.lengths[s] for s in slots], device=tokens.device)
+        if int(starts.max()) + t > self.block_size:
+            raise ValueError(f"a slot would hold more than block_size={self.block_size} tokens")
+        slot_index = torch.tensor(slots, device=tokens.device)
+        written = starts[:, None] + torch.arange(t, device=tokens.device)  # (rows, t): where the new tokens go
+        if self.documents is None:
+            self.documents = torch.zeros(self.slots, self.block_size, dtype=torch.long, device=tokens.device)
+        # A row goes on in its last cached token's document; each position 0 starts the next.
+        last = self.documents[slot_index, (starts - 1).clamp(min=0)] * (starts > 0)
+        documents = last[:, None] + (positions == 0).cumsum(dim=1)
+        self.documents[slot_index[:, None], written] = documents
+        span = int(starts.max()) + t
+        self._pass = (slot_index, written, span, *self._mask(slot_index, written, span, documents))
+        try:
+            logits = model((tokens, positions))
+        finally:
+            self._pass = None
+        for s in slots:
+            self.lengths[s] += t
+        return logits
+
+    def _mask(self, slot_index, written, span: int, documents) -> tuple[torch.Tensor | None, bool]:
+        """(the attention mask, (rows, 1, t, span), or None; whether attention is plainly causal). One sequence
+        in one document needs no mask: a prefill from its start is causal, a token a step sees all before it."""
+        one_document = bool((self.documents[slot_index, 0] == documents[:, -1]).all())
+        if slot_index.numel() == 1 and one_document and (int(written[0, 0]) == 0 or written.size(1) == 1):
+            return None, written.size(1) > 1
+        keys = torch.arange(span, device=written.device)
+        mask = (keys <= written[:, :, None]) & (self.documents[slot_index, :span][:, None, :] == documents[:, :, None])
+        return mask.unsqueeze(1), False
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One layer's attention of the pass under way: (rows, heads, t, head_dim) in and out."""
+        slot_index, written, span, mask, causal = self._pass
+        if layer == len(self.keys):  # the first pass through this layer: its tensors, at its heads and dtype
+            shape = (self.slots, k.size(1), self.block_size, k.size(3))
+            self.keys.append(k.new_zeros(shape))
+            self.values.append(v.new_zeros(shape))
+        cached_k, cached_v = self.keys[layer], self.values[layer]
+        if slot_index.numel() == 1:  # one sequence (a prefill, a lone stream): slices, no gathering copies
+            slot, start = int(slot_index), int(written[0, 0])
+            cached_k[slot, :, start:start + k.size(2)] = k[0]
+            cached_v[slot, :, start:start + v.size(2)] = v[0]
+            k, v = cached_k[slot:slot + 1, :, :span], cached_v[slot:slot + 1, :, :span]
+        else:
+            rows = slot_index[:, None]
+            cached_k[rows, :, written] = k.transpose(1, 2)  # indexed (rows, t, heads, head_dim)
+            cached_v[rows, :, written] = v.transpose(1, 2)
+            k, v = cached_k[slot_index, :, :span], cached_v[slot_index, :, :span]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=k.size(1) != q.size(1))
+
+
+class _CachedCore:
+    """An attention core that reads and writes one layer of a KVCache (dropout: generation runs in eval)."""
+
+    def __init__(self, cache: KVCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __call__(self, q, k, v, dropout: float, positions=None) -> torch.Tensor:
+        return self.cache.attend(self.layer, q, k, v)

@@ -1,0 +1,89 @@
+"""Serve a checkpoint or an export over OpenAI's HTTP API, with continuous batching and a chat page.
+
+    python -m scripts.serve --out_dir out/llama_quickstart_sft              # the newest checkpoint of a run
+    python -m scripts.serve --export out/llama_quickstart_export --port 8001
+    python -m scripts.serve --out_dir out/sft --host 0.0.0.0 --api_key KEY  # reachable from other machines
+
+Then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at http://127.0.0.1:8000/v1.
+`--slots` sequences decode together (each a slot of the key/value cache); up to `--max_queue` more wait for one,
+and past that a request is answered 429. Without --api_key (or MEGALITE_API_KEY) the server listens on loopback
+only, unless --host names another address. Prompts and keys are never logged. Ctrl-C stops it.
+"""
+import argparse
+import os
+import socket
+import sys
+
+import torch
+
+from common.checks import ConfigError, ToolParser, exit_bad_input
+from data.documents import documents_seen
+from data.tokenizers import TokenizerError
+from training.export import load_trained
+
+KEY_VARIABLE = "MEGALITE_API_KEY"
+
+
+def check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); fix: pick a free "
+                              f"port (--port) or stop the server that holds it") from None
+
+
+def main(argv=None) -> None:
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--out_dir", help="a run's train.out_dir: serve its checkpoint")
+    source.add_argument("--export", help="a folder written by python -m scripts.export")
+    parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="auto: bf16 on a GPU, fp32 on a CPU")
+    parser.add_argument("--slots", type=int, default=8, help="sequences decoded together")
+    parser.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429")
+    parser.add_argument("--name", help="the model's id in the API (default: the folder's name)")
+    parser.add_argument("--api_key", default=os.environ.get(KEY_VARIABLE),
+                        help=f"require 'Authorization: Bearer KEY' (default: ${KEY_VARIABLE})")
+    args = parser.parse_args(argv)
+    try:
+        import uvicorn
+
+        from serving.api import Served, create_app
+        from serving.metrics import Metrics
+    except ImportError as e:
+        exit_bad_input(f"python -m scripts.serve needs its ASGI stack ({e}); fix: pip install '.[serve]'")
+    try:
+        for name in ("slots", "max_queue"):
+            if getattr(args, name) < (1 if name == "slots" else 0):
+                raise ConfigError(f"--{name} {getattr(args, name)}: must be at least {1 if name == 'slots' else 0}")
+        check_port(args.host, args.port)
+        cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
+    except (ConfigError, TokenizerError) as e:
+        exit_bad_input(e)
+    from model.generate import decoder_for
+    from serving.scheduler import Scheduler
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and args.device != "cpu") else torch.float32
+    model = model.to(args.device, dtype).eval()
+    decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, args.slots, documents_seen(cfg.document_masking, meta))
+    scheduler = Scheduler(decoder, args.slots, args.max_queue)
+    metrics = Metrics(scheduler.stats)
+    scheduler.observe = metrics.observe
+    name = args.name or os.path.basename(os.path.normpath(args.export or args.out_dir))
+    app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, args.api_key))
+    print(f"serving {name} ({sum(p.numel() for p in model.parameters()):,} parameters, {dtype}, {args.device}, "
+          f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
+          + ("; API key required" if args.api_key else ""), flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        scheduler.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Continuous batching: concurrent requests share one model through a CachedDecoder of a fixed number of slots
+(vLLM's scheduling, on fixed slots where vLLM pages its cache). A request joins the running batch at the next
+step, its prompt prefilled into a free slot, and leaves the moment it finishes or is cancelled (its client went
+away), freeing the slot for the next in the queue. The model runs on the scheduler's one thread; requests come
+and go from any thread, each reading its tokens from its own queue as they are drawn.
+"""
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from model.generate import CachedDecoder, Sampling, choose
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting line is at its bound."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence to generate: its events arrive on `events` as ("token", id) and finally ("done", reason), reason
+    "stop" (a stop id drawn), "length" (max_new_tokens) or "cancelled"."""
+    prompt: list[int]
+    sampling: Sampling
+    seed: int | None = None
+    events: queue.Queue = field(default_factory=queue.Queue)
+    submitted: float = field(default_factory=time.monotonic)
+    cancelled: str | None = None  # why it was stopped from outside
+    drawn: int = 0
+    pending: int | None = None  # the last token drawn, fed to the model at the next step
+    generator: torch.Generator = field(default=None)
+
+
+class Scheduler:
+    def __init__(self, decoder: CachedDecoder, slots: int, max_waiting: int, observe=None):
+        """observe(event, request, value): the metrics' hook ("admitted", "token", "finished")."""
+        self.decoder, self.slots, self.max_waiting = decoder, slots, max_waiting
+        self.observe = observe or (lambda *_: None)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # by slot
+        self.admitting = 0  # taken from the queue, their prompts being prefilled
+        self.changed = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: Sequence) -> Sequence:
+        with self.changed:
+            if len(self.running) + self.admitting == self.slots and len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{self.slots} requests running and {len(self.waiting)} waiting")
+            request.generator = torch.Generator().manual_seed(request.seed if request.seed is not None
+                                                               else torch.seed())
+            self.waiting.append(request)
+            self.changed.notify()
+        return request
+
+    def cancel(self, request: Sequence, reason: str = "cancelled") -> None:
+        """Stop a request (its client went away, or a stop string ended its text: `reason` "stop"); its slot is
+        free from the next step on."""
+        with self.changed:
+            if not request.cancelled:
+                request.cancelled = reason
+            self.changed.notify()
+
+    def stats(self) -> tuple[int, int]:
+        """(requests waiting, slots in use)."""
+        with self.changed:
+            return len(self.waiting), len(self.running) + self.admitting
+
+    def close(self) -> None:
+        with self.changed:
+            self.stopping = True
+            self.changed.notify()
+        self.thread.join(timeout=30)
+
+    @torch.no_grad()
+    def _loop(self) -> None:
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda: self.stopping or self.waiting or self.running)
+                if self.stopping:
+                    return
+                cancelled = [(slot, r) for slot, r in self.running.items() if r.cancelled]
+                admitted = []
+                while self.waiting and len(self.running) - len(cancelled) + len(admitted) < self.slots:
+                    request = self.waiting.popleft()
+                    if request.cancelled:
+                        request.events.put(("done", request.cancelled))
+                        self.observe("finished", request, request.cancelled)
+                    else:
+                        admitted.append(request)
+                self.admitting = len(admitted)
+            for slot, request in cancelled:
+                self._finish(slot, request, request.cancelled)
+            for request in admitted:
+                slot, logits = self.decoder.start(request.prompt)
+                with self.changed:
+                    self.running[slot] = request
+                    self.admitting -= 1
+                self.observe("admitted", request, None)
+                self._draw(slot, request, logits)
+            feeding = {slot: [r.pending] for slot, r in self.running.items()
+                       if r.pending is not None and r not in admitted}
+            if feeding:
+                logits = self.decoder.step(feeding)
+                for slot in feeding:
+                    self._draw(slot, self.running[slot], logits[slot])
+
+    def _draw(self, slot: int, request: Sequence, logits: torch.Tensor) -> None:
+        token = choose(logits, request.sampling, request.generator)
+        request.drawn += 1
+        request.events.put(("token", token))
+        self.observe("token", request, token)
+        if token in request.sampling.stop_ids:
+            self._finish(slot, request, "stop")
+        elif request.drawn == request.sampling.max_new_tokens:
+            self._finish(slot, request, "length")
+        else:
+            request.pending = token
+
+    def _finish(self, slot: int, request: Sequence, reason: str) -> None:
+        with self.changed:
+            del self.running[slot]
+        self.decoder.release(slot)
+        request.pending = None
+        request.events.put(("done", reason))
+        self.observe("finished", request, reason)

@@ -1,0 +1,31 @@
+"""A generated sequence as text, piece by piece as its tokens arrive: what is safe to send now (never the start of
+a possible stop string, never half a UTF-8 character a byte-level tokenizer has only begun), and where a stop
+string ends it."""
+
+
+class TextStream:
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        self.tokens: list[int] = []
+        self.text, self.sent = "", 0
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """(the text to send now, whether a stop string ended the sequence: the text stops before it)."""
+        self.tokens.append(token)
+        self.text = self.tokenizer.decode(self.tokens)
+        found = [i for i in (self.text.find(stop) for stop in self.stops) if i >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+            return self._send(len(self.text)), True
+        safe = len(self.text.rstrip("\ufffd"))  # a multi-byte character still incomplete
+        held = max([n for stop in self.stops for n in range(1, min(len(stop) - 1, safe) + 1)
+                    if self.text[:safe].endswith(stop[:n])], default=0)  # a tail a stop string may begin with
+        return self._send(max(safe - held, self.sent)), False
+
+    def rest(self) -> str:
+        """What was held back, sent when the sequence ends otherwise."""
+        return self._send(len(self.text))
+
+    def _send(self, upto: int) -> str:
+        piece, self.sent = self.text[self.sent:upto], upto
+        return piece

@@ -1,0 +1,138 @@
+"""Generation: the sampling rules (temperature, top-k, top-p, over the real vocabulary only); the key/value cache,
+whose logits equal a forward pass over the whole window at every step (fp32, 1e-5) for the GPT and the Llama with
+grouped-query attention, several sequences of different lengths at once, a prompt of several documents, a
+sequence sliding past block_size; and greedy text equal to transformers' generate on the export."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from data.documents import Documents
+from hf_check import load_in_transformers
+from model import build_model
+from model.config import ModelConfig
+from model.generate import CachedDecoder, Sampling, WindowDecoder, decoder_for, generate
+from training.export import write_export
+
+CPU = torch.device("cpu")
+GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)
+LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=16,
+                    vocab_size=20)
+MODELS = {"gpt": GPT, "llama_gqa": LLAMA}
+EOT = 3  # the documents' delimiter below: the token after it starts the next document
+DOCUMENTS = Documents({"delimiter": "eot", "eot_id": EOT})
+
+
+class FixedLogits:
+    """A 'model' whose next-token logits are one fixed row (padded vocabulary: 8 real ids + 8 padding ids
+    whose logits are the largest, as an untrained head can make them)."""
+
+    def __init__(self, row: torch.Tensor):
+        self.row = row
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.row.expand(idx.size(0), idx.size(1), -1)
+
+
+ROW = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.0, 1.9, -3.0, 0.5])
+
+
+def draws(sampling: Sampling, n: int = 4000) -> set[int]:
+    decoder = WindowDecoder(FixedLogits(torch.cat([ROW, torch.full((8,), 50.0)])), 8, 8, CPU)
+    generator = torch.Generator().manual_seed(0)
+    return {token for _ in range(n) for token in generate(decoder, [0], sampling, generator)}
+
+
+def test_temperature_zero_takes_the_most_likely_real_token():
+    assert draws(Sampling(4, temperature=0), n=1) == {1}  # logit 2.0 at id 1; never a padding id (50.0)
+
+
+def test_top_k_and_top_p_draw_only_from_their_tokens_and_never_padding():
+    assert draws(Sampling(1, top_k=3)) == {1, 3, 5}  # the three best logits (2.0, 1.9, 1.5), each drawn
+    assert draws(Sampling(1)) == set(range(8))  # no top-k: every real id, still no padding id
+    assert max(draws(Sampling(1, top_k=100), n=50)) < 8  # top_k beyond the vocabulary
+    probs = torch.softmax(ROW, 0).sort(descending=True)
+    kept = {int(i) for i, before in zip(probs.indices, probs.values.cumsum(0) - probs.values) if before < 0.7}
+    assert len(kept) == 3 and draws(Sampling(1, top_p=0.7)) == kept  # the fewest whose mass reaches 0.7
+    assert draws(Sampling(1, top_p=0.7, top_k=2)) == {1, 5}
+
+
+@pytest.mark.parametrize("setting,value,message", [
+    ("temperature", -0.5, "temperature=-0.5: must be >= 0 (0: greedy)"), ("top_p", 0.0, "top_p=0.0: must be in (0, 1]"),
+    ("top_p", 1.5, "top_p=1.5: must be in (0, 1]"), ("top_k", 0, "top_k=0: must be at least 1"),
+    ("max_new_tokens", -1, "max_new_tokens=-1: must be >= 0")])
+def test_sampling_settings_out_of_range_are_refused(setting, value, message):
+    with pytest.raises(ValueError) as e:
+        Sampling(**{"max_new_tokens": 4, setting: value})
+    assert str(e.value) == message
+
+
+def test_a_stop_id_ends_the_sequence_and_stays_its_last_token():
+    decoder = WindowDecoder(FixedLogits(ROW), 8, 8, CPU)
+    assert generate(decoder, [0], Sampling(10, temperature=0, stop_ids=(1,))) == [1]
+    assert generate(decoder, [0], Sampling(0)) == []
+
+
+def model_of(cfg: ModelConfig) -> torch.nn.Module:
+    """Random weights large enough that the next token is clear (greedy paths never hang on a near tie)."""
+    model = build_model(cfg, seed=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("documents", [None, DOCUMENTS], ids=["one_document", "document_masking"])
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_cached_logits_equal_a_forward_over_the_whole_window_at_every_step(name, documents):
+    """Three sequences decoded together from prompts of 5, 1 and 7 tokens (the last of several documents), for
+    30 steps of random tokens (delimiters among them): every step's logits of each are the window's forward
+    pass's, as the sequences pass block_size (16) and slide."""
+    model = model_of(MODELS[name])
+    cached = CachedDecoder(model, 16, 20, slots=3, documents=documents)
+    window = WindowDecoder(model, 16, 20, CPU, slots=3, documents=documents)
+    prompts = [[1, 2, 4, 5, 6], [7], [EOT, 9, EOT, 11, 12, EOT, 13]]
+    started = [(cached.start(p), window.start(p)) for p in prompts]
+    worst = max((a - b).abs().max().item() for (_, a), (_, b) in started)
+    slots = [slot for (slot, _), _ in started]
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        new = {slot: [int(rng.choice([EOT, *range(4, 20)]))] for slot in slots}
+        got, expected = cached.step(new), window.step(new)
+        worst = max(worst, *((got[s] - expected[s]).abs().max().item() for s in slots))
+    assert worst <= 1e-5, worst
+    assert all(len(cached.windows[s]) == 16 for s in slots) and cached.cache.lengths == [16] * 3  # every one slid
+
+
+@torch.no_grad()
+def test_a_prompt_of_several_documents_sees_only_its_last():
+    """Under document masking the next token depends on the last document alone: what came before the
+    delimiter changes nothing; without documents it does."""
+    model = model_of(LLAMA)
+    for documents, same in [(DOCUMENTS, True), (None, False)]:
+        decoder = CachedDecoder(model, 16, 20, slots=2, documents=documents)
+        (_, a), (_, b) = decoder.start([5, 6, EOT, 9, 10]), decoder.start([7, 8, 11, EOT, 9, 10])
+        assert torch.allclose(a, b, atol=1e-5) is same
+
+
+def test_models_without_a_cacheable_attention_decode_over_the_window():
+    encoder = build_model(ModelConfig(arch="encoder", n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=20))
+    assert type(decoder_for(encoder, 8, 20)) is WindowDecoder
+    assert type(decoder_for(build_model(GPT), 16, 20)) is CachedDecoder
+
+
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_greedy_text_equals_transformers_generate_on_the_export(tmp_path, name):
+    cfg = dataclasses.replace(MODELS[name], vocab_size=65, block_size=32)
+    model = model_of(cfg)
+    write_export(str(tmp_path), cfg, model.state_dict(), {"format": 2, "tokenizer": "char", "vocab_size": 65,
+                                                          "chars": [chr(32 + i) for i in range(65)]}, step=0)
+    prompt = [5, 17, 33, 2]
+    ours = generate(decoder_for(model, 32, 65), prompt, Sampling(24, temperature=0))
+    theirs = load_in_transformers(str(tmp_path)).generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                                          pad_token_id=0)
+    assert ours == theirs[0, len(prompt):].tolist()
+    assert len(set(ours)) > 3  # not one token repeated: the comparison has a text to tell apart
