@@ -93,7 +93,8 @@ class WindowDecoder:
 class CachedDecoder(WindowDecoder):
     """Next-token logits through a KVCache: a sequence's prompt goes through the model once (prefill), then each
     step feeds every sequence its one new token, together in one forward pass. `model` is the module whose
-    attention the cache attaches to; `forward` (default: the model) maps (ids, positions) to logits through it."""
+    attention the cache attaches to (a LayerStack); `forward` (default: the model) maps (ids, positions) to
+    logits through it, passing LayerStack's last_position on."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, vocab_size: int, slots: int = 1, documents=None,
                  forward=None):
@@ -132,7 +133,8 @@ class CachedDecoder(WindowDecoder):
     def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The last position's logits (rows, vocab_size) of each row, its tokens appended to its slot."""
         with self.cache.attached(self.attentions):
-            return self.cache.forward(self.forward, slots, ids, positions)[:, -1, :self.vocab_size]
+            logits = self.cache.forward(lambda inputs: self.forward(inputs, last_position=True), slots, ids, positions)
+            return logits[:, -1, :self.vocab_size]
 
     def _next_position(self, slot: int, token: int) -> int:
         previous = self.windows[slot][-1]

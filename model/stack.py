@@ -65,7 +65,15 @@ class LayerStack(nn.Module):
     def _is_checkpointable(self, calls: list) -> bool:
         return all(fn is None and type(layer) in self.checkpointable for layer, fn in calls)
 
-    def forward(self, x) -> torch.Tensor:
+    def forward(self, x, last_position: bool = False) -> torch.Tensor:
+        """last_position: only the last position goes on past the last transformer block (the layers after it,
+        the final norm and the head, work per position): the logits of generation's next token, at a prompt's
+        prefill without a head over every position."""
+        if last_position:
+            blocks = [i for i, (layer, _) in enumerate(self._calls) if type(layer) in self.checkpointable]
+            x = self._run(self._calls[:blocks[-1] + 1], x)
+            x = tuple(part[:, -1:] for part in x) if isinstance(x, tuple) else x[:, -1:]
+            return self._run(self._calls[blocks[-1] + 1:], x)
         if not (self.checkpoint_interval and torch.is_grad_enabled()):
             return self._run(self._calls, x)
         for start in range(0, len(self._calls), self.checkpoint_interval):

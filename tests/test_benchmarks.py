@@ -17,8 +17,8 @@ from harness import REPO, TINY, run
 from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
-SCRIPTS = ["data.py", "documents.py", "finetune.py", "llama.py", "memory.py", "pipeline.py", "quality.py",
-           "sequence_parallel.py", "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
+SCRIPTS = ["data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py", "pipeline.py",
+           "quality.py", "sequence_parallel.py", "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -101,6 +101,16 @@ def test_document_masking_cost_counts_the_kept_masks_as_the_memory_plan_does(sha
     assert measured["added_bytes_planned"] == measured["mask_bytes_measured"] + rope
     assert measured["saved_bytes_added"] == pytest.approx(measured["added_bytes_planned"], rel=0.05)
     assert measured["masked_tokens_per_s"] > 0 and measured["unmasked_tokens_per_s"] > 0
+
+
+def test_generation_times_the_cache_the_window_and_transformers(tmp_path):
+    report = tmp_path / "generation.json"
+    run([sys.executable, "benchmarks/generation.py", "--presets", "quickstart", "--prompt", "8", "--new", "4",
+         "--repeats", "1", "--json", str(report)])
+    result = json.loads(report.read_text())["results"]["quickstart"]
+    assert (result["prompt"], result["new"], result["block_size"]) == (8, 4, 64)
+    for way in ("cache", "full window", "transformers"):
+        assert result[way]["first_token_s"] > 0 and result[way]["decode_tokens_per_s"] > 0
 
 
 def benchmark(script: str, *args: str, env: dict | None = None):

@@ -79,7 +79,8 @@ class PlainDriver:
         """A decoder of one sequence for model.generate, its logits whole on every rank; `vocab`: (real, padded)
         vocabulary sizes. Through a key/value cache where the attention runs whole on each rank (tensor ranks
         cache their heads), else a forward pass over the window for every token."""
-        forward = (lambda inputs: gather_vocab(self.engine(inputs), self.tp)) if self.tp.size > 1 else self.engine
+        forward = (lambda inputs, **options: gather_vocab(self.engine(inputs, **options), self.tp)) \
+            if self.tp.size > 1 else self.engine
         if self.sp.size == 1 and attention_modules(self.engine.module):
             return CachedDecoder(self.engine.module, block_size, vocab[0], forward=forward)
         return WindowDecoder(gathered_logits(forward, self.sp), block_size, vocab[0], self.engine.device)
