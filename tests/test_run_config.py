@@ -96,6 +96,8 @@ BAD_SETTINGS = [
     (["sample.max_new_tokens=-1"], "sample.max_new_tokens=-1: must be >= 0"),
     (["sample.temperature=-0.5"], "sample.temperature=-0.5: must be >= 0 (0 takes the most likely token)"),
     (["sample.top_k=0"], "sample.top_k=0: must be >= 1"),
+    (["sample.top_p=0"], "sample.top_p=0.0: must be > 0"),
+    (["sample.top_p=1.5"], "sample.top_p=1.5: must be in [0, 1]"),
     (["sample.seed=-3"], "sample.seed=-3: must be >= 0"),
     (["eval.tasks=[a/x.jsonl,b/x.jsonl]"], "eval.tasks=['a/x.jsonl', 'b/x.jsonl']: must name each task once (files "
                                            "of one name report alike: x); fix: rename one of the files"),
