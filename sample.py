@@ -16,15 +16,12 @@ from data.chat import chat_prompt
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError, sampling_start
 from model.generate import Sampling, decoder_for, generate
-from training.export import load_trained
+from training.export import add_trained_arguments, load_trained
 
 
 def main(argv=None) -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--out_dir", help="a run's train.out_dir: sample from its checkpoint")
-    source.add_argument("--export", help="a folder written by python -m scripts.export")
-    parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
+    add_trained_arguments(parser, "sample from")
     parser.add_argument("--prompt", default="\n")
     parser.add_argument("--chat", help="a user message: the model's answer, with its chat template applied")
     parser.add_argument("--max_new_tokens", type=int, default=500)

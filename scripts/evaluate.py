@@ -20,7 +20,7 @@ from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError
 from training.evaluate import LOCAL, earlier_results, task_spec, where, write_results
-from training.export import load_trained
+from training.export import add_trained_arguments, load_trained
 
 
 def main(argv=None) -> None:
@@ -65,10 +65,7 @@ def main(argv=None) -> None:
 
 def parse_args(argv):
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--out_dir", help="a run's train.out_dir: score its checkpoint")
-    source.add_argument("--export", help="a folder written by python -m scripts.export")
-    parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
+    add_trained_arguments(parser, "score")
     parser.add_argument("--tasks", required=True, help="comma-separated: harness task names, task YAML files, "
                         "JSONL files in HellaSwag's format")
     parser.add_argument("--limit", type=int, help="the first N examples of each task")

@@ -19,7 +19,7 @@ import torch
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError
-from training.export import load_trained
+from training.export import add_trained_arguments, load_trained
 
 KEY_VARIABLE = "MEGALITE_API_KEY"
 
@@ -35,10 +35,7 @@ def check_port(host: str, port: int) -> None:
 
 def main(argv=None) -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--out_dir", help="a run's train.out_dir: serve its checkpoint")
-    source.add_argument("--export", help="a folder written by python -m scripts.export")
-    parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
+    add_trained_arguments(parser, "serve")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -259,6 +259,7 @@ class Reply:
                 "created": self.created, "model": self.served.name, "choices": choices, "usage": self.usage()}
 
     async def stream(self, sequences: list, stops: list[str]):
+        tasks = []
         try:
             if self.chat:
                 for index in range(self.n):
@@ -270,7 +271,7 @@ class Reply:
                     await merged.put(item)
                 await merged.put(None)
 
-            tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(sequences)]
+            tasks += [asyncio.create_task(drain(i, s)) for i, s in enumerate(sequences)]
             finished = 0
             while finished < self.n:
                 item = await merged.get()
@@ -286,7 +287,7 @@ class Reply:
         finally:  # the client went away, or all is sent
             for sequence in sequences:
                 self.served.scheduler.cancel(sequence)
-            for task in locals().get("tasks", []):
+            for task in tasks:
                 task.cancel()
 
     def head(self) -> dict:

@@ -203,6 +203,15 @@ def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
     return cfg, state, check_meta(record["tokenizer"], f"the tokenizer record of export config {path}", fix)
 
 
+def add_trained_arguments(parser, use: str) -> None:
+    """A command's --out_dir (a run's checkpoint, `use` saying what the command does with it), --export and --tag:
+    the three arguments load_trained reads."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--out_dir", help=f"a run's train.out_dir: {use} its checkpoint")
+    source.add_argument("--export", help="a folder written by python -m scripts.export")
+    parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
+
+
 def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | None = None) -> tuple:
     """(model config, model holding its weights on the CPU, tokenizer, its dataset's meta) of an export, or of a
     run's checkpoint (`tag`, or its newest) of any layout, its slices merged."""
