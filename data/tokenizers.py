@@ -285,8 +285,10 @@ def folder_tokenizer(folder: str):
     raise TokenizerError(f"--tokenizer {folder} is a folder that holds no tokenizer; fix: {fix}")
 
 
-def tokenizer_from_meta(meta: dict, directory: str | None = None):
-    """The tokenizer a prepared dataset was written with (its files are read from `directory`)."""
+def tokenizer_from_meta(meta: dict, directory: str | None = None,
+                        fix: str = "the dataset's tokenizer must stay beside its meta.json; prepare the dataset again"):
+    """The tokenizer a prepared dataset (or an export: `fix` says how to mend each) was written with, its files
+    read from `directory`."""
     name = meta["tokenizer"]
     if name == "char":
         return CharTokenizer(meta["chars"], eot=meta.get("eot_id") is not None)
@@ -295,8 +297,7 @@ def tokenizer_from_meta(meta: dict, directory: str | None = None):
                              f"damaged; prepare the dataset again")
     path = os.path.join(directory or ".", meta["tokenizer_file"])
     if not os.path.isfile(path):
-        raise TokenizerError(f"{path} is missing: the dataset's tokenizer must stay beside its meta.json; "
-                             f"prepare the dataset again")
+        raise TokenizerError(f"{path} is missing: {fix}")
     if meta["tokenizer_file"] == TIKTOKEN_FILE:
         return TiktokenTokenizer.from_files(meta, directory)
     return HFTokenizer.from_file(path, name)

@@ -5,7 +5,9 @@ client vanishing mid-stream freeing its slot, OpenAI's error body for each bad i
 the API key, refusals at start, and Ctrl-C. The model: a chat-tuned Llama's shape with random weights, exported
 with the chat template of real prepared conversations."""
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,9 +200,56 @@ def test_bad_input_gets_openais_error_body_and_the_server_goes_on(server, body, 
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_the_page_is_served(server):
-    page = httpx.get(f"{server.url}/")
-    assert page.status_code == 200 and "/v1/chat/completions" in page.text
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's headless Chromium driven through its ChromeDriver (Selenium), with no network beyond loopback."""
+    missing = [name for name, path in [("chromium", "/usr/bin/chromium"), ("chromedriver", "/usr/bin/chromedriver")]
+               if not shutil.which(path)]
+    try:
+        from selenium import webdriver
+    except ImportError:
+        missing.append("selenium (pip install '.[dev]')")
+    if missing:  # CI installs them (.ci/run): there a missing one is a broken machine, not a reason to skip
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(
+            f"the chat page test needs {', '.join(missing)}; .ci/run installs chromium and chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
+    yield driver
+    driver.quit()
+
+
+def test_the_page_streams_a_multi_turn_chat_as_the_api_answers_it(server, browser):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{server.url}/")
+    WebDriverWait(browser, 30).until(lambda b: b.find_element("id", "model").text == "export")
+    # Every text the answer shows on its way: more than one means it streamed in, not arrived whole.
+    browser.execute_script("""window.seen = []; new MutationObserver(() => {
+        const answers = document.querySelectorAll('#log .assistant');
+        if (answers.length) window.seen.push(answers[answers.length - 1].textContent);
+    }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});""")
+    browser.find_element("id", "max_tokens").clear()
+    browser.find_element("id", "max_tokens").send_keys("12")  # two turns within the context of 128
+    messages = []
+    for message in (MESSAGE, "Reverse: king"):
+        browser.execute_script("window.seen = []")
+        browser.find_element("id", "message").send_keys(message)
+        browser.find_element("id", "go").click()
+        answered = len(messages) // 2
+        WebDriverWait(browser, 60).until(lambda b: len(b.find_elements("css selector", "[data-done=true]")) > answered)
+        shown = browser.find_elements("css selector", "#log .assistant")[-1].get_attribute("textContent")
+        messages.append({"role": "user", "content": message})
+        api = server.client().chat.completions.create(model="export", messages=messages, temperature=0,
+                                                      max_tokens=12).choices[0].message.content
+        assert shown == api and api
+        assert len(set(browser.execute_script("return window.seen"))) > 2  # it grew as the tokens came
+        messages.append({"role": "assistant", "content": shown})
+    shown = [e.get_attribute("textContent") for e in browser.find_elements("css selector", "#log div")]
+    assert shown == [m["content"] for m in messages]
 
 
 def test_with_a_key_every_request_carries_it(chat_export):
@@ -217,8 +266,20 @@ def test_with_a_key_every_request_carries_it(chat_export):
     assert code == 0 and KEY not in output
 
 
-def test_start_refuses_a_missing_export_and_a_port_in_use(tmp_path, chat_export, server):
+def test_start_refuses_a_missing_export_one_without_its_tokenizer_and_a_port_in_use(tmp_path, chat_export, server):
+    from data.prepare_chat import prepare_chat
+    from training.export import write_export
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(20, seed=2)))
+    meta = prepare_chat([str(tasks)], str(tmp_path / "data"), "bpe:300", context=64, val_fraction=0.1)
+    cfg = ModelConfig(arch="llama", n_layer=1, n_head=2, n_embd=16, ffn_hidden=32, block_size=64,
+                      vocab_size=meta["vocab_size"])
+    bare = write_export(str(tmp_path / "bare"), cfg, build_model(cfg).state_dict(), meta, 0, str(tmp_path / "data"))
+    os.remove(os.path.join(bare, meta["tokenizer_file"]))
     for args, message in [(["--export", str(tmp_path / "none")], "does not exist"),
+                          (["--export", bare], f"{os.path.join(bare, meta['tokenizer_file'])} is missing: an "
+                                               f"export's tokenizer stays beside its config.json"),
                           (["--export", chat_export, "--port", str(server.port)], f"--port {server.port}: cannot "
                                                                                    f"listen there")]:
         proc = run([sys.executable, "-m", "scripts.serve", *args], check=False, timeout=120)

@@ -217,7 +217,8 @@ def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | 
     run's checkpoint (`tag`, or its newest) of any layout, its slices merged."""
     if export_dir:
         cfg, state, meta = load_export(export_dir)
-        return cfg, _with_weights(cfg, state, export_dir), tokenizer_from_meta(meta, export_dir), meta
+        fix = "an export's tokenizer stays beside its config.json; export the checkpoint again"
+        return cfg, _with_weights(cfg, state, export_dir), tokenizer_from_meta(meta, export_dir, fix), meta
     tag_dir = checkpoint.find_checkpoint(out_dir, tag)
     run_state = checkpoint.read_run_state(tag_dir)
     meta, data_dir = run_dataset(tag_dir, run_state)
