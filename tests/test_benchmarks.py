@@ -18,7 +18,8 @@ from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
 SCRIPTS = ["data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py", "pipeline.py",
-           "quality.py", "sequence_parallel.py", "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
+           "quality.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py", "record.sh",
+           "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -111,6 +112,18 @@ def test_generation_times_the_cache_the_window_and_transformers(tmp_path):
     assert (result["prompt"], result["new"], result["block_size"]) == (8, 4, 64)
     for way in ("cache", "full window", "transformers"):
         assert result[way]["first_token_s"] > 0 and result[way]["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.launch  # a server process
+def test_serving_times_clients_together_and_one_at_a_time(tmp_path, shakespeare_path):
+    report = tmp_path / "serving.json"
+    run([sys.executable, "benchmarks/serving.py", "--presets", "quickstart", "--clients", "1,3", "--prompt", "8",
+         "--new", "4", "--text", shakespeare_path, "--json", str(report)])
+    result = json.loads(report.read_text())["results"]["quickstart"]
+    assert (result["prompt"], result["new"], result["block_size"], result["vocab_size"]) == (8, 4, 64, 65)
+    assert set(result["clients"]) == {"1", "3"}
+    for figures in result["clients"].values():
+        assert figures["one_at_a_time"] > 0 and figures["together"] > 0
 
 
 def benchmark(script: str, *args: str, env: dict | None = None):
@@ -221,6 +234,11 @@ BAD_INPUTS = [
     ("quality.py", ["--ds_config", "nope.json"], "ds_config {repo}/nope.json does not exist"),
     ("quality.py", ["--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists"),
     ("quality.py", ["--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
+    ("serving.py", ["--clients", "1,x"], "--clients 1,x: not a comma-separated list of numbers"),
+    ("serving.py", ["--clients", "0,4"], "--clients 0,4: each number must be at least 1"),
+    ("serving.py", ["--presets", "quickstart", "--prompt", "40", "--new", "30"], "--prompt 40 + --new 30 > "
+                                                                                  "quickstart's context of 64"),
+    ("serving.py", ["--text", "/nonexistent.txt"], "the text (--text) /nonexistent.txt does not exist"),
     ("record.sh", ["nope"], "preset configs/nope.yaml does not exist"),
     ("wheelhouse.sh", ["{file}"], "wheel folder {file} is a file, not a folder"),
     ("wheelhouse.sh", ["{tmp}/wheels", "312"], "PYTHON_VERSION 312 is not of the form 3.N"),
