@@ -16,8 +16,9 @@ import pytest
 from harness import REPO, free_port, job_env, release_shm
 
 BIN = os.path.dirname(sys.executable)
-TRAINS_FOR_MINUTES = ["train.max_steps=6", "train.epochs=null", "train.save_interval=3", "train.eval_interval=3",
-                      "train.eval_windows=8", "train.log_interval=3", "sample.max_new_tokens=16"]
+# Two steps, each evaluated and saved: a periodic evaluation and save before the last step's, as a long run has.
+TRAINS_FOR_MINUTES = ["train.max_steps=2", "train.epochs=null", "train.save_interval=1", "train.eval_interval=1",
+                      "train.eval_windows=8", "train.log_interval=1", "sample.max_new_tokens=16"]
 # (how a command starts, what its output holds when it ends as the README says)
 ENDINGS = [
     ("python -m data.prepare", "wrote "),
