@@ -1,8 +1,9 @@
 """Generation speed on one process: a greedy continuation through the key/value cache, through the full-window
 sampler (a forward pass over the whole window for every token), and through transformers' generate on the same
-weights exported (fp32 all three, the same torch threads, one after the other, each --repeats times, the best
-kept). Per preset shape, with random weights: the time to the first token (the prompt's prefill) and decode
-tokens/s (the new tokens after the first, over the time they took).
+weights exported (fp32 all three, the same torch threads, one after the other, --repeats rounds of the three,
+the best of each kept). Per preset shape, with random weights: the time to the first token (the prompt's
+prefill) and decode tokens/s (the new tokens after the first, over the time they took; transformers' read off
+its streamer's calls).
 
     python benchmarks/generation.py                       # llama_124m and quickstart: prompts of half the context
     python benchmarks/generation.py --presets llama_124m --prompt 128 --new 64 --json gen.json
@@ -50,15 +51,26 @@ def timed(decoder, prompt: list[int], new: int) -> tuple[float, float]:
     return first, (new - 1) / (time.perf_counter() - start - first)
 
 
+class _Clock:
+    """transformers' streamer interface, keeping the time of each put(): the prompt's, then each new token's."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def timed_transformers(model, prompt: list[int], new: int) -> tuple[float, float]:
-    ids = torch.tensor([prompt])
-    start = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    assert out.size(1) == len(prompt) + new
-    return first, (new - 1) / (time.perf_counter() - start - first)
+    """As timed(), read off one generate call: its first token ends the prefill, the rest are its decode."""
+    clock, start = _Clock(), time.perf_counter()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         pad_token_id=0, streamer=clock)
+    assert out.size(1) == len(prompt) + new and len(clock.times) == 1 + new
+    return clock.times[1] - start, (new - 1) / (clock.times[-1] - clock.times[1])
 
 
 @torch.no_grad()
@@ -80,10 +92,12 @@ def measure(preset: str, prompt_len: int | None, new: int, repeats: int) -> dict
         write_export(folder, cfg, model.state_dict(), {"tokenizer": "char", "vocab_size": cfg.vocab_size}, step=0)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ways["transformers"] = lambda: timed_transformers(theirs, prompt, new)
-    results = {}
-    for way, run in ways.items():
-        runs = [run() for _ in range(repeats)]
-        results[way] = {"first_token_s": min(r[0] for r in runs), "decode_tokens_per_s": max(r[1] for r in runs)}
+    runs = {way: [] for way in ways}
+    for _ in range(repeats):  # in turn, so that a noisy moment of the machine falls on each way alike
+        for way, run in ways.items():
+            runs[way].append(run())
+    results = {way: {"first_token_s": min(r[0] for r in rs), "decode_tokens_per_s": max(r[1] for r in rs)}
+               for way, rs in runs.items()}
     return {"parameters": sum(p.numel() for p in model.parameters()), "block_size": cfg.block_size,
             "prompt": prompt_len, "new": new, **results}
 
