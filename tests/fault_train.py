@@ -4,7 +4,7 @@ or injected into the ranks tests/ranks.py forks (`inject`), which do so when MEG
 MEGALITE_FAULT=KIND:RANKS:STEP (RANKS: one rank or several, comma-separated; STEP: the rank's STEP-th training
 step since it started, so a step trained again after a rewind is not hit twice), KIND being `raise` (an
 exception in the training step), `hang` (a sleep inside the step, so the other ranks wait in the step's
-collectives), `stall` (the rank reports its failure, then stays 30 s with its connections open before it
+collectives), `stall` (the rank reports its failure, then stays STALL_S with its connections open before it
 exits: a failure its peers cannot see as a broken connection, as under NCCL, where only the abort key stops
 them), `nan` (the model's output is NaN in that step: its loss and gradients are not finite) or `spike` (the
 output scaled by 100 in that step: a finite loss far above the others).
@@ -18,6 +18,9 @@ import train
 from training.failure import exit_now, report_failure, run_rank
 
 SCALES = {"nan": float("nan"), "spike": 100.0}
+# A stalled rank's open connections: long against the 2 s in which every rank's watcher polls the abort key, so its
+# peers stop by the key (they say so) well before the connections close (they would say that instead).
+STALL_S = 10
 
 
 def inject(fault: str) -> None:
@@ -44,7 +47,7 @@ def inject(fault: str) -> None:
                 raise RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {fault_step}")
             except RuntimeError as e:
                 report_failure(e)
-            time.sleep(30)
+            time.sleep(STALL_S)
             exit_now(1)
         time.sleep(3600)
 

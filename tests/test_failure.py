@@ -25,11 +25,12 @@ from training import checkpoint
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
-FAULT = ["train.max_steps=50", "train.dist_timeout_s=15", *FP32]
+TIMEOUT_S = 10  # train.dist_timeout_s of the faulty jobs: ample for healthy ranks' collectives, short to wait out
+FAULT = ["train.max_steps=50", f"train.dist_timeout_s={TIMEOUT_S}", *FP32]
 
 
 def test_a_failed_rank_whose_connections_stay_open_stops_every_node_within_seconds(tmp_path, char_data):
-    """Node 1's ranks (stage 1) report a failure in step 3 and keep their connections open for 30 s, as failed
+    """Node 1's ranks (stage 1) report a failure in step 3 and keep their connections open for 10 s, as failed
     ranks can under NCCL: node 0's ranks see no broken connection and would wait for them for
     train.dist_timeout_s (300 s). The abort key the first of them set stops node 0's ranks in seconds."""
     hostfile = two_node_hostfile(tmp_path / "hostfile")
@@ -86,11 +87,11 @@ def test_a_rank_that_raises_ends_the_job_fast(tmp_path, char_data):
 
 
 def test_a_hanging_rank_ends_the_job_at_the_collective_timeout(tmp_path, char_data):
-    """Rank 1 sleeps inside step 3; rank 0 waits for it in the step's all-reduce for train.dist_timeout_s (15 s)."""
+    """Rank 1 sleeps inside step 3; rank 0 waits for it in the step's all-reduce for train.dist_timeout_s (10 s)."""
     code, output, since_training, since_error = fault_run(tmp_path, char_data, "hang:1:3", timeout=300)
     assert code != 0
     # The timeout, the 5 s in which rank 0 waits for other ranks to time out too, and the launcher's stop.
-    assert since_training < 15 + 5 + 15, f"the job ended {since_training:.0f} s after training began"
+    assert since_training < TIMEOUT_S + 5 + 15, f"the job ended {since_training:.0f} s after training began"
     assert "error: rank 0 (" in output and "timed out while training step 3" in output
     assert "rank(s) [1] did not time out within 5 s of them: those never reached the collective" in output
     # The hanging rank, stopped by the launcher or by the abort key rank 0 set, says where it was.

@@ -80,7 +80,9 @@ class JobStore:
             return
         self.watching = None  # this rank is ending: its own watcher must not report the abort it sets
         try:
-            store = self.client(5)
+            # A live store answers in milliseconds. A gone one (its rank already stopped) is refused at once, and
+            # torch's client retries a refusal until its timeout, twice: a long timeout only delays this rank's exit.
+            store = self.client(2)
             if store.add(self.key() + "/count", 1) == 1:
                 store.set(self.key(), reason)
         except Exception:  # the store's host may be the rank that failed
