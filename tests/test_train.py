@@ -3,11 +3,10 @@ import json
 import math
 import os
 import struct
-import sys
 
 import pytest
 
-from harness import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, run, train_losses, train_py
+from harness import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, train_losses, train_py
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -167,10 +166,10 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path, char_data):
     losses, samples = {}, {}
     for compiled in (False, True):
         out, cache = tmp_path / f"compile_{compiled}", tmp_path / f"inductor_{compiled}"
-        proc = run([sys.executable, "train.py", "--ds_config", "ds_configs/zero0.json", f"train.out_dir={out}",
-                    f"data.dir={char_data}", *TINY, *FP32, "train.max_steps=4", "optim.warmup_steps=1",
-                    f"train.compile={str(compiled).lower()}", "sample.max_new_tokens=4"], timeout=600,
-                   env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+        proc = train_py(["--ds_config", "ds_configs/zero0.json", f"train.out_dir={out}", f"data.dir={char_data}",
+                         *TINY, *FP32, "train.max_steps=4", "optim.warmup_steps=1",
+                         f"train.compile={str(compiled).lower()}", "sample.max_new_tokens=4"],
+                        env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
         losses[compiled], samples[compiled] = train_losses(out), proc.stdout.split("--- sample ---")[1]
         assert ("compiling 2 blocks (torch.compile)" in proc.stdout) == compiled
         assert (cache.exists() and any(cache.rglob("*.py"))) == compiled  # inductor wrote the compiled code
