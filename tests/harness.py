@@ -150,14 +150,28 @@ def expected_lr(step: int, lr: float, min_lr: float, warmup: int, max_steps: int
     return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2
 
 
+def tool(main, argv: list[str]) -> None:
+    """A command's main(argv) in this process, as `python -m scripts.NAME ARGV` runs it without an interpreter's
+    start (seconds of imports) and exit; a refusal (exit 2) fails the test with its message. The command lines
+    themselves are tested in test_command_line.py and test_readme_commands.py."""
+    try:
+        main(argv)
+    except SystemExit as e:
+        raise AssertionError(f"{main.__module__} {' '.join(argv)} exited {e.code}") from e
+
+
 def export(out_dir, tag: str) -> str:
     """`python -m scripts.export` of a run's checkpoint `tag`, into OUT_DIR/export/TAG."""
+    import scripts.export  # imports torch: after conftest's pytest_configure has hidden the GPUs
+
     folder = os.path.join(out_dir, "export", tag)
-    run([sys.executable, "-m", "scripts.export", "--out_dir", str(out_dir), "--tag", tag, "--output", folder])
+    tool(scripts.export.main, ["--out_dir", str(out_dir), "--tag", tag, "--output", folder])
     return folder
 
 
 def universal(run_dir, tag: str) -> str:
     """`python -m scripts.convert_checkpoint universal` of a run's checkpoint `tag`: the converted tag's folder."""
-    run([sys.executable, "-m", "scripts.convert_checkpoint", "universal", "--out_dir", str(run_dir), "--tag", tag])
+    import scripts.convert_checkpoint
+
+    tool(scripts.convert_checkpoint.main, ["universal", "--out_dir", str(run_dir), "--tag", tag])
     return os.path.join(run_dir, "checkpoints", f"{tag}_universal")
