@@ -287,6 +287,19 @@ def test_start_refuses_a_missing_export_one_without_its_tokenizer_and_a_port_in_
         assert message in proc.stderr, proc.stderr
 
 
+def test_a_prompt_past_the_context_is_cut_to_its_last_tokens_when_asked(server):
+    import openai
+
+    long = " ".join(("king", "crown", "night")[i % 3] for i in range(50))  # 264 characters, a token each
+    refusal = f"the prompt has {len(long)} tokens and the model's context is 128"
+    with pytest.raises(openai.BadRequestError, match=refusal):
+        server.client().completions.create(model="export", prompt=long, max_tokens=5, temperature=0)
+    cut = server.client().completions.create(model="export", prompt=long, max_tokens=5, temperature=0,
+                                             extra_body={"truncate_prompt_tokens": 100})
+    last = server.client().completions.create(model="export", prompt=long[-100:], max_tokens=5, temperature=0)
+    assert cut.usage.prompt_tokens == 100 and cut.choices[0].text == last.choices[0].text
+
+
 def test_completions_continue_a_prompt_as_sample_does(server, chat_export):
     reply = server.client().completions.create(model="export", prompt="Reverse: a b", max_tokens=5, temperature=0)
     sampled = run([sys.executable, "sample.py", "--export", chat_export, "--prompt", "Reverse: a b", "--temperature",
