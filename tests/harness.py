@@ -73,6 +73,15 @@ def train_py(args: list[str], check: bool = True, timeout=600, env: dict | None 
     return _checked(proc, f"train.py {' '.join(args)}", check)
 
 
+def sample_py(args: list[str], check: bool = True, timeout=600, env: dict | None = None):
+    """`python sample.py ARGS`, forked from the rank server (tests/ranks.py) like train_py: the same main, stdout,
+    stderr and exit code, without an interpreter importing torch. Its command line as typed is tested in
+    test_readme_commands.py and test_command_line.py."""
+    from ranks import run_tool
+    proc = run_tool("sample", list(args), {"WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}, timeout)
+    return _checked(proc, f"sample.py {' '.join(args)}", check)
+
+
 def deepspeed_launch(nprocs: int, ds_config: str, out_dir, data_dir: str, overrides=(), check: bool = True,
                      timeout=600, env: dict | None = None, config: str = "quickstart.yaml", script: str = "train.py"):
     """`deepspeed --num_gpus N train.py ...`, as a user types it."""

@@ -59,6 +59,46 @@ def _rank(argv: list[str], env: dict, logs: tuple[str, str]) -> None:
         atexit._run_exitfuncs()
 
 
+def _tool(module: str, argv: list[str], env: dict, logs: tuple[str, str]) -> None:
+    """`python -m MODULE ARGV` (or `python MODULE.py ARGV`) as its interpreter would run it: main(argv), the exit
+    code a SystemExit carries (a traceback and 1 for any other exception, as Python prints them)."""
+    os.environ.update(env)
+    for stream, log in enumerate(logs, start=1):
+        os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), stream)
+    import importlib
+    import traceback
+    code = 0
+    try:
+        importlib.import_module(module).main(argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"), as Python ends on it
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+    sys.exit(code)
+
+
+def run_tool(module: str, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """A command's main(argv) in one process forked from the rank server, which has imported torch and DeepSpeed
+    already: its stdout, stderr and exit code, without an interpreter's start."""
+    with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
+        process = _server().Process(target=_tool, args=(module, argv, env, (out.name, err.name)), daemon=True)
+        process.start()
+        try:
+            process.join(timeout)
+            if process.is_alive():
+                raise subprocess.TimeoutExpired(f"{module} {' '.join(argv)}", timeout, out.read() + err.read())
+        finally:
+            process.kill()
+        return subprocess.CompletedProcess([module, *argv], process.exitcode, out.read(), err.read())
+
+
 def run_ranks(nprocs: int | None, argv: list[str], port: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """train.py's `argv` in `nprocs` ranks on `port`, or as one process without a launcher (nprocs None)."""
     with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:

@@ -6,12 +6,11 @@ the run's settings, and the runs keep the default prompt, a newline that encodes
 from the end-of-text token instead."""
 import json
 import os
-import sys
 
 import pytest
 
 from corpora import prepare_blend_sources
-from harness import FP32, TINY, deepspeed_launch, launch, metrics, run, train_losses, train_py
+from harness import FP32, TINY, deepspeed_launch, launch, metrics, sample_py, train_losses, train_py
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -55,7 +54,7 @@ def test_a_prompt_that_encodes_to_nothing_samples_from_the_end_of_text_token(run
 
 def test_sample_py_starts_from_the_end_of_text_token_too(runs):
     _, _, out = runs
-    proc = run([sys.executable, "sample.py", "--out_dir", out["straight"], "--max_new_tokens", "5"])
+    proc = sample_py(["--out_dir", out["straight"], "--max_new_tokens", "5"])
     assert "the prompt '\\n' encodes to no tokens with the dataset's tokenizer.json tokenizer" in proc.stderr
     assert proc.stdout.startswith("<|endoftext|> ") and len(proc.stdout.split()) == 1 + 5
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import FP32, REPO, TINY, export, free_port, launch, metrics, run, train_py, universal
+from harness import FP32, REPO, TINY, export, free_port, launch, metrics, sample_py, train_py, universal
 from hf_check import assert_export_matches_transformers
 from refusals import assert_refused_at_start
 from training import checkpoint
@@ -283,7 +283,7 @@ def test_sample_from_checkpoint_and_export_agree(straight):
     export(out, "step_000006")
     args = ["--max_new_tokens", "30", "--seed", "3", "--prompt", "ROMEO:"]
     def sample(*source):  # the generated text, without DeepSpeed's timestamped log lines
-        stdout = run([sys.executable, "sample.py", *source, *args]).stdout
+        stdout = sample_py([*source, *args]).stdout
         return "\n".join(line for line in stdout.splitlines() if not line.startswith("[20"))
 
     from_checkpoint = sample("--out_dir", str(out))

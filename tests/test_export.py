@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from harness import BF16, TINY, export, run, train_py
+from harness import BF16, TINY, export, run, sample_py, train_py
 from hf_check import assert_export_matches_transformers
 from training import checkpoint
 from training.export import load_export
@@ -44,7 +44,7 @@ def test_bf16_export_holds_the_fp32_master_weights_by_name(bf16_run):
 def test_bf16_export_loads_in_transformers_and_samples(bf16_run):
     folder = str(bf16_run / "export" / "step_000004")
     assert_export_matches_transformers(folder, tokens=32)
-    text = run([sys.executable, "sample.py", "--export", folder, "--max_new_tokens", "20", "--prompt", "KING:"]).stdout
+    text = sample_py(["--export", folder, "--max_new_tokens", "20", "--prompt", "KING:"]).stdout
     assert any(line.startswith("KING:") and len(line) >= 20 for line in text.splitlines())
 
 

@@ -5,7 +5,6 @@ resumes exactly; the export answers in transformers as sample.py --chat does. An
 reverse task, prepared with a pretrained Llama's own characters, fine-tuned from its export, answers its held-out
 prompt; conversations of other characters are refused by the export."""
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from chats import chatml_folder, reverse_tasks, write_jsonl
 from data.conversations import ChatData
 from data.prepare_chat import prepare_chat
 from data.token_data import IGNORE
-from harness import FP32, export, grad_norms, launch, metrics, run, train_losses, train_py
+from harness import FP32, export, grad_norms, launch, metrics, sample_py, train_losses, train_py
 from hf_check import transformers_model
 from model.config import ModelConfig
 from refusals import assert_refused_at_start
@@ -169,8 +168,8 @@ def test_the_export_answers_in_transformers_as_sample_chat_does(chatml_export):
     import transformers
 
     message = "Reverse: king crown night"
-    ours = run([sys.executable, "sample.py", "--export", chatml_export, "--chat", message, "--temperature", "0",
-                "--max_new_tokens", "24"]).stdout.rstrip("\n")
+    ours = sample_py(["--export", chatml_export, "--chat", message, "--temperature", "0",
+                      "--max_new_tokens", "24"]).stdout.rstrip("\n")
     tokenizer = transformers.AutoTokenizer.from_pretrained(chatml_export)
     model = transformers.LlamaForCausalLM.from_pretrained(chatml_export, torch_dtype=torch.float32).eval()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
