@@ -67,7 +67,9 @@ class KVCache:
         documents = last[:, None] + (positions == 0).cumsum(dim=1)
         self.documents[slot_index[:, None], written] = documents
         span = int(starts.max()) + t
-        self._pass = (slot_index, written, span, *self._mask(slot_index, written, span, documents))
+        # Rows in consecutive slots (a batch that came in together) read their cache as a view, not a gathered copy.
+        read = slice(slots[0], slots[0] + rows) if slots == list(range(slots[0], slots[0] + rows)) else slot_index
+        self._pass = (slot_index, read, written, span, *self._mask(slot_index, written, span, documents))
         try:
             logits = model((tokens, positions))
         finally:
@@ -88,7 +90,7 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One layer's attention of the pass under way: (rows, heads, t, head_dim) in and out."""
-        slot_index, written, span, mask, causal = self._pass
+        slot_index, read, written, span, mask, causal = self._pass
         if layer == len(self.keys):  # the first pass through this layer: its tensors, at its heads and dtype
             shape = (self.slots, k.size(1), self.block_size, k.size(3))
             self.keys.append(k.new_zeros(shape))
@@ -103,7 +105,7 @@ class KVCache:
             rows = slot_index[:, None]
             cached_k[rows, :, written] = k.transpose(1, 2)  # indexed (rows, t, heads, head_dim)
             cached_v[rows, :, written] = v.transpose(1, 2)
-            k, v = cached_k[slot_index, :, :span], cached_v[slot_index, :, :span]
+            k, v = cached_k[read, :, :span], cached_v[read, :, :span]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=k.size(1) != q.size(1))
 

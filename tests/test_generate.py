@@ -88,8 +88,9 @@ def model_of(cfg: ModelConfig) -> torch.nn.Module:
 @torch.no_grad()
 def test_cached_logits_equal_a_forward_over_the_whole_window_at_every_step(name, documents):
     """Three sequences decoded together from prompts of 5, 1 and 7 tokens (the last of several documents), for
-    30 steps of random tokens (delimiters among them): every step's logits of each are the window's forward
-    pass's, as the sequences pass block_size (16) and slide."""
+    30 steps of random tokens (delimiters among them), their slots in order (read as a view of the cache) and in
+    reverse (gathered) in turn: every step's logits of each are the window's forward pass's, as the sequences
+    pass block_size (16) and slide."""
     model = model_of(MODELS[name])
     cached = CachedDecoder(model, 16, 20, slots=3, documents=documents)
     window = WindowDecoder(model, 16, 20, CPU, slots=3, documents=documents)
@@ -98,8 +99,8 @@ def test_cached_logits_equal_a_forward_over_the_whole_window_at_every_step(name,
     worst = max((a - b).abs().max().item() for (_, a), (_, b) in started)
     slots = [slot for (slot, _), _ in started]
     rng = np.random.default_rng(0)
-    for _ in range(30):
-        new = {slot: [int(rng.choice([EOT, *range(4, 20)]))] for slot in slots}
+    for step in range(30):
+        new = {slot: [int(rng.choice([EOT, *range(4, 20)]))] for slot in (slots if step % 2 else slots[::-1])}
         got, expected = cached.step(new), window.step(new)
         worst = max(worst, *((got[s] - expected[s]).abs().max().item() for s in slots))
     assert worst <= 1e-5, worst
