@@ -103,10 +103,10 @@ def conversation(record) -> tuple[str, list[dict]]:
     return kind, turns
 
 
-def prompt_turns(messages) -> list[dict]:
-    """The turns of an OpenAI `messages` list to answer, checked as a record's are: known roles, text content; a
-    prompt needs no assistant turn."""
-    return _turns(messages, "messages", "role", "content", {r: r for r in ROLES})
+def prompt_turns(messages, key: str = "messages") -> list[dict]:
+    """The turns of an OpenAI `messages` list (a record's field `key`), checked as a conversation's are: known
+    roles, text content; a prompt needs no assistant turn."""
+    return _turns(messages, key, "role", "content", {r: r for r in ROLES})
 
 
 def _turns(items, key: str, role_key: str, content_key: str, roles: dict) -> list[dict]:
