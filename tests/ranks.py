@@ -63,6 +63,7 @@ def _tool(module: str, argv: list[str], env: dict, logs: tuple[str, str]) -> Non
     """`python -m MODULE ARGV` (or `python MODULE.py ARGV`) as its interpreter would run it: main(argv), the exit
     code a SystemExit carries (a traceback and 1 for any other exception, as Python prints them)."""
     os.environ.update(env)
+    os.chdir(os.path.dirname(HERE))  # the repo, where the tests run commands
     for stream, log in enumerate(logs, start=1):
         os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), stream)
     import importlib

@@ -88,7 +88,11 @@ def fresh_clone(tmp_path_factory) -> str:
 
 
 def run_as_typed(argv: list[str], cwd: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600, env=job_env())
+    env = job_env()  # one thread per rank: a launcher's ranks share this machine's cores
+    if argv[0] == sys.executable:  # one process, which has the cores to itself, as a newcomer's does
+        env.pop("OMP_NUM_THREADS")
+        env.update({"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if "OMP_NUM_THREADS" in os.environ else {})
+    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     for port in re.findall(r"--master_port[= ](\d+)", " ".join(argv)):
         release_shm(port)
     return proc
