@@ -159,14 +159,15 @@ def json_kind(value) -> str:
     return f"{JSON_KINDS.get(type(value), type(value).__name__)} ({json.dumps(value, ensure_ascii=False)[:40]})"
 
 
-def read_conversations(path: str):
-    """(line number, format, turns) of each record of a JSONL file; ChatError names the file and line."""
+def read_records(path: str, parse):
+    """(line number, parse(record)) of each record of a JSONL file, blank lines skipped; a line that is not UTF-8
+    or JSON, or that parse refuses (ChatError), ends the reading in a ChatError naming the file and line."""
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             try:
                 text = line.decode("utf-8")
                 if text.strip():
-                    yield (number, *conversation(json.loads(text)))
+                    yield number, parse(json.loads(text))
             except UnicodeDecodeError as e:
                 raise ChatError(f"{path}:{number}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})"
                                 ) from None
@@ -176,6 +177,12 @@ def read_conversations(path: str):
                 raise ChatError(f"{path}:{number}: JSON nested too deeply to read") from None
             except ChatError as e:
                 raise ChatError(f"{path}:{number}: {e}") from None
+
+
+def read_conversations(path: str):
+    """(line number, format, turns) of each record of a JSONL file; ChatError names the file and line."""
+    for number, (kind, turns) in read_records(path, conversation):
+        yield number, kind, turns
 
 
 class ChatTemplateError(ValueError):

@@ -10,10 +10,9 @@ from JSONL and checked, one format a file, the three that Hugging Face's prefere
 Messages are read as data/chat.py reads a conversation's (roles, text parts). A pair whose answers are equal or
 empty, or whose fields are missing or of the wrong kind, is refused with the file and line.
 """
-import json
 from dataclasses import dataclass
 
-from data.chat import ChatError, json_kind, prompt_turns
+from data.chat import ChatError, json_kind, prompt_turns, read_records
 
 ANSWERS = ("chosen", "rejected")
 
@@ -88,24 +87,9 @@ def _split(chosen: list[dict], rejected: list[dict]) -> Pair:
 def read_pairs(path: str):
     """(line number, format, Pair) of each record of a JSONL file, one format a file; ChatError names the file
     and line."""
-    kinds = {}
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                text = line.decode("utf-8")
-                if not text.strip():
-                    continue
-                kind, pair = preference_pair(json.loads(text))
-            except UnicodeDecodeError as e:
-                raise ChatError(f"{path}:{number}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})"
-                                ) from None
-            except json.JSONDecodeError as e:
-                raise ChatError(f"{path}:{number}: not JSON ({e.msg})") from None
-            except RecursionError:
-                raise ChatError(f"{path}:{number}: JSON nested too deeply to read") from None
-            except ChatError as e:
-                raise ChatError(f"{path}:{number}: {e}") from None
-            if kinds.setdefault("file", kind) != kind:
-                raise ChatError(f"{path}:{number}: a {kind} pair in a file of {kinds['file']} pairs: keep one format "
-                                f"a file")
-            yield number, kind, pair
+    first = None
+    for number, (kind, pair) in read_records(path, preference_pair):
+        first = first or kind
+        if kind != first:
+            raise ChatError(f"{path}:{number}: a {kind} pair in a file of {first} pairs: keep one format a file")
+        yield number, kind, pair
