@@ -42,9 +42,10 @@ def in_val(document: str, val_fraction: float) -> bool:
 
 
 def finish_dataset(out_dir, workspace, prefixes, tok, job, files, split_rule: str, delimiter,
-            extra: dict | None = None) -> dict:
+                   extra: dict | None = None, empty_val: bool = False) -> dict:
     """Merge the shards into the dataset's files, replace out_dir's dataset with them, write meta.json (with
-    `extra`, a kind of dataset's own record) last."""
+    `extra`, a kind of dataset's own record) last. With `empty_val`, a val split without documents is kept (the
+    caller has made sure of the train split: preference sets are often too small to spare pairs)."""
     done = [read_done(p) for p in prefixes]
     counts = {s: {k: sum(d["counts"][s][k] for d in done) for k in ("documents", "tokens")} for s in SPLITS}
     documents_total = sum(c["documents"] for c in counts.values())
@@ -52,7 +53,7 @@ def finish_dataset(out_dir, workspace, prefixes, tok, job, files, split_rule: st
         raise InputError(f"no documents in {', '.join(files)}: the inputs are empty (or --text_key names an empty "
                          f"field); pass files with text")
     for split in SPLITS:
-        if counts[split]["documents"] == 0:
+        if counts[split]["documents"] == 0 and not (split == "val" and empty_val):
             raise InputError(f"no document of the {documents_total:,} fell in the {split} split ({split_rule}): "
                              f"pass more documents, or a --val_fraction that gives each split one")
     dtype = token_dtype(tok.vocab_size)

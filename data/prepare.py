@@ -264,14 +264,16 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
     parser.add_argument("--force", action="store_true", help="replace a dataset of other inputs or options in "
                                                              "--out_dir")
-    chat = parser.add_argument_group("conversations (--format chat: data/prepare_chat.py)")
-    chat.add_argument("--format", choices=["text", "chat"], default="text", help="documents of text, or "
-                      "conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning")
+    chat = parser.add_argument_group("conversations and preference pairs (--format chat: data/prepare_chat.py; "
+                                     "--format preference: data/prepare_preference.py)")
+    chat.add_argument("--format", choices=["text", "chat", "preference"], default="text", help="documents of text, "
+                      "conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning, or preference pairs "
+                      "(prompt, chosen, rejected JSONL) for DPO")
     chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain, lines); "
                       "default: the tokenizer's tokenizer_config.json, else plain (lines for a tokenizer without an "
                       "end-of-text token)")
-    chat.add_argument("--train_on", choices=["all", "last", "everything"], default="all", help="the loss trains on "
-                      "every assistant turn, on the last, or on every token (prompts too)")
+    chat.add_argument("--train_on", choices=["all", "last", "everything"], help="chat only: the loss trains on "
+                      "every assistant turn (default: all), on the last, or on every token (prompts too)")
     chat.add_argument("--context", type=int, default=1024, help="the model's block_size: longer conversations are "
                       "cut or left out")
     chat.add_argument("--overlong", choices=["truncate", "drop"], default="truncate")
@@ -283,8 +285,19 @@ def main(argv=None) -> None:
             from data.prepare_chat import prepare_chat
             if not args.input:
                 raise InputError("--format chat needs --input: JSONL files of conversations")
-            prepare_chat(args.input, out_dir, args.tokenizer, args.chat_template, args.train_on, args.context,
-                         args.overlong, args.val_fraction, args.force)
+            prepare_chat(args.input, out_dir, args.tokenizer, args.chat_template, args.train_on or "all",
+                         args.context, args.overlong, args.val_fraction, args.force)
+            return
+        if args.format == "preference":
+            from data.prepare_preference import prepare_preference
+            if not args.input:
+                raise InputError("--format preference needs --input: JSONL files of preference pairs")
+            if args.train_on is not None:
+                raise InputError(f"--train_on {args.train_on} applies to --format chat: a preference pair trains on "
+                                 f"every token of each answer after the prompt (TRL's completion mask); fix: leave "
+                                 f"--train_on out")
+            prepare_preference(args.input, out_dir, args.tokenizer, args.chat_template, args.context, args.overlong,
+                               args.val_fraction, args.force)
             return
         inputs = args.input or [download_shakespeare(out_dir)]
         prepare(inputs, out_dir, args.tokenizer, args.text_key, args.split_blank_lines, args.val_fraction,

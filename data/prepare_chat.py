@@ -93,6 +93,42 @@ def template_label(name: str) -> str:
     return f"the chat template {name}"
 
 
+def load_template(template_spec: str | None, tokenizer_spec, ready) -> tuple[str, str, ChatTemplate]:
+    """(name, source, compiled template) of chat_template()'s choice; `ready`: the tokenizer when it is a ready one.
+    A template that is not Jinja, or plain for characters without an end-of-text token, is refused."""
+    name, source = chat_template(template_spec, tokenizer_spec, ready)
+    if name == "plain" and isinstance(ready, CharTokenizer) and ready.eot_id is None:
+        raise InputError(f"the built-in template plain ends each answer with {EOT}, which the tokenizer of --tokenizer "
+                         f"{tokenizer_spec} ({ready.vocab_size} characters, no end-of-text token) does not hold; fix: "
+                         f"pass --chat_template lines (each answer ends with a newline), or leave --chat_template out")
+    try:
+        return name, source, ChatTemplate(source)
+    except ChatTemplateError as e:
+        raise InputError(f"{e.describe(template_label(name), '')}; fix: correct the template at that line, or pass "
+                         f"another --chat_template FILE") from None
+
+
+def template_failure(e: ChatTemplateError, name: str, what: str) -> InputError:
+    """The refusal of a template (chat_template()'s `name`) that failed as it rendered `what` (a record)."""
+    at = " at that line" if e.line else ""
+    fix = (f"leave the record out, or correct the template{at}" if e.refused else
+           f"correct the template{at}, or pass another --chat_template FILE")
+    return InputError(f"{e.describe(template_label(name), what)}; fix: {fix}")
+
+
+def done_job(out_dir: str, job: str, force: bool, what: str) -> dict | None:
+    """The meta of out_dir's dataset when it is already this job's (`what` it holds, for the message); None where
+    the job is to run. Another job's dataset is replaced only with --force."""
+    meta = earlier_dataset(out_dir)
+    if meta is not None and meta.get("job") == job:
+        print(f"{out_dir} already holds {what}; nothing to do")
+        return meta
+    if meta is not None and not force:
+        raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
+                         f"would replace; fix: pass --force to replace it, or another --out_dir")
+    return None
+
+
 def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", template_spec: str | None = None,
                  train_on: str = "all", context: int = 1024, overlong: str = "truncate", val_fraction: float = 0.01,
                  force: bool = False) -> dict:
@@ -105,16 +141,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
         raise InputError(f"input {not_jsonl[0]} is not a .jsonl file: conversations are read from JSONL records")
     tokenizer_kind = parse_spec(tokenizer_spec)  # a tokenizer.json that is not one ends here, before any rendering
     ready = tokenizer_kind[1] if tokenizer_kind[0] == "ready" else None
-    name, source = chat_template(template_spec, tokenizer_spec, ready)
-    if name == "plain" and isinstance(ready, CharTokenizer) and ready.eot_id is None:
-        raise InputError(f"the built-in template plain ends each answer with {EOT}, which the tokenizer of --tokenizer "
-                         f"{tokenizer_spec} ({ready.vocab_size} characters, no end-of-text token) does not hold; fix: "
-                         f"pass --chat_template lines (each answer ends with a newline), or leave --chat_template out")
-    try:
-        template = ChatTemplate(source)
-    except ChatTemplateError as e:
-        raise InputError(f"{e.describe(template_label(name), '')}; fix: correct the template at that line, or pass "
-                         f"another --chat_template FILE") from None
+    name, source, template = load_template(template_spec, tokenizer_spec, ready)
     if not template.marks_generation:
         raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... "
                          f"{{% endgeneration %}}): add the marks around each assistant turn's content and end-of-turn")
@@ -122,13 +149,9 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     fingerprint = ready.fingerprint() if ready is not None else None  # a folder's tokenizer may change in place
     job = hashlib.sha256(json.dumps(["chat", stats, str(tokenizer_spec), fingerprint, source, train_on, context,
                                      overlong, val_fraction]).encode()).hexdigest()
-    meta = earlier_dataset(out_dir)
-    if meta is not None and meta.get("job") == job:
-        print(f"{out_dir} already holds these conversations; nothing to do")
+    meta = done_job(out_dir, job, force, "these conversations")
+    if meta is not None:
         return meta
-    if meta is not None and not force:
-        raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
-                         f"would replace; fix: pass --force to replace it, or another --out_dir")
 
     conversations, formats, texts, lines = [], {}, [], []
     for path in files:
@@ -143,16 +166,12 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
         except ChatError as e:
             raise InputError(f"{e}; fix the record or leave it out") from None
         except ChatTemplateError as e:
-            at = " at that line" if e.line else ""
-            fix = (f"leave the record out, or correct the template{at}" if e.refused else
-                   f"correct the template{at}, or pass another --chat_template FILE")
-            raise InputError(f"{e.describe(template_label(name), f'the conversation {path}:{line}')}; fix: {fix}"
-                             ) from None
+            raise template_failure(e, name, f"the conversation {path}:{line}") from None
     if not conversations:
         raise InputError(f"no conversation in {', '.join(files)}: the inputs are empty")
-    tok = _tokenizer(tokenizer_kind, texts)
+    tok = built_tokenizer(tokenizer_kind, texts)
     try:
-        end_of_turn = _end_of_turn(template, tok, conversations[0])
+        end_of_turn = marked_end_of_turn(template, tok, conversations[0])
     except ChatTemplateError:
         raise
     except ValueError as e:  # a character outside a given character vocabulary
@@ -206,16 +225,16 @@ def _untokenizable(e: ValueError, where: str, tokenizer_spec) -> InputError:
                       f"the record out, or write it in the tokenizer's characters")
 
 
-def _end_of_turn(template: ChatTemplate, tok, turns: list[dict]) -> int | None:
-    """The token that ends an assistant turn (the last of the first assistant part of `turns`): where generation
-    stops. None where the template marks no token."""
+def marked_end_of_turn(template: ChatTemplate, tok, turns: list[dict], part: int = 0) -> int | None:
+    """The token that ends an assistant turn (the last of the assistant part `part` of `turns`, the first by
+    default): where generation stops. None where the template marks no token."""
     text, spans = template.render(turns)
     ids, offsets = tok.encode_with_offsets(text)
-    marked = [i for i, m in enumerate(supervised_mask(offsets, spans[:1])) if m]
+    marked = [i for i, m in enumerate(supervised_mask(offsets, spans[part:][:1])) if m]
     return ids[marked[-1]] if marked else None
 
 
-def _tokenizer(parsed: tuple, texts: list[str]):
+def built_tokenizer(parsed: tuple, texts: list[str]):
     """The tokenizer of --tokenizer (parse_spec's reading); char and bpe:SIZE are built from the rendered
     conversations."""
     kind, ready = parsed
