@@ -74,12 +74,7 @@ def prepare_preference(inputs: list[str], out_dir: str, tokenizer_spec="char", t
     if meta is not None:
         return meta
 
-    texts = []
-    for pair, where in zip(pairs, lines):
-        try:
-            texts.append(_texts(pair, template))
-        except ChatTemplateError as e:
-            raise template_failure(e, name, f"the pair {where}") from None
+    texts = [_texts(pair, template, name, where) for pair, where in zip(pairs, lines)]
     tok = built_tokenizer(tokenizer_kind, [t for three in texts for t in three])
     eos = tok.decode([tok.eot_id]) if standard and tok.eot_id is not None else None
     record = {}
@@ -87,13 +82,25 @@ def prepare_preference(inputs: list[str], out_dir: str, tokenizer_spec="char", t
         record["chat"] = _chat_record(template, name, tok, pairs[0], lines[0], tokenizer_spec, context)
     workspace = job_workspace(out_dir, job)
     prefix = os.path.join(workspace, "shards", "preference")
-    writer = ShardWriter(prefix, token_dtype(tok.vocab_size), masks=True)
+    encoded = (_tokenized(three, eos, tok, standard, where, tokenizer_spec) for three, where in zip(texts, lines))
+    counts = _write(prefix, token_dtype(tok.vocab_size), pairs, encoded, context, overlong, val_fraction)
+    _check_train(counts, len(pairs), context, overlong, val_fraction)
+    print(f"{len(pairs):,} preference pairs: {counts['truncated']:,} cut to {context + 1:,} tokens, "
+          f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
+          f"{counts['dropped_unsupervised']:,} left out with no answer token within the context; "
+          f"{counts['train_pairs']:,} train and {counts['val_pairs']:,} val pairs")
+    record["preference"] = {"formats": formats, "template": name, "chat_template": source, "context": context,
+                            "overlong": overlong, "pairs": len(pairs), **counts, "eos_appended": eos is not None}
+    return finish_dataset(out_dir, workspace, [prefix], tok, job, files,
+                          f"pairs by prompt hash, val_fraction {val_fraction}", None, record, empty_val=True)
+
+
+def _write(prefix: str, dtype, pairs: list, encoded, context: int, overlong: str, val_fraction: float) -> dict:
+    """Each pair's two documents (`encoded`: the chosen ids, the rejected ids, the prompt's length), fitted to the
+    context, into the shards at `prefix`; the counts of meta.json's preference record."""
+    writer = ShardWriter(prefix, dtype, masks=True)
     counts = {"truncated": 0, "dropped_overlong": 0, "dropped_unsupervised": 0, "train_pairs": 0, "val_pairs": 0}
-    for pair, three, where in zip(pairs, texts, lines):
-        try:
-            chosen, rejected, prompt_len = _tokenized(three, eos, tok, standard)
-        except ValueError as e:  # a character outside a given character vocabulary
-            raise _untokenizable(e, where, tokenizer_spec) from None
+    for pair, (chosen, rejected, prompt_len) in zip(pairs, encoded):
         if max(len(chosen), len(rejected)) > context + 1:
             if overlong == "drop":
                 counts["dropped_overlong"] += 1
@@ -107,15 +114,7 @@ def prepare_preference(inputs: list[str], out_dir: str, tokenizer_spec="char", t
         writer.write(split, [chosen, rejected], [_mask(chosen, prompt_len), _mask(rejected, prompt_len)])
         counts[f"{split}_pairs"] += 1
     writer.close()
-    _check_train(counts, len(pairs), context, overlong, val_fraction)
-    print(f"{len(pairs):,} preference pairs: {counts['truncated']:,} cut to {context + 1:,} tokens, "
-          f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
-          f"{counts['dropped_unsupervised']:,} left out with no answer token within the context; "
-          f"{counts['train_pairs']:,} train and {counts['val_pairs']:,} val pairs")
-    record["preference"] = {"formats": formats, "template": name, "chat_template": source, "context": context,
-                            "overlong": overlong, "pairs": len(pairs), **counts, "eos_appended": eos is not None}
-    return finish_dataset(out_dir, workspace, [prefix], tok, job, files,
-                          f"pairs by prompt hash, val_fraction {val_fraction}", None, record, empty_val=True)
+    return counts
 
 
 def _read(files: list[str]) -> tuple[list, list[str], dict]:
@@ -139,21 +138,29 @@ def _read(files: list[str]) -> tuple[list, list[str], dict]:
     return pairs, lines, formats
 
 
-def _texts(pair, template) -> tuple[str, str, str]:
+def _texts(pair, template, name: str | None, where: str) -> tuple[str, str, str]:
     """The prompt's text and each whole sequence's, before end-of-text is appended to standard answers."""
     if template is None:
         return pair.prompt, pair.prompt + pair.chosen, pair.prompt + pair.rejected
-    return (template.render(pair.prompt, add_generation_prompt=True)[0], template.render(pair.prompt + pair.chosen)[0],
-            template.render(pair.prompt + pair.rejected)[0])
+    try:
+        return (template.render(pair.prompt, add_generation_prompt=True)[0],
+                template.render(pair.prompt + pair.chosen)[0], template.render(pair.prompt + pair.rejected)[0])
+    except ChatTemplateError as e:
+        raise template_failure(e, name, f"the pair {where}") from None
 
 
-def _tokenized(texts: tuple[str, str, str], eos: str | None, tok, standard: bool) -> tuple[list, list, int]:
-    """TRL's ids of a pair: the chosen and rejected sequences and the length of the prompt they share."""
+def _tokenized(texts: tuple[str, str, str], eos: str | None, tok, standard: bool, where: str,
+               tokenizer_spec) -> tuple[list, list, int]:
+    """TRL's ids of a pair (read at `where`): the chosen and rejected sequences and the length of the prompt they
+    share."""
     prompt, chosen, rejected = texts
     if eos is not None:  # TRL's add_eos, which it applies to text answers only
         chosen, rejected = (t if t.endswith(eos) else t + eos for t in (chosen, rejected))
     encode = _text_encoder(tok) if standard else (lambda text: tok.encode_with_offsets(text)[0])
-    prompt_ids, chosen_ids, rejected_ids = (encode(t) for t in (prompt, chosen, rejected))
+    try:
+        prompt_ids, chosen_ids, rejected_ids = (encode(t) for t in (prompt, chosen, rejected))
+    except ValueError as e:  # a character outside a given character vocabulary
+        raise _untokenizable(e, where, tokenizer_spec) from None
     return chosen_ids, rejected_ids, min(common_prefix_length(prompt_ids, chosen_ids),
                                          common_prefix_length(prompt_ids, rejected_ids))
 

@@ -124,8 +124,8 @@ def test_the_ids_and_masks_are_trls(tmp_path, chatml_tokenizer, bos_tokenizer, k
     pytest.importorskip("trl")
     tokenizer_json = str((bos_tokenizer if bos else chatml_tokenizer) / "tokenizer.json")
     # An answer that does end with end-of-text gets none more; a prompt whose last token merges with the answer's
-    # first ("...:" + " b") starts the completion where the two tokenizations part.
-    records = RECORDS[kind] + ([{"prompt": "Say:", "chosen": " b" + EOT, "rejected": " a b"}] if kind == "standard"
+    # first ("Say: " + "b": " b" is one token) starts the completion where the two tokenizations part.
+    records = RECORDS[kind] + ([{"prompt": "Say: ", "chosen": "b" + EOT, "rejected": "a b"}] if kind == "standard"
                                else [])
     inputs = write_jsonl(tmp_path / "pairs.jsonl", records)
     prepare_preference([inputs], str(tmp_path / "out"), tokenizer_json, val_fraction=0.0)
