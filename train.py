@@ -25,7 +25,7 @@ from data.loader import prefetched
 from model.generate import Sampling, generate
 from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
-from training import checkpoint, hf, universal
+from training import checkpoint, hf, reference, universal
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
 from training.divergence import Guard, Verdict
@@ -36,6 +36,7 @@ from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
 from training.parallelize import parallelize, whole_model_parameters
+from training.preference import evaluate_pairs
 from training.startup import Run, check_run, describe_data, describe_model, describe_outputs, describe_zero
 from training.steps import data_parallel_group, keep_fp32_grad_norm
 from training.topology import (
@@ -54,6 +55,9 @@ def main(argv=None) -> None:
     silence_known_noise()
     run = check_run(argv)  # every check that needs no other process: a bad setting stops here, on every rank
     rank = build_engine(run)
+    if run.reference:
+        PHASE.now("scoring the reference")
+        rank.print0(reference.load_or_score(run, rank, run.reference))
     last_step = train(run, rank)
     finish(run, rank, last_step)
 
@@ -196,7 +200,7 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
         rank.driver.start_step(step, layout.grad_accum)
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
-        loss = train_step(rank.driver, micro_batches, supervised=run.data.CONVERSATIONS)
+        loss = train_step(rank.driver, micro_batches, run.objective)
         guard.observe(step, loss)
         meter.step()
         if step == start + 1:
@@ -245,11 +249,14 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     grad_norm = rank.engine.get_global_grad_norm()  # before clipping, which DeepSpeed does
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     memory, reserved = peak_memory_gb(run.device)
+    figures = run.objective.take_metrics(rank.driver)  # the preference losses' rewards, means since the last line
     rank.log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
-                 peak_mem_gb=memory, reserved_gb=reserved,
+                 peak_mem_gb=memory, reserved_gb=reserved, **figures,
                  **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))
     speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
-    rank.print0(f"step {step} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
+    rewards = (f" | reward accuracy {figures['rewards_accuracy']:.3f}, margin {figures['rewards_margin']:.4f}"
+               if figures else "")
+    rank.print0(f"step {step} | loss {loss:.4f}{rewards} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
              f"mem {memory:.2f} GB ({reserved:.2f} reserved)")
     return verdict
 
@@ -259,9 +266,18 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged (the losses
     unless log_losses is false) and printed."""
     windows = run.cfg.train.eval_windows
-    losses = {split: rank.driver.eval_loss([rank.sp.split(*batch) for batch in run.data.eval_batches(
-        split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows))
-        for split in ("train", "val")}
+    figures = {}
+    if run.data.KIND == "preference":
+        pairs = {split: evaluate_pairs(run.objective.objective, rank.driver, run.data, split, windows, rank.dp_rank,
+                                       run.layout, run.device, run.cfg.model.vocab_size, rank.sp)
+                 for split in ("train", "val")}
+        losses = {split: figures.get("loss", float("nan")) for split, figures in pairs.items()}
+        figures = {f"{split}_{name}": value for split, values in pairs.items() for name, value in values.items()
+                   if name != "loss"}
+    else:
+        losses = {split: rank.driver.eval_loss([rank.sp.split(*batch) for batch in run.data.eval_batches(
+            split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows))
+            for split in ("train", "val")}
     scores = {}
     if rank.scorer:
         batches = [rank.sp.split(*batch) for batch in rank.scorer.batches(
@@ -271,10 +287,12 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     record = {f"{task}_{metric}": value for task, accuracies in scores.items()
               for metric, value in zip(("acc", "acc_norm"), accuracies)}
     if log_losses:
-        record = {"train_loss": losses["train"], "val_loss": losses["val"], **record}
+        record = {"train_loss": losses["train"], "val_loss": losses["val"], **figures, **record}
     rank.log.log(step, **record)
     tasks = "".join(f"; {task} acc {acc:.4f}, acc_norm {norm:.4f}" for task, (acc, norm) in scores.items())
-    rank.print0(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{tasks}")
+    accuracy = "".join(f", {split} reward accuracy {figures[f'{split}_rewards_accuracy']:.3f}"
+                       for split in ("train", "val") if f"{split}_rewards_accuracy" in figures)
+    rank.print0(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{accuracy}{tasks}")
 
 
 def save(run: Run, rank: Rank, step: int) -> None:
@@ -284,7 +302,7 @@ def save(run: Run, rank: Rank, step: int) -> None:
                  "tokens_seen": step * run.layout.global_batch * cfg.model.block_size,
                  "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
                  "layout": run.setup.engine_settings.layout_record(), "data": run.data.record(),
-                 "batches_skipped": rank.batches_skipped}
+                 "batches_skipped": rank.batches_skipped, "reference": run.reference}
     tag = checkpoint.save(rank.engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints,
                           rank.universal_info)
     rank.print0(f"saved {tag}")

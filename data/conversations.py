@@ -71,7 +71,7 @@ def _pack(pairs: np.ndarray, width: int) -> list[tuple[int, int]]:
 
 class ChatData(TokenData):
     """A conversation dataset as the training loop reads data (TokenData's interface)."""
-    CONVERSATIONS = True
+    KIND = "conversations"
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, document_masking: bool, pack: bool):
         super().__init__(data_dir, tokenizer, block_size)

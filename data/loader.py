@@ -1,28 +1,34 @@
-"""The run's data, as the training loop reads it: open_data picks the batches of text (data/token_data.py) or of
-a conversation dataset (data/conversations.py); prefetched makes a step's batches while the device works."""
+"""The run's data, as the training loop reads it: open_data picks the batches of text (data/token_data.py), of a
+conversation dataset (data/conversations.py) or of preference pairs (data/pairs.py); prefetched makes a step's
+batches while the device works."""
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from data.conversations import ChatData
-from data.token_data import TokenData
+from data.pairs import PairData
+from data.token_data import TokenData, dataset_kind
 
 
 def open_data(data_dir: str, tokenizer: str | None, block_size: int, sources=(), document_masking: bool = False,
               pack: bool = True) -> TokenData:
-    """The run's data: documents of text (TokenData), or a conversation dataset (data/conversations.py)."""
-    if not sources and _holds_conversations(data_dir):
+    """The run's data: documents of text (TokenData), conversations (ChatData) or preference pairs (PairData)."""
+    kind = "text" if sources else _kind(data_dir)
+    if kind == "conversations":
         return ChatData(data_dir, tokenizer, block_size, document_masking, pack)
+    if kind == "preference":
+        return PairData(data_dir, tokenizer, block_size)
     return TokenData(data_dir, tokenizer, block_size, sources, document_masking)
 
 
-def _holds_conversations(data_dir: str) -> bool:
-    """Does data_dir's meta.json say conversations? Any other state of it is for the Dataset's checks to name."""
+def _kind(data_dir: str) -> str:
+    """What data_dir's meta.json says it holds; any bad state of it is for the Dataset's checks to name."""
     try:
         with open(os.path.join(data_dir, "meta.json"), "rb") as f:
-            return "chat" in json.loads(f.read())
+            meta = json.loads(f.read())
     except (OSError, ValueError, TypeError):
-        return False
+        return "text"
+    return dataset_kind(meta) if isinstance(meta, dict) else "text"
 
 
 def prefetched(make, steps):

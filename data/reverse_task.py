@@ -1,7 +1,9 @@
 """Write the reverse-the-words task, the fine-tuning example: conversations "Reverse: king crown night" ->
-"night crown king" to train on, and held-out ones, none of whose prompts is among the training ones, to score.
+"night crown king" to train on, and held-out ones, none of whose prompts is among the training ones, to score;
+and preference pairs of the training prompts, the reversal chosen over a plausible wrong answer (the words as
+given), for preference tuning after fine-tuning.
 
-    python -m data.reverse_task --out_dir data/reverse_chats      # train.jsonl and test.jsonl
+    python -m data.reverse_task --out_dir data/reverse_chats      # train.jsonl, test.jsonl and pairs.jsonl
     python -m data.prepare --format chat --input data/reverse_chats/train.jsonl --tokenizer EXPORT --context 64 ...
 
 Each prompt is 2 or 3 of WORDS (lower-case words of 3 to 5 letters, so any character vocabulary of English text
@@ -35,6 +37,25 @@ def answer(words) -> str:
 
 def conversation(words) -> dict:
     return {"messages": [{"role": "user", "content": prompt(words)}, {"role": "assistant", "content": answer(words)}]}
+
+
+def wrong_answer(words) -> str | None:
+    """A plausible wrong answer: the words as given, else turned by one; None where every order reads alike."""
+    for candidate in (list(words), list(words[1:]) + list(words[:1])):
+        if " ".join(candidate) != answer(words):
+            return " ".join(candidate)
+    return None
+
+
+def preference_pair(words) -> dict | None:
+    """The prompt with the reversal chosen and a wrong answer rejected (data/preference.py's conversational
+    format), for preference tuning after fine-tuning."""
+    wrong = wrong_answer(words)
+    if wrong is None:
+        return None
+    return {"prompt": [{"role": "user", "content": prompt(words)}],
+            "chosen": [{"role": "assistant", "content": answer(words)}],
+            "rejected": [{"role": "assistant", "content": wrong}]}
 
 
 def tasks(train: int, test: int, seed: int = SEED, lengths: tuple[int, int] = (2, 3),
@@ -74,6 +95,8 @@ def main(argv=None) -> None:
         files = {os.path.join(args.out_dir, f"{split}.jsonl"): "".join(json.dumps(conversation(w)) + "\n"
                                                                         for w in drawn).encode()
                  for split, drawn in (("train", train), ("test", test))}
+        pairs = [pair for pair in map(preference_pair, train) if pair]
+        files[os.path.join(args.out_dir, "pairs.jsonl")] = "".join(json.dumps(p) + "\n" for p in pairs).encode()
         if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
             raise ConfigError(f"--out_dir {args.out_dir} is a file; fix: pass a folder")
         if all(_holds(path, data) for path, data in files.items()):
@@ -89,7 +112,8 @@ def main(argv=None) -> None:
     for path, data in files.items():
         write_atomic(path, data)
     print(f"wrote {args.out_dir}: train.jsonl ({len(train):,} conversations), test.jsonl ({len(test):,} held-out, "
-          f"none of their prompts among the training ones)")
+          f"none of their prompts among the training ones), pairs.jsonl ({len(pairs):,} of the training prompts, "
+          f"the reversal chosen over a wrong answer)")
 
 
 def _holds(path: str, data: bytes) -> bool:

@@ -34,6 +34,14 @@ from data.tokenizers import TokenizerError, tokenizer_from_meta
 LOADER_KEYS = ("dtype", "train_tokens", "val_tokens", "max_token_id", "tokenizer_fingerprint")
 EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val losses compare
 IGNORE = -100  # target of a padding row: F.cross_entropy's ignore_index
+# A prepared dataset's kind, from the record its meta.json holds, and the data.prepare --format that writes it.
+FORMATS = {"text": "text", "conversations": "chat", "preference": "preference"}
+KIND_WORDS = {"text": "text", "conversations": "conversations", "preference": "preference pairs"}
+
+
+def dataset_kind(meta: dict) -> str:
+    """text, conversations or preference (pairs, which also carry a chat record when conversational)."""
+    return "preference" if "preference" in meta else "conversations" if "chat" in meta else "text"
 
 
 def missing_dataset(data_dir: str, prepare: str) -> str:
@@ -100,7 +108,7 @@ class Dataset:
 
 class TokenData:
     """data.dir, or the blend data.sources ([{dir, weight}, ...]) of datasets with one tokenizer."""
-    CONVERSATIONS = False  # data/conversations.py's subclass reads conversation datasets
+    KIND = "text"  # the subclasses of data/conversations.py and data/pairs.py read the other kinds
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, sources=(),
                  document_masking: bool = False):
@@ -113,10 +121,11 @@ class TokenData:
                 raise ConfigError(f"data.sources[{i}] ({path}) has weight {weight}: weights must be positive; "
                                   f"remove the source to leave it out of the blend")
         self.datasets = [Dataset(path, tokenizer, block_size) for path, _ in sources or [(data_dir, 1.0)]]
-        chats = [d.dir for d in self.datasets if "chat" in d.meta]
-        if chats and not self.CONVERSATIONS:
-            raise ConfigError(f"{chats[0]} holds conversations (data.prepare --format chat), which train alone: "
-                              f"set data.dir to it and leave data.sources empty")
+        others = [d for d in self.datasets if dataset_kind(d.meta) != self.KIND]
+        if others:
+            kind = dataset_kind(others[0].meta)
+            raise ConfigError(f"{others[0].dir} holds {KIND_WORDS[kind]} (data.prepare --format {FORMATS[kind]}), "
+                              f"which train alone: set data.dir to it and leave data.sources empty")
         self.weights = [w for _, w in sources] or [1.0]
         fingerprints = {d.meta["tokenizer_fingerprint"] for d in self.datasets}
         if len(fingerprints) > 1:
@@ -194,7 +203,7 @@ class TokenData:
         so they are read, pinned and copied to the device at once, then split into views."""
         rows = self._train_rows(seed, self._first_sample(step, dp_rank, layout), layout.grad_accum * layout.micro_batch)
         inputs, targets = self._to_device(rows, device)
-        return list(zip(_split(inputs, layout.micro_batch), targets.split(layout.micro_batch)))
+        return list(zip(_split(inputs, layout.micro_batch), _split(targets, layout.micro_batch)))
 
     @staticmethod
     def _first_sample(step: int, dp_rank: int, layout) -> int:
@@ -280,7 +289,8 @@ def move_to_device(batch: torch.Tensor, device) -> torch.Tensor:
 
 
 def _split(inputs, size: int) -> list:
-    """Micro-batches of `size` rows of inputs: a tensor, or (token ids, positions)."""
+    """Micro-batches of `size` rows of inputs or labels: a tensor, or a tuple of them ((token ids, positions),
+    (targets, pair_info))."""
     if isinstance(inputs, tuple):
         return list(zip(*(part.split(size) for part in inputs)))
     return list(inputs.split(size))

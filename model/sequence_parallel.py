@@ -30,16 +30,18 @@ class SequenceParallel:
     rank: int = 0
     group: object = None
 
-    def split(self, inputs, targets: torch.Tensor) -> tuple:
+    def split(self, inputs, targets) -> tuple:
         """This rank's slice of a batch of windows: inputs as (token ids, positions), the positions the window's
-        own (0, 1, ...) where the batch carries none, and the targets alike."""
+        own (0, 1, ...) where the batch carries none, and the targets alike. Targets that are a tuple carry values
+        of whole rows after the per-token targets: those stay whole."""
         if self.size == 1:
             return inputs, targets
         tokens, positions = inputs if isinstance(inputs, tuple) else (inputs, None)
         if positions is None:
             positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
         part = self.part(tokens.size(1))
-        return (tokens[:, part], positions[:, part].contiguous()), targets[:, part]
+        sliced = (targets[0][:, part], *targets[1:]) if isinstance(targets, tuple) else targets[:, part]
+        return (tokens[:, part], positions[:, part].contiguous()), sliced
 
     def part(self, length: int) -> slice:
         n = length // self.size

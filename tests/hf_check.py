@@ -50,11 +50,11 @@ def assert_export_matches_transformers(folder: str, tokens: int = 16, weights: d
     assert (got - expected).abs().max().item() <= 1e-5, (got - expected).abs().max().item()
 
 
-def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = None) -> torch.nn.Module:
+def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = None, seed: int = 7) -> torch.nn.Module:
     """What transformers itself builds for this shape (its own init, then randomized norms), saved."""
     import transformers
 
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     if cfg.arch == "gpt":
         config = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
                                          n_layer=cfg.n_layer, n_head=cfg.n_head)

@@ -85,6 +85,13 @@ BAD_SETTINGS = [
                                     "train.on_nonfinite to one of them"),
     (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be >= 1"),
     (["train.max_rewinds=0"], "train.max_rewinds=0: must be >= 1"),
+    (["train.objective=ppo"], "train.objective='ppo': must be null (the data's) or one of dpo, ipo, simpo; fix: set "
+                              "train.objective to one of them"),
+    (["preference.beta=0"], "preference.beta=0.0: must be > 0"),
+    (["preference.label_smoothing=0.5"], "preference.label_smoothing=0.5: must be in [0.0, 0.5); fix: set "
+                                         "preference.label_smoothing between 0.0 and 0.5"),
+    (["preference.gamma=-1"], "preference.gamma=-1.0: must be >= 0"),
+    (["preference.sft_weight=-0.5"], "preference.sft_weight=-0.5: must be >= 0 (0 adds no supervised term)"),
     (["train.spike_factor=0.5"], "train.spike_factor=0.5: must be above 1 (a loss that many times its recent mean "
                                  "is a spike), or 0 to watch no spikes; fix: set train.spike_factor to 3, say, or 0"),
     (["train.spike_window=0"], "train.spike_window=0: must be >= 1"),
@@ -229,8 +236,8 @@ BAD_RUN_CONFIG_FILES = [
     ("model: [\n", "{path}, line 2, column 1: malformed YAML: did not find expected node content; fix: correct the "
                    "file"),
     ("\x00binary", "{path}: malformed YAML: unacceptable character #x0000"),
-    ("- 1\n- 2\n", "{path} holds a YAML list, not a mapping: a run config maps data, eval, model, optim, sample, "
-                   "train to their settings"),
+    ("- 1\n- 2\n", "{path} holds a YAML list, not a mapping: a run config maps data, eval, model, optim, preference, "
+                   "sample, train to their settings"),
     ("model: 3\n", "{path}: 'model' holds 3, not a mapping of settings; fix: write its settings under it"),
     ("modle:\n  n_layer: 2\n", "unknown setting 'modle' in {path}; did you mean 'model'?"),
     ("base: gpt9\n", "{path}: base: gpt9 is neither a preset of configs/ nor a file ({dir}/gpt9); fix: name one of "

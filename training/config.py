@@ -24,6 +24,7 @@ from common.checks import Checks, ConfigError, ToolParser, existing_file
 from data.tasks import task_name
 from model.config import ModelConfig
 from model.registry import check_architecture
+from training.preference import OBJECTIVES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -147,6 +148,9 @@ class TrainConfig:
     # Print the run config and the ds_config, as the run took them, at start (they are always written to
     # out_dir/config.yaml and ds_config.json); without it the start-up says what matters in a few lines.
     print_config: bool = False
+    # The loss: null takes the data's (next-token for text and conversations, dpo for preference pairs);
+    # dpo, ipo or simpo on preference pairs (training/preference.py, settings under preference.*).
+    objective: Optional[str] = None
 
     def check(self, c: Checks) -> None:
         c.at_least("max_steps", 1)
@@ -176,6 +180,23 @@ class TrainConfig:
                "its recent mean is a spike), or 0 to watch no spikes", "set train.spike_factor to 3, say, or 0")
         c.at_least("spike_window", 1)
         c.one_of("on_spike", SPIKE_POLICIES)
+        c.that(self.objective is None or self.objective in OBJECTIVES, "objective",
+               f"be null (the data's) or one of {', '.join(OBJECTIVES)}", "set train.objective to one of them")
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference tuning's settings (train.objective dpo, ipo, simpo; the formulas: training/preference.py)."""
+    beta: float = 0.1  # how far from the reference the policy may go (dpo, ipo); simpo's reward scale
+    label_smoothing: float = 0.0  # dpo, simpo: the chance a pair's preference is wrong (conservative DPO)
+    gamma: float = 0.5  # simpo: the target margin of the rewards
+    sft_weight: float = 0.0  # adds this times the chosen answer's loss per token (TRL's rpo_alpha, sft)
+
+    def check(self, c: Checks) -> None:
+        c.above("beta", 0)
+        c.in_range("label_smoothing", 0.0, 0.5, high_open=True)
+        c.at_least("gamma", 0)
+        c.at_least("sft_weight", 0, "0 adds no supervised term")
 
 
 @dataclass
@@ -225,6 +246,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 

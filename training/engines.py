@@ -13,7 +13,7 @@ from model.kv_cache import attention_modules
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
 from training.multiple_choice import row_losses
-from training.steps import data_parallel_group, lm_loss, replicated_weights_in_sync, supervised_share, token_loss_sum
+from training.steps import NEXT_TOKEN, data_parallel_group, replicated_weights_in_sync, token_loss_sum
 
 
 class PlainDriver:
@@ -33,20 +33,26 @@ class PlainDriver:
     def start_step(self, step: int, grad_accum: int) -> None:
         """Before a training step: nothing to tell a plain engine."""
 
-    def train_step(self, micro_batches: list, supervised: bool = False) -> torch.Tensor:
-        """One optimizer step over the step's micro-batches; returns their mean loss, still on the device. With
-        `supervised` (conversations), the loss is the mean over the global batch's supervised tokens."""
+    @property
+    def data_parallel_group(self):
+        return data_parallel_group(self.engine)
+
+    def train_step(self, micro_batches: list, objective=NEXT_TOKEN) -> torch.Tensor:
+        """One optimizer step over the step's micro-batches; returns their mean loss, still on the device: the
+        objective's (training/steps.py NextToken, training/preference.py PreferenceLoss)."""
         engine = self.engine
-        divisor = None
-        if supervised:
-            divisor = supervised_share(micro_batches, data_parallel_group(engine), engine.dp_world_size)
+        loss_fn = objective.step_loss(micro_batches, self)
         total = 0.0
-        for inputs, targets in micro_batches:
-            loss = lm_loss(engine(inputs), targets, tp=self.tp, divisor=divisor)
+        for inputs, labels in micro_batches:
+            loss = loss_fn(engine(inputs), labels)
             engine.backward(loss)  # DeepSpeed scales by 1/grad_accum itself
             engine.step()  # steps the optimizer (and clips) only at the accumulation boundary
             total += loss.detach()
         return total / len(micro_batches)
+
+    def from_loss_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """Collective: `values` as the ranks that compute the loss hold them (every rank here)."""
+        return values
 
     @torch.no_grad()
     def eval_loss(self, batches: list, tokens: int) -> float:
@@ -109,12 +115,16 @@ class PipelineDriver(PlainDriver):
         """PipelineModule reseeds dropout per micro-batch from its own count: a resumed run counts on."""
         self.engine.module.micro_offset = step * grad_accum
 
-    def train_step(self, micro_batches: list, supervised: bool = False) -> torch.Tensor:
+    def train_step(self, micro_batches: list, objective=NEXT_TOKEN) -> torch.Tensor:
         engine = self.engine
-        if supervised and engine.is_last_stage():  # where the loss is computed
-            share = supervised_share(micro_batches, data_parallel_group(engine), engine.dp_world_size)
-            engine.module.loss_fn = functools.partial(lm_loss, tp=self.tp, divisor=share)
+        if engine.is_last_stage():  # where the loss is computed
+            engine.module.loss_fn = objective.step_loss(micro_batches, self)
         return engine.train_batch(iter(micro_batches))
+
+    def from_loss_stage(self, values: torch.Tensor) -> torch.Tensor:
+        """The last stage's `values`, sent along its pipeline."""
+        torch.distributed.broadcast(values, src=self.last_stage, group=self.engine.grid.get_pipe_parallel_group())
+        return values
 
     @torch.no_grad()
     def eval_loss(self, batches: list, tokens: int) -> float:
@@ -197,7 +207,9 @@ class PipelineLogits:
             inputs = (batch, torch.arange(self.shape[1], device=idx.device).expand(self.shape).contiguous())
         inputs, labels = self.sp.split(inputs, batch)
         # A loss on dummy labels rides along: with compute_loss=False this DeepSpeed version adds the
-        # logits into its scalar loss accumulator and fails.
+        # logits into its scalar loss accumulator and fails. A token loss: the training objective's may want other
+        # labels (preference pairs'), and the next training step sets its own again.
+        self.engine.module.loss_fn = functools.partial(token_loss_sum, tp=self.tp)
         _, logits = self.engine.eval_batch(iter([(inputs, labels)]), return_logits=True, bcast_loss=False,
                                            num_micro_batches=1)
         if self.engine.is_last_stage():
@@ -217,7 +229,7 @@ def drive(engine, tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENC
     return PlainDriver(engine, tp, sp)
 
 
-def train_step(engine, micro_batches: list, tp: TensorParallel = SINGLE, supervised: bool = False) -> torch.Tensor:
+def train_step(engine, micro_batches: list, objective=NEXT_TOKEN) -> torch.Tensor:
     """One training step of a driver, or of a bare DeepSpeed engine (the benchmarks hold one), which gets one."""
-    driver = engine if isinstance(engine, PlainDriver) else drive(engine, tp)
-    return driver.train_step(micro_batches, supervised)
+    driver = engine if isinstance(engine, PlainDriver) else drive(engine)
+    return driver.train_step(micro_batches, objective)

@@ -16,20 +16,22 @@ from deepspeed.accelerator import get_accelerator
 from common.checks import ConfigError
 from data.loader import open_data
 from data.tasks import Task
-from data.token_data import TokenData
+from data.token_data import KIND_WORDS, TokenData
 from data.tokenizers import sampling_start
 from model import architecture, build_model, model_layers
 from model.documents import KERNEL_NAMES, document_kernel
 from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
-from training import checkpoint, hf
+from training import checkpoint, hf, reference
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import check_op_build_locks, compute_dtype
 from training.ds_config import load_ds_config
 from training.launcher_env import set_distributed_env
 from training.multiple_choice import open_tasks
 from training.optim import optimizer_and_schedule, schedule_note
+from training.preference import Objective, PreferenceLoss
+from training.steps import NextToken
 from training.topology import (
     ACCUM,
     GLOBAL,
@@ -158,6 +160,8 @@ class Run:
     resume_dir: str | None
     init_from: str | None
     discard: list[str]  # newer checkpoints than resume_dir's, deleted at start (train.discard_newer)
+    objective: object  # the loss (training/steps.py NextToken, training/preference.py PreferenceLoss)
+    reference: str | None  # the fingerprint of the reference a preference objective compares with
 
     @property
     def ds(self) -> dict:
@@ -202,10 +206,45 @@ def check_run(argv=None) -> Run:
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
+    objective, ref_id = choose_objective(cfg, data, settings.layout, init_from, saved)
     notes = [note for note in (settings.precision_note, prompt_note, masking_note(cfg, data, setup.device),
                                schedule_note(cfg)) if note]
     return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
-               newer)
+               newer, objective, ref_id)
+
+
+def choose_objective(cfg: RunConfig, data: TokenData, layout: Layout, init_from: str | None, saved: dict | None
+                     ) -> tuple[object, str | None]:
+    """The run's loss, from train.objective and the data's kind, and its reference's fingerprint (checked usable
+    now: training/reference.py) where it compares with one."""
+    chosen = cfg.train.objective
+    if data.KIND != "preference":
+        if chosen is not None:
+            raise ConfigError(f"train.objective={chosen} trains on preference pairs, but {cfg.data.dir} holds "
+                              f"{KIND_WORDS[data.KIND]}; fix: prepare pairs with python -m data.prepare --format "
+                              f"preference and point data.dir at them, or leave train.objective unset")
+        return NextToken(supervised=data.KIND == "conversations"), None
+    data.check_micro_batch(layout.micro_batch)
+    settings = cfg.preference
+    objective = Objective(chosen or "dpo", settings.beta, settings.label_smoothing, settings.gamma,
+                          settings.sft_weight)
+    ref_id = None
+    if objective.needs_reference:
+        if saved is not None:
+            ref_id = saved.get("reference")
+        elif init_from is None:
+            raise ConfigError(f"train.objective={objective.kind} compares the model with the one it starts from, "
+                              f"but train.init_from is not set; fix: set train.init_from to the fine-tuned model "
+                              f"(a folder written by python -m scripts.export), or train.objective=simpo, which "
+                              f"needs no reference")
+        else:
+            ref_id = reference.fingerprint(init_from)
+        if ref_id is None:
+            raise ConfigError(f"the checkpoint {cfg.train.out_dir} resumes was not trained with "
+                              f"train.objective={objective.kind} (it names no reference); fix: resume it with its own "
+                              f"objective, or start a fresh run in another train.out_dir")
+        reference.check_reference(data, ref_id, resuming=saved is not None)
+    return PreferenceLoss(objective, cfg.model.vocab_size), ref_id
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:
@@ -260,8 +299,7 @@ def describe_data(data) -> str:
     of it, and its tokenizer."""
     sources = [f"{os.path.abspath(d.dir)} ({d.splits['train']:,} train and {d.splits['val']:,} val tokens"
                + (f", weight {w:g})" if len(data.datasets) > 1 else ")") for d, w in zip(data.datasets, data.weights)]
-    kind = "conversations" if data.CONVERSATIONS else "text"
-    return f"data: {'; '.join(sources)}; {kind}, {data.meta['tokenizer']} tokenizer"
+    return f"data: {'; '.join(sources)}; {KIND_WORDS[data.KIND]}, {data.meta['tokenizer']} tokenizer"
 
 
 def describe_outputs(out_dir: str) -> str:

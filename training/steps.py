@@ -1,6 +1,8 @@
 """The arithmetic of a training step whatever the engine: the chunked language-model loss, the supervised
 share of a batch, the gradient norm as ZeRO counts it, and the check of weights nothing re-synchronizes.
 training/engines.py drives the engines with them."""
+import functools
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -27,6 +29,28 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_
     sums = [checkpoint(cross_entropy_sum, rows, row_targets, tp, use_reentrant=False)
             for rows, row_targets in zip(logits.split(chunk_rows), targets.split(chunk_rows))]
     return torch.stack(sums).sum() / divisor
+
+
+class NextToken:
+    """The language-model objective: a step's loss is the mean over its target tokens or, `supervised`
+    (conversations), over the global batch's supervised tokens (supervised_share)."""
+
+    def __init__(self, supervised: bool = False):
+        self.supervised = supervised
+
+    def step_loss(self, micro_batches: list, driver):
+        """The loss function of the step of `micro_batches`, called as loss_fn(logits, targets)."""
+        divisor = None
+        if self.supervised:
+            divisor = supervised_share(micro_batches, driver.data_parallel_group, driver.engine.dp_world_size)
+        return functools.partial(lm_loss, tp=driver.tp, divisor=divisor)
+
+    def take_metrics(self, driver) -> dict:
+        """Figures of the steps since the last call beside the loss: none."""
+        return {}
+
+
+NEXT_TOKEN = NextToken()
 
 
 def supervised_share(micro_batches: list, group, data_parallel: int) -> torch.Tensor:
