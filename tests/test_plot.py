@@ -59,6 +59,29 @@ def test_a_run_that_scores_tasks_gets_an_accuracy_panel(tiny_run, tmp_path):
     assert (width(tiny_run), width(scored)) == (880, 1280)
 
 
+def test_a_preference_run_gets_a_reward_accuracy_panel(tiny_run, tmp_path, monkeypatch):
+    """Preference tuning's rewards_accuracy (each logged step) and val_rewards_accuracy (each evaluation) are drawn
+    in a panel of their own, training and evaluation overlaid."""
+    import shutil
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_run, tuned)
+    with open(tuned / "metrics.jsonl", "a") as f:
+        for step, acc in ((1, 0.5), (2, 0.75), (3, 0.75), (4, 1.0)):
+            f.write(json.dumps({"step": step, "rewards_accuracy": acc}) + "\n")
+        for step in (0, 2, 4):
+            f.write(json.dumps({"step": step, "val_rewards_accuracy": step / 4}) + "\n")
+    import matplotlib.axes
+    drawn, set_title = {}, matplotlib.axes.Axes.set_title
+
+    def titled(ax, title, *args, **kwargs):  # the panel's lines, as drawn before its title is set
+        drawn[title] = [(line.get_label(), list(line.get_ydata())) for line in ax.get_lines()]
+        return set_title(ax, title, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", titled)
+    training.plot.plot([read_run(str(tuned))], str(tmp_path / "tuned.png"))
+    assert drawn["reward accuracy (preference pairs)"] == [("tuned: train", [0.5, 0.75, 0.75, 1.0]),
+                                                           ("tuned: val 1.0000", [0.0, 0.5, 1.0])]
+
+
 def test_plot_names_a_directory_without_metrics(tmp_path):
     proc = run([sys.executable, "-m", "scripts.plot", str(tmp_path)], check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: metrics file {tmp_path}/metrics.jsonl does not " \

@@ -194,3 +194,26 @@ def test_ipo_equals_trls_trainer_on_the_same_pairs(setup, runs):
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
     assert ours["rewards_chosen"] == pytest.approx(theirs["rewards/chosen"], abs=1e-5)
     assert ours["rewards_margin"] == pytest.approx(theirs["rewards/margins"], abs=1e-5)
+
+
+def test_a_stopped_run_resumes_exactly_with_its_reference(setup, layouts):
+    """Stopped at step 2 and resumed (the reference read back by the fingerprint its checkpoint names), the steps
+    after are the uninterrupted run's; with the reference gone, the resume stops at start."""
+    procs, ds_config, overrides = LAYOUTS["one"]
+    run, data = layouts["one"]
+    model = setup["root"] / "wide"
+    settings = [*LLAMA, *MOVING, *overrides, f"train.init_from={model}"]
+    out = setup["root"] / "resumed"
+    launch(procs, ds_config, out, str(data), [*settings, "train.stop_at_step=2"])
+    proc = launch(procs, ds_config, out, str(data), settings)
+    assert "resumed from" in proc.stdout and "reference log-probabilities read from" in proc.stdout
+    assert step_figures(out)[-6:] == pytest.approx(step_figures(run)[-6:], abs=1e-6)
+    (reference,) = (data / "references").iterdir()
+    reference.rename(reference.with_suffix(".moved"))
+    try:
+        gone = launch(procs, ds_config, out, str(data), [*settings, "train.max_steps=6"], check=False)
+    finally:
+        reference.with_suffix(".moved").rename(reference)
+    assert gone.returncode == 2 and "step 2" not in gone.stdout
+    assert (f"the reference log-probabilities this run started with, {reference}, are gone; fix: restore the file, "
+            f"or start a fresh run") in gone.stdout + gone.stderr

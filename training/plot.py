@@ -1,5 +1,5 @@
-"""Runs' metrics.jsonl drawn as one image: loss, learning rate, tokens/s, MFU and multiple-choice accuracy against
-steps or tokens, several runs overlaid. The command: scripts/plot.py.
+"""Runs' metrics.jsonl drawn as one image: loss, learning rate, tokens/s, MFU, multiple-choice accuracy and the
+reward accuracy of preference tuning against steps or tokens, several runs overlaid. The command: scripts/plot.py.
 """
 import io
 import json
@@ -14,6 +14,9 @@ class PlotError(ValueError):
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
 ACCURACY = ("accuracy", "multiple-choice accuracy")  # a fifth panel, for runs that score eval.tasks
+REWARDS = ("rewards_accuracy", "reward accuracy (preference pairs)")  # and one for preference tuning
+# Panels that overlay a training series (each logged step) and its evaluation (o--, its last value in the legend).
+OVERLAID = {"loss": ("loss", "val_loss"), "rewards_accuracy": ("rewards_accuracy", "val_rewards_accuracy")}
 ACC_SUFFIXES = (("_acc_norm", "o-", "acc_norm"), ("_acc", "o--", "acc"))
 
 
@@ -69,7 +72,8 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
 
     if x == "tokens" and any(run["tokens_per_step"] is None for run in runs):
         raise PlotError("--x tokens needs each run's ds_config.json and config.yaml (written by train.py)")
-    panels = PANELS + ([ACCURACY] if any(accuracy_series(run) for run in runs) else [])
+    panels = PANELS + ([ACCURACY] if any(accuracy_series(run) for run in runs) else []) + \
+        ([REWARDS] if any(REWARDS[0] in run["series"] for run in runs) else [])
     fig, axes = plt.subplots(2, 2 if len(panels) == 4 else 3, figsize=(11 if len(panels) == 4 else 16, 7),
                              constrained_layout=True)
     for ax in axes.flat[len(panels):]:
@@ -89,12 +93,12 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
                     steps, values = run["series"][series]
                     ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
                             label=f"{label}: {task} {what} {values[-1]:.3f}")
-            elif key == "loss":
-                for series, style, what in (("loss", "-", "train"), ("val_loss", "o--", "val")):
+            elif key in OVERLAID:
+                for series, style, what in zip(OVERLAID[key], ("-", "o--"), ("train", "val")):
                     if series in run["series"]:
                         steps, values = run["series"][series]
                         ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
-                                label=f"{label}: {what}" + (f" {values[-1]:.4f}" if series == "val_loss" else ""))
+                                label=f"{label}: {what}" + (f" {values[-1]:.4f}" if what == "val" else ""))
             elif key in run["series"]:
                 steps, values = run["series"][key]
                 ax.plot([s * scale for s in steps], values, "-", color=color, label=label)
@@ -102,7 +106,7 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
         ax.set_title(title)
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.grid(alpha=0.3)
-        if key in ("loss", "accuracy") or len(runs) > 1:
+        if key in ("loss", "accuracy", "rewards_accuracy") or len(runs) > 1:
             ax.legend(fontsize=8)
     per_step = {run["tokens_per_step"] for run in runs}
     if x == "step" and len(per_step) == 1 and None not in per_step:
