@@ -81,11 +81,11 @@ def write_tasks(path: str, drawn: list[list[str]]) -> str:
     return path
 
 
-def train(data: str, run: str, settings: list[str]) -> float:
+def train(data: str, run: str, settings: list[str], config: str = CONFIG) -> float:
     """train.py on `data` into a fresh `run`; its wall seconds."""
     shutil.rmtree(run, ignore_errors=True)  # this benchmark's own earlier run
     start = time.perf_counter()
-    run_tool([sys.executable, "train.py", "--config", CONFIG, f"data.dir={data}", f"train.out_dir={run}",
+    run_tool([sys.executable, "train.py", "--config", config, f"data.dir={data}", f"train.out_dir={run}",
               "train.resume=none", *settings], cwd=REPO, stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
 

@@ -84,13 +84,15 @@ class Dataset:
 
     def _open(self, split: str) -> int:
         path = os.path.join(self.dir, f"{split}.bin")
-        if not os.path.exists(path) or os.path.getsize(path) == 0:
+        kind = dataset_kind(self.meta)
+        may_be_empty = kind == "preference" and split == "val"  # a small set of pairs may hold none back
+        if not os.path.exists(path) or (os.path.getsize(path) == 0 and not may_be_empty):
             raise ConfigError(f"{path} is missing or empty; prepare the dataset with: {self.prepare}")
         n_tokens = os.path.getsize(path) // self.dtype.itemsize
         if n_tokens != self.meta[f"{split}_tokens"]:
             raise ConfigError(f"{path} holds {n_tokens:,} tokens but meta.json says {self.meta[f'{split}_tokens']:,}: "
                               f"the dataset is corrupt or half-written; prepare it again with: {self.prepare}")
-        if n_tokens <= self.block_size + 1:
+        if n_tokens <= self.block_size + 1 and kind != "preference":  # a pair's rows are its own, padded
             raise ConfigError(f"model.block_size={self.block_size} needs windows of {self.block_size + 1} tokens but "
                               f"{path} holds only {n_tokens:,}: use a smaller block_size or more text")
         return n_tokens

@@ -18,8 +18,8 @@ from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
 SCRIPTS = ["data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py", "pipeline.py",
-           "quality.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py", "record.sh",
-           "wheelhouse.sh"]
+           "preference.py", "quality.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py",
+           "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -202,6 +202,9 @@ BAD_INPUTS = [
     ("finetune.py", ["--steps", "0"], "--steps=0: must be >= 1"),
     ("finetune.py", ["--test", "0"], "--test=0: must be >= 1"),
     ("finetune.py", ["--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
+    ("preference.py", ["--init_from", "{tmp}", "--sft_steps", "0"], "--sft_steps=0: must be >= 1"),
+    ("preference.py", ["--init_from", "{tmp}"], "--init_from {tmp} holds no export (config.json); fix: export the "
+                                                "quickstart Llama"),
     ("memory.py", ["--nprocs", "0"], "--nprocs=0: must be >= 1"),
     ("memory.py", ["--steps", "0"], "--steps=0: must be >= 1"),
     ("memory.py", ["--json", "{file}/m.json"], "--json file {file}/m.json cannot be created"),

@@ -170,3 +170,11 @@ def test_simpo_is_trls(beta, gamma, eps):
     assert ours.tolist() == pytest.approx(losses.tolist(), rel=1e-12)
     assert figures["rewards_chosen"].tolist() == pytest.approx(chosen.tolist(), rel=1e-12)
     assert figures["rewards_rejected"].tolist() == pytest.approx(rejected.tolist(), rel=1e-12)
+
+
+def test_a_set_that_holds_no_pair_back_opens_with_an_empty_validation(tmp_path):
+    records = [{"prompt": f"Reverse: {a} b\n", "chosen": f"b {a}", "rejected": f"{a} b"} for a in "xyzw"]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    prepare_preference([str(tmp_path / "pairs.jsonl")], str(tmp_path / "data"), "char", context=32, val_fraction=0)
+    data = PairData(str(tmp_path / "data"), None, 64)  # rows of a few tokens each, under a longer window
+    assert data.pairs == {"train": 4, "val": 0} and data.eval_rows("val", 8) == 0

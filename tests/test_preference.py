@@ -4,13 +4,14 @@ same policy and the same reference; a run whose policy is its reference starts a
 import dataclasses
 import json
 import math
+import os
 import shutil
 
 import pytest
 import torch
 
 from chats import CHATML, WORDS, chatml_folder, write_jsonl
-from harness import FP32, TINY, launch, metrics, tool
+from harness import FP32, TINY, export, launch, metrics, tool
 from hf_check import transformers_model
 from model.config import ModelConfig
 
@@ -217,3 +218,9 @@ def test_a_stopped_run_resumes_exactly_with_its_reference(setup, layouts):
     assert gone.returncode == 2 and "step 2" not in gone.stdout
     assert (f"the reference log-probabilities this run started with, {reference}, are gone; fix: restore the file, "
             f"or start a fresh run") in gone.stdout + gone.stderr
+
+
+def test_the_export_carries_the_chat_template(layouts):
+    """A DPO run exports as any run does, with the template its pairs were rendered by."""
+    folder = export(layouts["one"][0], "step_000004")
+    assert json.loads(open(os.path.join(folder, "tokenizer_config.json")).read())["chat_template"] == CHATML
