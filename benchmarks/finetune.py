@@ -61,18 +61,24 @@ def initial(run_dir: str):
 def accuracy(cfg, model, tokenizer, meta, held_out: list[list[str]]) -> float:
     """The share of held-out prompts the model answers exactly (greedy, up to the end of turn), through the chat
     template and tokenizer of `meta`."""
+    said = greedy_answers(cfg, model, tokenizer, meta, held_out)
+    return sum(ids == tokenizer.encode(answer(words)) for ids, words in zip(said, held_out)) / len(held_out)
 
+
+def greedy_answers(cfg, model, tokenizer, meta, prompts: list[list[str]]) -> list[list[int] | None]:
+    """The model's greedy answer to each task's prompt, through the chat template and tokenizer of `meta`: its ids
+    up to the end of turn, or None where it never ends its turn."""
     from data.chat import chat_prompt
     from model.generate import Sampling, decoder_for, generate
 
     decoder = decoder_for(model.eval(), cfg.block_size, cfg.vocab_size)
-    right = 0
-    for words in held_out:
+    said = []
+    for words in prompts:
         ids, stop = chat_prompt([{"role": "user", "content": prompt(words)}], meta, tokenizer, "a held-out prompt",
                                 "fine-tune it first")
         out = generate(decoder, ids, Sampling(48, 0.0, stop_ids=(stop,)))
-        right += out == tokenizer.encode(answer(words)) + [stop]
-    return right / len(held_out)
+        said.append(out[:-1] if out and out[-1] == stop else None)
+    return said
 
 
 def write_tasks(path: str, drawn: list[list[str]]) -> str:

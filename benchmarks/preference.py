@@ -8,8 +8,9 @@ more steps instead.
 From the pretrained export: --sft_steps of configs/llama_quickstart_sft.yaml on the task's conversations (prepared
 with the export's tokenizer, as the README's fine-tuning example), short enough to leave mistakes; that run
 exported; then from the export, --steps of configs/llama_quickstart_dpo.yaml (--objective, its reference the
-export) on pairs of the same training prompts, the reversal chosen over the words as given; and --steps more of
-the fine-tuning preset on its conversations instead. Accuracy: the share of --test held-out prompts whose greedy
+export) on pairs of the same training prompts, the reversal chosen over the fine-tuned model's own greedy answer
+where that is wrong (--rejected own; else, and with --rejected given, over the words as given); and --steps more
+of the fine-tuning preset on its conversations instead. Accuracy: the share of --test held-out prompts whose greedy
 answer through the chat template (benchmarks/finetune.py's) is exactly the reversal. The DPO run's val reward
 accuracy (on held-out pairs of the training prompts) is printed beside.
 """
@@ -20,10 +21,10 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.finetune import EXAMPLE_CONTEXT, accuracy, train, trained, write_tasks
+from benchmarks.finetune import EXAMPLE_CONTEXT, accuracy, greedy_answers, train, trained, write_tasks
 from benchmarks.report import at_least, print_table, run_main, run_tool, work_folder
 from common.checks import ConfigError, ToolParser
-from data.reverse_task import preference_pair, tasks
+from data.reverse_task import answer, preference_pair, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT, DPO = "configs/llama_quickstart_sft.yaml", "configs/llama_quickstart_dpo.yaml"
@@ -37,9 +38,25 @@ def prepare(kind: str, records_file: str, tokenizer: str, out_dir: str) -> str:
 
 
 def export(run: str, folder: str) -> str:
-    run_tool([sys.executable, "-m", "scripts.export", "--out_dir", run, "--output", folder], cwd=REPO,
+    run_tool([sys.executable, "-m", "scripts.export", "--out_dir", run, "--output", folder, "--force"], cwd=REPO,
              stdout=subprocess.DEVNULL)
     return folder
+
+
+def pair_records(train_words: list[list[str]], model=None) -> tuple[list[dict], int]:
+    """The preference pairs of the training prompts, and how many reject the model's own answer: with `model`
+    (trained()'s), its greedy answer where it is wrong; else, and where it is right, the words as given."""
+    records, own = [pair for pair in map(preference_pair, train_words) if pair], 0
+    if model is None:
+        return records, own
+    tokenizer = model[2]
+    for record, ids, words in zip(records, greedy_answers(*model, [w for w in train_words if preference_pair(w)]),
+                                  (w for w in train_words if preference_pair(w))):
+        said = tokenizer.decode(ids) if ids is not None else None
+        if said and said.strip() and said != answer(words):
+            record["rejected"] = [{"role": "assistant", "content": said}]
+            own += 1
+    return records, own
 
 
 def last_metric(run: str, key: str) -> float:
@@ -56,6 +73,9 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=100, help="the short fine-tuning's steps")
     parser.add_argument("--steps", type=int, default=200, help="steps of DPO, and of more fine-tuning instead")
     parser.add_argument("--objective", default="dpo", choices=["dpo", "ipo", "simpo"])
+    parser.add_argument("--rejected", default="own", choices=["own", "given"], help="the rejected answer: the "
+                        "fine-tuned model's own greedy answer where it is wrong (else the words as given), or always "
+                        "the words as given")
     parser.add_argument("--work_dir", default=os.path.join("out", "preference"))
     parser.add_argument("overrides", nargs="*", help="run-config key=value for the preference run")
     args = parser.parse_intermixed_args()
@@ -73,8 +93,9 @@ def main() -> None:
     train(chats, sft, [f"train.init_from={pretrained}", f"train.max_steps={args.sft_steps}", *steps], SFT)
     sft_export = export(sft, os.path.join(work, "sft_export"))
     pairs_file = os.path.join(work, "pairs.jsonl")
+    records, own = pair_records(train_words, trained(sft) if args.rejected == "own" else None)
     with open(pairs_file, "w") as f:
-        f.writelines(json.dumps(pair) + "\n" for pair in map(preference_pair, train_words) if pair)
+        f.writelines(json.dumps(record) + "\n" for record in records)
     pairs = prepare("preference", pairs_file, sft_export, os.path.join(work, "data_pairs"))
     runs = {"dpo": os.path.join(work, "run_preference"), "more": os.path.join(work, "run_more_sft")}
     seconds = {
@@ -89,13 +110,15 @@ def main() -> None:
     reward_accuracy = last_metric(runs["dpo"], "val_rewards_accuracy")
     print_table(["model", "steps", "train.py seconds", "exact match on held-out prompts"], [
         [f"fine-tuned from {args.init_from}", args.sft_steps, "", f"{results['sft']:.3f}"],
-        [f"then {args.objective} on pairs (val reward accuracy {reward_accuracy:.3f})",
+        [f"then {args.objective} on {len(records):,} pairs, {own:,} rejecting its own answer (val reward accuracy "
+         f"{reward_accuracy:.3f})",
          f"{args.sft_steps} + {args.steps}", f"{seconds['dpo']:.0f}", f"{results['dpo']:.3f}"],
         ["then fine-tuned as many steps more", f"{args.sft_steps} + {args.steps}", f"{seconds['more']:.0f}",
          f"{results['more']:.3f}"]])
     with open(os.path.join(work, "preference.json"), "w") as f:
         json.dump({"init_from": args.init_from, "train": args.train, "test": args.test, "sft_steps": args.sft_steps,
-                   "steps": args.steps, "objective": args.objective, "exact_match": results,
+                   "steps": args.steps, "objective": args.objective, "rejected": args.rejected,
+                   "own_rejected": own, "exact_match": results,
                    "val_rewards_accuracy": reward_accuracy, "train_py_seconds": seconds}, f, indent=1)
 
 

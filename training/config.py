@@ -190,7 +190,7 @@ class PreferenceConfig:
     beta: float = 0.1  # how far from the reference the policy may go (dpo, ipo); simpo's reward scale
     label_smoothing: float = 0.0  # dpo, simpo: the chance a pair's preference is wrong (conservative DPO)
     gamma: float = 0.5  # simpo: the target margin of the rewards
-    sft_weight: float = 0.0  # adds this times the chosen answer's loss per token (TRL's rpo_alpha, sft)
+    sft_weight: float = 0.0  # adds this times the chosen answer's loss per token (RPO: TRL's rpo_alpha)
 
     def check(self, c: Checks) -> None:
         c.above("beta", 0)
