@@ -213,34 +213,73 @@ def example_export(tmp_path_factory, char_data) -> Path:
     return out / "llama_export"
 
 
-@pytest.mark.launch
-def test_the_readme_example_answers_from_the_pretrained_llama(tmp_path, char_data, example_task, example_export,
-                                                              capsys):
-    """The README's path, each command as typed, in this process but for train.py (forked from the rank server): the
-    task; its conversations prepared with the pretrained export's own tokenizer (the quickstart's characters: the
-    template lines, the newline ending each answer); the fine-tuning preset from the export; and sample.py --chat
-    answering the held-out prompt through the template, up to the end of turn."""
-    import sample
+@pytest.fixture(scope="module")
+def example_sft(tmp_path_factory, char_data, example_task, example_export) -> dict:
+    """The README's fine-tuning commands as typed, in this process but for train.py (forked from the rank server):
+    the task's conversations prepared with the pretrained export's own tokenizer, and the fine-tuning preset from
+    the export."""
     from data import prepare
 
-    assert EXAMPLE_PROMPT not in (example_task / "train.jsonl").read_text()  # held out
-    data = tmp_path / "reverse"
+    folder = tmp_path_factory.mktemp("example_sft")
+    data = folder / "reverse"
     prepare.main(["--format", "chat", "--input", str(example_task / "train.jsonl"), "--tokenizer", str(example_export),
                   "--context", "64", "--out_dir", str(data)])
-    meta, pretraining = (json.loads((path / "meta.json").read_text()) for path in (data, Path(char_data)))
-    assert meta["tokenizer_fingerprint"] == pretraining["tokenizer_fingerprint"]  # the pretrained model's ids
-    assert (meta["chat"]["template"], meta["chat"]["end_of_turn"]) == ("lines", "\n")
-
-    sft = tmp_path / "llama_quickstart_sft"
+    sft = folder / "llama_quickstart_sft"
     proc = train_py(["--config", "configs/llama_quickstart_sft.yaml", f"train.init_from={example_export}",
                      f"data.dir={data}", f"train.out_dir={sft}", "train.epochs=null", "train.max_steps=600",
                      "optim.lr=3e-3", *EXAMPLE_LLAMA], env=TWO_THREADS)
-    assert f"initialized from {example_export}" in proc.stdout
+    return {"data": data, "run": sft, "stdout": proc.stdout}
+
+
+@pytest.mark.launch
+def test_the_readme_example_answers_from_the_pretrained_llama(char_data, example_task, example_export, example_sft,
+                                                              capsys):
+    """The README's path: the task; its conversations prepared with the pretrained export's own tokenizer (the
+    quickstart's characters: the template lines, the newline ending each answer); the fine-tuning preset from the
+    export; and sample.py --chat answering the held-out prompt through the template, up to the end of turn."""
+    import sample
+
+    assert EXAMPLE_PROMPT not in (example_task / "train.jsonl").read_text()  # held out
+    meta, pretraining = (json.loads((path / "meta.json").read_text()) for path in (example_sft["data"],
+                                                                                   Path(char_data)))
+    assert meta["tokenizer_fingerprint"] == pretraining["tokenizer_fingerprint"]  # the pretrained model's ids
+    assert (meta["chat"]["template"], meta["chat"]["end_of_turn"]) == ("lines", "\n")
+    sft = example_sft["run"]
+    assert f"initialized from {example_export}" in example_sft["stdout"]
     first = next(m for m in metrics(sft) if "val_loss" in m)  # before any update: the pretrained weights' loss
     assert first["step"] == 0 and first["val_loss"] < 3.6  # from scratch: 4.8, about ln 128 (the padded vocabulary)
     capsys.readouterr()
     sample.main(["--out_dir", str(sft), "--chat", EXAMPLE_PROMPT])
     assert capsys.readouterr().out == "night crown king\n"  # the answer, stopped at the end of turn
+
+
+@pytest.mark.launch
+def test_the_documented_dpo_path_goes_on_from_the_fine_tuned_model(tmp_path, example_task, example_sft, capsys):
+    """docs/preference.md's commands after fine-tuning: the fine-tuned run exported, the task's pairs prepared with
+    that export, the DPO preset from it (the reference scored first), sample.py --chat and the export."""
+    import sample
+    import scripts.export
+    from data import prepare
+
+    sft_export = tmp_path / "llama_quickstart_sft_export"
+    scripts.export.main(["--out_dir", str(example_sft["run"]), "--output", str(sft_export)])
+    pairs = tmp_path / "reverse_pairs"
+    prepare.main(["--format", "preference", "--input", str(example_task / "pairs.jsonl"), "--tokenizer",
+                  str(sft_export), "--context", "64", "--out_dir", str(pairs)])
+    dpo = tmp_path / "llama_quickstart_dpo"
+    proc = train_py(["--config", "configs/llama_quickstart_dpo.yaml", f"train.init_from={sft_export}",
+                     f"data.dir={pairs}", f"train.out_dir={dpo}", "train.epochs=null", "train.max_steps=30",
+                     "train.eval_interval=30", *EXAMPLE_LLAMA], env=TWO_THREADS)
+    assert "reference log-probabilities of" in proc.stdout and "scored and written to" in proc.stdout
+    evaluations = [m for m in metrics(dpo) if "val_rewards_accuracy" in m]
+    assert evaluations[0]["val_rewards_margin"] == 0 and evaluations[0]["step"] == 0  # the policy is its reference
+    assert evaluations[-1]["val_rewards_accuracy"] >= 0.7 and evaluations[-1]["val_loss"] < evaluations[0]["val_loss"]
+    capsys.readouterr()
+    sample.main(["--out_dir", str(dpo), "--chat", EXAMPLE_PROMPT])
+    assert capsys.readouterr().out == "night crown king\n"
+    scripts.export.main(["--out_dir", str(dpo), "--output", str(tmp_path / "dpo_export")])
+    template = json.loads((tmp_path / "dpo_export" / "tokenizer_config.json").read_text())["chat_template"]
+    assert template == json.loads((sft_export / "tokenizer_config.json").read_text())["chat_template"]
 
 
 @pytest.mark.launch

@@ -91,6 +91,8 @@ def runs(setup):
 def test_a_policy_that_is_its_reference_starts_at_ln2_with_rewards_zero(runs):
     proc, step = runs["itself"]
     assert "reference log-probabilities of 12 pairs scored and written to" in proc.stdout
+    assert ("objective: dpo (beta 0.1, label smoothing 0, sft weight 0), a mean over the pairs of each global "
+            "batch, against the reference, train.init_from") in proc.stdout
     assert step["loss"] == pytest.approx(math.log(2), abs=1e-6)
     for name in ("rewards_chosen", "rewards_rejected", "rewards_margin"):
         assert step[name] == pytest.approx(0, abs=1e-6)

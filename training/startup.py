@@ -208,7 +208,7 @@ def check_run(argv=None) -> Run:
         hf.check_hf_folder(init_from, cfg.model)
     objective, ref_id = choose_objective(cfg, data, settings.layout, init_from, saved)
     notes = [note for note in (settings.precision_note, prompt_note, masking_note(cfg, data, setup.device),
-                               schedule_note(cfg)) if note]
+                               schedule_note(cfg), objective_note(objective)) if note]
     return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
                newer, objective, ref_id)
 
@@ -245,6 +245,17 @@ def choose_objective(cfg: RunConfig, data: TokenData, layout: Layout, init_from:
                               f"objective, or start a fresh run in another train.out_dir")
         reference.check_reference(data, ref_id, resuming=saved is not None)
     return PreferenceLoss(objective, cfg.model.vocab_size), ref_id
+
+
+def objective_note(objective) -> str | None:
+    """The preference loss and its settings; nothing for the next-token loss, which needs no words."""
+    if not isinstance(objective, PreferenceLoss):
+        return None
+    o = objective.objective
+    settings = [f"beta {o.beta:g}"] + ([f"gamma {o.gamma:g}"] if o.kind == "simpo" else []) + \
+        ([f"label smoothing {o.label_smoothing:g}"] if o.kind != "ipo" else []) + [f"sft weight {o.sft_weight:g}"]
+    compared = "against the reference, train.init_from" if o.needs_reference else "without a reference"
+    return f"objective: {o.kind} ({', '.join(settings)}), a mean over the pairs of each global batch, {compared}"
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:
