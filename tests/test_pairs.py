@@ -178,3 +178,22 @@ def test_a_set_that_holds_no_pair_back_opens_with_an_empty_validation(tmp_path):
     prepare_preference([str(tmp_path / "pairs.jsonl")], str(tmp_path / "data"), "char", context=32, val_fraction=0)
     data = PairData(str(tmp_path / "data"), None, 64)  # rows of a few tokens each, under a longer window
     assert data.pairs == {"train": 4, "val": 0} and data.eval_rows("val", 8) == 0
+
+
+def test_rows_scored_in_chunks_give_the_whole_batchs_sums_and_gradients():
+    """The per-row log-probabilities of the loss, a chunk of tokens at a time under activation checkpointing (fp32
+    logits never whole), equal the whole batch's, and so do their gradients; the padded vocabulary takes nothing."""
+    from training.multiple_choice import row_losses
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12, 40)
+    targets = torch.randint(0, 33, (4, 12))
+    targets[:, :5] = IGNORE
+    sums = []
+    for chunk in (10_000, 7):
+        leaf = logits.clone().requires_grad_()
+        losses = row_losses(leaf, targets, vocab_size=33, chunk_rows=chunk)
+        (losses * torch.arange(1.0, 5.0)).sum().backward()
+        sums.append((losses.detach(), leaf.grad))
+    whole = F.cross_entropy(logits[..., :33].reshape(-1, 33), targets.reshape(-1), reduction="none").view(4, 12)
+    assert torch.allclose(sums[0][0], whole.sum(-1)) and torch.equal(sums[0][0], sums[1][0])
+    assert torch.allclose(sums[0][1], sums[1][1], atol=1e-7) and sums[1][1][..., 33:].abs().max() == 0

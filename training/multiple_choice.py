@@ -15,11 +15,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from common.checks import ConfigError
 from data.tasks import Example, Task, read_task, task_file, task_name
 from data.token_data import IGNORE
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_rows
+from training.steps import LOSS_CHUNK_ROWS
 
 
 @dataclass
@@ -54,16 +56,25 @@ def batches(rows: list[Row], size: int, length: int | None = None):
         yield inputs, targets
 
 
-def row_losses(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: TensorParallel = SINGLE
-               ) -> torch.Tensor:
+def row_losses(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: TensorParallel = SINGLE,
+               chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
     """(batch,) fp32: the summed loss of each row's scored targets, over the `vocab_size` real tokens: the
     padding of the vocabulary (model.vocab_multiple) takes no probability, so a score depends on the real
-    tokens' logits alone, whatever the padding or its weights (an export to Hugging Face drops them)."""
-    logits = logits.reshape(-1, logits.size(-1)).float()
-    start = tp.rank * logits.size(-1)  # this tensor rank's slice of the vocabulary
-    padding = torch.arange(start, start + logits.size(-1), device=logits.device) >= vocab_size
-    per_token = cross_entropy_rows(logits.masked_fill(padding, float("-inf")), targets.reshape(-1), tp)
-    return per_token.view(targets.shape).sum(dim=-1)
+    tokens' logits alone, whatever the padding or its weights (an export to Hugging Face drops them). A chunk of
+    `chunk_rows` tokens at a time, as the training loss (training/steps.py lm_loss): the fp32 logits never exist for
+    the whole batch, and with gradients (preference tuning) each chunk's are made again in the backward pass."""
+    flat, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+    start = tp.rank * flat.size(-1)  # this tensor rank's slice of the vocabulary
+    padding = torch.arange(start, start + flat.size(-1), device=flat.device) >= vocab_size
+
+    def token_losses(rows: torch.Tensor, row_targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_rows(rows.float().masked_fill(padding, float("-inf")), row_targets, tp)
+    chunks = zip(flat.split(chunk_rows), flat_targets.split(chunk_rows))
+    if torch.is_grad_enabled() and flat.size(0) > chunk_rows:
+        per_token = [checkpoint(token_losses, rows, row_targets, use_reentrant=False) for rows, row_targets in chunks]
+    else:
+        per_token = [token_losses(rows, row_targets) for rows, row_targets in chunks]
+    return torch.cat(per_token).view(targets.shape).sum(dim=-1)
 
 
 def choose(losses: list[float], lengths: list[int]) -> tuple[int, int]:

@@ -55,17 +55,15 @@ def pair_losses(objective: Objective, logps: torch.Tensor, counts: torch.Tensor,
     """(each pair's loss, its figures) from rows (chosen, rejected, chosen, ...): their summed log-probabilities
     `logps`, answer tokens `counts`, and the reference's summed log-probabilities."""
     logps, counts, reference = logps.view(-1, 2), counts.view(-1, 2).to(logps.dtype), reference.view(-1, 2)
-    beta, eps = objective.beta, objective.label_smoothing
+    beta = objective.beta
     if objective.kind == "simpo":
         rewards = beta * logps / counts
-        z = (rewards[:, 0] - rewards[:, 1]) / beta - objective.gamma / beta
-        losses = -(1 - eps) * F.logsigmoid(beta * z) - eps * F.logsigmoid(-beta * z)
+        losses = _smoothed(rewards[:, 0] - rewards[:, 1] - objective.gamma, objective.label_smoothing)
     else:
         ratios = logps - reference.to(logps.dtype)
         rewards = beta * ratios
         if objective.kind == "dpo":
-            z = ratios[:, 0] - ratios[:, 1]
-            losses = -(1 - eps) * F.logsigmoid(beta * z) - eps * F.logsigmoid(-beta * z)
+            losses = _smoothed(rewards[:, 0] - rewards[:, 1], objective.label_smoothing)
         else:  # ipo
             per_token = ratios / counts
             losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * beta)) ** 2
@@ -77,6 +75,11 @@ def pair_losses(objective: Objective, logps: torch.Tensor, counts: torch.Tensor,
                "rewards_accuracy": (rewards[:, 0] > rewards[:, 1]).to(rewards.dtype),
                "logps_chosen": logps[:, 0].detach(), "logps_rejected": logps[:, 1].detach()}
     return losses, figures
+
+
+def _smoothed(margin: torch.Tensor, eps: float) -> torch.Tensor:
+    """-log sigmoid(margin), with the chance eps that the pair's preference is the other way round."""
+    return -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
 
 
 class PreferenceLoss:
