@@ -271,7 +271,7 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
         pairs = {split: evaluate_pairs(run.objective.objective, rank.driver, run.data, split, windows, rank.dp_rank,
                                        run.layout, run.device, run.cfg.model.vocab_size, rank.sp)
                  for split in ("train", "val")}
-        losses = {split: figures.get("loss", float("nan")) for split, figures in pairs.items()}
+        losses = {split: values.get("loss", float("nan")) for split, values in pairs.items()}
         figures = {f"{split}_{name}": value for split, values in pairs.items() for name, value in values.items()
                    if name != "loss"}
     else:

@@ -83,10 +83,6 @@ class PairData(TokenData):
     def eval_windows(self, split: str, count: int) -> np.ndarray:
         return self.splits[split].rows(np.arange(self.eval_rows(split, count)))
 
-    def eval_targets(self, split: str, count: int) -> int:
-        T = self.block_size
-        return int((self.eval_windows(split, count)[:, T:2 * T] != IGNORE).sum())
-
     def eval_pair_info(self, split: str, count: int) -> np.ndarray:
         """pair_info of the validation set's rows, in order."""
         n = self.eval_rows(split, count)

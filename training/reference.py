@@ -9,6 +9,7 @@ train.init_from's files: a later run from the same model reads them instead of s
 reads the ones it started with (its checkpoint names the fingerprint) or stops at start if they are gone.
 """
 import hashlib
+import io
 import math
 import os
 
@@ -112,7 +113,6 @@ def load_or_score(run, rank, ref_id: str) -> str:
 
 
 def _npz_bytes(values: dict, dataset: str) -> bytes:
-    import io
     buffer = io.BytesIO()
     np.savez(buffer, dataset=np.array(dataset), **values)
     return buffer.getvalue()
