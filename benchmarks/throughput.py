@@ -12,7 +12,8 @@ dropout seeds and learning rates; they take turns in chunks of steps, so a slow 
 both. After --warmup untimed steps, tokens/s is measured over --steps steps; MFU is model FLOP/s (training.metrics.
 flops_per_token: 6N + 12 x layers x width x context per token) over train.py's peak for the device and
 precision (training/device.py: a datasheet figure, train.peak_tflops, or a matmul peak measured here). Prints a
-table and writes JSON (--json).
+table and writes JSON (--json); --profile STEPS then profiles that many more steps of each loop and prints their
+top operations by self time (a GPU's kernels, else the CPU's aten operators).
 """
 import json
 import os
@@ -25,7 +26,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from benchmarks.report import at_least, environment, load_inputs, print_table, results_file, run_main, write_json
-from benchmarks.turns import timed_turns
+from benchmarks.turns import profiled, timed_turns
 from common.checks import ToolParser
 from data.token_data import TokenData
 from model import build_model, compile_blocks
@@ -118,6 +119,8 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
         result[name] = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token(cfg.model) / peak,
                         "final_loss": sum(float(x) for x in losses[name][-5:]) / len(losses[name][-5:])}
     result["ratio"] = result["deepspeed"]["tokens_per_s"] / result["reference"]["tokens_per_s"]
+    if args.profile:
+        result["profile"] = profiled(runners, args.warmup + args.steps + 1, args.profile)
     return result
 
 
@@ -130,11 +133,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=5, help="steps each runner takes before the other's turn")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="then profile this many more steps of each: the top operators by self time")
     parser.add_argument("--json", default="out/benchmarks/throughput.json")
     parser.add_argument("overrides", nargs="*", help="run-config key=value (ds.* for the ds_config)")
     args = parser.parse_args()
     at_least(args, 1, "steps", "chunk")
-    at_least(args, 0, "warmup")
+    at_least(args, 0, "warmup", "profile")
     results_file(args.json)
     cfg, ds, data = load_inputs(args.config, args.ds_config, args.overrides)
     set_single_process_env()
@@ -156,6 +161,12 @@ def main() -> None:
             for r in results for name in ("deepspeed", "reference")]
     print_table(["precision", "engine", "tokens/s", "MFU", "matmul peak TFLOP/s", "loss (last 5 steps)",
                  "DeepSpeed / reference"], rows)
+    for r in results:
+        for name, ops in r.get("profile", {}).items():
+            print(f"\n{r['precision']} {name}: the top operators by self time over {args.profile} steps")
+            print_table(["operator", "share", "ms/step", "calls/step"],
+                        [[o["op"], f"{100 * o['share']:.1f}%", f"{o['ms_per_step']:.2f}", f"{o['calls_per_step']:g}"]
+                         for o in ops])
     if len(results) > 1:
         first, second = results[0], results[1]
         print(f"{first['precision']} / {second['precision']} DeepSpeed tokens/s: "

@@ -23,3 +23,32 @@ def timed_turns(runners: dict, warmup: int, steps: int, chunk: int) -> dict[str,
             get_accelerator().synchronize()
             seconds[name] += time.perf_counter() - start
     return seconds
+
+
+def profiled(runners: dict, first: int, steps: int, top: int = 15) -> dict[str, list[dict]]:
+    """Each runner's steps first..first+steps-1 under torch.profiler: its `top` operations by self time where the
+    work is done, each with its share of that runner's total. On a GPU those are the kernels (an aten operator's
+    device time is its kernels', counted once), else the CPU's aten operators."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = get_accelerator().device_name() == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    tables = {}
+    for name, run in runners.items():
+        get_accelerator().synchronize()
+        with profile(activities=activities) as prof:
+            for step in range(first, first + steps):
+                run(step)
+            get_accelerator().synchronize()
+        if cuda:
+            events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+            self_time = lambda e: e.self_device_time_total  # noqa: E731
+        else:
+            events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+            self_time = lambda e: e.self_cpu_time_total  # noqa: E731
+        total = sum(self_time(e) for e in events) or 1
+        events.sort(key=self_time, reverse=True)
+        tables[name] = [{"op": e.key[:100], "share": self_time(e) / total, "ms_per_step": self_time(e) / 1e3 / steps,
+                         "calls_per_step": e.count / steps} for e in events[:top]]
+    return tables

@@ -62,9 +62,12 @@ def test_tensor_parallel_theory_is_megatrons_arithmetic():
 def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
     report = tmp_path / "throughput.json"
     run([sys.executable, "benchmarks/throughput.py", "--config", "configs/quickstart.yaml", "--steps", "4",
-         "--warmup", "1", "--chunk", "2", "--json", str(report), f"data.dir={char_data}"])
+         "--warmup", "1", "--chunk", "2", "--profile", "1", "--json", str(report), f"data.dir={char_data}"])
     written = json.loads(report.read_text())
     results = {r["precision"]: r for r in written["results"]}
+    for result in results.values():  # both loops profiled, each step's matmuls among its top operators
+        for ops in result["profile"].values():
+            assert "aten::mm" in [o["op"] for o in ops] and sum(o["share"] for o in ops) <= 1 + 1e-9
     assert set(results) == {"bf16", "fp32"}
     fp32, bf16 = results["fp32"], results["bf16"]
     # fp32: the same arithmetic in both loops; bf16: DeepSpeed and the loop round the master weights alike, but
