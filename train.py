@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from data.loader import prefetched
 from model.generate import Sampling, generate
+from model.moe import NO_EXPERT_PARALLEL
 from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
 from training import checkpoint, hf, reference, universal
@@ -32,6 +33,7 @@ from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, train_step
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
+from training.moe import expert_groups, optimizer_groups, routing_figures, weigh_aux_loss
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
@@ -92,7 +94,9 @@ def build_engine(run: Run) -> Rank:
 
     PHASE.now("building the model and the DeepSpeed engine")
     ds = run.setup.engine_settings.deepspeed_config()
-    model, compiled = parallelize(cfg, run.setup.engine_settings.pipe, ds, topo, tp, grid, groups.sp)
+    ep = expert_groups(layout.ep_size) if cfg.model.n_experts else NO_EXPERT_PARALLEL
+    model, compiled = parallelize(cfg, run.setup.engine_settings.pipe, ds, topo, tp, grid, groups.sp, ep)
+    weigh_aux_loss(model, cfg.model, layout.grad_accum)
     if compiled:
         print0(f"compiling {compiled} blocks (torch.compile) at the first step")
     if run.init_from:
@@ -100,7 +104,7 @@ def build_engine(run: Run) -> Rank:
         print0(f"initialized from {run.init_from}")
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
-    weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    weights = optimizer_groups(model, param_groups(model.named_parameters(), cfg.optim.weight_decay))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
     universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
@@ -250,13 +254,17 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     memory, reserved = peak_memory_gb(run.device)
     figures = run.objective.take_metrics(rank.driver)  # the preference losses' rewards, means since the last line
+    routing = routing_figures(rank.model, data_parallel_group(rank.engine))  # a mixture of experts' balance
     rank.log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
-                 peak_mem_gb=memory, reserved_gb=reserved, **figures,
+                 peak_mem_gb=memory, reserved_gb=reserved, **figures, **routing,
                  **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))
     speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
     rewards = (f" | reward accuracy {figures['rewards_accuracy']:.3f}, margin {figures['rewards_margin']:.4f}"
                if figures else "")
-    rank.print0(f"step {step} | loss {loss:.4f}{rewards} | lr {lr:.2e} | grad norm {grad_norm:.3f} | {speed} | "
+    experts = (f" | aux {routing['moe_aux_loss']:.4f}, expert load max {routing['expert_load_max']:.2f}"
+               if routing else "")
+    rank.print0(f"step {step} | loss {loss:.4f}{rewards}{experts} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                f"{speed} | "
              f"mem {memory:.2f} GB ({reserved:.2f} reserved)")
     return verdict
 

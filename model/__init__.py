@@ -3,6 +3,7 @@ import torch.nn as nn
 
 from model.architecture import Architecture
 from model.config import ModelConfig
+from model.moe import NO_EXPERT_PARALLEL, ExpertParallel, expert_parallel
 from model.parallelize import check_tensor_parallel, parallelize
 from model.registry import ARCHITECTURES, architecture
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, sequence_parallel
@@ -13,23 +14,26 @@ __all__ = ["ARCHITECTURES", "Architecture", "architecture", "build_model", "buil
            "layer_names", "model_layers"]
 
 
-def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list:
-    """The architecture's layer list, each layer splitting itself over `tp` as it is built."""
+def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> list:
+    """The architecture's layer list, each layer splitting itself over `tp` as it is built, its experts this
+    rank's of `ep`."""
     check_tensor_parallel(cfg, tp.size)
     arch = architecture(cfg)
-    return parallelize(arch.layers(cfg), arch.plan, tp)
+    return parallelize(expert_parallel(arch.layers(cfg), ep), arch.plan, tp)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, partition=None,
-                tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> nn.Module:
-    stack = LayerStack(model_layers(cfg, tp), seed, checkpoint_interval, (architecture(cfg).block,), partition)
+                tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL,
+                ep: ExpertParallel = NO_EXPERT_PARALLEL) -> nn.Module:
+    stack = LayerStack(model_layers(cfg, tp, ep), seed, checkpoint_interval, (architecture(cfg).block,), partition)
     return sequence_parallel(stack, sp, cfg.document_masking)
 
 
 def build_pipeline(cfg: ModelConfig, seed: int, topology, partition: str, loss_fn, checkpoint_interval: int = 0,
-                   tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> nn.Module:
+                   tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL,
+                   ep: ExpertParallel = NO_EXPERT_PARALLEL) -> nn.Module:
     """topology: DeepSpeed's PipeModelDataParallelTopology of the run (stages x data x tensor)."""
-    module = pipeline_module(model_layers(cfg, tp), seed, topology, partition, loss_fn, checkpoint_interval,
+    module = pipeline_module(model_layers(cfg, tp, ep), seed, topology, partition, loss_fn, checkpoint_interval,
                              (architecture(cfg).block,))
     return sequence_parallel(module, sp, cfg.document_masking)
 

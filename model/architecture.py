@@ -45,8 +45,8 @@ class Architecture:
     # Rotary position tables: under document masking each token gathers its own cos and sin (the memory plan).
     rope: bool = False
     grouped_query_attention: bool = False  # model.n_kv_head key/value heads, which tensor ranks split too
-    # Features it lacks ("document_masking", "sequence_parallel", "mlp_tiling"), each with the reason told to a
-    # run that asks for it; it supports every other.
+    # Features it lacks ("document_masking", "sequence_parallel", "mlp_tiling", "mixture_of_experts"), each with the
+    # reason told to a run that asks for it; it supports every other.
     unsupported: dict = field(default_factory=dict)
     # check(cfg, c): its own range checks (c: common.checks.Checks), run by ModelConfig.check after the shared ones.
     check: Callable = _accepts_all

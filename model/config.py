@@ -39,12 +39,23 @@ class ModelConfig:
     # Attention within each document of a packed window, positions restarting at each document (GPT and
     # Llama; the dataset's meta.json names its delimiter; a dataset without one is a single document).
     document_masking: bool = False
+    # Mixture of experts (Llama only; model/moe.py): 0 keeps every MLP dense. Otherwise every moe_every-th block's
+    # MLP is n_experts SwiGLU experts of width expert_hidden (null: the dense MLP's width), experts_per_token of
+    # them per token; capacity_factor null routes every token (dropless), else an expert takes at most that many
+    # times its even share and drops the rest. router_aux_loss_coef weighs the load-balancing loss.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    moe_every: int = 1
+    expert_hidden: Optional[int] = None
+    capacity_factor: Optional[float] = None
+    router_aux_loss_coef: float = 0.01
 
     def check(self, c) -> None:
         """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
         model/registry.py's check_architecture."""
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden",
-                    "ffn_multiple_of", "n_kv_head", "rope_original_context"):
+                    "ffn_multiple_of", "n_kv_head", "rope_original_context", "experts_per_token", "moe_every",
+                    "expert_hidden"):
             c.at_least(key, 1)
         c.that(self.n_embd % self.n_head == 0, "n_embd", f"be divisible by model.n_head={self.n_head}",
                f"make model.n_embd a multiple of {self.n_head}")
@@ -52,10 +63,19 @@ class ModelConfig:
         c.that(self.n_kv_head is None or self.n_head % self.n_kv_head == 0, "n_kv_head",
                f"divide model.n_head={self.n_head}: each key/value head serves a whole group of query heads",
                f"choose a divisor of {self.n_head}")
-        for key in ("norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor"):
+        for key in ("norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor", "capacity_factor"):
             c.above(key, 0)
+        c.at_least("router_aux_loss_coef", 0)
+        c.that(self.n_experts == 0 or self.n_experts >= 2, "n_experts",
+               f"be 0 (dense MLPs) or at least 2 (now {self.n_experts})", "set model.n_experts to 0, or 2 or more")
+        c.that(not self.n_experts or self.experts_per_token <= self.n_experts, "experts_per_token",
+               f"be at most model.n_experts={self.n_experts}", f"choose 1 to {self.n_experts}")
         c.that(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
                f"be above model.rope_low_freq_factor={self.rope_low_freq_factor}", "raise it (Llama 3.1: 4 and 1)")
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block `index` (from 0) has a mixture of experts: every moe_every-th, the last of each run."""
+        return self.n_experts > 0 and index % self.moe_every == self.moe_every - 1
 
     @property
     def kv_heads(self) -> int:
@@ -74,14 +94,19 @@ class ModelConfig:
 
 
 # Settings that change how the model trains, not the weights it holds: a checkpoint resumes under others.
-TRAINING_SETTINGS = ("dropout", "document_masking")
+TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_aux_loss_coef")
+
+
+# The mixture-of-experts settings at their defaults: a dense model, which a record written before they existed is.
+DENSE = {name: getattr(ModelConfig, name) for name in ("n_experts", "experts_per_token", "moe_every", "expert_hidden",
+                                                       "capacity_factor", "router_aux_loss_coef")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:
     """(missing, unknown): the model settings a saved record (a checkpoint's run state, an export) lacks, and the
     ones it holds that this version does not know. Both mean another version of the repo wrote it."""
     names = [f.name for f in fields(ModelConfig)]
-    return [n for n in names if n not in settings], sorted(set(settings) - set(names))
+    return [n for n in names if n not in settings and n not in DENSE], sorted(set(settings) - set(names))
 
 
 def model_config(settings: dict, source: str) -> ModelConfig:
@@ -96,4 +121,4 @@ def model_config(settings: dict, source: str) -> ModelConfig:
                           f"version of this repo, which this one does not read; fix: read it with that version, or "
                           f"start a run from its weights with train.init_from (a GPT or Llama export is a Hugging "
                           f"Face folder)")
-    return ModelConfig(**settings)
+    return ModelConfig(**{**DENSE, **settings})

@@ -114,6 +114,7 @@ ENCODER = Architecture(
     unsupported={
         "document_masking": "its sinusoidal positions and nn.TransformerEncoderLayer take no per-document positions",
         "sequence_parallel": "the encoder's attention (nn.MultiheadAttention) has no core to split over sequence ranks",
-        "mlp_tiling": "the encoder's feed-forward maps are inside nn.TransformerEncoderLayer's own forward"},
+        "mlp_tiling": "the encoder's feed-forward maps are inside nn.TransformerEncoderLayer's own forward",
+        "mixture_of_experts": "its feed-forward maps are inside nn.TransformerEncoderLayer's own forward"},
     check=check,
 )

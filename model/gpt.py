@@ -122,4 +122,6 @@ GPT = Architecture(
           Block: {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}},
     hf=HuggingFace("GPT2LMHeadModel", "gpt2", HF_LAYERS, hf_config, check_hf),
     mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="always",
+    unsupported={"mixture_of_experts": "its MLPs are GPT-2's dense GELU networks; the Llama's become Mixtral's "
+                                       "mixtures of SwiGLU experts"},
 )

@@ -27,6 +27,7 @@ from model.layers import (
     rope_tables,
     split_heads,
 )
+from model.moe import NO_EXPERT_PARALLEL, ExpertParallel, MoEFeedForward
 from model.tensor_parallel import COLUMN, ROW, VOCAB
 
 
@@ -58,15 +59,22 @@ class Attention(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: x + attention(norm(x)), then + SwiGLU(norm(x))."""
+    """Pre-RMSNorm block: x + attention(norm(x)), then + SwiGLU(norm(x)), or + a mixture of SwiGLU experts
+    (Mixtral's block) where `moe`; `ep`: the expert-parallel degree and rank (model/moe.py)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False, ep: ExpertParallel = NO_EXPERT_PARALLEL):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.n_embd, LLAMA.mlp_hidden(cfg))
+        if moe:
+            self.mlp = MoEFeedForward(cfg.n_embd, cfg.expert_hidden or LLAMA.mlp_hidden(cfg), cfg.n_experts,
+                                      cfg.experts_per_token, cfg.n_layer, cfg.capacity_factor, ep)
+        else:
+            self.mlp = SwiGLU(cfg.n_embd, LLAMA.mlp_hidden(cfg))
         init_weights(self, cfg.n_layer, residual=("attn.o.weight", "mlp.down.weight"))
+        if moe:
+            self.mlp.init_experts()
 
     def forward(self, inputs):
         x, positions = hidden_and_positions(inputs)
@@ -82,7 +90,7 @@ def llama_layers(cfg: ModelConfig) -> list:
                        TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head))
     else:
         first, head = LayerSpec(TokenEmbedding, **embed), LayerSpec(LMHead, cfg.n_embd, cfg.padded_vocab_size)
-    return [first, *[LayerSpec(LlamaBlock, cfg) for _ in range(cfg.n_layer)],
+    return [first, *[LayerSpec(LlamaBlock, cfg, moe=cfg.is_moe_block(i)) for i in range(cfg.n_layer)],
             LayerSpec(FinalRMSNorm, cfg.n_embd, eps=cfg.norm_eps), head]
 
 

@@ -24,6 +24,9 @@ def check_architecture(cfg: ModelConfig, c) -> None:
     c.that(arch.supports("document_masking") or not cfg.document_masking, "document_masking",
            f"be false for {arch.title} ({arch.unsupported.get('document_masking')})",
            f"set model.document_masking=false, or train {supporting('document_masking')}")
+    c.that(arch.supports("mixture_of_experts") or not cfg.n_experts, "n_experts",
+           f"be 0 for {arch.title} ({arch.unsupported.get('mixture_of_experts')})",
+           f"set model.n_experts=0, or train {supporting('mixture_of_experts')}")
 
 
 def supporting(feature: str) -> str:

@@ -108,6 +108,7 @@ BAD_DS_NUMBERS = [
     ("sequence_parallel_size=two", "sequence_parallel_size='two' in {path}: must be an integer >= 1; fix: set "
                                    "ds.sequence_parallel_size to one"),
     ("sequence_parallel_size=1.5", "sequence_parallel_size=1.5 in {path}: must be an integer >= 1"),
+    ("expert_parallel_size=0", "expert_parallel_size=0 in {path}: must be an integer >= 1"),
     ("steps_per_print=0", "steps_per_print=0 in {path}: must be an integer >= 1"),
     ("pipeline.stages=two", "pipeline.stages='two' in {path}: must be an integer >= 1"),
     ("pipeline.activation_checkpoint_interval=-1", "pipeline.activation_checkpoint_interval=-1 in {path}: must be an "
@@ -129,8 +130,9 @@ def test_bad_ds_config_number_is_refused_with_its_message(override, message):
 def test_the_ds_number_table_covers_the_keys_the_layout_reads():
     """topology.py reads these without checking their types: their one check is DS_NUMBERS."""
     from training.ds_config import DS_NUMBERS
+    from training.moe import EP_KEY
     from training.topology import ACCUM, GLOBAL, MICRO, SP_KEY, TP_KEY
-    assert {MICRO, ACCUM, GLOBAL, TP_KEY, SP_KEY, "pipeline.stages",
+    assert {MICRO, ACCUM, GLOBAL, TP_KEY, SP_KEY, EP_KEY, "pipeline.stages",
             "pipeline.activation_checkpoint_interval"} <= set(DS_NUMBERS)
     assert {row[0].split("=")[0] for row in BAD_DS_NUMBERS} == set(DS_NUMBERS)
 
@@ -165,7 +167,8 @@ def test_the_effective_ds_config_is_assembled_in_one_place():
     assert engine.ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * engine.layout.grad_accum * 2
     assert engine.ds["optimizer"]["params"]["lr"] == 1e-3 and engine.ds["scheduler"]["type"] == "WarmupCosineLR"
     assert engine.ds["checkpoint"] == {"load_universal": True}
-    assert engine.layout_record() == {"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1}
+    assert engine.layout_record() == {"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "ep": 1,
+                                      "zero_stage": 1}
     assert "checkpoint" not in effective_ds_config(ds, cfg, 2, CPU).ds
     assert engine.deepspeed_config() == engine.ds  # without sequence parallelism, as assembled
 

@@ -215,6 +215,8 @@ def test_the_commit_order_leaves_auto_resume_a_complete_checkpoint_at_every_poin
     state = {"tag": "step_000002", "step": 2, "config": {"model": MODEL}, "layout": layout, "data": {"sources": []}}
 
     class Engine:  # writes a shard as DeepSpeed's save_checkpoint does, leaving `latest` to the caller
+        has_moe_layers = False
+
         def save_checkpoint(self, root, tag, client_state, save_latest):
             assert save_latest is False
             os.makedirs(os.path.join(root, tag))

@@ -82,6 +82,26 @@ def test_a_preference_run_gets_a_reward_accuracy_panel(tiny_run, tmp_path, monke
                                                            ("tuned: val 1.0000", [0.0, 0.5, 1.0])]
 
 
+def test_a_mixture_of_experts_gets_a_load_panel(tiny_run, tmp_path, monkeypatch):
+    """A run with experts logs expert_load_max each step: a panel of its own, beside preference tuning's."""
+    import shutil
+    moe = tmp_path / "moe"
+    shutil.copytree(tiny_run, moe)
+    with open(moe / "metrics.jsonl", "a") as f:
+        for step, load in ((1, 1.9), (2, 1.5), (3, 1.2)):
+            f.write(json.dumps({"step": step, "expert_load_max": load, "rewards_accuracy": 0.5}) + "\n")
+    import matplotlib.axes
+    drawn, set_title = {}, matplotlib.axes.Axes.set_title
+
+    def titled(ax, title, *args, **kwargs):
+        drawn[title] = [list(line.get_ydata()) for line in ax.get_lines()]
+        return set_title(ax, title, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", titled)
+    training.plot.plot([read_run(str(moe))], str(tmp_path / "moe.png"))
+    assert drawn["expert load (busiest expert / mean, worst layer)"] == [[1.9, 1.5, 1.2]]
+    assert "reward accuracy (preference pairs)" in drawn
+
+
 def test_plot_names_a_directory_without_metrics(tmp_path):
     proc = run([sys.executable, "-m", "scripts.plot", str(tmp_path)], check=False)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: metrics file {tmp_path}/metrics.jsonl does not " \

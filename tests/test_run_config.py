@@ -34,6 +34,14 @@ BAD_SETTINGS = [
     (["model.dropout=-0.1"], "model.dropout=-0.1: must be in [0.0, 1.0)"),
     (["model.ffn_multiple_of=0"], "model.ffn_multiple_of=0: must be >= 1"),
     (["model.n_kv_head=0"], "model.n_kv_head=0: must be >= 1"),
+    (["model.n_experts=1", "model.arch=llama"], "model.n_experts=1: must be 0 (dense MLPs) or at least 2 (now 1)"),
+    (["model.arch=llama", "model.n_experts=4", "model.experts_per_token=5"],
+     "model.experts_per_token=5: must be at most model.n_experts=4; fix: choose 1 to 4"),
+    (["model.experts_per_token=0"], "model.experts_per_token=0: must be >= 1"),
+    (["model.moe_every=0"], "model.moe_every=0: must be >= 1"),
+    (["model.expert_hidden=0"], "model.expert_hidden=0: must be >= 1"),
+    (["model.capacity_factor=0"], "model.capacity_factor=0.0: must be > 0"),
+    (["model.router_aux_loss_coef=-1"], "model.router_aux_loss_coef=-1.0: must be >= 0"),
     (["model.n_kv_head=3"], "model.n_kv_head=3: must divide model.n_head=4: each key/value head serves a whole "
                             "group of query heads; fix: choose a divisor of 4"),
     (["model.arch=llama", "model.n_head=128"], "model.n_embd=128: must give an even head size n_embd / n_head "

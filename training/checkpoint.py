@@ -26,7 +26,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError, existing_dir, json_file
 from data.writer import write_atomic
-from model.config import TRAINING_SETTINGS, saved_settings_gaps
+from model.config import DENSE, TRAINING_SETTINGS, saved_settings_gaps
 from training import universal
 
 CHECKPOINTS = "checkpoints"
@@ -53,7 +53,10 @@ def tag_step(tag: str) -> int:
 def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: dict) -> str:
     """Collective: every rank calls it. uc_info: universal_info of the run. Returns the new tag."""
     root, tag = checkpoint_root(out_dir), tag_for(step)
-    engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: uc_info},
+    # DeepSpeed's MoE save reserves the universal converter's key (and the converter does not read native MoE
+    # checkpoints: check_compatible keeps their layout).
+    client_state = {} if engine.has_moe_layers else {UNIVERSAL_CHECKPOINT_INFO: uc_info}
+    engine.save_checkpoint(root, tag=tag, client_state=client_state,
                            save_latest=False)  # `latest` is ours to move, once the checkpoint is complete
     torch.distributed.barrier()  # every rank has written its files
     if torch.distributed.get_rank() == 0:
@@ -308,7 +311,7 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
                      out_dir: str | None = None) -> None:
     """The checkpoint must hold this architecture; without the universal format, also this layout. tag_dir and
     out_dir (the checkpoint's folder, this run's train.out_dir) make the way to convert it a command to copy."""
-    was = saved["config"]["model"]
+    was = {**DENSE, **saved["config"]["model"]}
     changed = {k: (was[k], v) for k, v in model_cfg.items() if was[k] != v and k not in TRAINING_SETTINGS}
     if changed:
         diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())
@@ -322,7 +325,12 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
                               f"ZeRO-{layout['zero_stage']}: DeepSpeed loads one made from ZeRO-3 under ZeRO-3 only, "
                               f"and one made from ZeRO 0-2 under ZeRO 0-2 only; fix: resume it with {fix}")
         return
-    was, now = saved["layout"], layout
+    was, now = {"ep": 1, **saved["layout"]}, layout
+    if model_cfg["n_experts"] and any(was[key] != now[key] for key in ("dp", "ep", "pp", "tp", "sp", "zero_stage")):
+        raise ConfigError(f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: a mixture of "
+                          f"experts resumes at its own layout only (DeepSpeed's universal converter does not handle "
+                          f"its native MoE layers, DeepSpeed issue 5716); resume with the checkpoint's layout, or "
+                          f"start from its weights in another train.out_dir")
     if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
         return  # without ZeRO every rank saves and loads the whole optimizer state: any dp (and sp) fits
     if was["zero_stage"] == 0 and was["tp"] != now["tp"]:
@@ -348,7 +356,7 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
 
 
 def _describe(layout: dict) -> str:
-    extra = "".join(f" x {key}={layout[key]}" for key in ("tp", "sp") if layout[key] > 1)
+    extra = "".join(f" x {key}={layout.get(key, 1)}" for key in ("tp", "sp", "ep") if layout.get(key, 1) > 1)
     return f"dp={layout['dp']} x pp={layout['pp']}{extra} with ZeRO-{layout['zero_stage']}"
 
 

@@ -51,6 +51,7 @@ DS_NUMBERS = {
     "gradient_accumulation_steps": (True, 1, ""),
     "tensor_model_parallel_size": (True, 1, ""),
     "sequence_parallel_size": (True, 1, ""),
+    "expert_parallel_size": (True, 1, ""),
     "steps_per_print": (True, 1, ""),
     "pipeline.stages": (True, 1, ""),
     "pipeline.activation_checkpoint_interval": (True, 0, "0 disables it"),
@@ -88,8 +89,9 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
             raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}") from None
         raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}") from None
     # Our key beside DeepSpeed's (training/topology.py TP_KEY): the tensor-parallel degree of our own layers; and
-    # DeepSpeed's sequence-parallel degree, which this repo reads itself (SP_KEY).
-    ours = {"train_batch_size", "tensor_model_parallel_size", "sequence_parallel_size"}
+    # DeepSpeed's sequence-parallel degree, which this repo reads itself (SP_KEY); the expert-parallel degree of
+    # the model's MoE layers (training/moe.py EP_KEY).
+    ours = {"train_batch_size", "tensor_model_parallel_size", "sequence_parallel_size", "expert_parallel_size"}
     unknown = sorted(set(ds) - probe.read - ours)
     if unknown:
         hints = [f"'{k}'" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(k, probe.read, 1))

@@ -33,6 +33,10 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     run_state = checkpoint.read_run_state(tag_dir)
     tp_size = run_state["layout"]["tp"]
     cfg = run_model(tag_dir, run_state)
+    if cfg.n_experts:
+        raise ConfigError(f"{tag_dir} holds a mixture of experts (model.n_experts={cfg.n_experts}): its weights are "
+                          f"not consolidated from a checkpoint yet (DeepSpeed keeps each expert in a file of its own, "
+                          f"and its universal converter does not read them); sample at the run's end, or resume it")
     with torch.device("meta"):
         model = build_model(cfg)
         sliced = build_model(cfg, tp=TensorParallel(tp_size)) if tp_size > 1 else model  # a rank's view

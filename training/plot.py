@@ -1,5 +1,6 @@
-"""Runs' metrics.jsonl drawn as one image: loss, learning rate, tokens/s, MFU, multiple-choice accuracy and the
-reward accuracy of preference tuning against steps or tokens, several runs overlaid. The command: scripts/plot.py.
+"""Runs' metrics.jsonl drawn as one image: loss, learning rate, tokens/s, MFU, multiple-choice accuracy, the
+reward accuracy of preference tuning and a mixture of experts' load against steps or tokens, several runs
+overlaid. The command: scripts/plot.py.
 """
 import io
 import json
@@ -15,6 +16,7 @@ class PlotError(ValueError):
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
 ACCURACY = ("accuracy", "multiple-choice accuracy")  # a fifth panel, for runs that score eval.tasks
 REWARDS = ("rewards_accuracy", "reward accuracy (preference pairs)")  # and one for preference tuning
+EXPERTS = ("expert_load_max", "expert load (busiest expert / mean, worst layer)")  # and one for a mixture of experts
 # Panels that overlay a training series (each logged step) and its evaluation (o--, its last value in the legend).
 OVERLAID = {"loss": ("loss", "val_loss"), "rewards_accuracy": ("rewards_accuracy", "val_rewards_accuracy")}
 ACC_SUFFIXES = (("_acc_norm", "o-", "acc_norm"), ("_acc", "o--", "acc"))
@@ -73,9 +75,11 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
     if x == "tokens" and any(run["tokens_per_step"] is None for run in runs):
         raise PlotError("--x tokens needs each run's ds_config.json and config.yaml (written by train.py)")
     panels = PANELS + ([ACCURACY] if any(accuracy_series(run) for run in runs) else []) + \
-        ([REWARDS] if any(REWARDS[0] in run["series"] for run in runs) else [])
-    fig, axes = plt.subplots(2, 2 if len(panels) == 4 else 3, figsize=(11 if len(panels) == 4 else 16, 7),
-                             constrained_layout=True)
+        ([REWARDS] if any(REWARDS[0] in run["series"] for run in runs) else []) + \
+        ([EXPERTS] if any(EXPERTS[0] in run["series"] for run in runs) else [])
+    columns = 2 if len(panels) == 4 else 3
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(11 if columns == 2 else 16, 3.5 * rows), constrained_layout=True)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     image = os.path.splitext(output)[1][1:].lower()

@@ -28,6 +28,7 @@ from training.config import RunConfig, load_run_config, parse_args, split_overri
 from training.device import check_op_build_locks, compute_dtype
 from training.ds_config import load_ds_config
 from training.launcher_env import set_distributed_env
+from training.moe import check_experts, expert_parallel_size
 from training.multiple_choice import open_tasks
 from training.optim import optimizer_and_schedule, schedule_note
 from training.preference import Objective, PreferenceLoss
@@ -68,7 +69,8 @@ class EngineSettings:
     def layout_record(self) -> dict:
         """The layout as checkpoints record it (run_state.json's "layout")."""
         return {"world": self.layout.world_size, "dp": self.layout.dp, "pp": self.layout.pipeline_stages,
-                "tp": self.layout.tp_size, "sp": self.layout.sp_size, "zero_stage": self.zero_stage}
+                "tp": self.layout.tp_size, "sp": self.layout.sp_size, "ep": self.layout.ep_size,
+                "zero_stage": self.zero_stage}
 
 
 def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch.device,
@@ -83,7 +85,9 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     if cfg.train.compile and (pipe.stages > 1 or sp_size > 1):
         raise ConfigError("train.compile=true works on the plain module without sequence parallelism only: use a "
                           "ds_config without pipeline stages or sequence_parallel_size, or set train.compile=false")
-    layout = resolve_layout(ds, world_size, pipe.stages, tp_size, sp_size)
+    layout = resolve_layout(ds, world_size, pipe.stages, tp_size, sp_size, expert_parallel_size(ds))
+    check_experts(cfg.model, layout, ds.get("zero_optimization", {}).get("stage", 0), dtype == torch.float16,
+                  cfg.train.compile, cfg.train.mlp_tiles)
     effective = copy.deepcopy(ds)
     if ds.get("bf16", {}).get("enabled") == "auto":
         effective["bf16"]["enabled"] = dtype == torch.bfloat16

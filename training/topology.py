@@ -30,6 +30,7 @@ class Layout:
     grad_accum: int
     tp_size: int = 1
     sp_size: int = 1
+    ep_size: int = 1  # expert parallelism: groups of data-parallel ranks that share out the experts
 
     @property
     def dp(self) -> int:
@@ -47,7 +48,8 @@ class Layout:
     def describe(self) -> str:
         sp = f" x sp {self.sp_size}" if self.sp_size > 1 else ""
         tp = f" x tp {self.tp_size}" if self.tp_size > 1 else ""
-        return (f"world {self.world_size} = dp {self.dp}{sp} x pp {self.pipeline_stages}{tp}; global batch "
+        ep = f" (experts over ep {self.ep_size})" if self.ep_size > 1 else ""
+        return (f"world {self.world_size} = dp {self.dp}{ep}{sp} x pp {self.pipeline_stages}{tp}; global batch "
                 f"{self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} x dp {self.dp}")
 
 
@@ -75,7 +77,7 @@ def sequence_parallel_size(ds: dict) -> int:
 
 
 def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size: int = 1,
-                   sp_size: int = 1) -> Layout:
+                   sp_size: int = 1, ep_size: int = 1) -> Layout:
     """The layout of the ds_config's batch triple at this world size, its missing member derived, checked
     to hold. `ds` is left as it is: training/startup.py writes the triple into the ds_config it assembles."""
     model_ranks = pipeline_stages * tp_size * sp_size
@@ -112,7 +114,7 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size:
             f"{GLOBAL} ({batch}) != {MICRO} ({micro}) x {ACCUM} ({accum}) x dp ({dp}, "
             f"{derived}) = {micro * accum * dp}. Fix one of them, or drop "
             f"{GLOBAL} from the ds_config and it is derived.")
-    return Layout(world_size, pipeline_stages, micro, accum, tp_size, sp_size)
+    return Layout(world_size, pipeline_stages, micro, accum, tp_size, sp_size, ep_size)
 
 
 def deepspeed_batch(layout: Layout) -> dict:

@@ -1,0 +1,105 @@
+"""Mixture-of-experts feed-forward networks (Mixtral's block: a softmax router picks k of n SwiGLU experts per
+token, their outputs weighted by the renormalized router probabilities), through DeepSpeed's MoE layer.
+
+DeepSpeed's layer (deepspeed.moe.layer.MoE) holds the router and this rank's experts, and exchanges tokens with
+the other ranks of its expert-parallel group (all-to-all). It is used with its second choice deterministic
+(top2_2nd_expert_sampling=False: by default it samples it with Gumbel noise, evaluation included) and without
+random token selection, so a model's output is a function of its weights and inputs alone.
+
+Two things are added around it:
+- the experts start distinct and alike at every expert-parallel degree: DeepSpeed deep-copies one expert, so
+  each is initialized again from a seed of its global index;
+- the load-balancing loss reaches the gradients without travelling with the activations (Megatron-LM's way,
+  its MoEAuxLossAutoScaler): each layer's loss is attached to its output, whose backward adds the loss's
+  gradient. So it needs no second output from any layer, and pipeline stages pass the hidden states alone.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from deepspeed.moe.layer import MoE
+
+from model.layers import SwiGLU, init_weights
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The expert-parallel degree, and this rank's place in its group (its experts are rank x n/size on)."""
+    size: int = 1
+    rank: int = 0
+
+
+NO_EXPERT_PARALLEL = ExpertParallel()
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the hidden states; the backward also sends `scale` down the auxiliary loss."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+class MoEFeedForward(nn.Module):
+    """n_experts SwiGLU experts of width `hidden`, k of them per token; `capacity_factor` None routes every
+    token (dropless), else an expert takes at most capacity_factor x its even share of tokens and drops the rest.
+    aux_loss_scale: the load-balancing loss's weight in the gradients (training/moe.py sets it: the coefficient
+    over the accumulation steps, as DeepSpeed scales the language-model loss)."""
+
+    def __init__(self, n_embd: int, hidden: int, n_experts: int, k: int, n_layer: int,
+                 capacity_factor: float | None = None, ep: ExpertParallel = NO_EXPERT_PARALLEL):
+        super().__init__()
+        dropless = capacity_factor is None
+        self.moe = MoE(n_embd, SwiGLU(n_embd, hidden), num_experts=n_experts, ep_size=ep.size, k=k,
+                       capacity_factor=capacity_factor or 1.0, eval_capacity_factor=capacity_factor or 1.0,
+                       drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
+        # One seed per global expert, drawn alike on every rank (init_experts uses them): expert e starts the
+        # same at any degree.
+        self.seeds, self.n_layer, self.ep = torch.randint(2**62, (n_experts,), device="cpu").tolist(), n_layer, ep
+        self.aux_loss_scale = 0.0
+        self.routed = []  # (load-balancing loss, tokens per expert) of each training forward since the last read
+
+    def init_experts(self) -> None:
+        """This rank's experts initialized from their seeds (GPT-2 init, the down map a residual projection).
+        Called by the block once its own initialization, which draws for this rank's experts only, is done."""
+        for local, expert in enumerate(self.experts):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seeds[self.ep.rank * len(self.experts) + local])
+                init_weights(expert, self.n_layer, residual=("down.weight",))
+
+    @property
+    def router(self) -> nn.Linear:
+        return self.moe.deepspeed_moe.gate.wg
+
+    @property
+    def experts(self) -> nn.ModuleList:
+        """This rank's experts, in the order of their global indices."""
+        return self.moe.deepspeed_moe.experts.deepspeed_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, aux_loss, counts = self.moe(x)
+        if torch.is_grad_enabled():  # under activation checkpointing: the recomputation, once
+            self.routed.append((aux_loss.detach(), counts))
+            if self.aux_loss_scale:
+                out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_scale)
+        return out
+
+
+def expert_parallel(specs: list, ep: ExpertParallel) -> list:
+    """The layer list with its mixture-of-experts blocks (the LayerSpecs built with moe=True) holding this rank's
+    experts of `ep` (PipelineModule builds each stage's layers itself, so the degree travels with the specs)."""
+    for spec in specs:
+        if spec.module_kwargs.get("moe"):
+            spec.module_kwargs["ep"] = ep
+    return specs
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]

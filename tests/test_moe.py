@@ -1,0 +1,166 @@
+"""Mixture of experts (model/moe.py, training/moe.py): the block is Mixtral's (softmax router, top-k renormalized,
+SwiGLU experts), its experts start alike at every expert-parallel degree, its load-balancing loss is DeepSpeed's
+and reaches the gradients with its coefficient; runs at ep=2, ep=1 x dp=2 and one process with accumulation give
+the same losses, gradient norms and routing figures; a run resumes exactly, and what cannot be combined is refused
+at start."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.checks import ConfigError
+from harness import FP32, TINY, launch, metrics, sample_py, train_py
+from model import build_model
+from model.config import ModelConfig
+from model.moe import ExpertParallel, MoEFeedForward, moe_layers
+from training.metrics import flops_per_token
+from training.moe import check_experts
+from training.topology import Layout
+
+# TINY's 2 layers x 32 wide; 4 experts of width 48, 2 per token; global batch 8.
+MOE = ["model.arch=llama", "model.n_kv_head=1", "model.ffn_hidden=64", "model.n_experts=4", "model.expert_hidden=48",
+       "train.max_steps=4", "optim.warmup_steps=2", "optim.lr=3e-3", "model.router_aux_loss_coef=0.1", *FP32]
+SHAPE = ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64, block_size=32,
+                    vocab_size=65, n_experts=4, expert_hidden=48)
+
+
+def moe_block(ep=ExpertParallel(), k=2, seed=0) -> MoEFeedForward:
+    torch.manual_seed(seed)
+    layer = MoEFeedForward(32, 48, 4, k, n_layer=2, ep=ep)
+    layer.init_experts()
+    return layer
+
+
+def test_experts_start_alike_at_every_degree():
+    whole = moe_block()
+    halves = [moe_block(ExpertParallel(2, rank)) for rank in (0, 1)]
+    for rank, half in enumerate(halves):
+        assert torch.equal(half.router.weight, whole.router.weight)
+        for local, expert in enumerate(half.experts):
+            for ours, theirs in zip(expert.parameters(), whole.experts[2 * rank + local].parameters()):
+                assert torch.equal(ours, theirs)
+    first, second = (list(whole.experts[e].parameters())[0] for e in (0, 1))
+    assert not torch.equal(first, second)  # distinct experts, not DeepSpeed's copies of one
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_block_is_mixtrals(k):
+    """Each token: softmax over the router's logits, the top k renormalized, the experts' outputs so weighted."""
+    layer = moe_block(k=k).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        probs = F.softmax(x @ layer.router.weight.T, dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        expected = sum(weights[..., i:i + 1] * torch.stack([torch.stack([layer.experts[int(e)](t) for t, e in
+                                                                         zip(row, es)]) for row, es in
+                                                            zip(x, chosen[..., i])]) for i in range(k))
+        assert torch.allclose(layer(x), expected, atol=1e-6)
+
+
+def test_load_balancing_loss_is_deepspeeds_and_reaches_the_gradients():
+    """Top-2: E^2 x mean over experts of (mean router probability x share of first choices); its gradient joins
+    the hidden states' with weight aux_loss_scale, as a loss term would."""
+    layer, scale = moe_block(), 0.25
+    x = torch.randn(2, 6, 32)
+    probs = F.softmax(x.reshape(-1, 32) @ layer.router.weight.T, dim=-1)
+    first = F.one_hot(probs.argmax(-1), 4).float()
+    expected = (probs.mean(0) * first.mean(0)).mean() * 4 * 4
+    layer.aux_loss_scale = scale
+    layer(x).sum().backward()
+    (aux, counts), = layer.routed
+    assert aux.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert counts.sum().item() == 2 * 12  # two experts per token
+    attached = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    layer.aux_loss_scale = 0.0
+    out, aux_loss, _ = layer.moe(x)
+    (out.sum() + scale * aux_loss).backward()
+    assert torch.allclose(attached, layer.router.weight.grad, atol=1e-7)
+    assert not torch.allclose(attached, torch.autograd.grad(layer.moe(x)[0].sum(), layer.router.weight)[0])
+
+
+def test_flops_count_the_active_experts():
+    dense = dataclasses.replace(SHAPE, n_experts=0, ffn_hidden=48)
+    assert flops_per_token(dataclasses.replace(SHAPE, experts_per_token=1)) == \
+        flops_per_token(dense) + 6 * 2 * 32 * 4  # the router's d x E per layer
+    assert flops_per_token(SHAPE) - flops_per_token(dense) == 6 * 2 * (32 * 4 + 3 * 32 * 48)
+    half = dataclasses.replace(SHAPE, moe_every=2)  # block 1 only
+    assert flops_per_token(SHAPE) - flops_per_token(half) == 6 * (32 * 4 + 2 * 3 * 32 * 48 - 3 * 32 * 64)
+    assert [type(m.mlp).__name__ for m in build_model(half).modules() if hasattr(m, "mlp_norm")] == \
+        ["SwiGLU", "MoEFeedForward"]
+    assert len(moe_layers(build_model(SHAPE))) == 2
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(ep=3), "expert_parallel_size=3 does not divide model.n_experts=4"),
+    (dict(ep=4, dp=2), "expert_parallel_size=4 does not divide the data-parallel degree 2"),
+    (dict(zero_stage=3), "DeepSpeed's native MoE is not supported with ZeRO Stage 3"),
+    (dict(pp=2), "cannot be combined with pipeline stages"),
+    (dict(tp=2), "cannot be combined with tensor parallelism"),
+    (dict(sp=2), "cannot be combined with sequence parallelism"),
+    (dict(fp16=True), "cannot be combined with fp16"),
+    (dict(compile=True), "cannot be combined with train.compile"),
+    (dict(tiles=2), "cannot be combined with train.mlp_tiles"),
+    (dict(dense=True, ep=2), "expert_parallel_size=2 but the model has no experts"),
+])
+def test_refused_combinations(change, message):
+    c = {"ep": 1, "dp": 4, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1, "fp16": False, "compile": False, "tiles": 1,
+         "dense": False, **change}
+    layout = Layout(c["dp"] * c["pp"] * c["tp"] * c["sp"], c["pp"], 1, 1, c["tp"], c["sp"], c["ep"])
+    cfg = dataclasses.replace(SHAPE, n_experts=0) if c["dense"] else SHAPE
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_experts(cfg, layout, c["zero_stage"], c["fp16"], c["compile"], c["tiles"])
+
+
+def test_gpt_has_no_experts(char_data, tmp_path):
+    proc = train_py(["--config", "configs/quickstart.yaml", f"data.dir={char_data}", f"train.out_dir={tmp_path}",
+                     "model.n_experts=4"], check=False)
+    assert proc.returncode == 2 and "model.n_experts=4: must be 0 for the GPT" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, char_data):
+    """ep=1 x dp=2 for 4 steps; ep=2 for 2 steps, then resumed to 4; one process with 2 accumulation steps."""
+    out = {name: tmp_path_factory.mktemp(f"moe_{name}") for name in ("dp2", "ep2", "one")}
+    launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"])
+    ep2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.expert_parallel_size=2", "train.save_interval=2"]
+    launch(2, "zero2.json", out["ep2"], char_data, [*ep2, "train.stop_at_step=2"])
+    launch(2, "zero2.json", out["ep2"], char_data, ep2)
+    train_py(["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json",
+              f"train.out_dir={out['one']}", f"data.dir={char_data}", *TINY, *MOE,
+              "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"])
+    return out
+
+
+def steps(out_dir) -> list[dict]:
+    return [m for m in metrics(out_dir) if "loss" in m]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", ["ep2", "one"])
+def test_layouts_train_alike(runs, name):
+    """ep=2 (ZeRO-2, resumed at step 2) and one process equal ep=1 x dp=2 step for step: losses, gradient norms,
+    the load-balancing loss and the experts' loads (every rank's tokens counted)."""
+    reference, other = steps(runs["dp2"]), steps(runs[name])
+    assert [m["step"] for m in other] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "moe_aux_loss", "expert_load_max", "expert_load_mean"):
+        assert [m[key] for m in other] == pytest.approx([m[key] for m in reference], rel=1e-5), key
+    assert all(m["expert_load_max"] > 1 for m in reference)  # a real imbalance measured, not a constant
+
+
+@pytest.mark.launch
+def test_layout_change_is_refused(runs, char_data):
+    proc = train_py(["--config", "configs/quickstart.yaml", f"train.out_dir={runs['ep2']}", f"data.dir={char_data}",
+                     *TINY, *MOE, "train.max_steps=6"], check=False)
+    assert proc.returncode == 2
+    assert ("the checkpoint was saved at dp=2 x pp=1 x ep=2 with ZeRO-2, this run is dp=1 x pp=1 with ZeRO-0: a "
+            "mixture of experts resumes at its own layout only") in proc.stderr
+
+
+@pytest.mark.launch
+def test_sampling_a_checkpoint_is_refused_until_experts_are_consolidated(runs):
+    proc = sample_py(["--out_dir", str(runs["ep2"]), "--max_new_tokens", "4"], check=False)
+    assert proc.returncode == 2 and "holds a mixture of experts (model.n_experts=4): its weights are not " \
+        "consolidated from a checkpoint yet" in proc.stderr

@@ -1,0 +1,95 @@
+"""A mixture-of-experts run (model/moe.py) between its settings and DeepSpeed: the expert-parallel degree of the
+ds_config and what it combines with, checked at start; DeepSpeed's expert groups; the optimizer's expert
+parameter groups; the load-balancing loss's weight; and the routing figures the log shows."""
+import torch
+
+from common.checks import ConfigError
+from model.config import ModelConfig
+from model.moe import ExpertParallel, moe_layers
+
+# The ds_config's expert-parallel degree. Ours: DeepSpeed's "expert_parallel" section configures AutoEP, which
+# replaces a Hugging Face model's MoE blocks; here the model's own blocks hold DeepSpeed's MoE layer.
+EP_KEY = "expert_parallel_size"
+
+
+def expert_parallel_size(ds: dict) -> int:
+    return ds.get(EP_KEY, 1)  # a positive integer (training/ds_config.py DS_NUMBERS)
+
+
+def check_experts(cfg: ModelConfig, layout, zero_stage: int, fp16: bool, compile_blocks: bool,
+                  mlp_tiles: int) -> None:
+    """What a run with experts (or an expert-parallel degree) must satisfy, before any process group."""
+    ep = layout.ep_size
+    if not cfg.n_experts:
+        if ep > 1:
+            raise ConfigError(f"{EP_KEY}={ep} but the model has no experts (model.n_experts=0): set model.n_experts "
+                              f"to a multiple of {ep}, or remove {EP_KEY} from the ds_config")
+        return
+    if cfg.n_experts % ep:
+        raise ConfigError(f"{EP_KEY}={ep} does not divide model.n_experts={cfg.n_experts}: each expert-parallel rank "
+                          f"holds an equal share of the experts; choose a divisor of {cfg.n_experts}")
+    if layout.dp % ep:
+        raise ConfigError(f"{EP_KEY}={ep} does not divide the data-parallel degree {layout.dp}: an expert group is "
+                          f"{ep} data-parallel ranks; launch a multiple of {ep} processes")
+    refused = {
+        zero_stage == 3: "ZeRO stage 3: DeepSpeed's native MoE is not supported with ZeRO Stage 3 (its engine refuses "
+                         "it); use ZeRO 0, 1 or 2 (ds_configs/zero2.json)",
+        layout.pipeline_stages > 1: "pipeline stages: not yet in this repo; set pipeline.stages=1",
+        layout.tp_size > 1: "tensor parallelism: not yet in this repo; remove tensor_model_parallel_size",
+        layout.sp_size > 1: "sequence parallelism: not yet in this repo; remove sequence_parallel_size",
+        fp16: "fp16: the load-balancing loss's gradient does not follow the dynamic loss scale; use bf16 or fp32",
+        compile_blocks: "train.compile: DeepSpeed's MoE layer routes with data-dependent shapes; set "
+                        "train.compile=false",
+        mlp_tiles > 1: "train.mlp_tiles: the experts' inputs are DeepSpeed's dispatched buffers, not a sequence "
+                       "to tile; set train.mlp_tiles=1",
+    }
+    if True in refused:
+        raise ConfigError(f"model.n_experts={cfg.n_experts} cannot be combined with {refused[True]}")
+
+
+def expert_groups(ep_size: int) -> ExpertParallel:
+    """DeepSpeed's expert-parallel and expert-data-parallel groups of this degree, made now (the engine finds
+    and uses them: its MoE layers look groups up by name before creating any), and this rank's place in its
+    expert group. Collective."""
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{ep_size}"  # DeepSpeed's MoE layer's name for its group
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size)
+    return ExpertParallel(ep_size, groups._get_expert_parallel_rank(name))
+
+
+def optimizer_groups(model: torch.nn.Module, weight_groups: list) -> list:
+    """The parameter groups with the experts' apart (DeepSpeed's helper): their gradients are averaged over
+    the expert-data-parallel ranks only, which hold the same experts."""
+    if not moe_layers(model):
+        return weight_groups
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    named = [{**group, "name": f"group{i}"} for i, group in enumerate(weight_groups)]  # the helper keys by name
+    return split_params_into_different_moe_groups_for_optimizer(named)
+
+
+def weigh_aux_loss(model: torch.nn.Module, cfg: ModelConfig, grad_accum: int) -> None:
+    """Each MoE layer's load-balancing loss enters the gradients with weight router_aux_loss_coef, divided by
+    the accumulation steps as DeepSpeed divides each micro-batch's language-model loss."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = cfg.router_aux_loss_coef / grad_accum
+
+
+def routing_figures(model: torch.nn.Module, group) -> dict:
+    """Collective over the data-parallel `group`: the routing of every MoE layer's training forwards since the
+    last call (then forgotten): the mean load-balancing loss, and the tokens each expert took (all ranks') as
+    max / mean load, the worst layer's and the mean over layers. Empty for a dense model."""
+    layers = [layer for layer in moe_layers(model) if layer.routed]
+    if not layers:
+        return {}
+    aux = torch.stack([a for layer in layers for a, _ in layer.routed]).float().mean()
+    counts = torch.stack([torch.stack([c for _, c in layer.routed]).sum(0) for layer in layers]).float()
+    for layer in layers:
+        layer.routed = []
+    torch.distributed.all_reduce(aux, group=group)
+    torch.distributed.all_reduce(counts, group=group)  # layers x experts
+    aux /= torch.distributed.get_world_size(group)
+    load = counts.max(dim=1).values / counts.mean(dim=1)
+    return {"moe_aux_loss": aux.item(), "expert_load_max": load.max().item(), "expert_load_mean": load.mean().item()}
