@@ -50,6 +50,7 @@ class Architecture:
     unsupported: dict = field(default_factory=dict)
     # check(cfg, c): its own range checks (c: common.checks.Checks), run by ModelConfig.check after the shared ones.
     check: Callable = _accepts_all
+    hf_moe: Optional[HuggingFace] = None  # the layout of the same architecture with experts (model.n_experts)
 
     def __repr__(self) -> str:
         return f"Architecture({self.name!r})"
@@ -57,6 +58,10 @@ class Architecture:
     def mlp_hidden(self, cfg: ModelConfig) -> int:
         """The MLP's hidden width: model.ffn_hidden, else this architecture's own."""
         return cfg.ffn_hidden or self.mlp_width(cfg)
+
+    def hf_layout(self, cfg: ModelConfig) -> Optional[HuggingFace]:
+        """The Hugging Face layout of this model: with experts, the mixture-of-experts one."""
+        return self.hf_moe if cfg.n_experts else self.hf
 
     def supports(self, feature: str) -> bool:
         return feature not in self.unsupported

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+from common.checks import ConfigError
 from model.architecture import SAME, VOCAB_ROWS, Architecture, HuggingFace
 from model.config import ModelConfig
 from model.documents import hidden_and_positions, with_positions
@@ -117,6 +118,17 @@ HF_LAYERS = {TokenEmbedding: [("weight", "model.embed_tokens.weight", VOCAB_ROWS
              LMHead: [("weight", "lm_head.weight", VOCAB_ROWS)]}
 
 
+# Hugging Face's MixtralForCausalLM: the Llama's attention and norms; the MLP is block_sparse_moe, its router
+# `gate` and each expert's w1 (gate), w3 (up) and w2 (down). "{e}": each global expert.
+EXPERT = "mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e}"
+HF_MIXTRAL_BLOCK = [*HF_BLOCK[:6], ("mlp.moe.deepspeed_moe.gate.wg.weight", "block_sparse_moe.gate.weight"),
+                    (f"{EXPERT}.gate.weight", "block_sparse_moe.experts.{e}.w1.weight"),
+                    (f"{EXPERT}.up.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+                    (f"{EXPERT}.down.weight", "block_sparse_moe.experts.{e}.w2.weight")]
+HF_MIXTRAL_LAYERS = {**HF_LAYERS, LlamaBlock: [(ours, f"model.layers.{{i}}.{theirs}", SAME)
+                                               for ours, theirs in HF_MIXTRAL_BLOCK]}
+
+
 def hf_config(cfg: ModelConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scale_factor is not None:
@@ -130,6 +142,23 @@ def hf_config(cfg: ModelConfig) -> dict:
             "attention_dropout": cfg.dropout}
 
 
+def hf_mixtral_config(cfg: ModelConfig) -> dict:
+    return {**hf_config(cfg), "intermediate_size": cfg.expert_hidden or LLAMA.mlp_hidden(cfg),
+            "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False,
+            "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def check_mixtral(cfg: ModelConfig) -> None:
+    if cfg.moe_every != 1:
+        raise ConfigError(f"Hugging Face's Mixtral layout has experts in every block: this model has them in every "
+                          f"{cfg.moe_every}th (model.moe_every={cfg.moe_every})")
+    if cfg.experts_per_token < 2:
+        raise ConfigError("Hugging Face's Mixtral renormalizes the chosen experts' weights, which makes a top-1 "
+                          "expert's weight 1; DeepSpeed's top-1 weighs it by its probability "
+                          "(model.experts_per_token=1): the export would compute another model")
+
+
 LLAMA = Architecture(
     name="llama", title="the Llama", layers=llama_layers, block=LlamaBlock,
     # Attention splits by heads (query and key/value heads alike, so each rank keeps whole groups), the MLP by
@@ -141,4 +170,5 @@ LLAMA = Architecture(
     hf=HuggingFace("LlamaForCausalLM", "llama", HF_LAYERS, hf_config),
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, grouped_query_attention=True,
     check=check,
+    hf_moe=HuggingFace("MixtralForCausalLM", "mixtral", HF_MIXTRAL_LAYERS, hf_mixtral_config, check_mixtral),
 )

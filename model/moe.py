@@ -101,5 +101,19 @@ def expert_parallel(specs: list, ep: ExpertParallel) -> list:
     return specs
 
 
+def global_expert_names(model: nn.Module) -> dict[str, str]:
+    """This rank's expert parameter names -> the names a one-rank model gives them (their global indices), as
+    DeepSpeed names them in its checkpoints' expert files."""
+    names = {}
+    for prefix, layer in model.named_modules():
+        if isinstance(layer, MoEFeedForward):
+            first = layer.ep.rank * len(layer.experts)
+            for local, expert in enumerate(layer.experts):
+                for name, _ in expert.named_parameters():
+                    names[f"{prefix}.moe.deepspeed_moe.experts.deepspeed_experts.{local}.{name}"] = \
+                        f"{prefix}.moe.deepspeed_moe.experts.deepspeed_experts.{first + local}.{name}"
+    return names
+
+
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]

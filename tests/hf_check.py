@@ -9,7 +9,7 @@ from model import architecture, build_model
 from model.config import ModelConfig, model_config
 from training.export import _fingerprint, consolidated_state_dict
 
-CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM"}
+CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM"}
 
 
 def load_in_transformers(folder: str):
@@ -60,12 +60,19 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
                                          n_layer=cfg.n_layer, n_head=cfg.n_head)
         model = transformers.GPT2LMHeadModel(config)
     else:
-        config = transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=architecture(cfg).mlp_hidden(cfg),
-            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-            max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
-        model = transformers.LlamaForCausalLM(config)
+        shared = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
+                      num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+                      max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+                      tie_word_embeddings=cfg.tie_embeddings,
+                      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+        if cfg.n_experts:
+            config = transformers.MixtralConfig(
+                **shared, intermediate_size=cfg.expert_hidden or architecture(cfg).mlp_hidden(cfg),
+                num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token)
+            model = transformers.MixtralForCausalLM(config)
+        else:
+            config = transformers.LlamaConfig(**shared, intermediate_size=architecture(cfg).mlp_hidden(cfg))
+            model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:

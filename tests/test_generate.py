@@ -19,7 +19,8 @@ CPU = torch.device("cpu")
 GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)
 LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=16,
                     vocab_size=20)
-MODELS = {"gpt": GPT, "llama_gqa": LLAMA}
+MIXTRAL = dataclasses.replace(LLAMA, n_experts=4, expert_hidden=48)  # DeepSpeed's MoE layer, top-2
+MODELS = {"gpt": GPT, "llama_gqa": LLAMA, "mixtral": MIXTRAL}
 EOT = 3  # the documents' delimiter below: the token after it starts the next document
 DOCUMENTS = Documents({"delimiter": "eot", "eot_id": EOT})
 

@@ -8,9 +8,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from common.checks import ConfigError
-from harness import FP32, TINY, launch, metrics, sample_py, train_py
+from harness import FP32, TINY, export, launch, metrics, train_py
+from hf_check import assert_export_matches_transformers, load_in_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
 from model.moe import ExpertParallel, MoEFeedForward, moe_layers
@@ -160,7 +162,47 @@ def test_layout_change_is_refused(runs, char_data):
 
 
 @pytest.mark.launch
-def test_sampling_a_checkpoint_is_refused_until_experts_are_consolidated(runs):
-    proc = sample_py(["--out_dir", str(runs["ep2"]), "--max_new_tokens", "4"], check=False)
-    assert proc.returncode == 2 and "holds a mixture of experts (model.n_experts=4): its weights are not " \
-        "consolidated from a checkpoint yet" in proc.stderr
+def test_export_is_a_mixtral_that_transformers_loads(runs):
+    """The checkpoint's weights (the module's file and each expert's, DeepSpeed's names) under Mixtral's names:
+    transformers' MixtralForCausalLM gives this repo's logits, and its config the routing."""
+    folder = export(runs["ep2"], "step_000004")
+    assert_export_matches_transformers(folder, tokens=32)
+    config = load_in_transformers(folder).config
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+            config.router_aux_loss_coef) == (4, 2, 48, 0.1)
+
+
+@pytest.mark.launch
+def test_init_from_reads_a_mixtral_folder_exactly(tmp_path, char_data):
+    """One step that moves no weight (lr 1e-20) from transformers' own Mixtral, at ep=2: the checkpoint exports
+    transformers' tensors bit for bit."""
+    transformers_model(SHAPE, tmp_path / "mixtral")
+    out = tmp_path / "run"
+    launch(2, "zero1.json", out, char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
+                                             "ds.expert_parallel_size=2", f"train.init_from={tmp_path / 'mixtral'}",
+                                             "train.max_steps=1", "optim.lr=1e-20", "optim.min_lr=1e-20"])
+    exported = load_file(f"{export(out, 'step_000001')}/model.safetensors")
+    original = load_file(tmp_path / "mixtral" / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        torch.testing.assert_close(exported[key], tensor, rtol=0, atol=0, msg=key)
+
+
+def test_init_from_names_a_mixtral_of_another_shape(tmp_path, char_data):
+    transformers_model(SHAPE, tmp_path / "mixtral")
+    common = ["--config", "configs/quickstart.yaml", f"data.dir={char_data}", f"train.out_dir={tmp_path / 'run'}",
+              *TINY, *MOE, f"train.init_from={tmp_path / 'mixtral'}"]
+    proc = train_py([*common, "model.n_experts=0"], check=False)
+    assert proc.returncode == 2 and "holds a 'mixtral' model with 4 experts, this run's 'llama' model has 0 " \
+        "(model.n_experts): set model.n_experts=4" in proc.stderr
+    proc = train_py([*common, "model.experts_per_token=3"], check=False)
+    assert proc.returncode == 2 and "routes each token to 2 experts (num_experts_per_tok), this run to 3" in proc.stderr
+
+
+def test_mixtral_layout_holds_top_k_experts_in_every_block():
+    from training.hf import to_hf
+    for change, message in ((dict(moe_every=2), "has experts in every block"),
+                            (dict(experts_per_token=1), "makes a top-1 expert's weight 1")):
+        cfg = dataclasses.replace(SHAPE, **change)
+        with pytest.raises(ConfigError, match=message):
+            to_hf(dict(build_model(cfg).named_parameters()), cfg)

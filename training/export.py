@@ -34,9 +34,7 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     tp_size = run_state["layout"]["tp"]
     cfg = run_model(tag_dir, run_state)
     if cfg.n_experts:
-        raise ConfigError(f"{tag_dir} holds a mixture of experts (model.n_experts={cfg.n_experts}): its weights are "
-                          f"not consolidated from a checkpoint yet (DeepSpeed keeps each expert in a file of its own, "
-                          f"and its universal converter does not read them); sample at the run's end, or resume it")
+        return _with_experts(tag_dir)
     with torch.device("meta"):
         model = build_model(cfg)
         sliced = build_model(cfg, tp=TensorParallel(tp_size)) if tp_size > 1 else model  # a rank's view
@@ -63,6 +61,18 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
                   for rank in range(tp_size)]
     rules = {name: split_rule(p) for name, p in sliced.named_parameters()}
     return {name: merge_parameter([s[name] for s in slices], rules[name]) for name in slices[0]}
+
+
+def _with_experts(tag_dir: str) -> dict[str, torch.Tensor]:
+    """A mixture of experts' weights: the module's file without the experts, and DeepSpeed's file of each expert
+    (its tensors named with the expert's global index, as a one-rank model names them). These are the weights
+    the model computes with (bf16 copies under bf16): DeepSpeed's universal converter, which gathers the fp32
+    masters of every other layout, does not read native MoE checkpoints."""
+    state = {name: tensor.float() for name, tensor in
+             checkpoint.load_state_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))["module"].items()}
+    for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt"))):
+        state.update({name: tensor.float() for name, tensor in checkpoint.load_state_file(path).items()})
+    return state
 
 
 def _module_state(path: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -149,7 +159,7 @@ def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: i
                  source: dict | None = None) -> str:
     """model.safetensors (Hugging Face's layout where it has one) and config.json in `output`, whole or not at
     all; `source`: the checkpoint they come from, recorded in config.json."""
-    in_hf_layout = architecture(cfg).hf is not None
+    in_hf_layout = architecture(cfg).hf_layout(cfg) is not None
     config = hf_config(cfg, meta) if in_hf_layout else {}
     config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step,
                           **({"source": source} if source else {})}
@@ -200,7 +210,7 @@ def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
     cfg = model_config(record["model"], f"export config {path}")
     weights = _read_weights(os.path.join(folder, "model.safetensors"), fix)
     try:
-        state = from_hf(weights, cfg) if architecture(cfg).hf is not None else weights
+        state = from_hf(weights, cfg) if architecture(cfg).hf_layout(cfg) is not None else weights
     except KeyError as e:
         raise ConfigError(f"export weights {folder}/model.safetensors lack the tensor {e} that its config.json's "
                           f"model needs; fix: {fix}") from None

@@ -17,28 +17,32 @@ from common.checks import ConfigError, existing_file, json_file
 from model import ARCHITECTURES, architecture, build_model, layer_names, model_layers
 from model.architecture import TRANSPOSED, VOCAB_ROWS
 from model.config import ModelConfig
+from model.moe import global_expert_names
 from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
 
 
 def model_types() -> dict[str, str]:
     """Hugging Face's model_type -> the model.arch that reads it."""
-    return {a.hf.model_type: a.name for a in ARCHITECTURES.values() if a.hf}
+    return {hf.model_type: a.name for a in ARCHITECTURES.values() for hf in (a.hf, a.hf_moe) if hf}
 
 
 def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
     """(our name, Hugging Face's name, how it moves) for every tensor of the model, in layer order, read off
     the model's layer list."""
     arch = architecture(cfg)
-    if arch.hf is None:
+    layout = arch.hf_layout(cfg)
+    if layout is None:
         raise ConfigError(f"model.arch={cfg.arch!r} has no Hugging Face layout (the GPT and Llama have one)")
-    arch.hf.check(cfg)
+    layout.check(cfg)
     specs = model_layers(cfg)
     pairs, block = [], 0
     for prefix, spec in zip(layer_names(specs), specs):
         if getattr(spec, "forward_fn", None):  # a tied layer's reuse (the LM head): its tensors are paired
             continue
         kind = spec.typename
-        pairs += [(f"{prefix}.{ours}", theirs.format(i=block), how) for ours, theirs, how in arch.hf.layers[kind]]
+        for ours, theirs, how in layout.layers[kind]:
+            experts = range(cfg.n_experts) if "{e}" in ours else [None]  # an expert's tensors: one pair each
+            pairs += [(f"{prefix}.{ours.format(e=e)}", theirs.format(i=block, e=e), how) for e in experts]
         block += kind is arch.block
     return pairs
 
@@ -84,7 +88,7 @@ def special_token_ids(meta: dict) -> dict:
 
 def hf_config(cfg: ModelConfig, meta: dict) -> dict:
     """config.json for transformers, special token ids from the dataset's tokenizer meta."""
-    hf = architecture(cfg).hf
+    hf = architecture(cfg).hf_layout(cfg)
     return {"architectures": [hf.architecture], "vocab_size": cfg.vocab_size, "initializer_range": 0.02,
             "tie_word_embeddings": architecture(cfg).ties(cfg), "dtype": "float32", **special_token_ids(meta),
             "model_type": hf.model_type, **hf.config(cfg)}
@@ -132,6 +136,16 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     if family != cfg.arch:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
+    layout = architecture(cfg).hf_layout(cfg)
+    experts = config.get("num_local_experts", 0) if config.get("model_type") == "mixtral" else 0
+    if config.get("model_type") != layout.model_type or experts != cfg.n_experts:
+        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model with {experts} experts, "
+                          f"this run's {layout.model_type!r} model has {cfg.n_experts} (model.n_experts): set "
+                          f"model.n_experts={experts} (and its shape) or pick another folder")
+    if experts and config.get("num_experts_per_tok") != cfg.experts_per_token:
+        raise ConfigError(f"train.init_from={folder} routes each token to {config.get('num_experts_per_tok')} experts "
+                          f"(num_experts_per_tok), this run to {cfg.experts_per_token}: set "
+                          f"model.experts_per_token={config.get('num_experts_per_tok')}")
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
     found = {}
@@ -166,9 +180,10 @@ def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: TensorP
     layers, a tensor rank its slice of each; under ZeRO-3 (each layer partitioned as it is built) each
     parameter is gathered, written by rank 0 and partitioned again (GatheredParameters is a no-op otherwise)."""
     files, pairs = weight_files(folder), {ours: (theirs, how) for ours, theirs, how in tensor_pairs(cfg)}
+    experts = global_expert_names(model)  # an expert-parallel rank's experts are numbered from its first
     with torch.no_grad():
         for name, param in model.named_parameters():
-            theirs, how = pairs[name]
+            theirs, how = pairs[experts.get(name, name)]
             with safe_open(files[theirs], framework="pt") as f:
                 tensor = shard_parameter(_to_ours(f.get_tensor(theirs), how, cfg), split_rule(param), tp)
             with GatheredParameters([param], modifier_rank=0):
