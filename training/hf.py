@@ -139,8 +139,8 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     layout = architecture(cfg).hf_layout(cfg)
     experts = config.get("num_local_experts", 0) if config.get("model_type") == "mixtral" else 0
     if config.get("model_type") != layout.model_type or experts != cfg.n_experts:
-        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model with {experts} experts, "
-                          f"this run's {layout.model_type!r} model has {cfg.n_experts} (model.n_experts): set "
+        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model with {experts} "
+                          f"experts, this run's {layout.model_type!r} model has {cfg.n_experts} (model.n_experts): set "
                           f"model.n_experts={experts} (and its shape) or pick another folder")
     if experts and config.get("num_experts_per_tok") != cfg.experts_per_token:
         raise ConfigError(f"train.init_from={folder} routes each token to {config.get('num_experts_per_tok')} experts "
