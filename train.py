@@ -94,7 +94,7 @@ def build_engine(run: Run) -> Rank:
 
     PHASE.now("building the model and the DeepSpeed engine")
     ds = run.setup.engine_settings.deepspeed_config()
-    ep = expert_groups(layout.ep_size) if cfg.model.n_experts else NO_EXPERT_PARALLEL
+    ep = expert_groups(layout.ep_size, layout.pipeline_stages) if cfg.model.n_experts else NO_EXPERT_PARALLEL
     model, compiled = parallelize(cfg, run.setup.engine_settings.pipe, ds, topo, tp, grid, groups.sp, ep)
     weigh_aux_loss(model, cfg.model, layout.grad_accum)
     if compiled:
@@ -254,7 +254,7 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     memory, reserved = peak_memory_gb(run.device)
     figures = run.objective.take_metrics(rank.driver)  # the preference losses' rewards, means since the last line
-    routing = routing_figures(rank.model, data_parallel_group(rank.engine))  # a mixture of experts' balance
+    routing = routing_figures(rank.model, len(run.specs))  # a mixture of experts' balance
     rank.log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
                  peak_mem_gb=memory, reserved_gb=reserved, **figures, **routing,
                  **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))

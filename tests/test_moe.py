@@ -1,8 +1,9 @@
 """Mixture of experts (model/moe.py, training/moe.py): the block is Mixtral's (softmax router, top-k renormalized,
 SwiGLU experts), its experts start alike at every expert-parallel degree, its load-balancing loss is DeepSpeed's
-and reaches the gradients with its coefficient; runs at ep=2, ep=1 x dp=2 and one process with accumulation give
-the same losses, gradient norms and routing figures; a run resumes exactly, and what cannot be combined is refused
-at start."""
+and reaches the gradients with its coefficient; runs at ep=2, ep=1 x dp=2, pp=2 and one process with accumulation
+give the same losses, gradient norms and routing figures; a run resumes exactly; the export is a Mixtral that
+transformers loads with this repo's logits, and a Mixtral folder is read back exactly; what cannot be combined
+is refused at start."""
 import dataclasses
 
 import pytest
@@ -99,7 +100,6 @@ def test_flops_count_the_active_experts():
     (dict(ep=3), "expert_parallel_size=3 does not divide model.n_experts=4"),
     (dict(ep=4, dp=2), "expert_parallel_size=4 does not divide the data-parallel degree 2"),
     (dict(zero_stage=3), "DeepSpeed's native MoE is not supported with ZeRO Stage 3"),
-    (dict(pp=2), "cannot be combined with pipeline stages"),
     (dict(tp=2), "cannot be combined with tensor parallelism"),
     (dict(sp=2), "cannot be combined with sequence parallelism"),
     (dict(fp16=True), "cannot be combined with fp16"),
@@ -124,12 +124,20 @@ def test_gpt_has_no_experts(char_data, tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, char_data):
-    """ep=1 x dp=2 for 4 steps; ep=2 for 2 steps, then resumed to 4; one process with 2 accumulation steps."""
-    out = {name: tmp_path_factory.mktemp(f"moe_{name}") for name in ("dp2", "ep2", "one")}
+    """ep=1 x dp=2 for 4 steps; ep=2 (ZeRO-2) and pp=2 (ZeRO-1, 2 micro-batches) each stopped at step 2 and
+    resumed to 4; one process with 2 accumulation steps."""
+    out = {name: tmp_path_factory.mktemp(f"moe_{name}") for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2")}
     launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"])
     ep2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.expert_parallel_size=2", "train.save_interval=2"]
     launch(2, "zero2.json", out["ep2"], char_data, [*ep2, "train.stop_at_step=2"])
     launch(2, "zero2.json", out["ep2"], char_data, ep2)
+    pp2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2", "train.save_interval=2"]
+    launch(2, "pipe2.json", out["pp2"], char_data, [*pp2, "train.stop_at_step=2"])
+    launch(2, "pipe2.json", out["pp2"], char_data, pp2)
+    # The same micro-batch everywhere: the load-balancing loss is a micro-batch's (a product of two means over
+    # its tokens), so it changes with the micro-batch's size.
+    launch(4, "pipe2.json", out["pp2_ep2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
+                                                         "ds.gradient_accumulation_steps=1", "ds.expert_parallel_size=2"])
     train_py(["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json",
               f"train.out_dir={out['one']}", f"data.dir={char_data}", *TINY, *MOE,
               "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"])
@@ -141,10 +149,11 @@ def steps(out_dir) -> list[dict]:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("name", ["ep2", "one"])
+@pytest.mark.parametrize("name", ["ep2", "one", "pp2", "pp2_ep2"])
 def test_layouts_train_alike(runs, name):
-    """ep=2 (ZeRO-2, resumed at step 2) and one process equal ep=1 x dp=2 step for step: losses, gradient norms,
-    the load-balancing loss and the experts' loads (every rank's tokens counted)."""
+    """ep=2 (ZeRO-2), pp=2 (each stage's load-balancing losses reaching its gradients; both resumed at step 2)
+    and one process equal ep=1 x dp=2 step for step: losses, gradient norms, the load-balancing loss and the
+    experts' loads (every rank's tokens counted, every stage's layers)."""
     reference, other = steps(runs["dp2"]), steps(runs[name])
     assert [m["step"] for m in other] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "moe_aux_loss", "expert_load_max", "expert_load_mean"):
@@ -162,10 +171,11 @@ def test_layout_change_is_refused(runs, char_data):
 
 
 @pytest.mark.launch
-def test_export_is_a_mixtral_that_transformers_loads(runs):
-    """The checkpoint's weights (the module's file and each expert's, DeepSpeed's names) under Mixtral's names:
+@pytest.mark.parametrize("name", ["ep2", "pp2"])
+def test_export_is_a_mixtral_that_transformers_loads(runs, name):
+    """The checkpoint's weights (the module's files and each expert's, DeepSpeed's names) under Mixtral's names:
     transformers' MixtralForCausalLM gives this repo's logits, and its config the routing."""
-    folder = export(runs["ep2"], "step_000004")
+    folder = export(runs[name], "step_000004")
     assert_export_matches_transformers(folder, tokens=32)
     config = load_in_transformers(folder).config
     assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,

@@ -64,12 +64,13 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _with_experts(tag_dir: str) -> dict[str, torch.Tensor]:
-    """A mixture of experts' weights: the module's file without the experts, and DeepSpeed's file of each expert
-    (its tensors named with the expert's global index, as a one-rank model names them). These are the weights
-    the model computes with (bf16 copies under bf16): DeepSpeed's universal converter, which gathers the fp32
-    masters of every other layout, does not read native MoE checkpoints."""
-    state = {name: tensor.float() for name, tensor in
-             checkpoint.load_state_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))["module"].items()}
+    """A mixture of experts' weights: the module's file without the experts (one per pipeline stage), and
+    DeepSpeed's file of each expert (its tensors named with the expert's global index, as a one-rank model names
+    them). These are the weights the model computes with (bf16 copies under bf16): DeepSpeed's universal
+    converter, which gathers the fp32 masters of every other layout, does not read native MoE checkpoints."""
+    state = {}
+    for path in sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt"))):
+        state.update({name: tensor.float() for name, tensor in checkpoint.load_state_file(path)["module"].items()})
     for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt"))):
         state.update({name: tensor.float() for name, tensor in checkpoint.load_state_file(path).items()})
     return state

@@ -5,7 +5,7 @@ import torch
 
 from common.checks import ConfigError
 from model.config import ModelConfig
-from model.moe import ExpertParallel, moe_layers
+from model.moe import ExpertParallel, MoEFeedForward, moe_layers
 
 # The ds_config's expert-parallel degree. Ours: DeepSpeed's "expert_parallel" section configures AutoEP, which
 # replaces a Hugging Face model's MoE blocks; here the model's own blocks hold DeepSpeed's MoE layer.
@@ -34,9 +34,9 @@ def check_experts(cfg: ModelConfig, layout, zero_stage: int, fp16: bool, compile
     refused = {
         zero_stage == 3: "ZeRO stage 3: DeepSpeed's native MoE is not supported with ZeRO Stage 3 (its engine refuses "
                          "it); use ZeRO 0, 1 or 2 (ds_configs/zero2.json)",
-        layout.pipeline_stages > 1: "pipeline stages: not yet in this repo; set pipeline.stages=1",
         layout.tp_size > 1: "tensor parallelism: not yet in this repo; remove tensor_model_parallel_size",
-        layout.sp_size > 1: "sequence parallelism: not yet in this repo; remove sequence_parallel_size",
+        layout.sp_size > 1: "sequence parallelism: not yet in this repo (each rank would balance its slice of the "
+                        "sequence); remove sequence_parallel_size",
         fp16: "fp16: the load-balancing loss's gradient does not follow the dynamic loss scale; use bf16 or fp32",
         compile_blocks: "train.compile: DeepSpeed's MoE layer routes with data-dependent shapes; set "
                         "train.compile=false",
@@ -47,15 +47,15 @@ def check_experts(cfg: ModelConfig, layout, zero_stage: int, fp16: bool, compile
         raise ConfigError(f"model.n_experts={cfg.n_experts} cannot be combined with {refused[True]}")
 
 
-def expert_groups(ep_size: int) -> ExpertParallel:
-    """DeepSpeed's expert-parallel and expert-data-parallel groups of this degree, made now (the engine finds
-    and uses them: its MoE layers look groups up by name before creating any), and this rank's place in its
-    expert group. Collective."""
+def expert_groups(ep_size: int, stages: int) -> ExpertParallel:
+    """DeepSpeed's expert-parallel and expert-data-parallel groups of this degree within each of the `stages`
+    pipeline stages, made now (the engine finds and uses them: its MoE layers look groups up by name before
+    creating any), and this rank's place in its expert group. Collective."""
     from deepspeed.utils import groups
 
     name = f"ep_size_{ep_size}"  # DeepSpeed's MoE layer's name for its group
     if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep_size)
+        groups._create_expert_and_data_parallel(ep_size, pp_size=stages)
     return ExpertParallel(ep_size, groups._get_expert_parallel_rank(name))
 
 
@@ -77,19 +77,29 @@ def weigh_aux_loss(model: torch.nn.Module, cfg: ModelConfig, grad_accum: int) ->
         layer.aux_loss_scale = cfg.router_aux_loss_coef / grad_accum
 
 
-def routing_figures(model: torch.nn.Module, group) -> dict:
-    """Collective over the data-parallel `group`: the routing of every MoE layer's training forwards since the
-    last call (then forgotten): the mean load-balancing loss, and the tokens each expert took (all ranks') as
-    max / mean load, the worst layer's and the mean over layers. Empty for a dense model."""
-    layers = [layer for layer in moe_layers(model) if layer.routed]
+def routing_figures(model: torch.nn.Module, n_layers: int) -> dict:
+    """Collective over all ranks: the routing of every MoE layer's training forwards since the last call (then
+    forgotten), whichever pipeline stage holds it: the mean load-balancing loss, and the tokens each expert took
+    (all ranks' tokens) as max / mean load, the worst layer's and the mean over layers. Empty for a dense model.
+    n_layers: the model's layer list's length (a layer is named by its index in it, in both builds)."""
+    layers = {int(name.split(".")[0]): layer for name, layer in model.named_modules()
+              if isinstance(layer, MoEFeedForward)}
     if not layers:
         return {}
-    aux = torch.stack([a for layer in layers for a, _ in layer.routed]).float().mean()
-    counts = torch.stack([torch.stack([c for _, c in layer.routed]).sum(0) for layer in layers]).float()
-    for layer in layers:
+    device = next(model.parameters()).device
+    counts = torch.zeros(n_layers, next(iter(layers.values())).moe.num_experts, device=device)
+    aux = torch.zeros(2, dtype=torch.float64, device=device)  # the losses' sum, and how many
+    for index, layer in layers.items():
+        if layer.routed:
+            losses, tokens = zip(*layer.routed)
+            aux += torch.stack([torch.stack(losses).double().sum(), torch.tensor(len(losses), device=device)])
+            counts[index] += torch.stack(tokens).float().sum(dim=0)
         layer.routed = []
-    torch.distributed.all_reduce(aux, group=group)
-    torch.distributed.all_reduce(counts, group=group)  # layers x experts
-    aux /= torch.distributed.get_world_size(group)
+    torch.distributed.all_reduce(aux)
+    torch.distributed.all_reduce(counts)
+    if not aux[1]:
+        return {}
+    counts = counts[counts.sum(dim=1) > 0]  # the MoE layers
     load = counts.max(dim=1).values / counts.mean(dim=1)
-    return {"moe_aux_loss": aux.item(), "expert_load_max": load.max().item(), "expert_load_mean": load.mean().item()}
+    return {"moe_aux_loss": (aux[0] / aux[1]).item(), "expert_load_max": load.max().item(),
+            "expert_load_mean": load.mean().item()}
