@@ -33,7 +33,7 @@ from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, train_step
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
-from training.moe import expert_groups, optimizer_groups, routing_figures, weigh_aux_loss
+from training.moe import expert_groups, optimizer_groups, routing_figures, weigh_router_losses
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
@@ -96,7 +96,7 @@ def build_engine(run: Run) -> Rank:
     ds = run.setup.engine_settings.deepspeed_config()
     ep = expert_groups(layout.ep_size, layout.pipeline_stages) if cfg.model.n_experts else NO_EXPERT_PARALLEL
     model, compiled = parallelize(cfg, run.setup.engine_settings.pipe, ds, topo, tp, grid, groups.sp, ep)
-    weigh_aux_loss(model, cfg.model, layout.grad_accum)
+    weigh_router_losses(model, cfg.model, layout.grad_accum)
     if compiled:
         print0(f"compiling {compiled} blocks (torch.compile) at the first step")
     if run.init_from:

@@ -10,8 +10,8 @@ from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, sequ
 from model.stack import LayerStack, layer_names, pipeline_module
 from model.tensor_parallel import SINGLE, TensorParallel
 
-__all__ = ["ARCHITECTURES", "Architecture", "architecture", "build_model", "build_pipeline", "compile_blocks",
-           "layer_names", "model_layers"]
+__all__ = ["ARCHITECTURES", "Architecture", "ExpertParallel", "architecture", "build_model", "build_pipeline",
+           "compile_blocks", "layer_names", "model_layers"]
 
 
 def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> list:

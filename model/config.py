@@ -42,13 +42,15 @@ class ModelConfig:
     # Mixture of experts (Llama only; model/moe.py): 0 keeps every MLP dense. Otherwise every moe_every-th block's
     # MLP is n_experts SwiGLU experts of width expert_hidden (null: the dense MLP's width), experts_per_token of
     # them per token; capacity_factor null routes every token (dropless), else an expert takes at most that many
-    # times its even share and drops the rest. router_aux_loss_coef weighs the load-balancing loss.
+    # times its even share and drops the rest. router_aux_loss_coef weighs the load-balancing loss,
+    # router_z_loss_coef the router's z-loss (ST-MoE: 1e-3; 0 computes none).
     n_experts: int = 0
     experts_per_token: int = 2
     moe_every: int = 1
     expert_hidden: Optional[int] = None
     capacity_factor: Optional[float] = None
     router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
 
     def check(self, c) -> None:
         """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
@@ -66,6 +68,7 @@ class ModelConfig:
         for key in ("norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor", "capacity_factor"):
             c.above(key, 0)
         c.at_least("router_aux_loss_coef", 0)
+        c.at_least("router_z_loss_coef", 0)
         c.that(self.n_experts == 0 or self.n_experts >= 2, "n_experts",
                f"be 0 (dense MLPs) or at least 2 (now {self.n_experts})", "set model.n_experts to 0, or 2 or more")
         c.that(not self.n_experts or self.experts_per_token <= self.n_experts, "experts_per_token",
@@ -94,12 +97,13 @@ class ModelConfig:
 
 
 # Settings that change how the model trains, not the weights it holds: a checkpoint resumes under others.
-TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_aux_loss_coef")
+TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
 # The mixture-of-experts settings at their defaults: a dense model, which a record written before they existed is.
 DENSE = {name: getattr(ModelConfig, name) for name in ("n_experts", "experts_per_token", "moe_every", "expert_hidden",
-                                                       "capacity_factor", "router_aux_loss_coef")}
+                                                       "capacity_factor", "router_aux_loss_coef",
+                                                       "router_z_loss_coef")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

@@ -13,6 +13,7 @@ Two things are added around it:
   its MoEAuxLossAutoScaler): each layer's loss is attached to its output, whose backward adds the loss's
   gradient. So it needs no second output from any layer, and pipeline stages pass the hidden states alone.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,26 +33,27 @@ class ExpertParallel:
 NO_EXPERT_PARALLEL = ExpertParallel()
 
 
-class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on the hidden states; the backward also sends `scale` down the auxiliary loss."""
+class _AttachLoss(torch.autograd.Function):
+    """Identity on the hidden states; the backward also sends a gradient of 1 down `loss`, as if it were added to
+    the training loss."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        ctx.scale = scale
+    def forward(ctx, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
         return hidden
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        return grad, torch.full_like(aux_loss, ctx.scale), None
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
 
 
 class MoEFeedForward(nn.Module):
     """n_experts SwiGLU experts of width `hidden`, k of them per token; `capacity_factor` None routes every
     token (dropless), else an expert takes at most capacity_factor x its even share of tokens and drops the rest.
-    aux_loss_scale: the load-balancing loss's weight in the gradients (training/moe.py sets it: the coefficient
-    over the accumulation steps, as DeepSpeed scales the language-model loss)."""
+    aux_loss_scale and z_loss_scale: the weights in the gradients of the load-balancing loss and of the router's
+    z-loss (training/moe.py sets them: each coefficient over the accumulation steps, as DeepSpeed scales the
+    language-model loss)."""
 
     def __init__(self, n_embd: int, hidden: int, n_experts: int, k: int, n_layer: int,
                  capacity_factor: float | None = None, ep: ExpertParallel = NO_EXPERT_PARALLEL):
@@ -63,8 +65,10 @@ class MoEFeedForward(nn.Module):
         # One seed per global expert, drawn alike on every rank (init_experts uses them): expert e starts the
         # same at any degree.
         self.seeds, self.n_layer, self.ep = torch.randint(2**62, (n_experts,), device="cpu").tolist(), n_layer, ep
-        self.aux_loss_scale = 0.0
-        self.routed = []  # (load-balancing loss, tokens per expert) of each training forward since the last read
+        self.aux_loss_scale = self.z_loss_scale = 0.0
+        # (load-balancing loss, routes per expert, routes dropped, z-loss) of each training forward since the last
+        # read
+        self.routed = []
 
     def init_experts(self) -> None:
         """This rank's experts initialized from their seeds (GPT-2 init, the down map a residual projection).
@@ -83,12 +87,29 @@ class MoEFeedForward(nn.Module):
         """This rank's experts, in the order of their global indices."""
         return self.moe.deepspeed_moe.experts.deepspeed_experts
 
+    def dropped(self, counts: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The routes past their expert's capacity, which DeepSpeed's gate drops: its capacity rule (k x
+        capacity_factor x an even share of this rank's tokens, at least min_capacity), which it does not report."""
+        gate = self.moe.deepspeed_moe.gate
+        if not gate.drop_tokens:
+            return torch.zeros((), device=counts.device)
+        capacity = max(math.ceil(tokens / len(counts) * gate.capacity_factor * gate.k), gate.min_capacity)
+        return (counts - capacity).clamp(min=0).sum()
+
+    def z_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """ST-MoE's router z-loss, which DeepSpeed's layer lacks: the mean over tokens of the squared log-sum-exp
+        of the router's logits (computed again here, in fp32 as its gate does), keeping them small."""
+        logits = x.reshape(-1, x.size(-1)).float() @ self.router.weight.float().t()
+        return torch.logsumexp(logits, dim=-1).square().mean()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, aux_loss, counts = self.moe(x)
         if torch.is_grad_enabled():  # under activation checkpointing: the recomputation, once
-            self.routed.append((aux_loss.detach(), counts))
-            if self.aux_loss_scale:
-                out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_scale)
+            z_loss = self.z_loss(x) if self.z_loss_scale else torch.zeros((), device=x.device)
+            self.routed.append((aux_loss.detach(), counts, self.dropped(counts, x.numel() // x.size(-1)),
+                                z_loss.detach()))
+            if self.aux_loss_scale or self.z_loss_scale:
+                out = _AttachLoss.apply(out, self.aux_loss_scale * aux_loss + self.z_loss_scale * z_loss)
         return out
 
 

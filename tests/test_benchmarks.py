@@ -17,9 +17,9 @@ from harness import REPO, TINY, run
 from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
-SCRIPTS = ["data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py", "pipeline.py",
-           "preference.py", "quality.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py",
-           "record.sh", "wheelhouse.sh"]
+SCRIPTS = ["data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py", "moe.py",
+           "pipeline.py", "preference.py", "quality.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py",
+           "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -238,6 +238,9 @@ BAD_INPUTS = [
     ("tensor_parallel.py", ["data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
     ("tensor_parallel.py", ["--work_dir", "{file}", "data.dir={data}"], "--work_dir {file} is a file, not a folder"),
     ("quality.py", ["--ds_config", "nope.json"], "ds_config {repo}/nope.json does not exist"),
+    ("moe.py", ["--steps", "0"], "--steps=0: must be >= 1"),
+    ("moe.py", ["--out_dir", "{tmp}/m", "model.experts_per_token=9"], "model.experts_per_token=9: must be at most "
+                                                                      "model.n_experts=4"),
     ("quality.py", ["--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists"),
     ("quality.py", ["--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
     ("serving.py", ["--clients", "1,x"], "--clients 1,x: not a comma-separated list of numbers"),

@@ -23,7 +23,8 @@ from training.topology import Layout
 
 # TINY's 2 layers x 32 wide; 4 experts of width 48, 2 per token; global batch 8.
 MOE = ["model.arch=llama", "model.n_kv_head=1", "model.ffn_hidden=64", "model.n_experts=4", "model.expert_hidden=48",
-       "train.max_steps=4", "optim.warmup_steps=2", "optim.lr=3e-3", "model.router_aux_loss_coef=0.1", *FP32]
+       "train.max_steps=4", "optim.warmup_steps=2", "optim.lr=3e-3", "model.router_aux_loss_coef=0.1",
+       "model.router_z_loss_coef=0.01", *FP32]
 SHAPE = ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64, block_size=32,
                     vocab_size=65, n_experts=4, expert_hidden=48)
 
@@ -72,9 +73,9 @@ def test_load_balancing_loss_is_deepspeeds_and_reaches_the_gradients():
     expected = (probs.mean(0) * first.mean(0)).mean() * 4 * 4
     layer.aux_loss_scale = scale
     layer(x).sum().backward()
-    (aux, counts), = layer.routed
+    (aux, counts, dropped, _), = layer.routed
     assert aux.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert counts.sum().item() == 2 * 12  # two experts per token
+    assert counts.sum().item() == 2 * 12 and dropped.item() == 0  # two experts per token, none dropped
     attached = layer.router.weight.grad.clone()
     layer.zero_grad()
     layer.aux_loss_scale = 0.0
@@ -82,6 +83,37 @@ def test_load_balancing_loss_is_deepspeeds_and_reaches_the_gradients():
     (out.sum() + scale * aux_loss).backward()
     assert torch.allclose(attached, layer.router.weight.grad, atol=1e-7)
     assert not torch.allclose(attached, torch.autograd.grad(layer.moe(x)[0].sum(), layer.router.weight)[0])
+
+
+def test_router_z_loss_is_st_moes_and_reaches_the_gradients():
+    """The mean over tokens of logsumexp(router logits)^2, its gradient added with weight z_loss_scale beside the
+    load-balancing loss's."""
+    layer, x = moe_block(), torch.randn(2, 6, 32)
+    layer.aux_loss_scale, layer.z_loss_scale = 0.25, 0.5
+    layer(x).sum().backward()
+    (aux, _, _, z), = layer.routed
+    logits = x.reshape(-1, 32) @ layer.router.weight.T
+    assert z.item() == pytest.approx((torch.logsumexp(logits, -1) ** 2).mean().item(), rel=1e-6)
+    attached = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    out, aux_loss, _ = layer.moe(x)
+    (out.sum() + 0.25 * aux_loss + 0.5 * (torch.logsumexp(x.reshape(-1, 32) @ layer.router.weight.T, -1) ** 2)
+     .mean()).backward()
+    assert torch.allclose(attached, layer.router.weight.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_dropped_routes_are_those_deepspeeds_gate_drops(k):
+    """Under a capacity factor the count of routes past capacity equals the routes DeepSpeed's dispatch leaves
+    out (its gate's dispatch mask)."""
+    torch.manual_seed(0)
+    layer = MoEFeedForward(32, 48, 4, k, n_layer=2, capacity_factor=0.5)
+    layer.init_experts()
+    x = torch.randn(4, 16, 32)
+    layer(x)
+    (_, counts, dropped, _), = layer.routed
+    _, _, dispatch, _ = layer.moe.deepspeed_moe.gate(x.reshape(-1, 32))
+    assert dropped.item() == counts.sum().item() - dispatch.sum().item() > 0
 
 
 def test_flops_count_the_active_experts():
@@ -94,6 +126,21 @@ def test_flops_count_the_active_experts():
     assert [type(m.mlp).__name__ for m in build_model(half).modules() if hasattr(m, "mlp_norm")] == \
         ["SwiGLU", "MoEFeedForward"]
     assert len(moe_layers(build_model(SHAPE))) == 2
+
+
+def test_memory_plan_holds_a_ranks_share_of_the_experts():
+    """At ep=2 a rank holds the non-expert weights and half the experts; the experts' optimizer states are
+    partitioned over dp / ep ranks; a token's MLP activations are k routes' (SwiGLU, dispatched input and output)
+    and the router's probabilities."""
+    from training.memory_plan import layer_activation_bytes, plan
+    whole = sum(p.numel() for p in build_model(SHAPE).parameters())
+    experts = sum(p.numel() for n, p in build_model(SHAPE).named_parameters() if ".deepspeed_experts." in n)
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    one, two = plan(SHAPE, ds, 4), plan(SHAPE, {**ds, "expert_parallel_size": 2}, 4)
+    assert one["params_per_gpu"] == whole and two["params_per_gpu"] == whole - experts // 2
+    assert two["states"] == 4 * (whole - experts // 2) + 16 * (whole - experts) / 4 + 16 * (experts // 2) / 2
+    dense = dataclasses.replace(SHAPE, n_experts=0)
+    assert layer_activation_bytes(SHAPE) - layer_activation_bytes(dense) == 2 * (8 * 48 + 4 * 32) + 4 * 4 - 8 * 64
 
 
 @pytest.mark.parametrize("change, message", [
@@ -137,7 +184,8 @@ def runs(tmp_path_factory, char_data):
     # The same micro-batch everywhere: the load-balancing loss is a micro-batch's (a product of two means over
     # its tokens), so it changes with the micro-batch's size.
     launch(4, "pipe2.json", out["pp2_ep2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
-                                                         "ds.gradient_accumulation_steps=1", "ds.expert_parallel_size=2"])
+                                                         "ds.gradient_accumulation_steps=1",
+                                                         "ds.expert_parallel_size=2"])
     train_py(["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json",
               f"train.out_dir={out['one']}", f"data.dir={char_data}", *TINY, *MOE,
               "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"])
@@ -156,7 +204,7 @@ def test_layouts_train_alike(runs, name):
     experts' loads (every rank's tokens counted, every stage's layers)."""
     reference, other = steps(runs["dp2"]), steps(runs[name])
     assert [m["step"] for m in other] == [1, 2, 3, 4]
-    for key in ("loss", "grad_norm", "moe_aux_loss", "expert_load_max", "expert_load_mean"):
+    for key in ("loss", "grad_norm", "moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_mean"):
         assert [m[key] for m in other] == pytest.approx([m[key] for m in reference], rel=1e-5), key
     assert all(m["expert_load_max"] > 1 for m in reference)  # a real imbalance measured, not a constant
 

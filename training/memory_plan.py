@@ -22,6 +22,10 @@ Under document masking the GPU's FlexAttention keeps no T x T mask; the dense ke
 the CPU) keeps each block's mask for its backward, converted to the compute dtype: T x 2 bytes per token in
 16-bit, whole on every tensor rank; the Llama keeps its RoPE tables per token (document_masking_bytes,
 measured by benchmarks/documents.py).
+A mixture-of-experts block (model/moe.py) keeps, per token, what k of its experts keep (8 x expert width each,
+SwiGLU), each route's dispatched input and expert output (2 d each) and the router's fp32 probabilities (4 E),
+counted as if the routing were even; a rank holds n_experts / expert_parallel_size experts, whose optimizer
+states ZeRO partitions over the ranks that hold the same experts (dp / ep).
 ZeRO-3 adds its gradient bucket, allocated whole at start. Allocator fragmentation, the other communication
 buckets and the CUDA context (a few GB) come on top. Under ZeRO-3 a GPU's peak runs above this count of the
 activations (docs/performance.md, "The memory plan on a GPU").
@@ -31,9 +35,10 @@ from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from model import architecture, model_layers
+from model import ExpertParallel, architecture, model_layers
 from model.documents import document_kernel
 from model.tensor_parallel import TensorParallel
+from training.moe import expert_parallel_size
 from training.steps import LOSS_CHUNK_ROWS
 from training.topology import (
     pipeline_settings,
@@ -46,11 +51,13 @@ from training.topology import (
 GB = 2**30
 
 
-def layer_params(cfg, tp_size: int = 1) -> list[int]:
-    """Parameters of each layer as one tensor-parallel rank holds them."""
+def layer_params(cfg, tp_size: int = 1, ep_size: int = 1, experts: bool | None = None) -> list[int]:
+    """Parameters of each layer as one tensor-parallel (and expert-parallel) rank holds them; `experts` True or
+    False: only the experts' parameters, or only the others."""
     with torch.device("meta"):
-        specs = model_layers(cfg, TensorParallel(tp_size))
-        return [sum(p.numel() for p in spec.build().parameters()) for spec in specs]
+        specs = model_layers(cfg, TensorParallel(tp_size), ExpertParallel(ep_size))
+        return [sum(p.numel() for name, p in spec.build().named_parameters()
+                    if experts is None or (".deepspeed_experts." in name) == experts) for spec in specs]
 
 
 def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2) -> int:
@@ -73,6 +80,9 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1) -> float:
     kv, arch = cfg.kv_heads * cfg.head_dim, architecture(cfg)
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     mlp = 0 if mlp_tiles > 1 else (8 if arch.mlp_matrices == 3 else 4) * arch.mlp_hidden(cfg)
+    if cfg.n_experts:  # the larger of the two kinds of block, when only every moe_every-th has experts
+        routes = cfg.experts_per_token * (8 * (cfg.expert_hidden or arch.mlp_hidden(cfg)) + 4 * cfg.n_embd)
+        mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts)
     split = 4 * cfg.n_embd + 4 * kv + mlp
     return 8 * cfg.n_embd + masks + document_masking_bytes(cfg) + split / tp_size
 
@@ -100,8 +110,9 @@ def zero3_gradient_bucket(ds: dict) -> int:
 def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
     """Bytes per GPU (the busiest one) for this model, ds_config and GPU count (and train.mlp_tiles)."""
     pipe, tp_size, sp_size = pipeline_settings(ds), tensor_parallel_size(ds), sequence_parallel_size(ds)
-    layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size, sp_size)
-    counts = layer_params(cfg, tp_size)
+    ep_size = expert_parallel_size(ds)
+    layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size, sp_size, ep_size)
+    counts = layer_params(cfg, tp_size, ep_size)
     specs = model_layers(cfg, TensorParallel(tp_size))
     block = architecture(cfg).block
     parts = stage_partition(specs, pipe.stages, pipe.partition, block)
@@ -128,6 +139,10 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
                                                                cpu_offload=offload, cpu_offload_params=False)
         cpu = cpu if offload else 0
         states += zero3_gradient_bucket(ds)
+    if cfg.n_experts and ep_size > 1 and 1 <= stage <= 2 and pipe.stages == 1:
+        # The experts' fp32 states are partitioned over their dp / ep copies, not over dp.
+        experts = sum(layer_params(cfg, tp_size, ep_size, experts=True))
+        states += 16 * experts * (1 / (dp // ep_size) - 1 / dp)
 
     tokens = layout.micro_batch * cfg.block_size // sp_size
     full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles)

@@ -70,17 +70,19 @@ def optimizer_groups(model: torch.nn.Module, weight_groups: list) -> list:
     return split_params_into_different_moe_groups_for_optimizer(named)
 
 
-def weigh_aux_loss(model: torch.nn.Module, cfg: ModelConfig, grad_accum: int) -> None:
-    """Each MoE layer's load-balancing loss enters the gradients with weight router_aux_loss_coef, divided by
-    the accumulation steps as DeepSpeed divides each micro-batch's language-model loss."""
+def weigh_router_losses(model: torch.nn.Module, cfg: ModelConfig, grad_accum: int) -> None:
+    """Each MoE layer's load-balancing loss and z-loss enter the gradients with weights router_aux_loss_coef and
+    router_z_loss_coef, divided by the accumulation steps as DeepSpeed divides each micro-batch's loss."""
     for layer in moe_layers(model):
         layer.aux_loss_scale = cfg.router_aux_loss_coef / grad_accum
+        layer.z_loss_scale = cfg.router_z_loss_coef / grad_accum
 
 
 def routing_figures(model: torch.nn.Module, n_layers: int) -> dict:
     """Collective over all ranks: the routing of every MoE layer's training forwards since the last call (then
-    forgotten), whichever pipeline stage holds it: the mean load-balancing loss, and the tokens each expert took
-    (all ranks' tokens) as max / mean load, the worst layer's and the mean over layers. Empty for a dense model.
+    forgotten), whichever pipeline stage holds it: the mean load-balancing loss, the tokens each expert took
+    (all ranks' tokens) as max / mean load, the worst layer's and the mean over layers, and under a capacity
+    factor the share of routes dropped, with a z-loss its mean. Empty for a dense model.
     n_layers: the model's layer list's length (a layer is named by its index in it, in both builds)."""
     layers = {int(name.split(".")[0]): layer for name, layer in model.named_modules()
               if isinstance(layer, MoEFeedForward)}
@@ -88,18 +90,24 @@ def routing_figures(model: torch.nn.Module, n_layers: int) -> dict:
         return {}
     device = next(model.parameters()).device
     counts = torch.zeros(n_layers, next(iter(layers.values())).moe.num_experts, device=device)
-    aux = torch.zeros(2, dtype=torch.float64, device=device)  # the losses' sum, and how many
+    # the load-balancing losses' sum, how many, the routes dropped, the z-losses' sum
+    aux = torch.zeros(4, dtype=torch.float64, device=device)
     for index, layer in layers.items():
         if layer.routed:
-            losses, tokens = zip(*layer.routed)
-            aux += torch.stack([torch.stack(losses).double().sum(), torch.tensor(len(losses), device=device)])
-            counts[index] += torch.stack(tokens).float().sum(dim=0)
+            losses, routes, dropped, z_losses = zip(*layer.routed)
+            aux += torch.stack([torch.stack(losses).double().sum(), torch.tensor(len(losses), device=device),
+                                torch.stack(dropped).double().sum(), torch.stack(z_losses).double().sum()])
+            counts[index] += torch.stack(routes).float().sum(dim=0)
         layer.routed = []
     torch.distributed.all_reduce(aux)
     torch.distributed.all_reduce(counts)
     if not aux[1]:
         return {}
+    dropped = (aux[2] / counts.sum()).item()
     counts = counts[counts.sum(dim=1) > 0]  # the MoE layers
     load = counts.max(dim=1).values / counts.mean(dim=1)
+    capacity = any(layer.moe.deepspeed_moe.gate.drop_tokens for layer in layers.values())
+    z_loss = any(layer.z_loss_scale for layer in layers.values())
     return {"moe_aux_loss": (aux[0] / aux[1]).item(), "expert_load_max": load.max().item(),
-            "expert_load_mean": load.mean().item()}
+            "expert_load_mean": load.mean().item(), **({"dropped_routes": dropped} if capacity else {}),
+            **({"router_z_loss": (aux[3] / aux[1]).item()} if z_loss else {})}
