@@ -33,7 +33,7 @@ from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, train_step
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
-from training.moe import expert_groups, optimizer_groups, routing_figures, weigh_router_losses
+from training.moe import expert_groups, routing_figures, weigh_router_losses
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
@@ -104,7 +104,7 @@ def build_engine(run: Run) -> Rank:
         print0(f"initialized from {run.init_from}")
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
-    weights = optimizer_groups(model, param_groups(model.named_parameters(), cfg.optim.weight_decay))
+    weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
     universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)

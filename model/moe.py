@@ -6,12 +6,14 @@ the other ranks of its expert-parallel group (all-to-all). It is used with its s
 (top2_2nd_expert_sampling=False: by default it samples it with Gumbel noise, evaluation included) and without
 random token selection, so a model's output is a function of its weights and inputs alone.
 
-Two things are added around it:
+Added around it:
 - the experts start distinct and alike at every expert-parallel degree: DeepSpeed deep-copies one expert, so
   each is initialized again from a seed of its global index;
 - the load-balancing loss reaches the gradients without travelling with the activations (Megatron-LM's way,
   its MoEAuxLossAutoScaler): each layer's loss is attached to its output, whose backward adds the loss's
-  gradient. So it needs no second output from any layer, and pipeline stages pass the hidden states alone.
+  gradient. So it needs no second output from any layer, and pipeline stages pass the hidden states alone;
+- the router's z-loss (ST-MoE), attached the same way, and the count of the routes a capacity factor drops,
+  which DeepSpeed's layer does not report.
 """
 import math
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """A mixture-of-experts run (model/moe.py) between its settings and DeepSpeed: the expert-parallel degree of the
-ds_config and what it combines with, checked at start; DeepSpeed's expert groups; the optimizer's expert
-parameter groups; the load-balancing loss's weight; and the routing figures the log shows."""
+ds_config and what it combines with, checked at start; DeepSpeed's expert groups; the router losses' weights;
+and the routing figures the log shows. (DeepSpeed's engine puts the experts in optimizer groups of their own,
+from training/optim.py's named groups.)"""
 import torch
 
 from common.checks import ConfigError
@@ -57,17 +58,6 @@ def expert_groups(ep_size: int, stages: int) -> ExpertParallel:
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep_size, pp_size=stages)
     return ExpertParallel(ep_size, groups._get_expert_parallel_rank(name))
-
-
-def optimizer_groups(model: torch.nn.Module, weight_groups: list) -> list:
-    """The parameter groups with the experts' apart (DeepSpeed's helper): their gradients are averaged over
-    the expert-data-parallel ranks only, which hold the same experts."""
-    if not moe_layers(model):
-        return weight_groups
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    named = [{**group, "name": f"group{i}"} for i, group in enumerate(weight_groups)]  # the helper keys by name
-    return split_params_into_different_moe_groups_for_optimizer(named)
 
 
 def weigh_router_losses(model: torch.nn.Module, cfg: ModelConfig, grad_accum: int) -> None:

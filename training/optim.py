@@ -13,9 +13,11 @@ def decay_split(named_parameters) -> tuple[list, list]:
 
 
 def param_groups(named_parameters, weight_decay: float) -> list[dict]:
+    """The two groups, named: DeepSpeed's engine splits a mixture of experts' experts out of each into groups
+    of their own (their gradients are averaged over the ranks that hold the same experts), keyed by name."""
     decay, no_decay = decay_split(named_parameters)
-    return [{"params": [p for _, p in decay], "weight_decay": weight_decay},
-            {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
+    return [{"params": [p for _, p in decay], "weight_decay": weight_decay, "name": "decay"},
+            {"params": [p for _, p in no_decay], "weight_decay": 0.0, "name": "no_decay"}]
 
 
 def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
