@@ -10,6 +10,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from common.checks import ConfigError
 from model.config import ModelConfig
+from model.moe import MoEFeedForward
 from model.registry import architecture
 from model.tensor_parallel import (
     COLUMN,
@@ -78,6 +79,8 @@ def apply_plan(layer: nn.Module, plan: dict, tp: TensorParallel) -> nn.Module:
             return _split_module(layer, rule, tp)
         parent, _, child = path.rpartition(".")
         owner = layer.get_submodule(parent) if parent else layer
+        if isinstance(owner, MoEFeedForward):
+            continue  # experts stay whole: DeepSpeed's layer shares the tokens out over the tensor ranks
         target = getattr(owner, child)
         if isinstance(target, nn.Parameter):
             kind, parts = _rule(rule)

@@ -33,11 +33,12 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     run_state = checkpoint.read_run_state(tag_dir)
     tp_size = run_state["layout"]["tp"]
     cfg = run_model(tag_dir, run_state)
-    if cfg.n_experts:
-        return _with_experts(tag_dir)
     with torch.device("meta"):
         model = build_model(cfg)
         sliced = build_model(cfg, tp=TensorParallel(tp_size)) if tp_size > 1 else model  # a rank's view
+    rules = {name: split_rule(p) for name, p in sliced.named_parameters()}
+    if cfg.n_experts:
+        return _with_experts(tag_dir, tp_size, rules)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     if run_state.get("universal"):
         return _from_universal(tag_dir, shapes)
@@ -59,18 +60,21 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     else:  # ZeRO-0: one file per tensor rank with the module (fp32, or bf16 beside the optimizer's fp32 masters)
         slices = [_module_state(os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"), sliced)
                   for rank in range(tp_size)]
-    rules = {name: split_rule(p) for name, p in sliced.named_parameters()}
     return {name: merge_parameter([s[name] for s in slices], rules[name]) for name in slices[0]}
 
 
-def _with_experts(tag_dir: str) -> dict[str, torch.Tensor]:
-    """A mixture of experts' weights: the module's file without the experts (one per pipeline stage), and
-    DeepSpeed's file of each expert (its tensors named with the expert's global index, as a one-rank model names
-    them). These are the weights the model computes with (bf16 copies under bf16): DeepSpeed's universal
-    converter, which gathers the fp32 masters of every other layout, does not read native MoE checkpoints."""
-    state = {}
-    for path in sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt"))):
-        state.update({name: tensor.float() for name, tensor in checkpoint.load_state_file(path)["module"].items()})
+def _with_experts(tag_dir: str, tp_size: int, rules: dict) -> dict[str, torch.Tensor]:
+    """A mixture of experts' weights: the module's files without the experts (one per pipeline stage, or per
+    tensor rank: their slices merged by `rules`), and DeepSpeed's file of each expert (its tensors named with the
+    expert's global index, as a one-rank model names them). These are the weights the model computes with (bf16
+    copies under bf16): DeepSpeed's universal converter, which gathers the fp32 masters of every other layout,
+    does not read native MoE checkpoints."""
+    modules = [{name: tensor.float() for name, tensor in checkpoint.load_state_file(path)["module"].items()}
+               for path in sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))]
+    if tp_size > 1:
+        state = {name: merge_parameter([m[name] for m in modules], rules[name]) for name in modules[0]}
+    else:
+        state = {name: tensor for module in modules for name, tensor in module.items()}
     for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt"))):
         state.update({name: tensor.float() for name, tensor in checkpoint.load_state_file(path).items()})
     return state

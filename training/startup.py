@@ -305,8 +305,13 @@ def describe_model(model) -> str:
     """The architecture in a few words: what model.* shapes."""
     heads = f"{model.n_head} heads" + (f" ({model.n_kv_head} key/value)" if model.n_kv_head not in (None, model.n_head)
                                        else "")
+    experts = ""
+    if model.n_experts:
+        blocks = "every block" if model.moe_every == 1 else f"every {model.moe_every}th block"
+        experts = (f", {model.n_experts} experts in {blocks}, {model.experts_per_token} per token "
+                   f"({'dropless' if model.capacity_factor is None else f'capacity {model.capacity_factor}'})")
     return (f"{model.arch}: {model.n_layer} layers, {heads}, width {model.n_embd}, context {model.block_size}, "
-            f"vocabulary {model.vocab_size:,}")
+            f"vocabulary {model.vocab_size:,}{experts}")
 
 
 def describe_data(data) -> str:

@@ -108,11 +108,13 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParall
 def replicated_weights_in_sync(module: torch.nn.Module, tp: TensorParallel) -> bool:
     """Are the weights every tensor rank holds whole (norms, row-parallel biases, positions) bitwise equal
     across the tensor ranks? Nothing in DeepSpeed re-synchronizes them: equal initialization, batches and
-    gradients keep them so, and this checks it. Under ZeRO-3 each rank compares its own partition."""
+    gradients keep them so, and this checks it. Under ZeRO-3 each rank compares its own partition. A mixture of
+    experts' experts (DeepSpeed tags them allreduce=False) are each rank's own when its expert group is the
+    tensor group."""
     in_sync = torch.ones((), dtype=torch.int32, device=next(module.parameters()).device)
     source = torch.distributed.get_global_rank(tp.group, 0)
     for p in module.parameters():
-        if split_rule(p) is None:
+        if split_rule(p) is None and getattr(p, "allreduce", True):
             weight = getattr(p, "ds_tensor", p).detach()
             reference = weight.clone()
             torch.distributed.broadcast(reference, src=source, group=tp.group)
