@@ -33,7 +33,7 @@ from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, train_step
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
-from training.moe import expert_groups, routing_figures, weigh_router_losses
+from training.moe import expert_groups, routing_figures, update_router_biases, weigh_router_losses
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
@@ -205,6 +205,8 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
         loss = train_step(rank.driver, micro_batches, run.objective)
+        if cfg.model.router_bias_rate:
+            update_router_biases(rank.model, cfg.model, rank.driver.data_parallel_group)
         guard.observe(step, loss)
         meter.step()
         if step == start + 1:

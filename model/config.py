@@ -43,7 +43,8 @@ class ModelConfig:
     # MLP is n_experts SwiGLU experts of width expert_hidden (null: the dense MLP's width), experts_per_token of
     # them per token; capacity_factor null routes every token (dropless), else an expert takes at most that many
     # times its even share and drops the rest. router_aux_loss_coef weighs the load-balancing loss,
-    # router_z_loss_coef the router's z-loss (ST-MoE: 1e-3; 0 computes none).
+    # router_z_loss_coef the router's z-loss (ST-MoE: 1e-3; 0 computes none). router_bias_rate > 0 balances the
+    # load without an auxiliary loss too (DeepSeek-V3): a per-expert bias on the choice, moved by this much a step.
     n_experts: int = 0
     experts_per_token: int = 2
     moe_every: int = 1
@@ -51,6 +52,7 @@ class ModelConfig:
     capacity_factor: Optional[float] = None
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
+    router_bias_rate: float = 0.0
 
     def check(self, c) -> None:
         """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
@@ -69,6 +71,10 @@ class ModelConfig:
             c.above(key, 0)
         c.at_least("router_aux_loss_coef", 0)
         c.at_least("router_z_loss_coef", 0)
+        c.at_least("router_bias_rate", 0)
+        c.that(not self.router_bias_rate or self.experts_per_token >= 2, "router_bias_rate",
+               "be 0 with model.experts_per_token=1 (DeepSpeed's top-1 weighs its expert by its probability, which "
+               "a biased choice cannot keep)", "route to 2 or more experts, or set model.router_bias_rate=0")
         c.that(self.n_experts == 0 or self.n_experts >= 2, "n_experts",
                f"be 0 (dense MLPs) or at least 2 (now {self.n_experts})", "set model.n_experts to 0, or 2 or more")
         c.that(not self.n_experts or self.experts_per_token <= self.n_experts, "experts_per_token",
@@ -103,7 +109,7 @@ TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_a
 # The mixture-of-experts settings at their defaults: a dense model, which a record written before they existed is.
 DENSE = {name: getattr(ModelConfig, name) for name in ("n_experts", "experts_per_token", "moe_every", "expert_hidden",
                                                        "capacity_factor", "router_aux_loss_coef",
-                                                       "router_z_loss_coef")}
+                                                       "router_z_loss_coef", "router_bias_rate")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

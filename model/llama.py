@@ -70,7 +70,8 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         if moe:
             self.mlp = MoEFeedForward(cfg.n_embd, cfg.expert_hidden or LLAMA.mlp_hidden(cfg), cfg.n_experts,
-                                      cfg.experts_per_token, cfg.n_layer, cfg.capacity_factor, ep)
+                                      cfg.experts_per_token, cfg.n_layer, cfg.capacity_factor, ep,
+                                      balancing_bias=cfg.router_bias_rate > 0)
         else:
             self.mlp = SwiGLU(cfg.n_embd, LLAMA.mlp_hidden(cfg))
         init_weights(self, cfg.n_layer, residual=("attn.o.weight", "mlp.down.weight"))
@@ -153,6 +154,9 @@ def check_mixtral(cfg: ModelConfig) -> None:
     if cfg.moe_every != 1:
         raise ConfigError(f"Hugging Face's Mixtral layout has experts in every block: this model has them in every "
                           f"{cfg.moe_every}th (model.moe_every={cfg.moe_every})")
+    if cfg.router_bias_rate:
+        raise ConfigError("Hugging Face's Mixtral layout has no per-expert bias on the router's choice "
+                          "(model.router_bias_rate > 0): the export would route otherwise")
     if cfg.experts_per_token < 2:
         raise ConfigError("Hugging Face's Mixtral renormalizes the chosen experts' weights, which makes a top-1 "
                           "expert's weight 1; DeepSpeed's top-1 weighs it by its probability "

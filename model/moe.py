@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
+from deepspeed.moe.sharded_moe import TopKGate, top2gating, topkgating
 
 from model.layers import SwiGLU, init_weights
 
@@ -50,6 +52,41 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.ones_like(loss)
 
 
+class BiasedGate(TopKGate):
+    """DeepSpeed's gate with DeepSeek-V3's balancing without an auxiliary loss: a per-expert bias, added to the
+    router's probabilities for the choice of the k experts only; their weights stay the renormalized
+    probabilities. DeepSpeed's gating takes the choice and the weights from one softmax, so the choice is made
+    here and handed to it as logits with every other expert at -inf (their softmax is the chosen experts'
+    probabilities renormalized). The load-balancing loss is computed from the unbiased probabilities and the
+    choice (top-k's formula, E^2 / k x mean over experts of mean probability x share of routes)."""
+
+    def __init__(self, gate: TopKGate):
+        with torch.random.fork_rng(devices=[]):  # its own router, thrown away, draws nothing from the model's seed
+            super().__init__(gate.wg.in_features, gate.wg.out_features, gate.k, gate.capacity_factor,
+                             gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens,
+                             gate.use_rts, None, gate.top2_2nd_expert_sampling)
+        self.wg = gate.wg
+        # Not "expert_...": DeepSpeed's MoE checkpoint takes every state name with "expert" in it for an expert's.
+        self.register_buffer("choice_bias", torch.zeros(gate.wg.out_features))
+
+    def forward(self, input: torch.Tensor, used_token=None, sparse_routes: bool = False, use_tutel: bool = False):
+        logits = F.linear(input.float(), self.wg.weight.float())
+        probs = F.softmax(logits, dim=-1)
+        choice = (probs + self.choice_bias).topk(self.k).indices
+        chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, choice, True)
+        capacity = self.capacity_factor if self.training else self.eval_capacity_factor
+        masked = logits.masked_fill(~chosen, float("-inf"))
+        if self.k == 2:
+            routed = top2gating(masked, capacity, self.min_capacity, self.drop_tokens, self.ep_group, False,
+                                sparse_routes)
+        else:
+            routed = topkgating(masked, self.k, capacity, self.min_capacity, self.drop_tokens, self.ep_group,
+                                sparse_routes=sparse_routes)
+        experts = probs.size(1)
+        aux_loss = (probs.mean(0) * chosen.float().mean(0)).mean() * experts * experts / self.k
+        return (aux_loss, *routed[1:])
+
+
 class MoEFeedForward(nn.Module):
     """n_experts SwiGLU experts of width `hidden`, k of them per token; `capacity_factor` None routes every
     token (dropless), else an expert takes at most capacity_factor x its even share of tokens and drops the rest.
@@ -58,12 +95,16 @@ class MoEFeedForward(nn.Module):
     language-model loss)."""
 
     def __init__(self, n_embd: int, hidden: int, n_experts: int, k: int, n_layer: int,
-                 capacity_factor: float | None = None, ep: ExpertParallel = NO_EXPERT_PARALLEL):
+                 capacity_factor: float | None = None, ep: ExpertParallel = NO_EXPERT_PARALLEL,
+                 balancing_bias: bool = False):
         super().__init__()
         dropless = capacity_factor is None
         self.moe = MoE(n_embd, SwiGLU(n_embd, hidden), num_experts=n_experts, ep_size=ep.size, k=k,
                        capacity_factor=capacity_factor or 1.0, eval_capacity_factor=capacity_factor or 1.0,
                        drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
+        if balancing_bias:
+            self.moe.deepspeed_moe.gate = BiasedGate(self.moe.deepspeed_moe.gate)
+        self.load = torch.zeros(n_experts)  # routes per expert since the last bias update (training/moe.py)
         # One seed per global expert, drawn alike on every rank (init_experts uses them): expert e starts the
         # same at any degree.
         self.seeds, self.n_layer, self.ep = torch.randint(2**62, (n_experts,), device="cpu").tolist(), n_layer, ep
@@ -110,6 +151,8 @@ class MoEFeedForward(nn.Module):
             z_loss = self.z_loss(x) if self.z_loss_scale else torch.zeros((), device=x.device)
             self.routed.append((aux_loss.detach(), counts, self.dropped(counts, x.numel() // x.size(-1)),
                                 z_loss.detach()))
+            if isinstance(self.moe.deepspeed_moe.gate, BiasedGate):
+                self.load = self.load.to(counts.device) + counts
             if self.aux_loss_scale or self.z_loss_scale:
                 out = _AttachLoss.apply(out, self.aux_loss_scale * aux_loss + self.z_loss_scale * z_loss)
         return out

@@ -16,7 +16,7 @@ from harness import FP32, TINY, export, launch, metrics, train_py
 from hf_check import assert_export_matches_transformers, load_in_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
-from model.moe import ExpertParallel, MoEFeedForward, moe_layers
+from model.moe import BiasedGate, ExpertParallel, MoEFeedForward, moe_layers
 from training.metrics import flops_per_token
 from training.moe import check_experts
 from training.topology import Layout
@@ -116,6 +116,33 @@ def test_dropped_routes_are_those_deepspeeds_gate_drops(k):
     assert dropped.item() == counts.sum().item() - dispatch.sum().item() > 0
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_biased_choice_keeps_the_probabilities_as_weights(k):
+    """DeepSeek-V3's balancing: with a zero bias the layer computes what DeepSpeed's gate does; a bias large
+    enough on expert 0 makes every token choose it, weighted by its renormalized probability, not by the bias."""
+    plain, biased = moe_block(k=k).eval(), moe_block(k=k).eval()
+    biased.moe.deepspeed_moe.gate = BiasedGate(biased.moe.deepspeed_moe.gate)
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        assert torch.allclose(biased(x), plain(x), atol=1e-6)  # the same choice and weights (rounded alike)
+        biased.moe.deepspeed_moe.gate.choice_bias[0] = 10.0
+        probs = F.softmax(x.reshape(-1, 32) @ biased.router.weight.T, dim=-1)
+        _, _, _, indices, _, gates, counts = biased.moe.deepspeed_moe.gate(x.reshape(-1, 32), None, True)
+    assert counts[0].item() == 12 and (indices == 0).any(dim=0).all()
+    chosen = probs.gather(1, indices.t().long())
+    assert torch.allclose(gates.t(), chosen / chosen.sum(1, keepdim=True), atol=1e-6)
+
+
+def test_the_bias_moves_toward_even_load(monkeypatch):
+    from training.moe import update_router_biases
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: tensor)  # one rank
+    layer = MoEFeedForward(32, 48, 4, 2, n_layer=2, balancing_bias=True)
+    layer.load = torch.tensor([6.0, 1.0, 3.0, 2.0])  # mean 3
+    update_router_biases(layer, dataclasses.replace(SHAPE, router_bias_rate=0.01), None)
+    assert layer.moe.deepspeed_moe.gate.choice_bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.01])
+    assert layer.load.tolist() == [0, 0, 0, 0]
+
+
 def test_flops_count_the_active_experts():
     dense = dataclasses.replace(SHAPE, n_experts=0, ffn_hidden=48)
     assert flops_per_token(dataclasses.replace(SHAPE, experts_per_token=1)) == \
@@ -176,7 +203,7 @@ def runs(tmp_path_factory, char_data):
     """ep=1 x dp=2 for 4 steps; ep=2 (ZeRO-2) and pp=2 (ZeRO-1, 2 micro-batches) each stopped at step 2 and
     resumed to 4; one process with 2 accumulation steps."""
     out = {name: tmp_path_factory.mktemp(f"moe_{name}")
-           for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2")}
+           for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "bias_ep2", "bias_one")}
     proc = launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"])
     (out["dp2"] / "stdout.txt").write_text(proc.stdout)
     ep2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.expert_parallel_size=2", "train.save_interval=2"]
@@ -195,9 +222,16 @@ def runs(tmp_path_factory, char_data):
                                                   "ds.gradient_accumulation_steps=2"])
     launch(4, "tp2.json", out["tp2_ep2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
                                                       "ds.expert_parallel_size=2"])
-    train_py(["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json",
-              f"train.out_dir={out['one']}", f"data.dir={char_data}", *TINY, *MOE,
-              "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"])
+    one = ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json", f"data.dir={char_data}",
+           *TINY, *MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]
+    train_py([*one, f"train.out_dir={out['one']}"])
+    # Balancing by a per-expert bias: the bias moves with the routes of the whole step, every rank's.
+    bias = ["model.router_bias_rate=0.01", "model.router_aux_loss_coef=0"]
+    bias_ep2 = [*MOE, *bias, "ds.train_micro_batch_size_per_gpu=4", "ds.expert_parallel_size=2",
+                "train.save_interval=2"]
+    launch(2, "zero2.json", out["bias_ep2"], char_data, [*bias_ep2, "train.stop_at_step=2"])  # the bias resumes too
+    launch(2, "zero2.json", out["bias_ep2"], char_data, bias_ep2)
+    train_py([*one, *bias, f"train.out_dir={out['bias_one']}"])
     return out
 
 
@@ -223,6 +257,18 @@ def test_layouts_train_alike(runs, name):
     if name.startswith("tp"):  # the weights every tensor rank holds whole stayed equal (each rank's own experts apart)
         assert [m["replicated_weights_in_sync"] for m in metrics(runs[name]) if "replicated_weights_in_sync" in m] \
             == [True]
+
+
+@pytest.mark.launch
+def test_a_biased_router_balances_alike_in_every_layout(runs):
+    """With the bias (and no auxiliary loss) ep=2, stopped at step 2 and resumed, equals one process with
+    accumulation, the bias has moved, and the routing differs from the unbiased runs'."""
+    biased, one = steps(runs["bias_ep2"]), steps(runs["bias_one"])
+    for key in ("loss", "grad_norm", "expert_load_max", "expert_load_mean", "router_bias_max"):
+        assert [m[key] for m in biased] == pytest.approx([m[key] for m in one], rel=1e-5), key
+    assert [m["router_bias_max"] for m in biased] == pytest.approx([0.01, 0.02, 0.03, 0.04])  # one rate a step
+    assert [m["expert_load_max"] for m in biased][1:] != pytest.approx([m["expert_load_max"] for m in
+                                                                       steps(runs["dp2"])][1:], rel=1e-3)
 
 
 @pytest.mark.launch
@@ -286,7 +332,8 @@ def test_init_from_names_a_mixtral_of_another_shape(tmp_path, char_data):
 def test_mixtral_layout_holds_top_k_experts_in_every_block():
     from training.hf import to_hf
     for change, message in ((dict(moe_every=2), "has experts in every block"),
-                            (dict(experts_per_token=1), "makes a top-1 expert's weight 1")):
+                            (dict(experts_per_token=1), "makes a top-1 expert's weight 1"),
+                            (dict(router_bias_rate=0.01), "no per-expert bias on the router's choice")):
         cfg = dataclasses.replace(SHAPE, **change)
         with pytest.raises(ConfigError, match=message):
             to_hf(dict(build_model(cfg).named_parameters()), cfg)

@@ -6,7 +6,7 @@ import torch
 
 from common.checks import ConfigError
 from model.config import ModelConfig
-from model.moe import ExpertParallel, MoEFeedForward, moe_layers
+from model.moe import BiasedGate, ExpertParallel, MoEFeedForward, moe_layers
 
 # The ds_config's expert-parallel degree. Ours: DeepSpeed's "expert_parallel" section configures AutoEP, which
 # replaces a Hugging Face model's MoE blocks; here the model's own blocks hold DeepSpeed's MoE layer.
@@ -93,11 +93,26 @@ def weigh_router_losses(model: torch.nn.Module, cfg: ModelConfig, grad_accum: in
         layer.z_loss_scale = cfg.router_z_loss_coef / grad_accum
 
 
+@torch.no_grad()
+def update_router_biases(model: torch.nn.Module, cfg: ModelConfig, group) -> None:
+    """After a training step (collective over the data-parallel `group`): each biased router's per-expert bias
+    moves by router_bias_rate toward even load, up for the experts that took fewer routes than the mean, down for
+    those that took more (DeepSeek-V3's rule), from the step's routes on every data-parallel rank."""
+    for layer in moe_layers(model):
+        gate = layer.moe.deepspeed_moe.gate
+        if isinstance(gate, BiasedGate):
+            load = layer.load.to(gate.choice_bias.device, torch.float32)
+            torch.distributed.all_reduce(load, group=group)
+            gate.choice_bias += cfg.router_bias_rate * torch.sign(load.mean() - load)
+            layer.load = torch.zeros_like(layer.load)
+
+
 def routing_figures(model: torch.nn.Module, n_layers: int) -> dict:
     """Collective over all ranks: the routing of every MoE layer's training forwards since the last call (then
     forgotten), whichever pipeline stage holds it: the mean load-balancing loss, the tokens each expert took
     (all ranks' tokens) as max / mean load, the worst layer's and the mean over layers, and under a capacity
-    factor the share of routes dropped, with a z-loss its mean. Empty for a dense model.
+    factor the share of routes dropped, with a z-loss its mean, with biased routers the largest bias of this
+    rank's layers. Empty for a dense model.
     n_layers: the model's layer list's length (a layer is named by its index in it, in both builds)."""
     layers = {int(name.split(".")[0]): layer for name, layer in model.named_modules()
               if isinstance(layer, MoEFeedForward)}
@@ -123,6 +138,9 @@ def routing_figures(model: torch.nn.Module, n_layers: int) -> dict:
     load = counts.max(dim=1).values / counts.mean(dim=1)
     capacity = any(layer.moe.deepspeed_moe.gate.drop_tokens for layer in layers.values())
     z_loss = any(layer.z_loss_scale for layer in layers.values())
+    biases = [layer.moe.deepspeed_moe.gate.choice_bias.abs().max() for layer in layers.values()
+              if isinstance(layer.moe.deepspeed_moe.gate, BiasedGate)]
     return {"moe_aux_loss": (aux[0] / aux[1]).item(), "expert_load_max": load.max().item(),
             "expert_load_mean": load.mean().item(), **({"dropped_routes": dropped} if capacity else {}),
-            **({"router_z_loss": (aux[3] / aux[1]).item()} if z_loss else {})}
+            **({"router_z_loss": (aux[3] / aux[1]).item()} if z_loss else {}),
+            **({"router_bias_max": torch.stack(biases).max().item()} if biases else {})}
