@@ -33,7 +33,13 @@ from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, train_step
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
-from training.moe import expert_groups, routing_figures, update_router_biases, weigh_router_losses
+from training.moe import (
+    expert_groups,
+    recording_evaluation,
+    routing_figures,
+    update_router_biases,
+    weigh_router_losses,
+)
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.optim import param_groups, start_schedule
@@ -277,17 +283,20 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     unless log_losses is false) and printed."""
     windows = run.cfg.train.eval_windows
     figures = {}
-    if run.data.KIND == "preference":
-        pairs = {split: evaluate_pairs(run.objective.objective, rank.driver, run.data, split, windows, rank.dp_rank,
-                                       run.layout, run.device, run.cfg.model.vocab_size, rank.sp)
-                 for split in ("train", "val")}
-        losses = {split: values.get("loss", float("nan")) for split, values in pairs.items()}
-        figures = {f"{split}_{name}": value for split, values in pairs.items() for name, value in values.items()
-                   if name != "loss"}
-    else:
-        losses = {split: rank.driver.eval_loss([rank.sp.split(*batch) for batch in run.data.eval_batches(
-            split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows))
-            for split in ("train", "val")}
+    with recording_evaluation(rank.model):  # a mixture of experts' routing over the evaluation's windows
+        if run.data.KIND == "preference":
+            pairs = {split: evaluate_pairs(run.objective.objective, rank.driver, run.data, split, windows,
+                                           rank.dp_rank, run.layout, run.device, run.cfg.model.vocab_size, rank.sp)
+                     for split in ("train", "val")}
+            losses = {split: values.get("loss", float("nan")) for split, values in pairs.items()}
+            figures = {f"{split}_{name}": value for split, values in pairs.items() for name, value in values.items()
+                       if name != "loss"}
+        else:
+            losses = {split: rank.driver.eval_loss([rank.sp.split(*batch) for batch in run.data.eval_batches(
+                split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows))
+                for split in ("train", "val")}
+    routing = {f"eval_{name}": value for name, value in
+               routing_figures(rank.model, len(run.specs), evaluation=True).items() if name != "router_bias_max"}
     scores = {}
     if rank.scorer:
         batches = [rank.sp.split(*batch) for batch in rank.scorer.batches(
@@ -297,12 +306,14 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     record = {f"{task}_{metric}": value for task, accuracies in scores.items()
               for metric, value in zip(("acc", "acc_norm"), accuracies)}
     if log_losses:
-        record = {"train_loss": losses["train"], "val_loss": losses["val"], **figures, **record}
+        record = {"train_loss": losses["train"], "val_loss": losses["val"], **figures, **routing, **record}
     rank.log.log(step, **record)
     tasks = "".join(f"; {task} acc {acc:.4f}, acc_norm {norm:.4f}" for task, (acc, norm) in scores.items())
     accuracy = "".join(f", {split} reward accuracy {figures[f'{split}_rewards_accuracy']:.3f}"
                        for split in ("train", "val") if f"{split}_rewards_accuracy" in figures)
-    rank.print0(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{accuracy}{tasks}")
+    experts = f", expert load max {routing['eval_expert_load_max']:.2f}" if routing else ""
+    rank.print0(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{experts}{accuracy}"
+                f"{tasks}")
 
 
 def save(run: Run, rank: Rank, step: int) -> None:

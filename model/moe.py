@@ -110,8 +110,8 @@ class MoEFeedForward(nn.Module):
         self.seeds, self.n_layer, self.ep = torch.randint(2**62, (n_experts,), device="cpu").tolist(), n_layer, ep
         self.aux_loss_scale = self.z_loss_scale = 0.0
         # (load-balancing loss, routes per expert, routes dropped, z-loss) of each training forward since the last
-        # read
-        self.routed = []
+        # read, and of each evaluation forward while `recording` (training/moe.py: an evaluation's figures)
+        self.routed, self.evaluated, self.recording = [], [], False
 
     def init_experts(self) -> None:
         """This rank's experts initialized from their seeds (GPT-2 init, the down map a residual projection).
@@ -147,10 +147,12 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, aux_loss, counts = self.moe(x)
-        if torch.is_grad_enabled():  # under activation checkpointing: the recomputation, once
+        training = torch.is_grad_enabled()  # under activation checkpointing: the recomputation, once
+        if training or self.recording:
             z_loss = self.z_loss(x) if self.z_loss_scale else torch.zeros((), device=x.device)
-            self.routed.append((aux_loss.detach(), counts, self.dropped(counts, x.numel() // x.size(-1)),
-                                z_loss.detach()))
+            (self.routed if training else self.evaluated).append(
+                (aux_loss.detach(), counts, self.dropped(counts, x.numel() // x.size(-1)), z_loss.detach()))
+        if training:
             if isinstance(self.moe.deepspeed_moe.gate, BiasedGate):
                 self.load = self.load.to(counts.device) + counts
             if self.aux_loss_scale or self.z_loss_scale:

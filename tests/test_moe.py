@@ -236,7 +236,10 @@ def runs(tmp_path_factory, char_data):
 
 
 def steps(out_dir) -> list[dict]:
-    return [m for m in metrics(out_dir) if "loss" in m]
+    """Each logged step's record, with its evaluation's (step 0's and the last: TINY's interval) merged in."""
+    records = metrics(out_dir)
+    evaluations = {m["step"]: m for m in records if "val_loss" in m}
+    return [{**m, **evaluations.get(m["step"], {})} for m in records if "loss" in m]
 
 
 @pytest.mark.launch
@@ -253,6 +256,8 @@ def test_layouts_train_alike(runs, name):
         # the other layouts' while the losses agree to 1e-5: its accounting, not the gradients.
         tolerance = 5e-4 if key == "grad_norm" and name.startswith("tp") else 1e-5
         assert [m[key] for m in other] == pytest.approx([m[key] for m in reference], rel=tolerance), key
+    for key in ("val_loss", "eval_moe_aux_loss", "eval_expert_load_max", "eval_router_z_loss"):  # the last step's
+        assert other[-1][key] == pytest.approx(reference[-1][key], rel=1e-5), key
     assert all(m["expert_load_max"] > 1 for m in reference)  # a real imbalance measured, not a constant
     if name.startswith("tp"):  # the weights every tensor rank holds whole stayed equal (each rank's own experts apart)
         assert [m["replicated_weights_in_sync"] for m in metrics(runs[name]) if "replicated_weights_in_sync" in m] \

@@ -2,6 +2,8 @@
 ds_config and what it combines with, checked at start; DeepSpeed's expert groups; the router losses' weights;
 and the routing figures the log shows. (DeepSpeed's engine puts the experts in optimizer groups of their own,
 from training/optim.py's named groups.)"""
+import contextlib
+
 import torch
 
 from common.checks import ConfigError
@@ -107,13 +109,28 @@ def update_router_biases(model: torch.nn.Module, cfg: ModelConfig, group) -> Non
             layer.load = torch.zeros_like(layer.load)
 
 
-def routing_figures(model: torch.nn.Module, n_layers: int) -> dict:
+@contextlib.contextmanager
+def recording_evaluation(model: torch.nn.Module):
+    """Within it, the MoE layers record the routing of their evaluation forwards (never otherwise: sampling and
+    serving would pile it up), for routing_figures(evaluation=True)."""
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.recording = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.recording = False
+
+
+def routing_figures(model: torch.nn.Module, n_layers: int, evaluation: bool = False) -> dict:
     """Collective over all ranks: the routing of every MoE layer's training forwards since the last call (then
     forgotten), whichever pipeline stage holds it: the mean load-balancing loss, the tokens each expert took
     (all ranks' tokens) as max / mean load, the worst layer's and the mean over layers, and under a capacity
     factor the share of routes dropped, with a z-loss its mean, with biased routers the largest bias of this
     rank's layers. Empty for a dense model.
     n_layers: the model's layer list's length (a layer is named by its index in it, in both builds)."""
+    source = "evaluated" if evaluation else "routed"  # an evaluation's forwards, or the training steps'
     layers = {int(name.split(".")[0]): layer for name, layer in model.named_modules()
               if isinstance(layer, MoEFeedForward)}
     if not layers:
@@ -123,12 +140,12 @@ def routing_figures(model: torch.nn.Module, n_layers: int) -> dict:
     # the load-balancing losses' sum, how many, the routes dropped, the z-losses' sum
     aux = torch.zeros(4, dtype=torch.float64, device=device)
     for index, layer in layers.items():
-        if layer.routed:
-            losses, routes, dropped, z_losses = zip(*layer.routed)
+        if getattr(layer, source):
+            losses, routes, dropped, z_losses = zip(*getattr(layer, source))
             aux += torch.stack([torch.stack(losses).double().sum(), torch.tensor(len(losses), device=device),
                                 torch.stack(dropped).double().sum(), torch.stack(z_losses).double().sum()])
             counts[index] += torch.stack(routes).float().sum(dim=0)
-        layer.routed = []
+        setattr(layer, source, [])
     torch.distributed.all_reduce(aux)
     torch.distributed.all_reduce(counts)
     if not aux[1]:
