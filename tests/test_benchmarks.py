@@ -239,8 +239,8 @@ BAD_INPUTS = [
     ("tensor_parallel.py", ["--work_dir", "{file}", "data.dir={data}"], "--work_dir {file} is a file, not a folder"),
     ("quality.py", ["--ds_config", "nope.json"], "ds_config {repo}/nope.json does not exist"),
     ("moe.py", ["--steps", "0"], "--steps=0: must be >= 1"),
-    ("moe.py", ["--out_dir", "{tmp}/m", "model.experts_per_token=9"], "model.experts_per_token=9: must be at most "
-                                                                      "model.n_experts=4"),
+    ("moe.py", ["--out_dir", "{tmp}/m", "data.dir={data}", "model.experts_per_token=9"],
+     "model.experts_per_token=9: must be at most model.n_experts=4"),
     ("quality.py", ["--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists"),
     ("quality.py", ["--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
     ("serving.py", ["--clients", "1,x"], "--clients 1,x: not a comma-separated list of numbers"),
