@@ -262,7 +262,7 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     memory, reserved = peak_memory_gb(run.device)
     figures = run.objective.take_metrics(rank.driver)  # the preference losses' rewards, means since the last line
-    routing = routing_figures(rank.model, len(run.specs))  # a mixture of experts' balance
+    routing = routing_figures(rank.model, run.cfg.model, len(run.specs))  # a mixture of experts' balance
     rank.log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
                  peak_mem_gb=memory, reserved_gb=reserved, **figures, **routing,
                  **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))
@@ -272,8 +272,7 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     experts = (f" | aux {routing['moe_aux_loss']:.4f}, expert load max {routing['expert_load_max']:.2f}"
                if routing else "")
     rank.print0(f"step {step} | loss {loss:.4f}{rewards}{experts} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                f"{speed} | "
-             f"mem {memory:.2f} GB ({reserved:.2f} reserved)")
+                f"{speed} | mem {memory:.2f} GB ({reserved:.2f} reserved)")
     return verdict
 
 
@@ -296,7 +295,8 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
                 split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows))
                 for split in ("train", "val")}
     routing = {f"eval_{name}": value for name, value in
-               routing_figures(rank.model, len(run.specs), evaluation=True).items() if name != "router_bias_max"}
+               routing_figures(rank.model, run.cfg.model, len(run.specs), evaluation=True).items()
+               if name != "router_bias_max"}
     scores = {}
     if rank.scorer:
         batches = [rank.sp.split(*batch) for batch in rank.scorer.batches(

@@ -175,6 +175,8 @@ def test_memory_plan_holds_a_ranks_share_of_the_experts():
     (dict(ep=4, dp=2), "expert_parallel_size=4 does not divide the 2 ranks of a pipeline stage"),
     (dict(zero_stage=3), "DeepSpeed's native MoE is not supported with ZeRO Stage 3"),
     (dict(tp=2, pp=2), "cannot be combined with tensor parallelism and pipeline stages together"),
+    (dict(pp=2, moe_every=2), "cannot be combined with pipeline stages at model.moe_every=2: a stage without an "
+                              "expert block would skip the expert collectives"),
     (dict(tp=2, ep=4), "cannot be combined with tensor parallelism at expert_parallel_size=4: DeepSpeed's experts go "
                        "over the tensor group; set it to 1 or 2"),
     (dict(sp=2), "cannot be combined with sequence parallelism"),
@@ -185,9 +187,10 @@ def test_memory_plan_holds_a_ranks_share_of_the_experts():
 ])
 def test_refused_combinations(change, message):
     c = {"ep": 1, "dp": 4, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1, "fp16": False, "compile": False, "tiles": 1,
-         "dense": False, **change}
+         "dense": False, "moe_every": 1, **change}
     layout = Layout(c["dp"] * c["pp"] * c["tp"] * c["sp"], c["pp"], 1, 1, c["tp"], c["sp"], c["ep"])
-    cfg = dataclasses.replace(SHAPE, n_experts=0) if c["dense"] else SHAPE
+    cfg = dataclasses.replace(SHAPE, n_experts=0) if c["dense"] else dataclasses.replace(SHAPE,
+                                                                                        moe_every=c["moe_every"])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         check_experts(cfg, layout, c["zero_stage"], c["fp16"], c["compile"], c["tiles"])
 

@@ -31,6 +31,7 @@ buckets and the CUDA context (a few GB) come on top. Under ZeRO-3 a GPU's peak r
 activations (docs/performance.md, "The memory plan on a GPU").
 """
 import torch
+from deepspeed.moe.utils import is_moe_param
 from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -56,8 +57,8 @@ def layer_params(cfg, tp_size: int = 1, ep_size: int = 1, experts: bool | None =
     False: only the experts' parameters, or only the others."""
     with torch.device("meta"):
         specs = model_layers(cfg, TensorParallel(tp_size), ExpertParallel(ep_size))
-        return [sum(p.numel() for name, p in spec.build().named_parameters()
-                    if experts is None or (".deepspeed_experts." in name) == experts) for spec in specs]
+        return [sum(p.numel() for p in spec.build().parameters() if experts is None or is_moe_param(p) == experts)
+                for spec in specs]
 
 
 def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2) -> int:

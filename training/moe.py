@@ -38,6 +38,9 @@ def check_experts(cfg: ModelConfig, layout, zero_stage: int, fp16: bool, compile
     refusals = [
         (zero_stage == 3, "ZeRO stage 3: DeepSpeed's native MoE is not supported with ZeRO Stage 3 (its engine "
                           "refuses it); use ZeRO 0, 1 or 2 (ds_configs/zero2.json)"),
+        (layout.pipeline_stages > 1 and cfg.moe_every > 1,
+         f"pipeline stages at model.moe_every={cfg.moe_every}: a stage without an expert block would skip the expert "
+         f"collectives DeepSpeed's pipeline engine runs on every stage (the job hangs); set model.moe_every=1"),
         (layout.tp_size > 1 and layout.pipeline_stages > 1,
          "tensor parallelism and pipeline stages together: DeepSpeed's MoE layer finds the tensor group through the "
          "engine's mpu, which a pipeline engine does not set; drop one"),
@@ -123,41 +126,42 @@ def recording_evaluation(model: torch.nn.Module):
             layer.recording = False
 
 
-def routing_figures(model: torch.nn.Module, n_layers: int, evaluation: bool = False) -> dict:
-    """Collective over all ranks: the routing of every MoE layer's training forwards since the last call (then
-    forgotten), whichever pipeline stage holds it: the mean load-balancing loss, the tokens each expert took
-    (all ranks' tokens) as max / mean load, the worst layer's and the mean over layers, and under a capacity
-    factor the share of routes dropped, with a z-loss its mean, with biased routers the largest bias of this
-    rank's layers. Empty for a dense model.
+def routing_figures(model: torch.nn.Module, cfg: ModelConfig, n_layers: int, evaluation: bool = False) -> dict:
+    """Collective over all ranks (a pipeline stage without an MoE layer takes part with zeros): the routing of
+    every MoE layer's training forwards since the last call (then forgotten), whichever stage holds it: the mean
+    load-balancing loss, the tokens each expert took (all ranks' tokens) as max / mean load, the worst layer's and
+    the mean over layers, and under a capacity factor the share of routes dropped, with a z-loss its mean, with
+    biased routers the largest bias. Empty for a dense model.
     n_layers: the model's layer list's length (a layer is named by its index in it, in both builds)."""
-    source = "evaluated" if evaluation else "routed"  # an evaluation's forwards, or the training steps'
-    layers = {int(name.split(".")[0]): layer for name, layer in model.named_modules()
-              if isinstance(layer, MoEFeedForward)}
-    if not layers:
+    if not cfg.n_experts:
         return {}
+    source = "evaluated" if evaluation else "routed"  # an evaluation's forwards, or the training steps'
     device = next(model.parameters()).device
-    counts = torch.zeros(n_layers, next(iter(layers.values())).moe.num_experts, device=device)
+    counts = torch.zeros(n_layers, cfg.n_experts, device=device)
     # the load-balancing losses' sum, how many, the routes dropped, the z-losses' sum
     aux = torch.zeros(4, dtype=torch.float64, device=device)
-    for index, layer in layers.items():
+    bias = torch.zeros((), device=device)
+    for name, layer in model.named_modules():
+        if not isinstance(layer, MoEFeedForward):
+            continue
         if getattr(layer, source):
             losses, routes, dropped, z_losses = zip(*getattr(layer, source))
             aux += torch.stack([torch.stack(losses).double().sum(), torch.tensor(len(losses), device=device),
                                 torch.stack(dropped).double().sum(), torch.stack(z_losses).double().sum()])
-            counts[index] += torch.stack(routes).float().sum(dim=0)
+            counts[int(name.split(".")[0])] += torch.stack(routes).float().sum(dim=0)
         setattr(layer, source, [])
+        if isinstance(layer.moe.deepspeed_moe.gate, BiasedGate):
+            bias = torch.maximum(bias, layer.moe.deepspeed_moe.gate.choice_bias.abs().max())
     torch.distributed.all_reduce(aux)
     torch.distributed.all_reduce(counts)
+    torch.distributed.all_reduce(bias, op=torch.distributed.ReduceOp.MAX)
     if not aux[1]:
         return {}
     dropped = (aux[2] / counts.sum()).item()
     counts = counts[counts.sum(dim=1) > 0]  # the MoE layers
     load = counts.max(dim=1).values / counts.mean(dim=1)
-    capacity = any(layer.moe.deepspeed_moe.gate.drop_tokens for layer in layers.values())
-    z_loss = any(layer.z_loss_scale for layer in layers.values())
-    biases = [layer.moe.deepspeed_moe.gate.choice_bias.abs().max() for layer in layers.values()
-              if isinstance(layer.moe.deepspeed_moe.gate, BiasedGate)]
     return {"moe_aux_loss": (aux[0] / aux[1]).item(), "expert_load_max": load.max().item(),
-            "expert_load_mean": load.mean().item(), **({"dropped_routes": dropped} if capacity else {}),
-            **({"router_z_loss": (aux[3] / aux[1]).item()} if z_loss else {}),
-            **({"router_bias_max": torch.stack(biases).max().item()} if biases else {})}
+            "expert_load_mean": load.mean().item(),
+            **({"dropped_routes": dropped} if cfg.capacity_factor is not None else {}),
+            **({"router_z_loss": (aux[3] / aux[1]).item()} if cfg.router_z_loss_coef else {}),
+            **({"router_bias_max": bias.item()} if cfg.router_bias_rate else {})}

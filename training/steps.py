@@ -4,6 +4,7 @@ training/engines.py drives the engines with them."""
 import functools
 
 import torch
+from deepspeed.moe.utils import is_moe_param
 from torch.utils.checkpoint import checkpoint
 
 from data.token_data import IGNORE
@@ -109,12 +110,11 @@ def replicated_weights_in_sync(module: torch.nn.Module, tp: TensorParallel) -> b
     """Are the weights every tensor rank holds whole (norms, row-parallel biases, positions) bitwise equal
     across the tensor ranks? Nothing in DeepSpeed re-synchronizes them: equal initialization, batches and
     gradients keep them so, and this checks it. Under ZeRO-3 each rank compares its own partition. A mixture of
-    experts' experts (DeepSpeed tags them allreduce=False) are each rank's own when its expert group is the
-    tensor group."""
+    experts' experts (DeepSpeed's is_moe_param) are each rank's own when its expert group is the tensor group."""
     in_sync = torch.ones((), dtype=torch.int32, device=next(module.parameters()).device)
     source = torch.distributed.get_global_rank(tp.group, 0)
     for p in module.parameters():
-        if split_rule(p) is None and getattr(p, "allreduce", True):
+        if split_rule(p) is None and not is_moe_param(p):
             weight = getattr(p, "ds_tensor", p).detach()
             reference = weight.clone()
             torch.distributed.broadcast(reference, src=source, group=tp.group)
