@@ -27,6 +27,7 @@ from model.moe import NO_EXPERT_PARALLEL
 from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
 from training import checkpoint, hf, reference, universal
+from training.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
 from training.divergence import Guard, Verdict
@@ -113,6 +114,8 @@ def build_engine(run: Run) -> Rank:
     weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
+    if cfg.train.background_save:
+        engine.checkpoint_engine = BackgroundWriter(engine._config)  # DeepSpeed's plug point for its writers
     universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
     start_schedule(engine)
     driver = drive(engine, tp, groups.sp)
@@ -215,6 +218,9 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
             update_router_biases(rank.model, cfg.model, rank.driver.data_parallel_group)
         guard.observe(step, loss)
         meter.step()
+        completed = checkpoint.settle(engine, wait=False)  # a save written in the background since
+        if completed:
+            rank.print0(f"saved {completed}")
         if step == start + 1:
             # The first step after start, resume or rewind pays for warm-up (allocations, kernel choices, a
             # compiled graph) after the step-0 evaluation or the checkpoint load: none of it is throughput.
@@ -235,7 +241,7 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
             meter.pause()  # evaluation time is not training throughput
         if saves:
             PHASE.now(f"saving the checkpoint of step {step}")
-            save(run, rank, step)
+            save(run, rank, step, wait=step == last_step)
             meter.pause()
     return last_step
 
@@ -316,8 +322,9 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
                 f"{tasks}")
 
 
-def save(run: Run, rank: Rank, step: int) -> None:
-    """Collective: the checkpoint of `step`, with what resuming it needs to know before any engine exists."""
+def save(run: Run, rank: Rank, step: int, wait: bool) -> None:
+    """Collective: the checkpoint of `step`, with what resuming it needs to know before any engine exists;
+    complete on return unless written in the background and not `wait`."""
     cfg = run.cfg
     run_state = {"tag": checkpoint.tag_for(step), "step": step,
                  "tokens_seen": step * run.layout.global_batch * cfg.model.block_size,
@@ -326,7 +333,10 @@ def save(run: Run, rank: Rank, step: int) -> None:
                  "batches_skipped": rank.batches_skipped, "reference": run.reference}
     tag = checkpoint.save(rank.engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints,
                           rank.universal_info)
-    rank.print0(f"saved {tag}")
+    if checkpoint.settle(rank.engine, wait=wait) or not cfg.train.background_save:
+        rank.print0(f"saved {tag}")
+    else:
+        rank.print0(f"saving {tag}: its files are written in the background")
 
 
 OUT_OF_SYNC = {"tied_weights_in_sync": "the tied embedding and LM head differ between the first and last stage",

@@ -7,7 +7,9 @@
         latest                the newest complete tag, replaced atomically once manifest.json is written
 
 `latest` moves only after every rank has finished writing (a barrier) and the manifest is down, so a
-run killed at any moment of a save leaves the previous checkpoint resumable. Everything a resume would
+run killed at any moment of a save leaves the previous checkpoint resumable. With train.background_save the
+files are written by a thread while training goes on (training/background_save.py), and the checkpoint is
+completed at the first step after every rank's files are down. Everything a resume would
 trip over (another architecture, a changed data-parallel layout, a missing shard, a truncated file, a tag
 that does not exist, a file that pickles more than tensors and DeepSpeed's settings) is found here, before
 DeepSpeed loads anything, and nothing is overwritten.
@@ -28,6 +30,7 @@ from common.checks import ConfigError, existing_dir, json_file
 from data.writer import write_atomic
 from model.config import DENSE, TRAINING_SETTINGS, saved_settings_gaps
 from training import universal
+from training.background_save import BackgroundWriter
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -51,20 +54,46 @@ def tag_step(tag: str) -> int:
 
 
 def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: dict) -> str:
-    """Collective: every rank calls it. uc_info: universal_info of the run. Returns the new tag."""
+    """Collective: every rank calls it. uc_info: universal_info of the run. Returns the new tag. With a
+    BackgroundWriter (training/background_save.py) it returns once the files are in host memory, and settle()
+    completes the checkpoint once they are written."""
+    settle(engine)  # one save in flight at a time
     root, tag = checkpoint_root(out_dir), tag_for(step)
     # DeepSpeed's MoE save reserves the universal converter's key (and the converter does not read native MoE
     # checkpoints: check_compatible keeps their layout).
     client_state = {} if engine.has_moe_layers else {UNIVERSAL_CHECKPOINT_INFO: uc_info}
     engine.save_checkpoint(root, tag=tag, client_state=client_state,
                            save_latest=False)  # `latest` is ours to move, once the checkpoint is complete
+    unfinished = (os.path.join(root, tag), run_state, keep)
+    if isinstance(engine.checkpoint_engine, BackgroundWriter):
+        engine.checkpoint_engine.unfinished = unfinished
+    else:
+        complete(*unfinished)
+    return tag
+
+
+def settle(engine, wait: bool = True) -> str | None:
+    """Collective: complete the checkpoint a BackgroundWriter is writing once every rank's files are down:
+    waiting for them, or (wait=False, a check each step) only if they are down already. Returns its tag, or
+    None when nothing was completed."""
+    writer = engine.checkpoint_engine
+    if getattr(writer, "unfinished", None) is None or not (wait or writer.written_everywhere()):
+        return None
+    writer.wait()
+    unfinished, writer.unfinished = writer.unfinished, None
+    complete(*unfinished)
+    return os.path.basename(unfinished[0])
+
+
+def complete(tag_dir: str, run_state: dict, keep: int) -> None:
+    """Collective, once every rank has written its files: the run state and manifest, then `latest`."""
     torch.distributed.barrier()  # every rank has written its files
     if torch.distributed.get_rank() == 0:
-        mark_complete(os.path.join(root, tag), run_state)
-        write_atomic(os.path.join(root, LATEST), tag.encode())
+        mark_complete(tag_dir, run_state)
+        root = os.path.dirname(tag_dir)
+        write_atomic(os.path.join(root, LATEST), os.path.basename(tag_dir).encode())
         prune(root, keep)
     torch.distributed.barrier()
-    return tag
 
 
 def mark_complete(tag_dir: str, run_state: dict) -> None:

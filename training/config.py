@@ -111,6 +111,9 @@ class TrainConfig:
     peak_tflops: Optional[float] = None
     save_interval: int = 1000  # checkpoint every N steps (0: only at the end); always at the end
     keep_checkpoints: int = 3  # the newest K complete checkpoints are kept
+    # Write checkpoint files from a thread while training goes on: a save costs the loop the copy of its
+    # states into host memory (training/background_save.py). The last save of a run is waited for.
+    background_save: bool = True
     # "auto": continue from the newest complete checkpoint in out_dir, or start fresh if there is none;
     # "none": start fresh (refused if out_dir holds checkpoints); or a tag / path to resume from.
     resume: str = "auto"

@@ -168,7 +168,8 @@ class Guard:
 
     def finite_tags(self, before: int) -> list[str]:
         """The run's complete checkpoints saved before step `before`, oldest first: finite ones, since a save
-        reads the watch first."""
+        reads the watch first. Collective: a save still being written is completed first, and counts."""
+        checkpoint.settle(self.engine)
         return [t for t in checkpoint.complete_tags(self.root)
                 if not t.endswith("_universal") and checkpoint.tag_step(t) < before]
 

@@ -37,6 +37,11 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
         if section in ds:
             raise ConfigError(f"{path}: the '{section}' section is a run setting here: set {home} in the "
                               f"run YAML or on the command line, and remove it from the ds_config")
+    if isinstance(ds.get("checkpoint"), dict) and ds["checkpoint"].get("writer") is not None:
+        raise ConfigError(f"{path}: checkpoint.writer is DeepSpeed's decoupled writer, which this repo does not use "
+                          f"(it fails without a Megatron mpu, and a pipeline's update would race its write); fix: "
+                          f"remove it: train.background_save=true (the default) writes checkpoints while training "
+                          f"goes on")
     check_numbers(ds, path)
     check_with_deepspeed(ds, path)
     return ds
