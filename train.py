@@ -115,7 +115,8 @@ def build_engine(run: Run) -> Rank:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
     keep_fp32_grad_norm(engine)
     if cfg.train.background_save:
-        engine.checkpoint_engine = BackgroundWriter(engine._config)  # DeepSpeed's plug point for its writers
+        # DeepSpeed's plug point for its writers
+        engine.checkpoint_engine = BackgroundWriter(engine._config)
     universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
     start_schedule(engine)
     driver = drive(engine, tp, groups.sp)

@@ -10,6 +10,7 @@ so each probe runs where DS_ACCELERATOR and CUDA_VISIBLE_DEVICES say (cuda, or c
     matmul OUT.json SIZE                   a bf16 matmul's FLOP/s against the device's datasheet peak
     preflight OUT.json PREFLIGHT.PY ARGS   preflight.py on one process, and the backend its process group had
     documents OUT.json                     FlexAttention's document masking against the dense mask's, bf16
+    saves OUT.json TRAIN.PY ARGS           a synchronous save beside a background one (training/background_save.py)
 
 A probe records what it saw as JSON (or tensors); the tests judge it, so the same probe serves the GPU and the
 CPU stand-in of a check.
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         write(out, preflight(rest))
     elif probe == "documents":
         write(out, flex_against_dense())
+    elif probe == "saves":
+        write(out, background_against_synchronous(os.path.dirname(os.path.abspath(out)), rest))
     else:
         raise SystemExit(f"error: unknown probe {probe}")
 
@@ -139,6 +142,67 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
         release(device)
     leave_process_group()
     return {"device": device_label(device), "config": config, "overrides": overrides, "results": results}
+
+
+def background_against_synchronous(folder: str, argv: list[str]) -> dict:
+    """The engine of train.py ARGS after two steps, saved synchronously and through a BackgroundWriter into
+    folder/sync and folder/background: which files differ, and the storage locations each file's pickle names."""
+    import zipfile
+
+    from training import checkpoint
+    from training.background_save import BackgroundWriter
+    from training.engines import train_step
+    from training.failure import leave_process_group
+
+    run = start_one_process(argv)
+    engine = build_engine(run.cfg, run.setup.engine_settings)
+    for step in (1, 2):
+        train_step(engine, run.data.step_batches(run.cfg.train.seed, step, 0, run.layout, run.device))
+    writers = {"sync": engine.checkpoint_engine, "background": BackgroundWriter(engine._config)}
+    for name, writer in writers.items():
+        engine.checkpoint_engine = writer
+        checkpoint.save(engine, os.path.join(folder, name), 2, {"tag": "step_000002", "step": 2}, 1, {})
+        checkpoint.settle(engine)
+    tag_dirs = {name: os.path.join(folder, name, "checkpoints", "step_000002") for name in writers}
+    files = sorted(f for f in os.listdir(tag_dirs["sync"]) if f.endswith(".pt"))
+    contents = {name: {f: open(os.path.join(tag_dir, f), "rb").read() for f in files}
+                for name, tag_dir in tag_dirs.items()}
+    locations = {}
+    for f in files:
+        with zipfile.ZipFile(os.path.join(tag_dirs["background"], f)) as archive:
+            locations[f] = storage_locations(archive.read(next(n for n in archive.namelist()
+                                                              if n.endswith("/data.pkl"))))
+    leave_process_group()
+    return {"device": device_label(run.device), "files": files, "locations": locations,
+            "differ": [f for f in files if contents["sync"][f] != contents["background"][f]]}
+
+
+def storage_locations(data: bytes) -> list[str]:
+    """The locations a torch file's pickle names for its storages (its persistent ids: 'storage', type, key,
+    location, size), read without building anything: every other object is a stand-in."""
+    import io
+    import pickle
+
+    class StandIn:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __setstate__(self, state):
+            pass
+
+    class Locations(pickle.Unpickler):
+        seen = set()
+
+        def find_class(self, module, name):
+            return super().find_class(module, name) if module in ("builtins", "collections") else StandIn
+
+        def persistent_load(self, pid):
+            self.seen.add(pid[3])
+            return StandIn()
+
+    reader = Locations(io.BytesIO(data))
+    reader.load()
+    return sorted(reader.seen)
 
 
 def build_engine(cfg, settings):

@@ -61,13 +61,13 @@ def test_training_goes_on_during_the_write_and_the_checkpoint_counts_once_it_is_
     engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
     save(engine, tmp_path / "sync", 3)  # what the background save of step 3 must write
     engine.checkpoint_engine = writer
-    release, write_file = threading.Event(), background_save.write_file
+    release, write = threading.Event(), getattr(background_save, "write_state")
 
     def held(*args):
         release.wait(timeout=60)
-        write_file(*args)
+        write(*args)
 
-    with mock.patch.object(background_save, "write_file", held):
+    with mock.patch.object(background_save, "write_state", held):
         save(engine, out, 3)
         train_steps(engine, 2)  # the weights and optimizer states move on while the files are written
         assert checkpoint.settle(engine, wait=False) is None
@@ -89,7 +89,7 @@ def test_a_failed_write_is_raised_on_the_loop_and_the_checkpoint_never_counts(en
     def full(*args):
         raise OSError(28, "No space left on device")
 
-    with mock.patch.object(background_save, "write_file", full):
+    with mock.patch.object(background_save, "write_state", full):
         save(engine, out, 2)
         with pytest.raises(OSError, match="writing a checkpoint file failed: OSError: .*No space left on device"):
             checkpoint.settle(engine)

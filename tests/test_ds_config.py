@@ -79,6 +79,13 @@ def test_optimizer_in_ds_config_is_refused_as_a_second_home(tmp_path):
         load_ds_config(str(path), [])
 
 
+def test_deepspeeds_decoupled_checkpoint_writer_is_refused_with_the_repos_own():
+    with pytest.raises(ConfigError, match=r"zero1.json: checkpoint.writer is DeepSpeed's decoupled writer, which this "
+                                          r"repo does not use .*fix: remove it: train.background_save=true"):
+        load_ds_config(os.path.join(REPO, "ds_configs", "zero1.json"),
+                       ["checkpoint.writer.type=python", "checkpoint.writer.decoupled=true"])
+
+
 @pytest.mark.parametrize("body,kind", [("[1, 2]", "list"), ('"zero2"', "str"), ("12", "int")])
 def test_ds_config_that_is_not_an_object(tmp_path, body, kind):
     path = tmp_path / "ds.json"

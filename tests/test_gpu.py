@@ -262,6 +262,18 @@ def test_zero3_starts_from_the_weights_zero0_builds_on_the_cpu(tmp_path, char_da
     assert [name for name in zero0 if not torch.equal(zero3[name], zero0[name])] == []
 
 
+@pytest.mark.parametrize("device", [CUDA])
+def test_a_background_save_writes_the_bytes_of_a_synchronous_one(tmp_path, char_data, device):
+    """The GPU's states are copied to the host, yet the files name the device as a synchronous save's do."""
+    proc = probe(device, "saves", tmp_path / "saves.json", "--ds_config", "ds_configs/zero1.json", *TINY, *BF16,
+                 f"data.dir={char_data}", f"train.out_dir={tmp_path}")
+    record = json.loads((tmp_path / "saves.json").read_text())
+    assert record["files"] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"], \
+        proc.stdout
+    assert record["differ"] == []
+    assert record["locations"]["mp_rank_00_model_states.pt"] == ["cuda:0"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_train_tf32_sets_the_float32_matmul_precision(runs, device):
     """On a GPU train.tf32 (on by default) makes float32 matmuls TF32, 10 mantissa bits: about 1e-4 and more off

@@ -1,15 +1,17 @@
 """Checkpoint saves that cost the training loop only a copy into host memory.
 
 DeepSpeed's engine writes every file of a checkpoint (model states, ZeRO shards, pipeline layers, experts)
-through its checkpoint engine's `save(state_dict, path)`. `BackgroundWriter` is such an engine: it serializes
-each state into memory with the synchronous engine's own `torch.save` call, GPU tensors copied to the host on
-the way, and hands the bytes to a thread that writes them while training goes on. training/checkpoint.py
-completes the checkpoint (run state, manifest, `latest`) once every rank's files are down, so a kill during
-the write leaves the previous checkpoint the one to resume.
+through its checkpoint engine's `save(state_dict, path)`. `BackgroundWriter` is such an engine: it copies each
+state into host memory and hands the copy to a thread that writes it with the synchronous engine's own
+`torch.save` call while training goes on. training/checkpoint.py completes the checkpoint (run state,
+manifest, `latest`) once every rank's files are down, so a kill during the write leaves the previous
+checkpoint the one to resume.
 
-The bytes are a synchronous save's: torch.save names the archive inside its zip after the file it is given
-(into a buffer it writes "archive/..." instead), so it is given a link of the file's own name to an anonymous
-memory file (memfd), which the thread then copies to the checkpoint's folder.
+The files are byte for byte a synchronous save's. `host_copy` copies each storage once and rebuilds every
+tensor over its storage's copy as it was (views, requires_grad, a Parameter's type and attributes), since
+torch.save writes each storage once and the tensors over it. A copy of a GPU tensor would be written with the
+location "cpu": torch.save asks its registered taggers for a storage's location, so one registered here
+names the original device for those copies (torch.serialization.register_package, ahead of the built-in ones).
 
 DeepSpeed's own decoupled writer (ds_config `checkpoint.writer.decoupled`) is not used, for three reasons
 found in 0.19.8: without a Megatron-style mpu its choice of writing ranks fails (it reads a `dp_rank` its
@@ -18,13 +20,18 @@ and it hands the live tensors to its writer process through shared memory, so it
 before the next optimizer step, which it does in `engine.step()`: a pipeline's `train_batch` never calls
 that, and its update would race the write.
 """
-import os
+import copy
+import functools
 import queue
-import tempfile
 import threading
 
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+# The device each host copy of a device storage came from, by the copy's storage identity, until it is written.
+COPIED_FROM: dict[int, str] = {}
+torch.serialization.register_package(0, lambda storage: COPIED_FROM.get(storage._cdata),
+                                     lambda storage, location: None)  # tags only: loading is torch's own
 
 
 class BackgroundWriter(TorchCheckpointEngine):
@@ -43,23 +50,20 @@ class BackgroundWriter(TorchCheckpointEngine):
         threading.Thread(target=self._write, name="checkpoint writer", daemon=True).start()
 
     def save(self, state_dict, path: str):
-        memory = os.memfd_create(os.path.basename(path))
-        with tempfile.TemporaryDirectory(prefix="checkpoint_") as links:
-            link = os.path.join(links, os.path.basename(path))
-            os.symlink(f"/proc/self/fd/{memory}", link)
-            torch.save(state_dict, link, _use_new_zipfile_serialization=self.zipfile_serialization)
-        self._files.put((path, memory))
+        memo = {}
+        state = host_copy(state_dict, memo)
+        self._files.put(functools.partial(write_state, state, path, self.zipfile_serialization,
+                                          [memo[key]._cdata for key in memo if isinstance(key, tuple)]))
 
     def _write(self):
         while True:
-            path, memory = self._files.get()
+            write = self._files.get()
             try:
                 if self._error is None:
-                    write_file(memory, path)
+                    write()
             except Exception as e:  # kept for the loop's thread, which raises it at the next settle
                 self._error = e
             finally:
-                os.close(memory)
                 self._files.task_done()
 
     def written_everywhere(self) -> bool:
@@ -76,9 +80,42 @@ class BackgroundWriter(TorchCheckpointEngine):
             raise OSError(f"writing a checkpoint file failed: {type(error).__name__}: {error}") from error
 
 
-def write_file(memory: int, path: str) -> None:
-    """The memory file's bytes into `path`, copied by the kernel (the GIL is free meanwhile)."""
-    with open(path, "wb") as f:
-        size, done = os.fstat(memory).st_size, 0
-        while done < size:
-            done += os.sendfile(f.fileno(), memory, done, size - done)
+def host_copy(obj, memo: dict):
+    """obj with every tensor in its containers (dicts, lists, tuples) rebuilt over copies of their storages.
+    `memo` keeps what pickling sees: one copy per object (id) and per storage (torch's storage identity, the key
+    torch.save dedupes by). Anything else is shared: DeepSpeed's states hold numbers, strings and small
+    settings objects besides tensors."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = ("storage", storage._cdata)
+        if key not in memo:
+            memo[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+            if storage.device.type != "cpu":
+                COPIED_FROM[memo[key]._cdata] = torch.serialization.location_tag(storage)
+        copied = torch.empty(0, dtype=obj.dtype).set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
+        if isinstance(obj, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, requires_grad=obj.requires_grad)
+            copied.__dict__.update(host_copy(obj.__dict__, memo))
+        copied.requires_grad_(obj.requires_grad)
+    elif isinstance(obj, dict):
+        copied = copy.copy(obj)  # its own type (an OrderedDict's, a defaultdict's factory)
+        for key, value in obj.items():
+            copied[key] = host_copy(value, memo)
+    elif isinstance(obj, (list, tuple)):
+        copied = type(obj)(host_copy(value, memo) for value in obj)
+    else:
+        return obj
+    memo[id(obj)] = copied
+    return copied
+
+
+def write_state(state, path: str, zipfile_serialization: bool, storages: list[int]) -> None:
+    """A host copy of a state into `path`, as TorchCheckpointEngine.save writes it; `storages`: its copies'
+    identities, whose devices are forgotten once it is written."""
+    try:
+        torch.save(state, path, _use_new_zipfile_serialization=zipfile_serialization)
+    finally:
+        for storage in storages:
+            COPIED_FROM.pop(storage, None)
