@@ -17,9 +17,9 @@ from harness import REPO, TINY, run
 from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
-SCRIPTS = ["data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py", "moe.py",
-           "pipeline.py", "preference.py", "quality.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py",
-           "throughput.py", "record.sh", "wheelhouse.sh"]
+SCRIPTS = ["checkpoint_stall.py", "data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py",
+           "moe.py", "pipeline.py", "preference.py", "quality.py", "quickstart_race.py", "sequence_parallel.py",
+           "serving.py", "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -79,6 +79,20 @@ def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
         assert result["peak_tflops"] > 0
         assert result["deepspeed"]["mfu"] == pytest.approx(
             result["deepspeed"]["tokens_per_s"] * written["flops_per_token"] / (result["peak_tflops"] * 1e12))
+
+
+def test_checkpoint_stall_times_both_saves(char_data, tmp_path):
+    """One save of each kind of the tiny quickstart model: both timed, the background one written, the folder
+    of checkpoints removed."""
+    report, work = tmp_path / "stall.json", tmp_path / "work"
+    run([sys.executable, "benchmarks/checkpoint_stall.py", "--presets", "quickstart", "--steps", "1", "--warmup", "0",
+         "--saves", "1", "--block_size", "16", "--micro_batch", "1", "--work_dir", str(work), "--json", str(report),
+         f"data.dir={char_data}"])
+    result = json.loads(report.read_text())["results"][0]
+    assert result["preset"] == "quickstart" and result["checkpoint_bytes"] > 4 * result["parameters"]
+    assert result["stall_s"]["synchronous"] > 0 and result["background_copy_s"] > 0  # the background stall: the copy
+    assert result["background_written_s"] >= result["background_copy_s"]           # give or take the steps' noise
+    assert os.listdir(work) == []
 
 
 def test_llama_throughput_builds_and_times_both_models(char_data, tmp_path):
@@ -248,6 +262,10 @@ BAD_INPUTS = [
     ("serving.py", ["--presets", "quickstart", "--prompt", "40", "--new", "30"], "--prompt 40 + --new 30 > "
                                                                                   "quickstart's context of 64"),
     ("serving.py", ["--text", "/nonexistent.txt"], "the text (--text) /nonexistent.txt does not exist"),
+    ("checkpoint_stall.py", ["--presets", "nope"], "--presets nope: configs/nope.yaml does not exist"),
+    ("checkpoint_stall.py", ["--saves", "0"], "--saves=0: must be >= 1"),
+    ("checkpoint_stall.py", ["--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
+    ("quickstart_race.py", ["--repeats", "0"], "--repeats=0: must be >= 1"),
     ("record.sh", ["nope"], "preset configs/nope.yaml does not exist"),
     ("wheelhouse.sh", ["{file}"], "wheel folder {file} is a file, not a folder"),
     ("wheelhouse.sh", ["{tmp}/wheels", "312"], "PYTHON_VERSION 312 is not of the form 3.N"),

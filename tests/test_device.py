@@ -52,20 +52,39 @@ def test_bf16_auto_follows_the_device_and_is_written_into_the_effective_ds_confi
     from training.startup import effective_ds_config
     monkeypatch.setattr(dev, "native_bf16", lambda device: native)
     ds = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": 1}
-    dtype, note = dev.compute_dtype(ds, torch.device("cpu"))
+    dtype, note = dev.compute_dtype(ds, torch.device("cpu"), dev.CPU_BF16_MIN_WIDTH)
     assert dtype == (torch.bfloat16 if native else torch.float32)
     assert note == (None if native else "bf16 auto: fp32, since this cpu has no bf16 arithmetic (set "
                                         "ds.bf16.enabled=true to force it)")
-    engine = effective_ds_config(ds, load_run_config(DEFAULT_CONFIG, []), 1, torch.device("cpu"))
+    cfg = load_run_config(DEFAULT_CONFIG, [f"model.n_embd={dev.CPU_BF16_MIN_WIDTH}"])
+    engine = effective_ds_config(ds, cfg, 1, torch.device("cpu"))
     assert engine.ds["bf16"]["enabled"] is native and engine.dtype == dtype and engine.precision_note == note
     assert ds["bf16"]["enabled"] == "auto"  # the loaded ds_config is left as it is
+
+
+def test_bf16_auto_is_fp32_for_a_model_too_narrow_to_gain_on_a_cpu(monkeypatch):
+    """The quickstart's 128-wide model trains faster in fp32 on CPUs that compute bf16 (docs/performance.md); a
+    GPU that computes bf16 gets it whatever the width."""
+    from training.config import DEFAULT_CONFIG, load_run_config
+    from training.startup import effective_ds_config
+    monkeypatch.setattr(dev, "native_bf16", lambda device: True)
+    ds = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": 1}
+    narrow = dev.CPU_BF16_MIN_WIDTH - 1
+    assert dev.compute_dtype(ds, torch.device("cpu"), narrow) == (
+        torch.float32, f"bf16 auto: fp32, faster on a CPU for a model {narrow} wide (bf16 from model.n_embd=256 on; "
+                       f"set ds.bf16.enabled=true to force it)")
+    assert dev.compute_dtype({**ds, "zero_optimization": {"stage": 1}}, torch.device("cuda", 0), narrow) == (
+        torch.bfloat16, None)
+    assert dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cpu"), narrow) == (torch.bfloat16, None)
+    engine = effective_ds_config(ds, load_run_config(DEFAULT_CONFIG, []), 1, torch.device("cpu"))  # the quickstart
+    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32
 
 
 def test_bf16_by_name_is_refused_on_a_gpu_that_emulates_it_and_warned_on_a_cpu(monkeypatch):
     monkeypatch.setattr(dev, "native_bf16", lambda device: False)
     with pytest.raises(ConfigError, match="bf16 is emulated on this cuda device .* use ds_configs/zero2_fp16.json"):
-        dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cuda", 0))
-    dtype, note = dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cpu"))
+        dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cuda", 0), 128)
+    dtype, note = dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cpu"), 128)
     assert dtype == torch.bfloat16 and note.startswith("WARNING: this CPU has no bf16 arithmetic")
 
 
@@ -76,7 +95,7 @@ def test_fp16_is_refused_on_any_cpu_whatever_the_accelerator_reports(monkeypatch
     monkeypatch.setattr(type(dev.get_accelerator()), "is_fp16_supported", lambda self: reported)
     with pytest.raises(ConfigError, match=r"^fp16 is not supported on cpu: use a bf16 ds_config \(e.g. "
                                           r"ds_configs/zero2.json\) or set ds.fp16.enabled=false$"):
-        dev.compute_dtype({"fp16": {"enabled": True}}, torch.device("cpu"))
+        dev.compute_dtype({"fp16": {"enabled": True}}, torch.device("cpu"), 128)
 
 
 def test_a_stale_op_build_lock_stops_a_run_at_start_and_a_fresh_one_is_left_to_its_build(tmp_path, monkeypatch,

@@ -79,7 +79,7 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     triple completed for this world size, bf16 "auto" resolved for the device, the run's optimizer and
     schedule, and universal loading for a run that resumes a universal checkpoint. Raises ConfigError for what
     the device, the world size or the run config cannot take."""
-    dtype, precision_note = compute_dtype(ds, device)
+    dtype, precision_note = compute_dtype(ds, device, cfg.model.n_embd)
     pipe = pipeline_settings(ds)
     tp_size, sp_size = tensor_parallel_size(ds), sequence_parallel_size(ds)
     if cfg.train.compile and (pipe.stages > 1 or sp_size > 1):
