@@ -141,7 +141,7 @@ def test_the_table_covers_every_setting():
     from training.config import RunConfig
     # Booleans: the type is the whole check.
     no_range = {"model.bias", "model.tie_embeddings", "model.document_masking", "train.compile", "train.tf32",
-                "train.discard_newer",
+                "train.discard_newer", "train.background_save",
                 "data.allow_changed", "data.pack", "train.print_config"}
     no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
     tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
