@@ -10,8 +10,9 @@ the warm-up it times steps without a save (their median is the step), then takes
 (DeepSpeed's TorchCheckpointEngine, then the manifest and `latest`), and a save through BackgroundWriter
 followed by steps until training/checkpoint.py's per-step settle completes it. A save's stall is what the loop
 lost to it: the synchronous save's whole time; for the background save, the call (the copy into host memory,
-also printed alone) plus what the following steps and their settle checks took beyond the step's median. Prints the medians and
-the checkpoint's size; writes JSON (--json). The checkpoints go to --work_dir and are removed at the end.
+also printed alone) plus what the following steps and their settle checks took beyond the step's median.
+Prints the medians and the checkpoint's size; writes JSON (--json). The checkpoints go to --work_dir and are
+removed at the end.
 """
 import os
 import shutil
@@ -26,8 +27,16 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from benchmarks.gpu_figures import preset_vocab
-from benchmarks.report import (at_least, environment, load_inputs, print_table, results_file, run_main, work_folder,
-                               write_json)
+from benchmarks.report import (
+    at_least,
+    environment,
+    load_inputs,
+    print_table,
+    results_file,
+    run_main,
+    work_folder,
+    write_json,
+)
 from common.checks import ConfigError, ToolParser
 from model import build_model
 from training import checkpoint
