@@ -4,7 +4,8 @@
     python benchmarks/quickstart_race.py --repeats 2     # taking turns: Q P Q P
 
 Both run as whole processes, timed from their start to their exit, on data/shakespeare_char
-(`python -m data.prepare` makes it):
+(`python -m data.prepare` makes it), after an untimed one-step train.py (a machine's first run builds one of
+DeepSpeed's ops):
 - the quickstart: `python train.py` as the README runs it, in a fresh --work_dir out_dir: start-up, 2,000
   steps, its evaluations (600 windows of each split at steps 0, 500, 1000, 1500, 2000), its checkpoints, the
   sample. Tokens/s: its progress lines' mean after the warm-up interval; the validation loss: its last.
@@ -133,6 +134,10 @@ def main() -> None:
         raise ConfigError(f"{DATA} is not prepared; fix: python -m data.prepare")
     results_file(args.json)
     work_folder(args.work_dir)
+    # DeepSpeed builds its CPU communication op on a machine's first run (tens of seconds, once): not the race's.
+    timed([sys.executable, "train.py", f"train.out_dir={os.path.join(args.work_dir, 'warm_up')}",
+           "train.max_steps=1", "sample.max_new_tokens=1"])
+    shutil.rmtree(os.path.join(args.work_dir, "warm_up"), ignore_errors=True)
     runs = {"quickstart": [], "recipe": []}
     for _ in range(args.repeats):
         runs["quickstart"].append(quickstart(os.path.join(args.work_dir, "quickstart")))
