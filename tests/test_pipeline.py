@@ -147,6 +147,8 @@ def test_memory_plan_model_states():
     assert plan(cfg, zero(2), 4)["states"] == 2 * n + int(18 * n / 4)  # DeepSpeed's own estimator
     piped = plan(cfg, {**zero(1), "gradient_accumulation_steps": 4, "pipeline": {"stages": 2}}, 4)
     assert piped["params_per_gpu"] < n and piped["layout"] == "world 4 = dp 2 x pp 2"
-    # activations: 2 micro-batches in flight on the first stage, 2 blocks each, plus the logits
+    # activations: 2 micro-batches in flight on the first stage, 2 blocks each (no dropout: no masks), plus the
+    # logits (the vocabulary padded to 128): 16-bit and their gradient, and the loss's fp32 log-softmax
     tokens = 2 * 16
-    assert piped["activations"] == 2 * 2 * tokens * (18 * 32 + 4 * 64) + 10 * tokens * 128
+    assert cfg.dropout == 0 and cfg.padded_vocab_size == 128
+    assert piped["activations"] == 2 * 2 * tokens * (16 * 32 + 4 * 64) + (4 + 4) * tokens * 128

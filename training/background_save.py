@@ -11,7 +11,9 @@ The files are byte for byte a synchronous save's. `host_copy` copies each storag
 tensor over its storage's copy as it was (views, requires_grad, a Parameter's type and attributes), since
 torch.save writes each storage once and the tensors over it. A copy of a GPU tensor would be written with the
 location "cpu": torch.save asks its registered taggers for a storage's location, so one registered here
-names the original device for those copies (torch.serialization.register_package, ahead of the built-in ones).
+(torch.serialization.register_package, ahead of the built-in ones) answers for those copies with what the
+built-in tagger says of an empty storage on the original device: a new string each call, as for the original,
+since the pickle memoizes a location it has seen by object identity.
 
 DeepSpeed's own decoupled writer (ds_config `checkpoint.writer.decoupled`) is not used, for three reasons
 found in 0.19.8: without a Megatron-style mpu its choice of writing ranks fails (it reads a `dp_rank` its
@@ -28,10 +30,17 @@ import threading
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-# The device each host copy of a device storage came from, by the copy's storage identity, until it is written.
-COPIED_FROM: dict[int, str] = {}
-torch.serialization.register_package(0, lambda storage: COPIED_FROM.get(storage._cdata),
-                                     lambda storage, location: None)  # tags only: loading is torch's own
+# For each host copy of a device storage, by the copy's storage identity until it is written: an empty storage
+# on the device it came from (no device memory), which the built-in taggers name.
+COPIED_FROM: dict[int, torch.UntypedStorage] = {}
+
+
+def copied_location(storage) -> str | None:
+    origin = COPIED_FROM.get(storage._cdata)
+    return None if origin is None else torch.serialization.location_tag(origin)
+
+
+torch.serialization.register_package(0, copied_location, lambda storage, location: None)  # loading is torch's own
 
 
 class BackgroundWriter(TorchCheckpointEngine):
@@ -93,7 +102,7 @@ def host_copy(obj, memo: dict):
         if key not in memo:
             memo[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
             if storage.device.type != "cpu":
-                COPIED_FROM[memo[key]._cdata] = torch.serialization.location_tag(storage)
+                COPIED_FROM[memo[key]._cdata] = torch.UntypedStorage(0, device=storage.device)
         copied = torch.empty(0, dtype=obj.dtype).set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
         if isinstance(obj, torch.nn.Parameter):
             copied = torch.nn.Parameter(copied, requires_grad=obj.requires_grad)

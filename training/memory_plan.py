@@ -8,8 +8,9 @@ ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators. Activations use Megatron
 18 x d_model + 4 x ffn bytes in 16-bit (Llama: less for grouped-query k and v, 8 x ffn for SwiGLU;
 2 x d_model when the layer is checkpointed), of which 2 x d_model are the two residual dropout masks
 (1 byte an element; none without dropout), plus the logits: 16-bit logits and their gradient (4 bytes per
-vocabulary entry and token) and the loss's fp32 copy and log-softmax for one chunk of LOSS_CHUNK_ROWS tokens
-(training/steps.py computes the loss a chunk at a time: 8 bytes per entry and token of the chunk).
+vocabulary entry and token) and the loss's fp32 log-softmax for one chunk of LOSS_CHUNK_ROWS tokens
+(training/steps.py computes the loss a chunk at a time: 4 bytes per entry and token of the chunk; 8 over a
+vocabulary split by tensor ranks, whose loss also makes an fp32 copy of the chunk's logits).
 A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batches) micro-batches.
 Under tensor parallelism (degree t, no sequence parallelism) a rank holds its slice of each split weight and
 every replicated one whole, and per layer and token 8 x d_model replicated bytes (the norms' inputs and the
@@ -153,7 +154,8 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
-    activations += (4 * tokens + 8 * min(tokens, LOSS_CHUNK_ROWS)) * cfg.padded_vocab_size / tp_size
+    loss_chunk = (4 if tp_size == 1 else 8) * min(tokens, LOSS_CHUNK_ROWS)
+    activations += (4 * tokens + loss_chunk) * cfg.padded_vocab_size / tp_size
     return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
             "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
             "cpu": cpu, "micro": layout.micro_batch}

@@ -10,9 +10,8 @@ from torch.utils.checkpoint import checkpoint
 from data.token_data import IGNORE
 from model.tensor_parallel import SINGLE, TensorParallel, cross_entropy_sum, split_rule
 
-# Rows (tokens) of logits whose fp32 copy and softmax exist at once in the training loss: 8192 x 50304 x 4
-# bytes is 1.6 GB, against 13 GB for GPT-2's micro batch 12 x 1024 taken whole (and as much again saved for
-# the backward pass).
+# Rows (tokens) of logits whose fp32 log-softmax exists at once in the training loss: 8192 x 50304 x 4 bytes
+# is 1.6 GB, against 2.5 GB for GPT-2's micro batch 12 x 1024 taken whole.
 LOSS_CHUNK_ROWS = 8192
 
 
@@ -20,16 +19,45 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_
             tp: TensorParallel = SINGLE, divisor: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 (or the sum over `divisor`: supervised_share), over logits of the
     whole vocabulary or, under tensor parallelism, of this rank's slice of it. With gradients, a chunk of rows
-    at a time under activation checkpointing: each chunk's fp32 logits and log-softmax are made in the forward
-    pass, dropped, and made again in the backward pass, so they never exist for the whole batch (only the
-    16-bit logits do)."""
+    at a time, so that the fp32 log-softmax never exists for the whole batch (only the 16-bit logits do):
+    CrossEntropyWithGradient on one rank; over a vocabulary split by tensor ranks, each chunk under activation
+    checkpointing (made in the forward pass, dropped, made again in the backward pass)."""
     logits, targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)
     divisor = targets.numel() if divisor is None else divisor
-    if not torch.is_grad_enabled() or logits.size(0) <= chunk_rows:
+    if not torch.is_grad_enabled():
         return cross_entropy_sum(logits, targets, tp) / divisor
+    if tp.size == 1:
+        return CrossEntropyWithGradient.apply(logits, targets, chunk_rows) / divisor
     sums = [checkpoint(cross_entropy_sum, rows, row_targets, tp, use_reentrant=False)
             for rows, row_targets in zip(logits.split(chunk_rows), targets.split(chunk_rows))]
     return torch.stack(sums).sum() / divisor
+
+
+class CrossEntropyWithGradient(torch.autograd.Function):
+    """Summed cross-entropy of (rows, vocab) logits whose gradient is made in the forward pass, a chunk of rows
+    at a time, in the logits' dtype: softmax minus the target's one-hot, from an fp32 log-softmax read straight
+    from the 16-bit logits. The backward pass only scales it. Rows whose target is -100 add nothing."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, chunk_rows):
+        grad = torch.empty_like(logits)
+        valid = targets != IGNORE
+        picked = targets.clamp(min=0).unsqueeze(1)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for rows, row_picked, row_valid, row_grad in zip(logits.split(chunk_rows), picked.split(chunk_rows),
+                                                         valid.split(chunk_rows), grad.split(chunk_rows)):
+            log_probs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+            target_log_probs = log_probs.gather(1, row_picked)
+            total -= (target_log_probs.squeeze(1) * row_valid).sum()
+            torch.exp(log_probs, out=row_grad)
+            row_grad.scatter_(1, row_picked, (target_log_probs.exp() - 1).to(grad.dtype))
+        ctx.save_for_backward(grad, valid)
+        return total
+
+    @staticmethod
+    def backward(ctx, upstream):
+        grad, valid = ctx.saved_tensors
+        return grad.mul_((upstream * valid).unsqueeze(1)), None, None
 
 
 class NextToken:
