@@ -9,6 +9,7 @@ from unittest import mock
 import deepspeed
 import pytest
 import torch
+import torch.nn.functional as F
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from omegaconf import OmegaConf
 
@@ -174,21 +175,33 @@ def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_loss_equals_the_whole_batch_loss_with_equal_gradients(dtype):
-    """The training loss a chunk of rows at a time (recomputed in backward) is the whole-batch cross-entropy."""
-    logits = torch.randn(4, 10, 70, generator=torch.Generator().manual_seed(0)).to(dtype)
+def test_the_training_loss_and_its_gradient_are_cross_entropys(dtype):
+    """The training loss, its gradient made in the forward pass a chunk of rows at a time, is F.cross_entropy of
+    the fp32 logits and has its gradient: -100 targets add nothing, the mean is over `divisor`, and an upstream
+    gradient other than 1 (DeepSpeed's division by gradient accumulation steps) scales it. Within fp32's rounding,
+    and in bf16 within one unit of the last place of each entry."""
+    logits = (3 * torch.randn(4, 10, 70, generator=torch.Generator().manual_seed(0))).to(dtype)
     targets = torch.randint(0, 70, (4, 10), generator=torch.Generator().manual_seed(1))
-    results = []
-    for chunk_rows in (7, 40):  # 40 rows: one piece, F.cross_entropy as is
+    targets[1, 3:] = -100  # a padded row
+    reference = logits.clone().requires_grad_(True)
+    expected = F.cross_entropy(reference.float().view(-1, 70), targets.view(-1), reduction="sum") / 37
+    (expected / 3).backward()
+    for chunk_rows in (7, 40):  # 40 rows: one chunk
         x = logits.clone().requires_grad_(True)
-        loss = lm_loss(x, targets, chunk_rows=chunk_rows)
-        loss.backward()
-        results.append((loss.detach(), x.grad))
-    (chunked, chunked_grad), (whole, whole_grad) = results
-    assert chunked.dtype == torch.float32 and chunked_grad.dtype == dtype
-    assert torch.allclose(chunked, whole, rtol=1e-6)
-    assert torch.allclose(chunked_grad.float(), whole_grad.float(), atol=1e-6)
-    assert torch.equal(whole, torch.nn.functional.cross_entropy(logits.float().view(-1, 70), targets.view(-1)))
+        loss = lm_loss(x, targets, chunk_rows=chunk_rows, divisor=37)
+        (loss / 3).backward()
+        assert loss.dtype == torch.float32 and x.grad.dtype == dtype
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        assert torch.equal(x.grad[1, 3:], torch.zeros_like(x.grad[1, 3:]))
+        ulp = 1e-6 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(x.grad.float(), reference.grad.float(), rtol=ulp, atol=1e-9)
+
+
+def test_the_training_loss_without_gradients_is_cross_entropy_itself():
+    logits = torch.randn(40, 70, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 70, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(lm_loss(logits, targets), F.cross_entropy(logits, targets))
 
 
 # Checkpoint files written by a thread while training goes on (training/background_save.py): the bytes of a

@@ -27,37 +27,48 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_
     if not torch.is_grad_enabled():
         return cross_entropy_sum(logits, targets, tp) / divisor
     if tp.size == 1:
-        return CrossEntropyWithGradient.apply(logits, targets, chunk_rows) / divisor
+        return CrossEntropyWithGradient.apply(logits, targets, chunk_rows, divisor)
     sums = [checkpoint(cross_entropy_sum, rows, row_targets, tp, use_reentrant=False)
             for rows, row_targets in zip(logits.split(chunk_rows), targets.split(chunk_rows))]
     return torch.stack(sums).sum() / divisor
 
 
 class CrossEntropyWithGradient(torch.autograd.Function):
-    """Summed cross-entropy of (rows, vocab) logits whose gradient is made in the forward pass, a chunk of rows
-    at a time, in the logits' dtype: softmax minus the target's one-hot, from an fp32 log-softmax read straight
-    from the 16-bit logits. The backward pass only scales it. Rows whose target is -100 add nothing."""
+    """Mean (summed over `divisor`) cross-entropy of (rows, vocab) logits whose gradient is made in the forward
+    pass, a chunk of rows at a time, in the logits' dtype: (softmax - the target's one-hot) / divisor, from an
+    fp32 log-softmax read straight from the 16-bit logits, shifted by log(divisor) before the exponential (and
+    by infinity for rows whose target is -100, which add nothing). Against F.cross_entropy of the fp32 logits
+    under checkpointing, it makes no fp32 copy of the logits and no second log-softmax (on a GPU the loss was a
+    quarter of a GPT-2 124M step: docs/performance.md), and keeps the logits' gradient in place of the logits
+    (the same bytes) from the forward pass to the backward pass, which scales it in place by the upstream
+    gradient: 1 unless DeepSpeed divides the loss by gradient accumulation steps (or scales it for fp16). That
+    product is exact on a CPU; a GPU's kernel rounds the factor to 16 bits first, exact for powers of two. The
+    graph is not for a second backward pass."""
 
     @staticmethod
-    def forward(ctx, logits, targets, chunk_rows):
+    def forward(ctx, logits, targets, chunk_rows, divisor):
         grad = torch.empty_like(logits)
         valid = targets != IGNORE
         picked = targets.clamp(min=0).unsqueeze(1)
+        log_divisor = torch.log(torch.as_tensor(divisor, dtype=torch.float32, device=logits.device))
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for rows, row_picked, row_valid, row_grad in zip(logits.split(chunk_rows), picked.split(chunk_rows),
                                                          valid.split(chunk_rows), grad.split(chunk_rows)):
-            log_probs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
-            target_log_probs = log_probs.gather(1, row_picked)
-            total -= (target_log_probs.squeeze(1) * row_valid).sum()
-            torch.exp(log_probs, out=row_grad)
-            row_grad.scatter_(1, row_picked, (target_log_probs.exp() - 1).to(grad.dtype))
-        ctx.save_for_backward(grad, valid)
-        return total
+            probs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+            target = torch.where(row_valid, probs.gather(1, row_picked).squeeze(1), 0.0)
+            total -= target.sum()
+            # in place, fp32: a CPU's kernels cast a result into another dtype (or scatter into bf16) slowly
+            probs.sub_(torch.where(row_valid, log_divisor, float("inf")).unsqueeze(1)).exp_()
+            on_rows = torch.arange(rows.size(0), device=rows.device)
+            probs[on_rows, row_picked.squeeze(1)] = torch.where(row_valid, (target.exp() - 1) / divisor, 0.0)
+            row_grad.copy_(probs)
+        ctx.save_for_backward(grad)
+        return total / divisor
 
     @staticmethod
     def backward(ctx, upstream):
-        grad, valid = ctx.saved_tensors
-        return grad.mul_((upstream * valid).unsqueeze(1)), None, None
+        grad, = ctx.saved_tensors
+        return grad.mul_(upstream), None, None, None
 
 
 class NextToken:
