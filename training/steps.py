@@ -2,6 +2,7 @@
 share of a batch, the gradient norm as ZeRO counts it, and the check of weights nothing re-synchronizes.
 training/engines.py drives the engines with them."""
 import functools
+import math
 
 import torch
 from deepspeed.moe.utils import is_moe_param
@@ -50,7 +51,8 @@ class CrossEntropyWithGradient(torch.autograd.Function):
         grad = torch.empty_like(logits)
         valid = targets != IGNORE
         picked = targets.clamp(min=0).unsqueeze(1)
-        log_divisor = torch.log(torch.as_tensor(divisor, dtype=torch.float32, device=logits.device))
+        # a number's logarithm on the host: a tensor made from it on a GPU would wait for the device
+        log_divisor = divisor.float().log() if torch.is_tensor(divisor) else math.log(divisor)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for rows, row_picked, row_valid, row_grad in zip(logits.split(chunk_rows), picked.split(chunk_rows),
                                                          valid.split(chunk_rows), grad.split(chunk_rows)):
@@ -59,8 +61,7 @@ class CrossEntropyWithGradient(torch.autograd.Function):
             total -= target.sum()
             # in place, fp32: a CPU's kernels cast a result into another dtype (or scatter into bf16) slowly
             probs.sub_(torch.where(row_valid, log_divisor, float("inf")).unsqueeze(1)).exp_()
-            on_rows = torch.arange(rows.size(0), device=rows.device)
-            probs[on_rows, row_picked.squeeze(1)] = torch.where(row_valid, (target.exp() - 1) / divisor, 0.0)
+            probs.scatter_(1, row_picked, torch.where(row_valid, (target.exp() - 1) / divisor, 0.0).unsqueeze(1))
             row_grad.copy_(probs)
         ctx.save_for_backward(grad)
         return total / divisor
