@@ -159,11 +159,12 @@ def background_against_synchronous(folder: str, argv: list[str]) -> dict:
     for step in (1, 2):
         train_step(engine, run.data.step_batches(run.cfg.train.seed, step, 0, run.layout, run.device))
     writers = {"sync": engine.checkpoint_engine, "background": BackgroundWriter(engine._config)}
+    tag = checkpoint.tag_for(2)
     for name, writer in writers.items():
         engine.checkpoint_engine = writer
-        checkpoint.save(engine, os.path.join(folder, name), 2, {"tag": "step_000002", "step": 2}, 1, {})
+        checkpoint.save(engine, os.path.join(folder, name), 2, {"tag": tag, "step": 2}, 1, {})
         checkpoint.settle(engine)
-    tag_dirs = {name: os.path.join(folder, name, "checkpoints", "step_000002") for name in writers}
+    tag_dirs = {name: os.path.join(checkpoint.checkpoint_root(os.path.join(folder, name)), tag) for name in writers}
     files = sorted(f for f in os.listdir(tag_dirs["sync"]) if f.endswith(".pt"))
     contents = {name: {f: open(os.path.join(tag_dir, f), "rb").read() for f in files}
                 for name, tag_dir in tag_dirs.items()}
