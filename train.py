@@ -47,7 +47,7 @@ from training.optim import param_groups, start_schedule
 from training.parallelize import parallelize, whole_model_parameters
 from training.preference import evaluate_pairs
 from training.startup import Run, check_run, describe_data, describe_model, describe_outputs, describe_zero
-from training.steps import data_parallel_group, keep_fp32_grad_norm
+from training.steps import adjust_engine, data_parallel_group
 from training.topology import (
     GLOBAL,
     Layout,
@@ -113,7 +113,7 @@ def build_engine(run: Run) -> Rank:
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
     weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
-    keep_fp32_grad_norm(engine)
+    adjust_engine(engine)
     if cfg.train.background_save:
         # DeepSpeed's plug point for its writers
         engine.checkpoint_engine = BackgroundWriter(engine._config)

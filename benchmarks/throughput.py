@@ -36,7 +36,7 @@ from training.failure import leave_process_group
 from training.launcher_env import set_single_process_env
 from training.metrics import flops_per_token
 from training.optim import optimizer_and_schedule, param_groups
-from training.steps import lm_loss
+from training.steps import adjust_engine, lm_loss
 from training.topology import resolve_layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,6 +91,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     model = build_model(cfg.model, cfg.train.seed)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
                                                                                   cfg.optim.weight_decay), config=ds)
+    adjust_engine(engine)
     reference = Reference(cfg, ds, DTYPES[precision], device)
     if cfg.train.compile:  # as train.py does
         compile_blocks(model, cfg.model.arch)

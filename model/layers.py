@@ -122,6 +122,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+# sqrt(2 / pi) twice: 0.5 x (1 + tanh(u)) is x sigmoid(2u), the same function
+GELU_SIGMOID_SCALE = 2 * math.sqrt(2 / math.pi)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation. When compiled, written through the sigmoid (in fp32): inductor's CPU code
+    for tanh runs forward and backward 2-3 times slower than for the sigmoid (a bf16 baby GPT step 15% slower
+    over all), while eager keeps aten's own kernel."""
+    if not torch.compiler.is_compiling():
+        return F.gelu(x, approximate="tanh")
+    h = x.float()
+    return (h * torch.sigmoid(GELU_SIGMOID_SCALE * (h + 0.044715 * h * h * h))).to(x.dtype)
+
+
 class MLP(nn.Module):
     """GPT-2's feed-forward network: GELU (tanh approximation) between two linear maps."""
 
@@ -132,7 +146,7 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        return self.drop(self.proj(gelu_tanh(self.fc(x))))
 
 
 class SwiGLU(nn.Module):

@@ -24,7 +24,7 @@ from training.config import RunConfig
 from training.ds_config import load_ds_config
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.startup import effective_ds_config
-from training.steps import lm_loss
+from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_reduce_over_one_rank
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -144,6 +144,30 @@ def test_shipped_configs_reduce_bf16_gradients_in_fp32(name):
         assert engine.get_data_types() == (torch.bfloat16, torch.float32)
         assert type(engine.optimizer).__name__ == "BF16_Optimizer"
     assert train_steps(engine, 2)[1] > 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_rank_without_zero_skips_the_all_reduce_and_trains_the_same_bits(bf16):
+    """adjust_engine switches off DeepSpeed's all-reduce over a lone data-parallel rank without ZeRO: not
+    called once, and the weights after three clipped steps are bit for bit those of the engine that reduces
+    (with the rest of adjust_engine, its fp32 clipping).
+    ZeRO-1's reduction copies the gradients into its fp32 partition: it keeps it."""
+    cfg = run_config()
+    ds = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": bf16}, "gradient_clipping": 0.5,
+          "communication_data_type": "fp32"}
+    weights = {}
+    for adjusted in (False, True):
+        engine = engine_for(cfg, ds)
+        (adjust_engine if adjusted else keep_fp32_grad_norm)(engine)
+        with mock.patch.object(engine, "allreduce_gradients", wraps=engine.allreduce_gradients) as reduce:
+            train_steps(engine, 3)
+        assert reduce.call_count == (0 if adjusted else 3)
+        weights[adjusted] = [p.detach().clone() for p in engine.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights[False], weights[True]))
+    assert not all(torch.equal(a, b) for a, b in zip(weights[True], build_model(SMALL_GPT, seed=1).parameters()))
+    zero1 = engine_for(cfg, {**ds, "zero_optimization": {"stage": 1}})
+    no_all_reduce_over_one_rank(zero1)
+    assert zero1.enable_backward_allreduce
 
 
 def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():

@@ -1,14 +1,15 @@
-"""The GPT layer list: shapes, causality, the tie, GPT-2 init, and exact parameter counts."""
+"""The GPT layer list: shapes, causality, the tie, GPT-2 init, exact parameter counts, and its GELU compiled."""
 import math
 from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import architecture, build_model
 from model.config import ModelConfig
 from model.gpt import Block
-from model.layers import TokenEmbedding, lm_head
+from model.layers import TokenEmbedding, gelu_tanh, lm_head
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
 
 
@@ -154,3 +155,22 @@ def test_mfu_flop_count_is_the_hand_count_for_the_gpt():
         assert flops_per_token(cfg) == 6 * (linear + head) + attention
     # the quickstart by hand: 4 layers x 12 x 128^2, a 128 x 128 head, context 64
     assert flops_per_token(cfg) == 6 * (4 * 12 * 128**2 + 128 * 128) + 12 * 4 * 128 * 64 == 5_210_112
+
+
+def test_the_compiled_gelu_is_the_tanh_approximation():
+    """Compiled, gelu_tanh is written through the sigmoid (inductor's tanh is slow on a CPU): the same function
+    and gradient as aten's tanh GELU, to fp32's rounding, over the range where GELU bends and its tails."""
+    x = torch.linspace(-12, 12, 4001, dtype=torch.float64).float()
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+
+    def value_and_grad(fn):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf)
+        y.backward(upstream)
+        return y.detach(), leaf.grad
+
+    compiled = torch.compile(gelu_tanh, backend="inductor", fullgraph=True)
+    (y, dy), (ref_y, ref_dy) = value_and_grad(compiled), value_and_grad(lambda t: F.gelu(t, approximate="tanh"))
+    torch.testing.assert_close(y, ref_y, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(dy, ref_dy, atol=2e-6, rtol=2e-6)
+    assert torch.equal(gelu_tanh(x), F.gelu(x, approximate="tanh"))  # eager: aten's own kernel
