@@ -95,6 +95,8 @@ def build_engine(run: Run) -> Rank:
     if run.device.type == "cuda":
         torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")  # TF32 or full fp32 matmuls
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+    else:  # on a CPU "medium" is oneDNN's bf16 mode: bf16 matmuls under fp32 weights (training/device.py)
+        torch.set_float32_matmul_precision("medium" if run.setup.engine_settings.bf16_matmuls else "highest")
     index, print0, topo = join_process_group(run)
     groups = parallel_groups(topo, layout.sp_size)
     grid, tp = groups.grid, groups.tp

@@ -4,6 +4,7 @@ attention, rotary position embeddings, the final norms, and the two feed-forward
 Plain modules with no parallel code: model/parallelize.py splits them after they are built. Under document
 masking the layers pass (hidden states, positions) along (model/documents.py).
 """
+import contextlib
 import math
 
 import torch
@@ -74,8 +75,53 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
     positions (document masking), each token attends within its own document only."""
     if positions is not None:
         return document_attention(q, k, v, positions, dropout)
+    if dropout == 0 and cpu_bf16_matmuls(q):
+        groups = q.size(1) // k.size(1)
+        k, v = (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
+        return FullPrecisionCpuAttention.apply(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                           enable_gqa=k.size(1) != q.size(1))
+
+
+def cpu_bf16_matmuls(x: torch.Tensor) -> bool:
+    """Do this fp32 CPU tensor's matmuls run in bf16 (float32 matmul precision "medium": oneDNN's bf16 mode,
+    training/device.py)?"""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and \
+        torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+
+
+@contextlib.contextmanager
+def full_fp32_matmuls():
+    # torch's older API, as train.py sets it: mixing it with torch.backends.mkldnn.matmul.fp32_precision
+    # makes torch.get_float32_matmul_precision() raise
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+class FullPrecisionCpuAttention(torch.autograd.Function):
+    """Causal CPU flash attention, forward and backward, computed in full fp32 while the rest of the model's
+    matmuls run in bf16: under oneDNN's bf16 mode the flash kernel's many small block matmuls each convert their
+    inputs, which made a 128-wide quickstart layer's attention 8x slower, where its matmuls gain 2.4x. The
+    kernels are those scaled_dot_product_attention calls (its private aten operators: the public call cannot
+    pin the mode for the backward pass, which runs after the forward has returned)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        with full_fp32_matmuls():
+            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        ctx.save_for_backward(q, k, v, out, logsumexp)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, logsumexp = ctx.saved_tensors
+        with full_fp32_matmuls():
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad.contiguous(), q, k, v, out, logsumexp, 0.0, True)
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -128,8 +174,8 @@ GELU_SIGMOID_SCALE = 2 * math.sqrt(2 / math.pi)
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh approximation. When compiled, written through the sigmoid (in fp32): inductor's CPU code
-    for tanh runs forward and backward 2-3 times slower than for the sigmoid (a bf16 baby GPT step 15% slower
-    over all), while eager keeps aten's own kernel."""
+    for tanh is 2-3 times slower than for the sigmoid (the baby GPT's compiled bf16 block, forward and
+    backward, 9% slower on an AMX Xeon), while eager keeps aten's own kernel."""
     if not torch.compiler.is_compiling():
         return F.gelu(x, approximate="tanh")
     h = x.float()

@@ -68,16 +68,38 @@ def test_bf16_auto_is_fp32_for_a_model_too_narrow_to_gain_on_a_cpu(monkeypatch):
     from training.config import DEFAULT_CONFIG, load_run_config
     from training.startup import effective_ds_config
     monkeypatch.setattr(dev, "native_bf16", lambda device: True)
+    monkeypatch.setattr(dev, "amx_cpu", lambda device: False)
     ds = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": 1}
     narrow = dev.CPU_BF16_MIN_WIDTH - 1
     assert dev.compute_dtype(ds, torch.device("cpu"), narrow) == (
         torch.float32, f"bf16 auto: fp32, faster on a CPU for a model {narrow} wide (bf16 from model.n_embd=256 on; "
-                       f"set ds.bf16.enabled=true to force it)")
+                       f"set ds.bf16.enabled=true or false to force either)")
+    assert not dev.bf16_matmuls_in_fp32(ds, torch.device("cpu"), narrow)  # AVX512-BF16 alone
     assert dev.compute_dtype({**ds, "zero_optimization": {"stage": 1}}, torch.device("cuda", 0), narrow) == (
         torch.bfloat16, None)
     assert dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cpu"), narrow) == (torch.bfloat16, None)
     engine = effective_ds_config(ds, load_run_config(DEFAULT_CONFIG, []), 1, torch.device("cpu"))  # the quickstart
-    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32
+    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32 and not engine.bf16_matmuls
+
+
+def test_bf16_auto_gives_a_narrow_model_bf16_matmuls_under_fp32_weights_on_amx(monkeypatch):
+    """On a CPU with AMX the quickstart's 128-wide model keeps fp32 weights and computes its matmuls in bf16
+    (docs/performance.md); a model wide enough gets bf16 weights, and a precision named in the ds_config is kept."""
+    from training.config import DEFAULT_CONFIG, load_run_config
+    from training.startup import effective_ds_config
+    monkeypatch.setattr(dev, "native_bf16", lambda device: True)
+    monkeypatch.setattr(dev, "amx_cpu", lambda device: device.type == "cpu")
+    auto, cpu, narrow = {"bf16": {"enabled": "auto"}}, torch.device("cpu"), dev.CPU_BF16_MIN_WIDTH - 1
+    assert dev.compute_dtype(auto, cpu, narrow) == (
+        torch.float32, f"bf16 auto: fp32 with bf16 matmuls (AMX), faster on a CPU for a model {narrow} wide (bf16 "
+                       f"from model.n_embd=256 on; set ds.bf16.enabled=true or false to force either)")
+    assert dev.bf16_matmuls_in_fp32(auto, cpu, narrow)
+    assert not dev.bf16_matmuls_in_fp32(auto, cpu, dev.CPU_BF16_MIN_WIDTH)  # bf16 weights
+    assert not dev.bf16_matmuls_in_fp32({"bf16": {"enabled": False}}, cpu, narrow)
+    assert not dev.bf16_matmuls_in_fp32(auto, torch.device("cuda", 0), narrow)
+    engine = effective_ds_config({**auto, "train_micro_batch_size_per_gpu": 1}, load_run_config(DEFAULT_CONFIG, []),
+                                 1, cpu)  # the quickstart
+    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32 and engine.bf16_matmuls
 
 
 def test_bf16_by_name_is_refused_on_a_gpu_that_emulates_it_and_warned_on_a_cpu(monkeypatch):

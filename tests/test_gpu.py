@@ -68,6 +68,7 @@ RUNS = {  # name: (probe options, ds_config, overrides); BF16 names bf16 (the sh
     # every parameter partitioned and fetched (the default threshold keeps a model this small whole)
     "zero3": (["--syncs"], "zero3.json", [*BF16, "ds.zero_optimization.stage3_param_persistence_threshold=0"]),
     "fp32": ([], "zero1.json", [*FP32, "train.tf32=false"]),
+    "auto": ([], "zero0.json", []),  # the shipped "auto", a model too narrow for bf16 weights on a CPU
     "compiled": ([], "zero1.json", [*BF16, "train.compile=true"]),
     "compiled_again": ([], "zero1.json", [*BF16, "train.compile=true"]),  # the same inductor cache
 }
@@ -286,6 +287,19 @@ def test_train_tf32_sets_the_float32_matmul_precision(runs, device):
     else:
         assert on["float32_matmul_precision"] == off["float32_matmul_precision"] == "highest"
         assert on["matmul_rel_error"] < 1e-5 and off["matmul_rel_error"] < 1e-5
+
+
+@pytest.mark.launch
+def test_bf16_auto_gives_a_narrow_model_bf16_matmuls_under_fp32_weights_on_a_cpu_with_amx(runs):
+    """On a CPU with AMX, bf16 "auto" keeps a model too narrow for bf16 weights in fp32 and rounds its matmuls'
+    inputs to bf16 (oneDNN's fp32 math mode); elsewhere, and whenever a precision is named, full fp32."""
+    auto, fp32 = (runs.train("cpu", name) for name in ("auto", "fp32"))
+    amx = torch.cpu._is_amx_tile_supported()
+    assert ("bf16 auto: fp32 with bf16 matmuls (AMX), faster on a CPU for a model 32 wide" in auto.stdout) == amx
+    assert auto.record["precision"]["mkldnn_fp32_precision"] == ("bf16" if amx else "ieee")
+    assert (auto.record["precision"]["matmul_rel_error"] > 1e-4) == amx
+    assert fp32.record["precision"]["mkldnn_fp32_precision"] == "ieee"
+    assert fp32.record["precision"]["matmul_rel_error"] < 1e-5
 
 
 @pytest.mark.parametrize("device", [CUDA])

@@ -1,4 +1,5 @@
-"""The GPT layer list: shapes, causality, the tie, GPT-2 init, exact parameter counts, and its GELU compiled."""
+"""The GPT layer list: shapes, causality, the tie, GPT-2 init, exact parameter counts, its GELU compiled, and its
+attention under bf16 matmuls."""
 import math
 from unittest import mock
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from model import architecture, build_model
 from model.config import ModelConfig
 from model.gpt import Block
-from model.layers import TokenEmbedding, gelu_tanh, lm_head
+from model.layers import TokenEmbedding, causal_attention, gelu_tanh, lm_head
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
 
 
@@ -174,3 +175,32 @@ def test_the_compiled_gelu_is_the_tanh_approximation():
     torch.testing.assert_close(y, ref_y, atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(dy, ref_dy, atol=2e-6, rtol=2e-6)
     assert torch.equal(gelu_tanh(x), F.gelu(x, approximate="tanh"))  # eager: aten's own kernel
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_stays_full_fp32_when_the_cpus_matmuls_run_in_bf16(kv_heads):
+    """Under float32 matmul precision "medium" (bf16 matmuls on a CPU, what bf16 "auto" gives a narrow model on
+    AMX), causal attention computes as at "highest", forward and backward: bit for bit, and to fp32's rounding under
+    grouped-query attention; it leaves the precision as it found it."""
+    generator = torch.Generator().manual_seed(0)
+    # the quickstart's context and head width: at these sizes the flash kernel's own matmuls would go to bf16
+    q, k, v = (torch.randn(2, heads, 64, 32, generator=generator, requires_grad=True)
+               for heads in (4, kv_heads, kv_heads))
+    upstream = torch.randn(2, 4, 64, 32, generator=generator)
+
+    def attention_and_grads(precision: str):
+        torch.set_float32_matmul_precision(precision)
+        try:
+            out = causal_attention(q, k, v, 0.0)
+            grads = torch.autograd.grad(out, (q, k, v), upstream)
+            assert torch.get_float32_matmul_precision() == precision
+        finally:
+            torch.set_float32_matmul_precision("highest")
+        return out, *grads
+
+    full, medium = attention_and_grads("highest"), attention_and_grads("medium")
+    if kv_heads == 4:
+        assert all(torch.equal(a, b) for a, b in zip(full, medium))
+    else:  # the flash kernel over repeated keys and values, where "highest" takes the math path: fp32's rounding
+        for a, b in zip(full, medium):  # (the flash kernel's matmuls in bf16 are 1e-3 off)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -98,10 +98,23 @@ def native_bf16(device: torch.device) -> bool:
 
 # On a CPU bf16 pays for its conversions (bf16 weights and activations beside fp32 master weights, norms and
 # softmax) only once the matmuls are wide enough. Measured (docs/performance.md): the 128-wide quickstart trains
-# faster in fp32, its 2,000 steps in 98.8 s against 118.5 s in bf16 on a 2-core AMD EPYC with AVX512-BF16, 79 s
-# against 93 s on a 2-core Intel with AMX; its 256-wide variant 1.28x and the 384-wide baby GPT 1.6x (AMD) and
-# 2x (AMX) the tokens/s of fp32 in bf16.
+# faster in fp32, its 2,000 steps in 98.8 s against 118.5 s in bf16 on a 2-core AMD EPYC with AVX512-BF16; its
+# 256-wide variant 1.28x and the 384-wide baby GPT 1.6x (AMD) and 2x (AMX) the tokens/s of fp32 in bf16.
 CPU_BF16_MIN_WIDTH = 256
+
+
+def amx_cpu(device: torch.device) -> bool:
+    """Is the device a CPU with AMX tiles (bf16 matmuls about six times fp32's)?"""
+    return device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
+def bf16_matmuls_in_fp32(ds: dict, device: torch.device, width: int) -> bool:
+    """Does bf16 "auto" keep a model too narrow for bf16 weights in fp32, but round its matmuls' inputs to bf16?
+    On a CPU with AMX: oneDNN's bf16 mode for fp32 matmuls (torch.set_float32_matmul_precision("medium")),
+    accumulating in fp32 as TF32 does on a GPU; the quickstart's steps run 1.2x faster than in full fp32 and
+    reach the same loss (docs/performance.md). Without AMX the mode gains nothing."""
+    return (ds.get("bf16", {}).get("enabled") == "auto" and width < CPU_BF16_MIN_WIDTH and native_bf16(device)
+            and amx_cpu(device))
 
 
 def compute_dtype(ds: dict, device: torch.device, width: int) -> tuple[torch.dtype, str | None]:
@@ -120,8 +133,9 @@ def compute_dtype(ds: dict, device: torch.device, width: int) -> tuple[torch.dty
                     f"force it)")
         elif device.type == "cpu" and width < CPU_BF16_MIN_WIDTH:
             bf16 = False
-            note = (f"bf16 auto: fp32, faster on a CPU for a model {width} wide (bf16 from model.n_embd="
-                    f"{CPU_BF16_MIN_WIDTH} on; set ds.bf16.enabled=true to force it)")
+            matmuls = " with bf16 matmuls (AMX)" if bf16_matmuls_in_fp32(ds, device, width) else ""
+            note = (f"bf16 auto: fp32{matmuls}, faster on a CPU for a model {width} wide (bf16 from model.n_embd="
+                    f"{CPU_BF16_MIN_WIDTH} on; set ds.bf16.enabled=true or false to force either)")
     fp16 = ds.get("fp16", {}).get("enabled", False)
     accelerator = get_accelerator()
     if bf16 and fp16:

@@ -25,7 +25,7 @@ from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training import checkpoint, hf, reference
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
-from training.device import check_op_build_locks, compute_dtype
+from training.device import bf16_matmuls_in_fp32, check_op_build_locks, compute_dtype
 from training.ds_config import load_ds_config
 from training.launcher_env import set_distributed_env
 from training.moe import check_experts, expert_parallel_size
@@ -57,6 +57,7 @@ class EngineSettings:
     pipe: Pipeline
     dtype: torch.dtype
     precision_note: str | None
+    bf16_matmuls: bool  # fp32 weights, matmuls in bf16 (training/device.py, bf16_matmuls_in_fp32)
 
     @property
     def zero_stage(self) -> int:
@@ -95,7 +96,8 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     effective.update(optimizer_and_schedule(cfg, ds))
     if load_universal:
         effective.setdefault("checkpoint", {})["load_universal"] = True
-    return EngineSettings(effective, layout, pipe, dtype, precision_note)
+    return EngineSettings(effective, layout, pipe, dtype, precision_note,
+                          bf16_matmuls_in_fp32(ds, device, cfg.model.n_embd))
 
 
 def with_vocabulary(cfg: RunConfig, data: TokenData) -> RunConfig:
