@@ -72,7 +72,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """(batch, heads, time, head_dim) in and out. With fewer key/value heads than query heads (grouped-query
     attention), query head h reads key/value head h // (heads / kv_heads), without copying them. With
-    positions (document masking), each token attends within its own document only."""
+    positions (document masking), each token attends within its own document only. Where the CPU computes fp32
+    matmuls in bf16, attention stays in full fp32 (FullPrecisionCpuAttention, the keys and values repeated for
+    grouped-query attention)."""
     if positions is not None:
         return document_attention(q, k, v, positions, dropout)
     if dropout == 0 and cpu_bf16_matmuls(q):
