@@ -110,7 +110,8 @@ def quickstart(out_dir: str) -> dict:
     seconds, stdout = timed([sys.executable, "train.py", f"train.out_dir={out_dir}"])
     speeds = [float(s.replace(",", "")) for s in re.findall(r"\| ([\d,]+) tok/s \|", stdout)]
     val = float(re.findall(r"val loss (\d+\.\d+)", stdout)[-1])
-    precision = "bf16" if "; torch.bfloat16; MFU" in stdout else "fp32"
+    precision = "bf16" if "; torch.bfloat16; MFU" in stdout else \
+        "fp32, bf16 matmuls" if "fp32 with bf16 matmuls" in stdout else "fp32"
     return {"wall_s": seconds, "tokens_per_s": sum(speeds) / len(speeds), "val_loss": val, "precision": precision}
 
 
