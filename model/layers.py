@@ -4,13 +4,13 @@ attention, rotary position embeddings, the final norms, and the two feed-forward
 Plain modules with no parallel code: model/parallelize.py splits them after they are built. Under document
 masking the layers pass (hidden states, positions) along (model/documents.py).
 """
-import contextlib
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.cpu_attention import cpu_causal_attention, has_cpu_kernel
 from model.documents import document_attention, hidden_and_positions, with_positions
 
 INIT_STD = 0.02
@@ -72,58 +72,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """(batch, heads, time, head_dim) in and out. With fewer key/value heads than query heads (grouped-query
     attention), query head h reads key/value head h // (heads / kv_heads), without copying them. With
-    positions (document masking), each token attends within its own document only. Where the CPU computes fp32
-    matmuls in bf16, attention stays in full fp32 (FullPrecisionCpuAttention, the keys and values repeated for
-    grouped-query attention)."""
+    positions (document masking), each token attends within its own document only. On a CPU, without dropout,
+    model/cpu_attention.py's kernels (the keys and values repeated for grouped-query attention)."""
     if positions is not None:
         return document_attention(q, k, v, positions, dropout)
-    if dropout == 0 and cpu_bf16_matmuls(q):
+    if dropout == 0 and has_cpu_kernel(q):
         groups = q.size(1) // k.size(1)
         k, v = (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
-        return FullPrecisionCpuAttention.apply(q, k, v)
+        return cpu_causal_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                           enable_gqa=k.size(1) != q.size(1))
-
-
-def cpu_bf16_matmuls(x: torch.Tensor) -> bool:
-    """Do this fp32 CPU tensor's matmuls run in bf16 (float32 matmul precision "medium": oneDNN's bf16 mode,
-    training/device.py)?"""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and \
-        torch.backends.mkldnn.matmul.fp32_precision == "bf16"
-
-
-@contextlib.contextmanager
-def full_fp32_matmuls():
-    # torch's older API, as train.py sets it: mixing it with torch.backends.mkldnn.matmul.fp32_precision
-    # makes torch.get_float32_matmul_precision() raise
-    saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(saved)
-
-
-class FullPrecisionCpuAttention(torch.autograd.Function):
-    """Causal CPU flash attention, forward and backward, computed in full fp32 while the rest of the model's
-    matmuls run in bf16: under oneDNN's bf16 mode the flash kernel's many small block matmuls each convert their
-    inputs, which made a 128-wide quickstart layer's attention 8x slower, where its matmuls gain 2.4x. The
-    kernels are those scaled_dot_product_attention calls (its private aten operators: the public call cannot
-    pin the mode for the backward pass, which runs after the forward has returned)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        with full_fp32_matmuls():
-            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-        ctx.save_for_backward(q, k, v, out, logsumexp)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, logsumexp = ctx.saved_tensors
-        with full_fp32_matmuls():
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad.contiguous(), q, k, v, out, logsumexp, 0.0, True)
 
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
