@@ -25,6 +25,8 @@ class HuggingFace:
     layers: dict
     config: Callable[[ModelConfig], dict]  # config.json's fields of this family, after the shared ones
     check: Callable[[ModelConfig], None] = _accepts_all  # raises ConfigError for a model the layout cannot hold
+    # raises ConfigError for a folder's config.json (a dict) that train.init_from cannot start this model from
+    check_folder: Callable[[dict, ModelConfig, str], None] = _accepts_all
 
 
 @dataclass(frozen=True)

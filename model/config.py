@@ -4,6 +4,8 @@ from typing import Optional
 
 from common.checks import ConfigError
 
+GELUS = ("gelu_tanh", "gelu")
+
 
 @dataclass
 class ModelConfig:
@@ -24,6 +26,10 @@ class ModelConfig:
     ffn_multiple_of: int = 256
     dropout: float = 0.0
     bias: bool = True  # GPT only; nn.TransformerEncoderLayer always has biases, Llama never
+    # The GPT's MLP's GELU (the Llama's SwiGLU and the encoder's ReLU ignore it, so a GPT preset runs as a Llama):
+    # GPT-2's tanh approximation ("gelu_tanh", Hugging Face's "gelu_new") or the exact one ("gelu", nanoGPT's),
+    # which aten computes 3-4 times faster on a CPU (docs/performance.md).
+    activation: str = "gelu_tanh"
     # Llama only. Key/value heads for grouped-query attention (must divide n_head; 1 = multi-query);
     # null = n_head (plain multi-head attention).
     n_kv_head: Optional[int] = None
@@ -64,6 +70,7 @@ class ModelConfig:
         c.that(self.n_embd % self.n_head == 0, "n_embd", f"be divisible by model.n_head={self.n_head}",
                f"make model.n_embd a multiple of {self.n_head}")
         c.in_range("dropout", 0.0, 1.0, high_open=True)
+        c.one_of("activation", GELUS)
         c.that(self.n_kv_head is None or self.n_head % self.n_kv_head == 0, "n_kv_head",
                f"divide model.n_head={self.n_head}: each key/value head serves a whole group of query heads",
                f"choose a divisor of {self.n_head}")
@@ -106,17 +113,18 @@ class ModelConfig:
 TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
-# The mixture-of-experts settings at their defaults: a dense model, which a record written before they existed is.
-DENSE = {name: getattr(ModelConfig, name) for name in ("n_experts", "experts_per_token", "moe_every", "expert_hidden",
-                                                       "capacity_factor", "router_aux_loss_coef",
-                                                       "router_z_loss_coef", "router_bias_rate")}
+# The settings a record written before they existed lacks, at the defaults that record's model had: dense MLPs
+# (no mixture of experts) and GPT-2's tanh GELU.
+EARLIER_DEFAULTS = {name: getattr(ModelConfig, name) for name in (
+    "n_experts", "experts_per_token", "moe_every", "expert_hidden", "capacity_factor", "router_aux_loss_coef",
+    "router_z_loss_coef", "router_bias_rate", "activation")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:
     """(missing, unknown): the model settings a saved record (a checkpoint's run state, an export) lacks, and the
     ones it holds that this version does not know. Both mean another version of the repo wrote it."""
     names = [f.name for f in fields(ModelConfig)]
-    return [n for n in names if n not in settings and n not in DENSE], sorted(set(settings) - set(names))
+    return [n for n in names if n not in settings and n not in EARLIER_DEFAULTS], sorted(set(settings) - set(names))
 
 
 def model_config(settings: dict, source: str) -> ModelConfig:
@@ -131,4 +139,4 @@ def model_config(settings: dict, source: str) -> ModelConfig:
                           f"version of this repo, which this one does not read; fix: read it with that version, or "
                           f"start a run from its weights with train.init_from (a GPT or Llama export is a Hugging "
                           f"Face folder)")
-    return ModelConfig(**{**DENSE, **settings})
+    return ModelConfig(**{**EARLIER_DEFAULTS, **settings})

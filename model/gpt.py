@@ -62,12 +62,13 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block."""
 
-    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, n_layer: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, n_layer: int, dropout: float, bias: bool,
+                 activation: str = "gelu_tanh"):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, mlp_hidden, dropout, bias)
+        self.mlp = MLP(n_embd, mlp_hidden, dropout, bias, activation)
         init_weights(self, n_layer, residual=("attn.proj.weight", "mlp.proj.weight"))
 
     def forward(self, inputs):
@@ -82,8 +83,8 @@ def gpt_layers(cfg: ModelConfig) -> list:
     return [
         TiedLayerSpec("embed", TokenEmbedding, **embed),
         LayerSpec(PositionEmbedding, cfg.block_size, cfg.n_embd, cfg.dropout),
-        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, GPT.mlp_hidden(cfg), cfg.n_layer, cfg.dropout, cfg.bias)
-          for _ in range(cfg.n_layer)],
+        *[LayerSpec(Block, cfg.n_embd, cfg.n_head, GPT.mlp_hidden(cfg), cfg.n_layer, cfg.dropout, cfg.bias,
+                    cfg.activation) for _ in range(cfg.n_layer)],
         LayerSpec(FinalLayerNorm, cfg.n_embd, bias=cfg.bias),
         TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),
     ]
@@ -102,9 +103,14 @@ HF_LAYERS = {TokenEmbedding: [("weight", "transformer.wte.weight", VOCAB_ROWS)],
              FinalLayerNorm: [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)]}
 
 
+# model.activation's name in a GPT2Config; transformers also calls the tanh GELU gelu_pytorch_tanh and gelu_fast
+HF_GELU = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+HF_GELU_ALIASES = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", **{v: k for k, v in HF_GELU.items()}}
+
+
 def hf_config(cfg: ModelConfig) -> dict:
     return {"n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head, "n_inner": GPT.mlp_hidden(cfg), "activation_function": "gelu_new",
+            "n_head": cfg.n_head, "n_inner": GPT.mlp_hidden(cfg), "activation_function": HF_GELU[cfg.activation],
             "layer_norm_epsilon": 1e-5, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
             "attn_pdrop": cfg.dropout}
 
@@ -114,13 +120,23 @@ def check_hf(cfg: ModelConfig) -> None:
         raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model has model.bias=false")
 
 
+def check_hf_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
+    """A GPT2Config that train.init_from reads must compute this run's GELU."""
+    theirs = config.get("activation_function", "gelu_new")
+    if HF_GELU_ALIASES.get(theirs) != cfg.activation:
+        fix = (f"set model.activation={HF_GELU_ALIASES[theirs]}" if theirs in HF_GELU_ALIASES else
+               f"pick a GPT-2 whose activation_function is one of {', '.join(HF_GELU_ALIASES)}")
+        raise ConfigError(f"train.init_from={folder}: its activation_function is {theirs}, this run's model.activation "
+                          f"is {cfg.activation} ({HF_GELU[cfg.activation]} there); fix: {fix}")
+
+
 GPT = Architecture(
     name="gpt", title="the GPT", layers=gpt_layers, block=Block,
     # Attention splits by heads (q|k|v), the MLP by hidden features, each pair closed by a row-parallel map; the
     # embedding (and so the tied LM head) by vocabulary rows.
     plan={TokenEmbedding: {"": VOCAB},
           Block: {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}},
-    hf=HuggingFace("GPT2LMHeadModel", "gpt2", HF_LAYERS, hf_config, check_hf),
+    hf=HuggingFace("GPT2LMHeadModel", "gpt2", HF_LAYERS, hf_config, check_hf, check_hf_folder),
     mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="always",
     unsupported={"mixture_of_experts": "its MLPs are GPT-2's dense GELU networks; the Llama's become Mixtral's "
                                        "mixtures of SwiGLU experts"},

@@ -142,17 +142,22 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return (h * torch.sigmoid(GELU_SIGMOID_SCALE * (h + 0.044715 * h * h * h))).to(x.dtype)
 
 
-class MLP(nn.Module):
-    """GPT-2's feed-forward network: GELU (tanh approximation) between two linear maps."""
+# model.activation's GELUs (model/config.py)
+GELU = {"gelu_tanh": gelu_tanh, "gelu": F.gelu}
 
-    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool):
+
+class MLP(nn.Module):
+    """GPT-2's feed-forward network: a GELU (model.activation) between two linear maps."""
+
+    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool, activation: str = "gelu_tanh"):
         super().__init__()
         self.fc = nn.Linear(n_embd, hidden, bias=bias)
         self.proj = nn.Linear(hidden, n_embd, bias=bias)
         self.drop = nn.Dropout(dropout)
+        self.gelu = GELU[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(gelu_tanh(self.fc(x))))
+        return self.drop(self.proj(self.gelu(self.fc(x))))
 
 
 class SwiGLU(nn.Module):

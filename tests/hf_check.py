@@ -7,6 +7,7 @@ import torch
 
 from model import architecture, build_model
 from model.config import ModelConfig, model_config
+from model.gpt import HF_GELU
 from training.export import _fingerprint, consolidated_state_dict
 
 CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM"}
@@ -57,7 +58,8 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
     torch.manual_seed(seed)
     if cfg.arch == "gpt":
         config = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
-                                         n_layer=cfg.n_layer, n_head=cfg.n_head)
+                                         n_layer=cfg.n_layer, n_head=cfg.n_head,
+                                         activation_function=HF_GELU[cfg.activation])
         model = transformers.GPT2LMHeadModel(config)
     else:
         shared = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,

@@ -17,9 +17,9 @@ from harness import REPO, TINY, run
 from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
-SCRIPTS = ["checkpoint_stall.py", "data.py", "documents.py", "finetune.py", "generation.py", "llama.py", "memory.py",
-           "moe.py", "pipeline.py", "preference.py", "quality.py", "quickstart_race.py", "sequence_parallel.py",
-           "serving.py", "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
+SCRIPTS = ["checkpoint_stall.py", "cpu_attention.py", "data.py", "documents.py", "finetune.py", "generation.py",
+           "llama.py", "memory.py", "moe.py", "pipeline.py", "preference.py", "quality.py", "quickstart_race.py",
+           "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -150,6 +150,15 @@ def benchmark(script: str, *args: str, env: dict | None = None):
                env={"PYTHON": sys.executable, **(env or {})})
 
 
+def test_cpu_attention_times_both_kernels_and_their_gradients(tmp_path):
+    report = tmp_path / "cpu_attention.json"
+    run([sys.executable, "benchmarks/cpu_attention.py", "--shapes", "2x2x32x16", "--rounds", "1", "--steps", "1",
+         "--json", str(report)])
+    result = json.loads(report.read_text())["results"]["2x2x32x16"]
+    for kernel in ("flash", "matmul backward"):
+        assert result[kernel]["median_ms"] > 0 and 0 < result[kernel]["gradient_error"] < 0.01
+
+
 def test_the_list_covers_every_benchmark():
     mains = {os.path.basename(path) for path in glob.glob(os.path.join(REPO, "benchmarks", "*.py"))
              if '__name__ == "__main__"' in open(path).read()}
@@ -266,6 +275,9 @@ BAD_INPUTS = [
     ("checkpoint_stall.py", ["--saves", "0"], "--saves=0: must be >= 1"),
     ("checkpoint_stall.py", ["--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
     ("quickstart_race.py", ["--repeats", "0"], "--repeats=0: must be >= 1"),
+    ("cpu_attention.py", ["--shapes", "12x6x256"], "--shapes 12x6x256: must be batch x heads x context x head_dim"),
+    ("cpu_attention.py", ["--rounds", "0"], "--rounds=0: must be >= 1"),
+    ("cpu_attention.py", ["--json", "{file}/a.json"], "--json file {file}/a.json cannot be created"),
     ("record.sh", ["nope"], "preset configs/nope.yaml does not exist"),
     ("wheelhouse.sh", ["{file}"], "wheel folder {file} is a file, not a folder"),
     ("wheelhouse.sh", ["{tmp}/wheels", "312"], "PYTHON_VERSION 312 is not of the form 3.N"),

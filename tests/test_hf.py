@@ -18,7 +18,7 @@ from training.export import write_export
 GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65)
 LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=32,
                     vocab_size=65, rope_theta=500.0)
-CASES = {"gpt": GPT, "llama_gqa": LLAMA,
+CASES = {"gpt": GPT, "gpt_exact_gelu": dataclasses.replace(GPT, activation="gelu"), "llama_gqa": LLAMA,
          "llama_mqa_tied": dataclasses.replace(LLAMA, n_kv_head=1, tie_embeddings=True, norm_eps=1e-6),
          "llama3.1_rope_scaling": dataclasses.replace(LLAMA, rope_scale_factor=8.0, rope_original_context=16)}
 CHAR_META = {"format": 2, "tokenizer": "char", "vocab_size": 65, "chars": [chr(32 + i) for i in range(65)]}
@@ -52,8 +52,9 @@ def test_special_token_ids_come_from_the_tokenizer():
     assert (recorded["bos_token_id"], recorded["eos_token_id"]) == (128000, 128001)
 
 
-@pytest.mark.parametrize("name,shards", [("gpt", None), ("llama_gqa", None), ("llama_mqa_tied", None),
-                                         ("llama_gqa", "30KB")], ids=["gpt", "llama_gqa", "llama_mqa_tied", "sharded"])
+@pytest.mark.parametrize("name,shards", [("gpt", None), ("gpt_exact_gelu", None), ("llama_gqa", None),
+                                         ("llama_mqa_tied", None), ("llama_gqa", "30KB")],
+                         ids=["gpt", "gpt_exact_gelu", "llama_gqa", "llama_mqa_tied", "sharded"])
 @torch.no_grad()
 def test_import_from_transformers_gives_its_logits(tmp_path, name, shards):
     cfg = CASES[name]
@@ -86,6 +87,19 @@ def llama_folder(tmp_path_factory):
 def test_mismatching_folder_is_refused_naming_the_first_difference(llama_folder, change, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         hf.check_hf_folder(llama_folder, dataclasses.replace(LLAMA, **change))
+
+
+@pytest.mark.parametrize("theirs,ours,fix", [("gelu_new", "gelu", "set model.activation=gelu_tanh"),
+                                             ("gelu", "gelu_tanh", "set model.activation=gelu"),
+                                             ("relu", "gelu_tanh", "pick a GPT-2 whose activation_function is one of")])
+def test_a_gpt2_with_another_gelu_is_refused(tmp_path, theirs, ours, fix):
+    """A GELU that differs by 1e-4 would still load every tensor: the folder's activation_function is checked."""
+    transformers_model(GPT, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "activation_function": theirs}))
+    with pytest.raises(ConfigError, match=f"its activation_function is {theirs}, this run's model.activation is "
+                                          f"{ours} .*; fix: {fix}"):
+        hf.check_hf_folder(str(tmp_path), dataclasses.replace(GPT, activation=ours))
 
 
 def test_tied_run_from_untied_folder_names_the_head(llama_folder, tmp_path):

@@ -177,6 +177,16 @@ def test_the_compiled_gelu_is_the_tanh_approximation():
     assert torch.equal(gelu_tanh(x), F.gelu(x, approximate="tanh"))  # eager: aten's own kernel
 
 
+@pytest.mark.parametrize("activation,gelu", [("gelu_tanh", lambda h: F.gelu(h, approximate="tanh")),
+                                             ("gelu", F.gelu)])
+def test_the_gpts_mlp_computes_model_activations_gelu(activation, gelu):
+    """model.activation picks the GPT's GELU: GPT-2's tanh approximation by default, the exact one when asked."""
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=65, activation=activation)
+    mlp = getattr(build_model(cfg, seed=0), "2").mlp  # the first block
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(mlp(x), mlp.proj(gelu(mlp.fc(x))))
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_attention_stays_full_fp32_when_the_cpus_matmuls_run_in_bf16(kv_heads):
     """Under float32 matmul precision "medium" (bf16 matmuls on a CPU, what bf16 "auto" gives a narrow model on

@@ -32,6 +32,8 @@ BAD_SETTINGS = [
                            "of 4"),
     (["model.dropout=1.0"], "model.dropout=1.0: must be in [0.0, 1.0); fix: set model.dropout between 0.0 and 1.0"),
     (["model.dropout=-0.1"], "model.dropout=-0.1: must be in [0.0, 1.0)"),
+    (["model.activation=relu"], "model.activation='relu': must be one of gelu_tanh, gelu; fix: set model.activation "
+                                "to one of them"),
     (["model.ffn_multiple_of=0"], "model.ffn_multiple_of=0: must be >= 1"),
     (["model.n_kv_head=0"], "model.n_kv_head=0: must be >= 1"),
     (["model.n_experts=1", "model.arch=llama"], "model.n_experts=1: must be 0 (dense MLPs) or at least 2 (now 1)"),

@@ -28,7 +28,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError, existing_dir, json_file
 from data.writer import write_atomic
-from model.config import DENSE, TRAINING_SETTINGS, saved_settings_gaps
+from model.config import EARLIER_DEFAULTS, TRAINING_SETTINGS, saved_settings_gaps
 from training import universal
 from training.background_save import BackgroundWriter
 
@@ -340,7 +340,7 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
                      out_dir: str | None = None) -> None:
     """The checkpoint must hold this architecture; without the universal format, also this layout. tag_dir and
     out_dir (the checkpoint's folder, this run's train.out_dir) make the way to convert it a command to copy."""
-    was = {**DENSE, **saved["config"]["model"]}
+    was = {**EARLIER_DEFAULTS, **saved["config"]["model"]}
     changed = {k: (was[k], v) for k, v in model_cfg.items() if was[k] != v and k not in TRAINING_SETTINGS}
     if changed:
         diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())

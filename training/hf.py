@@ -165,6 +165,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
             raise ConfigError(f"train.init_from={folder}: tensor {name} has shape {list(found[name])} there, "
                               f"{list(tensor.shape)} in this run's model config: match model.* to the folder's "
                               f"config.json")
+    layout.check_folder(config, cfg, folder)
     ours = hf_config(cfg, {})
     for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", _rope_theta(config))):
         if key in ours and value is not None and float(value) != float(ours[key]):
