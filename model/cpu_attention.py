@@ -2,9 +2,9 @@
 
 - bf16, contexts up to 256 (the `megalite::causal_attention` operator): the flash kernel's forward, and a
   backward written as five batched bf16 matmuls around the fp32 softmax, which the matmul units run faster than
-  the flash kernel's own backward. On an AMX Xeon, one layer's attention, forward and backward: 1.6x as fast at
-  context 128, 1.9-2.4x at 64, about even at 256, where the baby GPT's whole step still gains 4-5%
-  (docs/performance.md, "Attention's backward on a CPU").
+  the flash kernel's own backward. On an AMX Xeon, one layer's attention, forward and backward: 1.2x as fast at
+  context 256, 2.3x at 128, 2.8x at 64 (benchmarks/cpu_attention.py; docs/performance.md, "Attention's backward
+  on a CPU").
 - fp32 with the matmuls in bf16 (`FullPrecisionCpuAttention`): the flash kernel pinned to full fp32.
 
 Both call the private aten operators behind scaled_dot_product_attention, which return the log-sum-exp of
@@ -14,8 +14,8 @@ import contextlib
 
 import torch
 
-# Beyond this context the dense scores' passes cost what the matmul units save: the flash kernel's backward ties
-# at 512 (one bf16 layer of 12 heads of 64, forward and backward, on an AMX Xeon) and leads after.
+# Beyond this context the dense scores' passes cost more than the matmul units save: at 512 the flash kernel is
+# 1.14x as fast (one bf16 layer of 12 heads of 64, forward and backward, on an AMX Xeon).
 MATMUL_BACKWARD_MAX_CONTEXT = 256
 # The fp32 scores of one chunk of (batch x heads) rows stay near this size, so that a chunk's passes run in cache.
 SCORES_CHUNK_BYTES = 2 * 2**20
