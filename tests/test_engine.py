@@ -170,6 +170,30 @@ def test_one_rank_without_zero_skips_the_all_reduce_and_trains_the_same_bits(bf1
     assert zero1.enable_backward_allreduce
 
 
+def test_bf16_without_zero_skips_a_non_finite_step_without_the_overflow_scan():
+    """adjust_engine drops the bf16 optimizer's scan of every gradient for inf and NaN: the weights after three
+    steps are bit for bit the scanning engine's, and a NaN in one gradient still skips the step (the norm is not
+    finite), leaving the weights as they were."""
+    cfg, ds = run_config(), {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}
+    engines = {scan: engine_for(cfg, ds) for scan in (True, False)}
+    for scan, engine in engines.items():
+        (keep_fp32_grad_norm if scan else adjust_engine)(engine)
+        with mock.patch.object(engine.optimizer.overflow_checker, "has_overflow",
+                               wraps=engine.optimizer.overflow_checker.has_overflow) as scanned:
+            train_steps(engine, 3)
+        assert scanned.call_count == (3 if scan else 0)
+    weights = {scan: [p.detach().clone() for p in e.module.parameters()] for scan, e in engines.items()}
+    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False]))
+
+    engine = engines[False]
+    idx = torch.randint(0, 65, (2, 17), generator=torch.Generator().manual_seed(9))
+    engine.backward(lm_loss(engine(idx[:, :-1]), idx[:, 1:]))
+    next(p for p in engine.module.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+    engine.step()
+    assert engine.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(weights[False], engine.module.parameters()))
+
+
 def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():
     """checkpoint_interval=1: each block runs its forward twice (once more in backward), the embeddings
     and the head once; losses and gradients equal those without checkpointing, dropout included (DeepSpeed
