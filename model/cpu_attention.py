@@ -106,19 +106,19 @@ def causal_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tens
     B, H, T, D = q.shape
     scale = D ** -0.5
     q, k, v, out, grad = (t.reshape(B * H, T, D) for t in (q, k, v, out, grad))
-    qf, kf, vf, gf = (t.float() for t in (q, k, v, grad))
-    # dP's rows shift by rowsum(grad x out): the softmax's Jacobian applied to the output
-    shift = (gf * out.float()).sum(-1, keepdim=True)
     neg_logsumexp = -logsumexp.reshape(B * H, T, 1)
     causal = torch.ones(T, T, device=q.device).tril_()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     step = max(1, SCORES_CHUNK_BYTES // (4 * T * T))
     with float32_matmul_precision("medium"):
         for rows in (slice(i, i + step) for i in range(0, B * H, step)):
-            probs = torch.baddbmm(neg_logsumexp[rows], qf[rows], kf[rows].transpose(1, 2), alpha=scale)
+            qf, kf, vf, gf = (t[rows].float() for t in (q, k, v, grad))
+            # dP's rows shift by rowsum(grad x out): the softmax's Jacobian applied to the output
+            shift = (gf * out[rows]).sum(-1, keepdim=True)
+            probs = torch.baddbmm(neg_logsumexp[rows], qf, kf.transpose(1, 2), alpha=scale)
             probs.clamp_min_(LOWEST_LOG_PROBABILITY).exp_().mul_(causal)
             torch.bmm(probs.to(v.dtype).transpose(1, 2), grad[rows], out=dv[rows])
-            d_scores = torch.baddbmm(shift[rows], gf[rows], vf[rows].transpose(1, 2), beta=-scale, alpha=scale)
+            d_scores = torch.baddbmm(shift, gf, vf.transpose(1, 2), beta=-scale, alpha=scale)
             d_scores = d_scores.mul_(probs).to(q.dtype)
             torch.bmm(d_scores, k[rows], out=dq[rows])
             torch.bmm(d_scores.transpose(1, 2), q[rows], out=dk[rows])
