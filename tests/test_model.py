@@ -1,5 +1,6 @@
 """The GPT layer list: shapes, causality, the tie, GPT-2 init, exact parameter counts, its GELU compiled, and its
 attention under bf16 matmuls."""
+import dataclasses
 import math
 from unittest import mock
 
@@ -7,11 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.checks import ConfigError
 from model import architecture, build_model
-from model.config import ModelConfig
+from model.config import ModelConfig, model_config
 from model.gpt import Block
 from model.layers import TokenEmbedding, causal_attention, gelu_tanh, lm_head
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
+from training.checkpoint import check_compatible
 
 
 def test_logits_shape_covers_padded_vocab():
@@ -185,6 +188,16 @@ def test_the_gpts_mlp_computes_model_activations_gelu(activation, gelu):
     mlp = getattr(build_model(cfg, seed=0), "2").mlp  # the first block
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
     assert torch.equal(mlp(x), mlp.proj(gelu(mlp.fc(x))))
+
+
+def test_a_record_from_before_model_activation_holds_gpt2s_gelu():
+    """A checkpoint or export written before model.activation existed has no such setting: its GPT computed GPT-2's
+    tanh GELU, so it reads as that, and resuming it under the exact GELU is refused, naming the setting."""
+    settings = {k: v for k, v in dataclasses.asdict(ModelConfig(vocab_size=65)).items() if k != "activation"}
+    assert model_config(settings, "an old record").activation == "gelu_tanh"
+    now = dataclasses.asdict(ModelConfig(vocab_size=65, activation="gelu"))
+    with pytest.raises(ConfigError, match="model.activation: gelu_tanh in the checkpoint, gelu now"):
+        check_compatible({"config": {"model": settings}, "layout": {}}, now, {})
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
