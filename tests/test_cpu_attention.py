@@ -68,3 +68,20 @@ def test_long_contexts_dropout_and_fp32_keep_torchs_attention():
     assert "megalite" not in grad_fn(MATMUL_BACKWARD_MAX_CONTEXT + 1)
     assert "megalite" not in grad_fn(64, dropout=0.1)
     assert "megalite" not in grad_fn(64, dtype=torch.float32)
+
+
+def test_a_compiled_block_calls_the_operators_in_its_graph():
+    """Compiled whole (fullgraph: no break around the custom operators), attention gives the eager forward and
+    gradients bit for bit: inductor calls both operators as they are."""
+    q, k, v, upstream = attention_inputs(4, 2, 32, "time-major")
+
+    def attention_and_grads(fn):
+        out = fn(q, k, v)
+        return out, *torch.autograd.grad(out, (q, k, v), upstream)
+
+    def attention(q, k, v):
+        return causal_attention(q, k, v, 0.0)
+
+    compiled = torch.compile(attention, backend="inductor", fullgraph=True)
+    for eager_tensor, compiled_tensor in zip(attention_and_grads(attention), attention_and_grads(compiled)):
+        assert torch.equal(eager_tensor, compiled_tensor)
