@@ -4,6 +4,7 @@ Each gives the DeepSpeed launcher's losses for the same layout (dp=2 and pp=2, f
 that raises ends each job non-zero within 60 s, naming the rank."""
 import getpass
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from harness import FP32, REPO, free_port, job_env, launch, launch_cmd, release_shm, train_losses
-from training.launcher_env import detect_launcher, launcher_rank, slurm_env
+from training.launcher_env import detect_launcher, launcher_rank, slurm_env, threads_per_rank
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -77,6 +78,25 @@ def deepspeed_losses(tmp_path_factory, char_data):
         losses[layout] = train_losses(out)
         assert len(losses[layout]) == 3
     return losses
+
+
+def test_the_deepspeed_launcher_gives_each_rank_its_share_of_the_cores(tmp_path, char_data):
+    """`deepspeed --num_gpus 2` sets no thread count on a CPU: each rank took every core, and two ranks on 2 cores
+    ran 15 times slower than with one thread each. Without OMP_NUM_THREADS each rank now takes its share, and the
+    start-up says so."""
+    port = free_port()
+    cmd = launch_cmd(["--num_gpus", "2", "--master_port", str(port)], "train.py", "zero0.json", tmp_path, char_data,
+                     ["train.max_steps=1", *FP32])
+    env = {name: value for name, value in job_env().items() if name != "OMP_NUM_THREADS"}
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        release_shm(port)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    share = re.search(r"torch threads: (\d+) per rank \((\d+) for one process, shared by the 2 ranks on this node; "
+                      r"OMP_NUM_THREADS sets them\)", proc.stdout)
+    assert share, proc.stdout[-3000:]
+    assert int(share[1]) == max(1, int(share[2]) // 2)
 
 
 # --- torchrun ---------------------------------------------------------------------------------------------
@@ -271,6 +291,21 @@ TORCH = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a", 
 def test_launcher_is_detected_from_its_environment(env, launcher, rank):
     assert detect_launcher(env) == launcher
     assert launcher_rank(env) == rank
+
+
+@pytest.mark.parametrize("env,cores,threads", [
+    ({"LOCAL_SIZE": "2"}, 2, 1),  # deepspeed --num_gpus 2
+    ({"LOCAL_SIZE": "4"}, 2, 1),  # never fewer than one
+    ({"LOCAL_WORLD_SIZE": "8"}, 96, 12),  # torchrun, which sets OMP_NUM_THREADS=1 itself past one rank
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 16, 5),
+    ({"MPI_LOCALNRANKS": "2"}, 16, 8),
+    ({"SLURM_NTASKS_PER_NODE": "4"}, 64, 16),
+    ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "2"}, 2, None),  # the user's or the launcher's setting stands
+    ({"LOCAL_SIZE": "1"}, 2, None),  # one rank has the node
+    ({}, 2, None),
+])
+def test_each_rank_on_a_node_takes_its_share_of_the_cores(env, cores, threads):
+    assert threads_per_rank(cores, env) == threads
 
 
 def test_srun_task_maps_onto_torch_distributed():

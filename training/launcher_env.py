@@ -47,6 +47,32 @@ def launcher_rank(env=os.environ) -> tuple[str, str]:
     return "0", "0"
 
 
+# The variable each launcher sets to the count of ranks it started on this node.
+LOCAL_RANK_COUNTS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                     "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_on_this_node(env=os.environ) -> int:
+    """How many ranks the launcher started on this node: deepspeed's LOCAL_SIZE, torchrun's LOCAL_WORLD_SIZE,
+    Open MPI's, Hydra's (MPICH, Intel MPI) or Slurm's count; 1 without a launcher."""
+    for var in LOCAL_RANK_COUNTS:
+        if env.get(var, "").isdigit():
+            return max(1, int(env[var]))
+    return 1
+
+
+def threads_per_rank(default_threads: int, env=os.environ) -> int | None:
+    """torch's intra-op threads for each rank on this node, or None to leave them as they are: the launcher or
+    the user set OMP_NUM_THREADS, or one rank has the node. Otherwise each rank of N takes its share of the
+    default_threads one process would use (torch's count of the cores). The deepspeed launcher sets nothing, so
+    every rank took all the cores: two ranks on 2 cores ran the quickstart at 2,200 tokens/s, against 34,700
+    with one thread each (docs/performance.md)."""
+    ranks = ranks_on_this_node(env)
+    if "OMP_NUM_THREADS" in env or ranks == 1:
+        return None
+    return max(1, default_threads // ranks)
+
+
 def set_distributed_env() -> str:
     """Fill in the torch.distributed variables from the launcher's own; returns the launcher's name."""
     launcher = detect_launcher()

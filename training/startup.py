@@ -27,7 +27,7 @@ from training import checkpoint, hf, reference
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import bf16_matmuls_in_fp32, check_op_build_locks, compute_dtype
 from training.ds_config import load_ds_config
-from training.launcher_env import set_distributed_env
+from training.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
 from training.moe import check_experts, expert_parallel_size
 from training.multiple_choice import open_tasks
 from training.optim import optimizer_and_schedule, schedule_note
@@ -134,6 +134,7 @@ class Setup:
     launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launcher_env.py)
     device: torch.device
     engine_settings: EngineSettings
+    threads_note: str | None  # how many threads each rank took, where this process set them
 
 
 def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
@@ -141,13 +142,20 @@ def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
     """The launcher's environment read (RANK, WORLD_SIZE, ...), this rank's device made current, the run config
     resolved for the job (its schedule's length, under train.epochs of `data`), and the ds_config assembled."""
     launcher = set_distributed_env()
+    cores = torch.get_num_threads()
+    threads, threads_note = threads_per_rank(cores), None
+    if threads:
+        torch.set_num_threads(threads)
+        threads_note = (f"torch threads: {torch.get_num_threads()} per rank ({cores} for one process, shared by the "
+                        f"{ranks_on_this_node()} ranks on this node; OMP_NUM_THREADS sets them)")
     # Current before anything touches the device: NCCL binds a process group to the current device.
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
     world_size = int(os.environ["WORLD_SIZE"])
     if data is not None:
         cfg = with_schedule_length(cfg, ds, world_size, data)
-    return cfg, Setup(launcher, device, effective_ds_config(ds, cfg, world_size, device, load_universal))
+    return cfg, Setup(launcher, device, effective_ds_config(ds, cfg, world_size, device, load_universal),
+                      threads_note)
 
 
 @dataclass
@@ -213,7 +221,8 @@ def check_run(argv=None) -> Run:
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
     objective, ref_id = choose_objective(cfg, data, settings.layout, init_from, saved)
-    notes = [note for note in (settings.precision_note, prompt_note, masking_note(cfg, data, setup.device),
+    notes = [note for note in (settings.precision_note, setup.threads_note, prompt_note,
+                               masking_note(cfg, data, setup.device),
                                schedule_note(cfg), objective_note(objective)) if note]
     return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
                newer, objective, ref_id)
