@@ -165,7 +165,9 @@ def grad_norm(params: list, mpu=None) -> torch.Tensor:
     counted = [p.grad.detach() for p in params if not getattr(p, "ds_pipe_replicated", False)
                and (tensor_rank == 0 or split_rule(p) is not None)]
     device = params[0].device if params else None
-    total = torch.stack([g.double().square().sum() for g in counted]).sum() if counted else \
+    # torch's own total norm (one foreach kernel, accumulating in fp32 as ZeRO does), squared in fp64 to be summed
+    # over the ranks: a tensor at a time in fp64 cost the quickstart's step 1.3 ms, 6% of it, against 0.2.
+    total = torch.nn.utils.get_total_norm(counted, foreach=True).double().square() if counted else \
         torch.zeros((), dtype=torch.float64, device=device)
     if mpu is not None:
         torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
