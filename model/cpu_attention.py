@@ -24,18 +24,14 @@ SCORES_CHUNK_BYTES = 2 * 2**20
 LOWEST_LOG_PROBABILITY = -80.0
 
 
-def cpu_bf16_matmuls(x: torch.Tensor) -> bool:
-    """Do this fp32 CPU tensor's matmuls run in bf16 (float32 matmul precision "medium": oneDNN's bf16 mode,
-    training/device.py)?"""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and \
-        torch.backends.mkldnn.matmul.fp32_precision == "bf16"
-
-
 def has_cpu_kernel(q: torch.Tensor) -> bool:
-    """Does causal attention over these queries go through one of this file's kernels?"""
+    """Does causal attention over these queries go through one of this file's kernels: bf16 at a short context,
+    or fp32 whose matmuls run in bf16 (float32 matmul precision "medium": oneDNN's bf16 mode, training/device.py)?"""
     if q.device.type != "cpu":
         return False
-    return q.size(-2) <= MATMUL_BACKWARD_MAX_CONTEXT if q.dtype == torch.bfloat16 else cpu_bf16_matmuls(q)
+    if q.dtype == torch.bfloat16:
+        return q.size(-2) <= MATMUL_BACKWARD_MAX_CONTEXT
+    return q.dtype == torch.float32 and torch.backends.mkldnn.matmul.fp32_precision == "bf16"
 
 
 def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -66,7 +62,7 @@ class FullPrecisionCpuAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         with float32_matmul_precision("highest"):
-            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+            out, logsumexp = _flash_forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, logsumexp)
         return out
 
