@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import prefetched
+from model.cpu_attention import float32_matmul_precision
 from model.generate import Sampling, generate
 from model.moe import NO_EXPERT_PARALLEL
 from model.sequence_parallel import SequenceParallel
@@ -371,8 +372,11 @@ def sample(engine, decoder, cfg: RunConfig, tokenizer, prompt_ids: list[int]) ->
     generator = torch.Generator().manual_seed(cfg.sample.seed)
     engine.eval()
     settings = cfg.sample
-    out = generate(decoder, prompt_ids, Sampling(settings.max_new_tokens, settings.temperature, settings.top_k,
-                                                 settings.top_p), generator)
+    # A token's matmuls are a few rows each: oneDNN's bf16 mode (training/device.py) would convert every weight
+    # for each of them, which took the quickstart's sample twice as long as full fp32.
+    with float32_matmul_precision("highest"):
+        out = generate(decoder, prompt_ids, Sampling(settings.max_new_tokens, settings.temperature, settings.top_k,
+                                                     settings.top_p), generator)
     engine.train()
     return tokenizer.decode(prompt_ids + out)
 
