@@ -30,7 +30,7 @@ from benchmarks.turns import profiled, timed_turns
 from common.checks import ToolParser
 from data.token_data import TokenData
 from model import build_model, compile_blocks
-from training.device import peak_flops
+from training.device import keep_freed_host_memory, peak_flops
 from training.engines import train_step
 from training.failure import leave_process_group
 from training.launcher_env import set_single_process_env
@@ -146,6 +146,8 @@ def main() -> None:
     set_single_process_env()
     deepspeed.init_distributed()
     device = torch.device(get_accelerator().device_name(0))
+    if device.type == "cpu":
+        keep_freed_host_memory()  # as train.py does
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 

@@ -7,6 +7,7 @@ it; anything else (a CPU, a GPU the table does not know) against a matmul peak m
 that only emulates bf16 (no AVX512-BF16 or AMX: bf16 matmuls there run far below fp32 ones), the hardware
 does fp32 arithmetic, so its fp32 peak is the denominator.
 """
+import ctypes
 import glob
 import os
 import resource
@@ -83,6 +84,24 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
             return fp32, (f"measured fp32 matmul peak: {precision} is emulated on this CPU "
                           f"({measured / 1e9:.1f} GFLOP/s)")
     return measured, f"measured {precision} matmul peak"
+
+
+# mallopt's parameters (glibc's malloc.h), and the largest mmap threshold glibc takes on a 64-bit machine
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def keep_freed_host_memory() -> bool:
+    """Have glibc's malloc keep the memory a CPU step's tensors free for the next step's, as a GPU's caching
+    allocator does: by default it hands blocks from 128 KB up back to the kernel (munmap, and trimming the heap's
+    top), so every step faults its activations' pages in again, 1.6-1.9 million minor faults in the 66 baby-GPT
+    steps of benchmarks/throughput.py in bf16, 230 thousand with this (docs/performance.md, "Freed memory kept").
+    Blocks over 32 MiB still go back. False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def amx_cpu(device: torch.device) -> bool:

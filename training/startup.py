@@ -25,7 +25,7 @@ from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training import checkpoint, hf, reference
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
-from training.device import bf16_matmuls_in_fp32, check_op_build_locks, compute_dtype
+from training.device import bf16_matmuls_in_fp32, check_op_build_locks, compute_dtype, keep_freed_host_memory
 from training.ds_config import load_ds_config
 from training.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
 from training.moe import check_experts, expert_parallel_size
@@ -151,6 +151,8 @@ def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
     # Current before anything touches the device: NCCL binds a process group to the current device.
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
+    if device.type == "cpu":
+        keep_freed_host_memory()
     world_size = int(os.environ["WORLD_SIZE"])
     if data is not None:
         cfg = with_schedule_length(cfg, ds, world_size, data)
