@@ -1,6 +1,7 @@
 """The device's precision and peak (training/device.py): datasheet peaks by GPU name, the measured CPU peak,
 bf16 "auto", and bf16 refused where a GPU only emulates it."""
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -161,6 +162,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's settings are glibc's")
 def test_freed_host_memory_is_kept_for_the_next_step_not_faulted_in_again():
     """By default glibc hands the 32 MiB a step freed back to the kernel (it unmaps the first blocks, and trims the
     heap's top once its threshold has grown past them), and the next step faults their 8,192 pages in again;
