@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -126,14 +127,35 @@ def launch_nodes(hostfile: str, script: str, nodes: list[tuple], overrides=(), t
     cmds = [launch_cmd(["--hostfile", hostfile, "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
                         "--master_port", str(port)], script, "pipe2.json", out_dir, data_dir, overrides)
             for node, (out_dir, data_dir) in enumerate(nodes)]
+    # Each node's launcher heads a process group of its own, so that a job that does not end is stopped whole,
+    # its ranks too, and says where each node was.
     procs = [subprocess.Popen(cmd, cwd=REPO, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for cmd in cmds]
+                              text=True, start_new_session=True) for cmd in cmds]
     try:
         return [(proc.communicate(timeout=timeout)[0], proc.returncode) for proc in procs]
+    except subprocess.TimeoutExpired:
+        tails = [f"--- node {node}:\n{output_after_kill(proc)[-4000:]}" for node, proc in enumerate(procs)]
+        raise AssertionError(f"the job did not end in {timeout} s\n" + "\n".join(tails)) from None
     finally:
         for proc in procs:
-            proc.kill()
+            kill_group(proc)
         release_shm(port)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def output_after_kill(proc: subprocess.Popen) -> str:
+    """What a process started with start_new_session printed, its group killed first."""
+    kill_group(proc)
+    try:
+        return proc.communicate(timeout=10)[0]
+    except subprocess.TimeoutExpired as e:  # a descendant outside the group still holds the pipe
+        return (e.output or b"").decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
 
 
 def metrics(out_dir) -> list[dict]:
