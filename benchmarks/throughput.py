@@ -146,8 +146,7 @@ def main() -> None:
     set_single_process_env()
     deepspeed.init_distributed()
     device = torch.device(get_accelerator().device_name(0))
-    if device.type == "cpu":
-        keep_freed_host_memory()  # as train.py does
+    keep_freed_host_memory(device)  # as train.py does
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 

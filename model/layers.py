@@ -149,7 +149,7 @@ GELU = {"gelu_tanh": gelu_tanh, "gelu": F.gelu}
 class MLP(nn.Module):
     """GPT-2's feed-forward network: a GELU (model.activation) between two linear maps."""
 
-    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool, activation: str = "gelu_tanh"):
+    def __init__(self, n_embd: int, hidden: int, dropout: float, bias: bool, activation: str):
         super().__init__()
         self.fc = nn.Linear(n_embd, hidden, bias=bias)
         self.proj = nn.Linear(hidden, n_embd, bias=bias)

@@ -91,12 +91,14 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_MAX = 32 * 2**20
 
 
-def keep_freed_host_memory() -> bool:
-    """Have glibc's malloc keep the memory a CPU step's tensors free for the next step's, as a GPU's caching
+def keep_freed_host_memory(device: torch.device) -> bool:
+    """On a CPU, have glibc's malloc keep the memory a step's tensors free for the next step's, as a GPU's caching
     allocator does: by default it hands blocks from 128 KB up back to the kernel (munmap, and trimming the heap's
     top), so every step faults its activations' pages in again, 1.3-1.9 million minor faults in the 66 baby-GPT
     steps of benchmarks/throughput.py in bf16, 230 thousand with this (docs/performance.md, "Freed memory kept").
-    Blocks over 32 MiB still go back. False where the C library is not glibc."""
+    Blocks over 32 MiB still go back. False on another device, or where the C library is not glibc."""
+    if device.type != "cpu":
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

@@ -151,8 +151,7 @@ def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
     # Current before anything touches the device: NCCL binds a process group to the current device.
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)
-    if device.type == "cpu":
-        keep_freed_host_memory()
+    keep_freed_host_memory(device)
     world_size = int(os.environ["WORLD_SIZE"])
     if data is not None:
         cfg = with_schedule_length(cfg, ds, world_size, data)
