@@ -13,7 +13,7 @@ both. After --warmup untimed steps, tokens/s is measured over --steps steps; MFU
 flops_per_token: 6N + 12 x layers x width x context per token) over train.py's peak for the device and
 precision (training/device.py: a datasheet figure, train.peak_tflops, or a matmul peak measured here). Prints a
 table and writes JSON (--json); --profile STEPS then profiles that many more steps of each loop and prints their
-top operations by self time (a GPU's kernels, else the CPU's aten operators).
+top operations by self time (a GPU's kernels, else the CPU's operators).
 """
 import json
 import os

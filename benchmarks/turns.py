@@ -4,6 +4,9 @@ import time
 
 from deepspeed.accelerator import get_accelerator
 
+# The profiler's CPU events that are operators, not the autograd engine's or a compiled graph's wrappers
+CPU_OPERATORS = ("aten::", "mkldnn::", "megalite::")
+
 
 def timed_turns(runners: dict, warmup: int, steps: int, chunk: int) -> dict[str, float]:
     """runners: name -> run(step), called for steps 1..warmup+steps in order, runner by runner within a
@@ -28,7 +31,8 @@ def timed_turns(runners: dict, warmup: int, steps: int, chunk: int) -> dict[str,
 def profiled(runners: dict, first: int, steps: int, top: int = 15) -> dict[str, list[dict]]:
     """Each runner's steps first..first+steps-1 under torch.profiler: its `top` operations by self time where the
     work is done, each with its share of that runner's total. On a GPU those are the kernels (an aten operator's
-    device time is its kernels', counted once), else the CPU's aten operators."""
+    device time is its kernels', counted once), else the CPU's operators: aten's, oneDNN's and this repo's own
+    (a custom operator's self time is the Python work around the aten operators it calls)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -45,7 +49,7 @@ def profiled(runners: dict, first: int, steps: int, top: int = 15) -> dict[str, 
             events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
             self_time = lambda e: e.self_device_time_total  # noqa: E731
         else:
-            events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+            events = [e for e in prof.key_averages() if e.key.startswith(CPU_OPERATORS)]
             self_time = lambda e: e.self_cpu_time_total  # noqa: E731
         total = sum(self_time(e) for e in events) or 1
         events.sort(key=self_time, reverse=True)

@@ -81,6 +81,21 @@ def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
             result["deepspeed"]["tokens_per_s"] * written["flops_per_token"] / (result["peak_tflops"] * 1e12))
 
 
+def test_a_cpu_profile_counts_custom_operators_and_no_wrappers():
+    """A custom operator's Python work between the aten operators it calls is time a step spends: the table
+    counts it, and not the autograd engine's nodes, whose self time is their operators'."""
+    import torch
+
+    from benchmarks.turns import CPU_OPERATORS, profiled
+
+    q, k, v = (torch.randn(2, 2, 64, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    ops = profiled({"attention": lambda step: torch.ops.megalite.causal_attention(q, k, v)[0].sum().backward()},
+                   first=1, steps=1, top=100)["attention"]
+    names = [o["op"] for o in ops]
+    assert {"megalite::causal_attention", "megalite::causal_attention_backward", "aten::bmm"} <= set(names)
+    assert all(name.startswith(CPU_OPERATORS) for name in names)
+
+
 def test_checkpoint_stall_times_both_saves(char_data, tmp_path):
     """One save of each kind of the tiny quickstart model: both timed, the background one written, the folder
     of checkpoints removed."""
