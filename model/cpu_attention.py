@@ -14,8 +14,8 @@ import contextlib
 
 import torch
 
-# Beyond this context the dense scores' passes cost more than the matmul units save: at 512 the flash kernel is
-# 1.14x as fast (one bf16 layer of 12 heads of 64, forward and backward, on an AMX Xeon).
+# Beyond this context the dense scores' passes cost as much as the matmul units save: at 512 the two kernels
+# run even, 0.88-1.04x (one bf16 layer of 12 heads of 64, forward and backward, on an AMX Xeon).
 MATMUL_BACKWARD_MAX_CONTEXT = 256
 # The fp32 scores of one chunk of (batch x heads) rows stay near this size, so that a chunk's passes run in cache.
 SCORES_CHUNK_BYTES = 2 * 2**20
@@ -110,11 +110,15 @@ def causal_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tens
         for rows in (slice(i, i + step) for i in range(0, B * H, step)):
             qf, kf, vf, gf = (t[rows].float() for t in (q, k, v, grad))
             # dP's rows shift by rowsum(grad x out): the softmax's Jacobian applied to the output
-            shift = (gf * out[rows]).sum(-1, keepdim=True)
-            probs = torch.baddbmm(neg_logsumexp[rows], qf, kf.transpose(1, 2), alpha=scale)
+            neg_scaled_shift = (gf * out[rows]).sum(-1, keepdim=True).mul_(-scale)
+            # a bmm, then its row term added in place: baddbmm would first copy the broadcast row term into
+            # its output and run slower (about 0.2 ms against 0.14 for one chunk of the baby GPT's layer)
+            probs = torch.bmm(qf, kf.transpose(1, 2))
+            torch.add(neg_logsumexp[rows], probs, alpha=scale, out=probs)
             probs.clamp_min_(LOWEST_LOG_PROBABILITY).exp_().mul_(causal)
             torch.bmm(probs.to(v.dtype).transpose(1, 2), grad[rows], out=dv[rows])
-            d_scores = torch.baddbmm(shift, gf, vf.transpose(1, 2), beta=-scale, alpha=scale)
+            d_scores = torch.bmm(gf, vf.transpose(1, 2))
+            torch.add(neg_scaled_shift, d_scores, alpha=scale, out=d_scores)
             d_scores = d_scores.mul_(probs).to(q.dtype)
             torch.bmm(d_scores, k[rows], out=dq[rows])
             torch.bmm(d_scores.transpose(1, 2), q[rows], out=dk[rows])
