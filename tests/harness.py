@@ -155,7 +155,8 @@ def output_after_kill(proc: subprocess.Popen) -> str:
     try:
         return proc.communicate(timeout=10)[0]
     except subprocess.TimeoutExpired as e:  # a descendant outside the group still holds the pipe
-        return (e.output or b"").decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
+        output = e.output or b""  # bytes, even from a text-mode pipe
+        return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
 def metrics(out_dir) -> list[dict]:
