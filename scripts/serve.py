@@ -8,11 +8,16 @@ Then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client a
 `--slots` sequences decode together (each a slot of the key/value cache); up to `--max_queue` more wait for one,
 and past that a request is answered 429. Without --api_key (or MEGALITE_API_KEY) the server listens on loopback
 only, unless --host names another address. Prompts and keys are never logged. Ctrl-C stops it.
+
+If the model's worker dies, the traceback is printed once, every request is answered 500 and /health 503 for
+FAILURE_LINGER_S (so clients and a load balancer learn it), and the process exits 1 for its supervisor to restart.
 """
 import argparse
 import os
 import socket
 import sys
+import threading
+import traceback
 
 import torch
 
@@ -22,6 +27,7 @@ from data.tokenizers import TokenizerError
 from training.export import add_trained_arguments, load_trained
 
 KEY_VARIABLE = "MEGALITE_API_KEY"
+FAILURE_LINGER_S = 5
 
 
 def check_port(host: str, port: int) -> None:
@@ -76,10 +82,23 @@ def main(argv=None) -> None:
     print(f"serving {name} ({sum(p.numel() for p in model.parameters()):,} parameters, {dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
           + ("; API key required" if args.api_key else ""), flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=FAILURE_LINGER_S))
+
+    def failed(error: BaseException) -> None:
+        traceback.print_exception(error)
+        print(f"error: {scheduler.failure}; answering 500 for {FAILURE_LINGER_S} s, then exiting 1", file=sys.stderr,
+              flush=True)
+        threading.Timer(FAILURE_LINGER_S, lambda: setattr(server, "should_exit", True)).start()
+
+    scheduler.on_failure = failed
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it shut down for again once it has (as uvicorn.run does)
+        pass
     finally:
         scheduler.close()
+    return 1 if scheduler.failure else 0
 
 
 if __name__ == "__main__":

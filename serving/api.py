@@ -1,6 +1,8 @@
 """OpenAI's HTTP API over a Scheduler, as its clients use it: GET /v1/models, POST /v1/completions and
-/v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), GET /health,
-GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the server going on."""
+/v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), vLLM's POST
+/tokenize, GET /health, GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the
+server going on; if the model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py
+then stops the process, for its supervisor to restart)."""
 import asyncio
 import json
 import os
@@ -11,12 +13,13 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from data.chat import ChatError, chat_prompt, prompt_turns
 from data.tokenizers import delimiter_id
 from model.generate import Sampling
 from serving.metrics import Metrics
-from serving.scheduler import QueueFull, Scheduler, Sequence
+from serving.scheduler import QueueFull, Scheduler, SchedulerFailed, Sequence
 from serving.text import TextStream
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
@@ -32,8 +35,15 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def worker_failed(failure: str) -> APIError:
+    return APIError(500, f"{failure}; the server is stopping: retry once it is restarted", code="worker_failed",
+                    kind="server_error")
 
 
 @dataclass
@@ -56,6 +66,12 @@ def create_app(served: Served) -> FastAPI:
         served.metrics.refused.labels(status=str(e.status)).inc()
         return e.response()
 
+    @app.exception_handler(HTTPException)
+    async def unrouted(request: Request, e: HTTPException):  # an unknown path or method: OpenAI's body, not FastAPI's
+        what = "no such path" if e.status_code == 404 else e.detail
+        return await refused(request, APIError(e.status_code, f"{request.method} {request.url.path}: {what} (the API "
+                                                              f"is under /v1)", code="not_found"))
+
     @app.middleware("http")
     async def key(request: Request, call_next):
         if served.api_key and request.url.path not in OPEN_PATHS:
@@ -71,7 +87,9 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        failure = served.scheduler.failure
+        return JSONResponse({"status": "failed", "error": failure} if failure else {"status": "ok"},
+                            status_code=503 if failure else 200)
 
     @app.get("/metrics")
     async def metrics():
@@ -82,9 +100,7 @@ def create_app(served: Served) -> FastAPI:
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
                                             "owned_by": "megalite", "max_model_len": served.block_size}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await json_body(request)
+    def completion_prompt(body: dict) -> tuple[list[int], tuple]:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise APIError(400, "prompt must be a non-empty string", "prompt")
@@ -93,11 +109,9 @@ def create_app(served: Served) -> FastAPI:
         except ValueError as e:  # outside a char vocabulary
             raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
         stop = delimiter_id(served.tokenizer)
-        return await respond(request, body, ids, () if stop is None else (stop,), chat=False, default_max=16)
+        return ids, () if stop is None else (stop,)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await json_body(request)
+    def conversation_prompt(body: dict) -> tuple[list[int], tuple]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "messages must be a non-empty list", "messages")
@@ -113,12 +127,36 @@ def create_app(served: Served) -> FastAPI:
             raise APIError(400, str(e), "messages") from None
         except ValueError as e:
             raise APIError(400, str(e), "messages", code="chat_not_supported") from None
-        return await respond(request, body, ids, (end_of_turn,), chat=True, default_max=None)
+        return ids, (end_of_turn,)
 
-    async def respond(request: Request, body: dict, ids: list[int], stop_ids: tuple, chat: bool, default_max):
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await json_body(request)
+        ids, stop_ids = completion_prompt(body)
+        return await respond(request, body, ids, stop_ids, chat=False, default_max=16)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await json_body(request)
+        ids, stop_ids = conversation_prompt(body)
+        return await respond(request, body, ids, stop_ids, chat=True, default_max=None)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: the ids of a prompt or of a conversation's prompt, which a client fits to the context (the chat
+        page keeps a conversation's newest turns that leave room for an answer)."""
+        body = await json_body(request)
+        check_model(body)
+        ids, _ = conversation_prompt(body) if "messages" in body else completion_prompt(body)
+        return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
+
+    def check_model(body: dict) -> None:
         if body.get("model", served.name) != served.name:
             raise APIError(404, f"the model {body['model']!r} is not served here: {served.name!r} is (GET /v1/models)",
                            "model", code="model_not_found")
+
+    async def respond(request: Request, body: dict, ids: list[int], stop_ids: tuple, chat: bool, default_max):
+        check_model(body)
         ids, sampling, seed, n, stops = settings(body, ids, stop_ids, served.block_size, default_max)
         sequences = []
         loop = asyncio.get_running_loop()
@@ -127,13 +165,20 @@ def create_app(served: Served) -> FastAPI:
                 sequence = Sequence(ids, sampling, None if seed is None else seed + i)
                 sequence.events = Events(loop)
                 sequences.append(served.scheduler.submit(sequence))
-        except QueueFull as e:
+        except (QueueFull, SchedulerFailed) as e:
             for sequence in sequences:
                 served.scheduler.cancel(sequence)
+            if isinstance(e, SchedulerFailed):
+                raise worker_failed(str(e)) from None
             raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
                            kind="rate_limit_error") from None
         reply = Reply(served, chat, len(ids), n, body.get("stream_options") or {})
         if body.get("stream"):
+            # The status goes out with the first byte: a request still waiting for a slot when the worker fails is
+            # answered 500, one already streaming gets OpenAI's error event.
+            kind, value = await sequences[0].events.peek()
+            if kind == "failed":
+                raise worker_failed(value)
             return StreamingResponse(reply.stream(sequences, stops), media_type="text/event-stream")
         try:
             return JSONResponse(await reply.whole(sequences, stops, request))
@@ -207,13 +252,20 @@ class Events:
     """A sequence's events, put by the scheduler's thread, awaited on the server's event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
+        self.loop, self.queue, self.next = loop, asyncio.Queue(), None
 
     def put(self, event) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
+    async def peek(self):
+        """The next event, left for get()."""
+        if self.next is None:
+            self.next = await self.queue.get()
+        return self.next
+
     async def get(self):
-        return await self.queue.get()
+        event, self.next = self.next or await self.queue.get(), None
+        return event
 
 
 class Reply:
@@ -230,6 +282,10 @@ class Reply:
         text = TextStream(self.served.tokenizer, stops)
         while True:
             kind, value = await sequence.events.get()
+            if kind == "admitted":
+                continue
+            if kind == "failed":
+                raise worker_failed(value)
             if kind == "done":
                 yield index, text.rest(), value
                 return
@@ -267,9 +323,12 @@ class Reply:
             merged = asyncio.Queue()
 
             async def drain(index, sequence):
-                async for item in self.pieces(sequence, index, stops):
-                    await merged.put(item)
-                await merged.put(None)
+                try:
+                    async for item in self.pieces(sequence, index, stops):
+                        await merged.put(item)
+                    await merged.put(None)
+                except APIError as e:
+                    await merged.put(e)
 
             tasks += [asyncio.create_task(drain(i, s)) for i, s in enumerate(sequences)]
             finished = 0
@@ -278,12 +337,16 @@ class Reply:
                 if item is None:
                     finished += 1
                     continue
+                if isinstance(item, APIError):
+                    raise item
                 index, piece, reason = item
                 if piece or reason:
                     yield self.chunk(index, {"content": piece} if self.chat else piece, reason)
             if self.include_usage:
                 yield f"data: {json.dumps({**self.head(), 'choices': [], 'usage': self.usage()})}\n\n"
             yield "data: [DONE]\n\n"
+        except APIError as e:  # the worker died mid-stream: OpenAI's error event, which its clients raise
+            yield f"data: {json.dumps(e.body())}\n\n"
         finally:  # the client went away, or all is sent
             for sequence in sequences:
                 self.served.scheduler.cancel(sequence)

@@ -3,10 +3,14 @@
 step, its prompt prefilled into a free slot, and leaves the moment it finishes or is cancelled (its client went
 away), freeing the slot for the next in the queue. The model runs on the scheduler's one thread; requests come
 and go from any thread, each reading its tokens from its own queue as they are drawn.
+
+If that thread dies (a fault in the model, the device gone), every request it held and every later one is told
+so at once ("failed", the reason): a server whose model cannot run must not accept requests it will never answer.
 """
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -19,10 +23,15 @@ class QueueFull(Exception):
     """Every slot is busy and the waiting line is at its bound."""
 
 
+class SchedulerFailed(Exception):
+    """The scheduler's thread died: no request will be answered again."""
+
+
 @dataclass(eq=False)
 class Sequence:
-    """One sequence to generate: its events arrive on `events` as ("token", id) and finally ("done", reason), reason
-    "stop" (a stop id drawn), "length" (max_new_tokens) or "cancelled"."""
+    """One sequence to generate: its events arrive on `events` as ("admitted", None) when it leaves the queue for a
+    slot, ("token", id) for each token and finally ("done", reason), reason "stop" (a stop id drawn), "length"
+    (max_new_tokens) or "cancelled"; or at any point ("failed", why) if the scheduler died."""
     prompt: list[int]
     sampling: Sampling
     seed: int | None = None
@@ -35,21 +44,27 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, decoder: CachedDecoder, slots: int, max_waiting: int, observe=None):
-        """observe(event, request, value): the metrics' hook ("admitted", "token", "finished")."""
+    def __init__(self, decoder: CachedDecoder, slots: int, max_waiting: int, observe=None, on_failure=None):
+        """observe(event, request, value): the metrics' hook ("admitted", "token", "finished"). on_failure(error):
+        called once, on the scheduler's thread, if it dies (default: print the traceback)."""
         self.decoder, self.slots, self.max_waiting = decoder, slots, max_waiting
         self.observe = observe or (lambda *_: None)
+        self.on_failure = on_failure or traceback.print_exception
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # by slot
-        self.admitting = 0  # taken from the queue, their prompts being prefilled
+        self.admitting: list[Sequence] = []  # taken from the queue, their prompts being prefilled
         self.changed = threading.Condition()
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.failure: str | None = None  # why the scheduler's thread died
+        self.thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self.thread.start()
 
     def submit(self, request: Sequence) -> Sequence:
         with self.changed:
-            if len(self.running) + self.admitting == self.slots and len(self.waiting) >= self.max_waiting:
+            if self.failure:
+                raise SchedulerFailed(self.failure)
+            # Counted whole: a burst lands in the queue before the loop has moved any of it into a free slot.
+            if len(self.running) + len(self.admitting) + len(self.waiting) >= self.slots + self.max_waiting:
                 raise QueueFull(f"{self.slots} requests running and {len(self.waiting)} waiting")
             request.generator = torch.Generator().manual_seed(request.seed if request.seed is not None
                                                                else torch.seed())
@@ -68,13 +83,31 @@ class Scheduler:
     def stats(self) -> tuple[int, int]:
         """(requests waiting, slots in use)."""
         with self.changed:
-            return len(self.waiting), len(self.running) + self.admitting
+            return len(self.waiting), len(self.running) + len(self.admitting)
 
     def close(self) -> None:
         with self.changed:
             self.stopping = True
             self.changed.notify()
         self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # anything that ends the thread ends every request with it
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        with self.changed:
+            self.failure = f"the model's worker failed ({type(error).__name__}: {error})"
+            held = [*self.waiting, *self.admitting, *self.running.values()]
+            self.waiting.clear()
+            self.admitting.clear()
+            self.running.clear()
+        for request in held:
+            request.events.put(("failed", self.failure))
+            self.observe("finished", request, "failed")
+        self.on_failure(error)
 
     @torch.no_grad()
     def _loop(self) -> None:
@@ -91,15 +124,16 @@ class Scheduler:
                         request.events.put(("done", request.cancelled))
                         self.observe("finished", request, request.cancelled)
                     else:
+                        request.events.put(("admitted", None))
                         admitted.append(request)
-                self.admitting = len(admitted)
+                self.admitting = list(admitted)
             for slot, request in cancelled:
                 self._finish(slot, request, request.cancelled)
             for request in admitted:
                 slot, logits = self.decoder.start(request.prompt)
                 with self.changed:
                     self.running[slot] = request
-                    self.admitting -= 1
+                    self.admitting.remove(request)
                 self.observe("admitted", request, None)
                 self._draw(slot, request, logits)
             feeding = {slot: [r.pending] for slot, r in self.running.items()

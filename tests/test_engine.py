@@ -4,6 +4,7 @@ checkpointing that really recomputes, and checkpoints written in the background.
 import dataclasses
 import os
 import threading
+import time
 from unittest import mock
 
 import deepspeed
@@ -293,7 +294,9 @@ def test_the_files_are_the_bytes_of_a_synchronous_save(engine, tmp_path):
 
 def test_training_goes_on_during_the_write_and_the_checkpoint_counts_once_it_is_down(engine, tmp_path):
     """The writer's thread held inside its first file: the loop steps on, the files keep the saved step's
-    state, and until every file is down the previous checkpoint is the one a resume (or a kill) finds."""
+    state, and until every file is down the previous checkpoint is the one a resume (or a kill) finds: whenever the
+    manifest or `latest` is written, no file of the writer's is unfinished and the files are the synchronous
+    save's."""
     writer = engine.checkpoint_engine = BackgroundWriter(engine._config)
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     save(engine, out, 2)
@@ -301,14 +304,24 @@ def test_training_goes_on_during_the_write_and_the_checkpoint_counts_once_it_is_
     train_steps(engine, 1)
     engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
     save(engine, tmp_path / "sync", 3)  # what the background save of step 3 must write
+    sync = deepspeed_files(tmp_path / "sync" / "checkpoints" / "step_000003")
     engine.checkpoint_engine = writer
-    release, write = threading.Event(), getattr(background_save, "write_state")
+    release, write, write_atomic = threading.Event(), background_save.write_state, checkpoint.write_atomic
+    completions = []
 
     def held(*args):
         release.wait(timeout=60)
+        time.sleep(0.3)  # a completion that did not wait for the files comes in here
         write(*args)
 
-    with mock.patch.object(background_save, "write_state", held):
+    def completing(path, data):
+        if os.path.basename(path) in (checkpoint.MANIFEST, checkpoint.LATEST) and "step_000003" in str(path) + str(data):
+            completions.append((os.path.basename(path), writer._files.unfinished_tasks,
+                                deepspeed_files(root / "step_000003") == sync))
+        write_atomic(path, data)
+
+    with mock.patch.object(background_save, "write_state", held), mock.patch.object(checkpoint, "write_atomic",
+                                                                                    completing):
         save(engine, out, 3)
         train_steps(engine, 2)  # the weights and optimizer states move on while the files are written
         assert checkpoint.settle(engine, wait=False) is None
@@ -318,6 +331,7 @@ def test_training_goes_on_during_the_write_and_the_checkpoint_counts_once_it_is_
         assert checkpoint.read_run_state(str(root / "step_000002"))["step"] == 2
         release.set()
         assert checkpoint.settle(engine) == "step_000003"
+    assert completions == [(checkpoint.MANIFEST, 0, True), (checkpoint.LATEST, 0, True)]
     assert checkpoint.find_checkpoint(str(out)) == str(root / "step_000003")
     assert checkpoint.read_run_state(str(root / "step_000003"))["step"] == 3
     assert deepspeed_files(root / "step_000003") == deepspeed_files(tmp_path / "sync" / "checkpoints" / "step_000003")

@@ -13,10 +13,12 @@ from common.checks import ConfigError
 from data.pairs import PairData
 from data.prepare_preference import prepare_preference
 from data.token_data import IGNORE
+from hf_check import transformers_model
+from model.config import ModelConfig
 from model.sequence_parallel import SequenceParallel
 from training.config import DEFAULT_CONFIG, load_run_config
 from training.preference import Objective, pair_losses
-from training.reference import check_reference, reference_path
+from training.reference import check_reference, fingerprint, reference_path
 from training.startup import choose_objective
 from training.topology import Layout
 
@@ -197,3 +199,14 @@ def test_rows_scored_in_chunks_give_the_whole_batchs_sums_and_gradients():
     whole = F.cross_entropy(logits[..., :33].reshape(-1, 33), targets.reshape(-1), reduction="none").view(4, 12)
     assert torch.allclose(sums[0][0], whole.sum(-1)) and torch.equal(sums[0][0], sums[1][0])
     assert torch.allclose(sums[0][1], sums[1][1], atol=1e-7) and sums[1][1][..., 33:].abs().max() == 0
+
+
+def test_the_references_fingerprint_is_of_the_weights_and_config_not_the_folder(tmp_path):
+    shape = ModelConfig(arch="llama", n_layer=1, n_head=2, n_embd=16, ffn_hidden=32, block_size=16, vocab_size=50)
+    for name, seed in (("a", 1), ("a_again", 1), ("b", 2)):
+        transformers_model(shape, tmp_path / name, seed=seed)
+    assert fingerprint(str(tmp_path / "a")) == fingerprint(str(tmp_path / "a_again"))
+    assert fingerprint(str(tmp_path / "a")) != fingerprint(str(tmp_path / "b"))
+    config = json.loads((tmp_path / "a_again" / "config.json").read_text())
+    (tmp_path / "a_again" / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    assert fingerprint(str(tmp_path / "a")) != fingerprint(str(tmp_path / "a_again"))

@@ -200,14 +200,17 @@ def test_ipo_equals_trls_trainer_on_the_same_pairs(setup, runs):
 
 
 def test_a_stopped_run_resumes_exactly_with_its_reference(setup, layouts):
-    """Stopped at step 2 and resumed (the reference read back by the fingerprint its checkpoint names), the steps
-    after are the uninterrupted run's; with the reference gone, the resume stops at start."""
+    """Stopped at step 2 and resumed (the reference read back by the fingerprint its checkpoint names, though
+    train.init_from's weights changed in between), the steps after are the uninterrupted run's; with the reference
+    gone, the resume stops at start."""
     procs, ds_config, overrides = LAYOUTS["one"]
     run, data = layouts["one"]
-    model = setup["root"] / "wide"
+    model = setup["root"] / "wide_then_changed"
+    shutil.copytree(setup["root"] / "wide", model)
     settings = [*LLAMA, *MOVING, *overrides, f"train.init_from={model}"]
     out = setup["root"] / "resumed"
     launch(procs, ds_config, out, str(data), [*settings, "train.stop_at_step=2"])
+    transformers_model(WIDE, model, seed=10)  # another model in the folder now: its fingerprint names no reference
     proc = launch(procs, ds_config, out, str(data), settings)
     assert "resumed from" in proc.stdout and "reference log-probabilities read from" in proc.stdout
     assert step_figures(out)[-6:] == pytest.approx(step_figures(run)[-6:], abs=1e-6)

@@ -29,17 +29,15 @@ KEY = "test-key-0123"
 MESSAGE = "Reverse: king crown night"
 
 
-@pytest.fixture(scope="module")
-def chat_export(tmp_path_factory) -> str:
+def chat_model_export(folder, block_size: int) -> str:
     from data.prepare_chat import prepare_chat
     from training.export import write_export
 
-    folder = tmp_path_factory.mktemp("serve")
     tasks = folder / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(50, seed=1)))
     prepare_chat([str(tasks)], str(folder / "data"), "char", context=64, val_fraction=0.1)
     meta = json.loads((folder / "data" / "meta.json").read_text())
-    cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=128,
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=block_size,
                       vocab_size=meta["vocab_size"])
     model = build_model(cfg, seed=1)
     with torch.no_grad():  # weights that make each next token clear: greedy paths never hang on a near tie
@@ -48,12 +46,18 @@ def chat_export(tmp_path_factory) -> str:
     return write_export(str(folder / "export"), cfg, model.state_dict(), meta, step=0, data_dir=str(folder / "data"))
 
 
+@pytest.fixture(scope="module")
+def chat_export(tmp_path_factory) -> str:
+    return chat_model_export(tmp_path_factory.mktemp("serve"), block_size=128)
+
+
 class Server:
-    def __init__(self, export: str, *args: str):
+    def __init__(self, export: str, *args: str, script=("-m", "scripts.serve"), env: dict | None = None):
+        """`script`: how the server is started (tests/fault_serve.py slows or breaks its decoder, through env)."""
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--export", export, "--port",
-                                      str(self.port), "--slots", "4", *args], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen([sys.executable, *script, "--export", export, "--port", str(self.port),
+                                      "--slots", "4", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -222,9 +226,27 @@ def browser():
     driver.quit()
 
 
-def test_the_page_streams_a_multi_turn_chat_as_the_api_answers_it(server, browser):
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """A server of the README's fine-tuned preset's context (64 tokens): a conversation outgrows it in two turns."""
+    served = Server(chat_model_export(tmp_path_factory.mktemp("small"), block_size=64))
+    yield served
+    code, output = served.stop()
+    assert code == 0 and "Traceback" not in output, output
+
+
+def tokens(server, messages) -> int:
+    return httpx.post(f"{server.url}/tokenize", json={"model": "export", "messages": messages}, timeout=30
+                      ).json()["count"]
+
+
+def test_the_page_streams_a_chat_past_a_small_context_keeping_its_newest_turns(small_server, browser):
+    """Three turns with the page's default max tokens (the rest of the context): each answer streams in as the API
+    gives it for the turns the page kept, the newest that leave a quarter of the context for the answer; the older
+    ones are greyed, and the page says so once."""
     from selenium.webdriver.support.ui import WebDriverWait
 
+    server, context = small_server, 64
     browser.get(f"{server.url}/")
     WebDriverWait(browser, 30).until(lambda b: b.find_element("id", "model").text == "export")
     # Every text the answer shows on its way: more than one means it streamed in, not arrived whole.
@@ -232,38 +254,100 @@ def test_the_page_streams_a_multi_turn_chat_as_the_api_answers_it(server, browse
         const answers = document.querySelectorAll('#log .assistant');
         if (answers.length) window.seen.push(answers[answers.length - 1].textContent);
     }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});""")
-    browser.find_element("id", "max_tokens").clear()
-    browser.find_element("id", "max_tokens").send_keys("12")  # two turns within the context of 128
-    messages = []
-    for message in (MESSAGE, "Reverse: king"):
+    conversation = []
+    for turn, message in enumerate((MESSAGE, "Reverse: king", "Reverse: night crown")):
         browser.execute_script("window.seen = []")
         browser.find_element("id", "message").send_keys(message)
         browser.find_element("id", "go").click()
-        answered = len(messages) // 2
-        WebDriverWait(browser, 60).until(lambda b: len(b.find_elements("css selector", "[data-done=true]")) > answered)
+        WebDriverWait(browser, 60).until(lambda b: len(b.find_elements("css selector", "[data-done=true]")) > turn)
         shown = browser.find_elements("css selector", "#log .assistant")[-1].get_attribute("textContent")
-        messages.append({"role": "user", "content": message})
-        api = server.client().chat.completions.create(model="export", messages=messages, temperature=0,
-                                                      max_tokens=12).choices[0].message.content
-        assert shown == api and api
+        conversation.append({"role": "user", "content": message})
+        kept = [m for m, div in zip(conversation, browser.find_elements("css selector", "#log div"))
+                if "left-out" not in div.get_attribute("class")]
+        assert kept[0]["role"] == "user" and kept[-1] == conversation[-1]
+        assert len(kept) == 1 or tokens(server, kept) + context // 4 <= context  # they fit, with room to answer
+        if len(kept) < len(conversation):  # and one exchange more would not
+            assert tokens(server, conversation[-len(kept) - 2:]) + context // 4 > context
+        api = server.client().chat.completions.create(model="export", messages=kept, temperature=0)
+        assert shown == api.choices[0].message.content and shown
         assert len(set(browser.execute_script("return window.seen"))) > 2  # it grew as the tokens came
-        messages.append({"role": "assistant", "content": shown})
+        conversation.append({"role": "assistant", "content": shown})
     shown = [e.get_attribute("textContent") for e in browser.find_elements("css selector", "#log div")]
-    assert shown == [m["content"] for m in messages]
+    assert shown == [m["content"] for m in conversation]
+    left_out = browser.find_elements("css selector", "#log .left-out")
+    assert left_out and browser.find_element("id", "notice").is_displayed()
+    assert browser.find_element("id", "notice").text == (
+        f"Older turns no longer fit the model's context of {context} tokens with room for an answer: the model sees "
+        "the newest turns only (the greyed ones are left out).")
 
 
-def test_with_a_key_every_request_carries_it(chat_export):
+def guarded_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route of the app outside its open paths: a new route is in this list by itself."""
+    from fastapi.routing import APIRoute
+
+    from serving.api import OPEN_PATHS, create_app
+
+    app = create_app(served=None)  # the routes only: no handler runs
+    return sorted((method, route.path) for route in app.routes if isinstance(route, APIRoute)
+                  for method in route.methods if route.path not in OPEN_PATHS)
+
+
+# A body each POST route answers 200 with the key.
+GOOD_BODIES = {"/v1/completions": {"model": "export", "prompt": "Reverse: a", "max_tokens": 2},
+               "/v1/chat/completions": {"model": "export", "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 2},
+               "/tokenize": {"model": "export", "prompt": "Reverse: a"}}
+
+
+def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wrong_one(chat_export):
+    routes = guarded_routes()
+    assert {("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+            ("POST", "/tokenize")} <= set(routes)
     served = Server(chat_export, "--api_key", KEY)
     try:
+        for method, path in routes:
+            body = GOOD_BODIES.get(path) if method == "POST" else None
+            assert method == "GET" or body, f"{method} {path}: a new route needs a body in GOOD_BODIES"
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                response = httpx.request(method, served.url + path, json=body, headers=headers, timeout=30)
+                assert response.status_code == 401, (method, path, headers, response.text)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+            response = httpx.request(method, served.url + path, json=body, timeout=30,
+                                     headers={"Authorization": f"Bearer {KEY}"})
+            assert response.status_code == 200, (method, path, response.text)
+        for path in ("/", "/health"):  # the page asks for the key itself; a load balancer's probe has none
+            assert httpx.get(served.url + path, timeout=30).status_code == 200
         import openai
 
         with pytest.raises(openai.AuthenticationError):
-            served.client("wrong").models.list()
-        assert httpx.get(f"{served.url}/metrics").status_code == 401
+            served.client("wrong").completions.create(model="export", prompt="Reverse: a", max_tokens=2)
         assert served.client(KEY).models.list().data[0].id == "export"
     finally:
         code, output = served.stop()
     assert code == 0 and KEY not in output
+
+
+def test_seeded_samples_are_the_same_alone_twice_and_in_a_batch(server):
+    def sample(seed: int, **options) -> list[str]:
+        reply = server.client().completions.create(model="export", prompt="Reverse: king crown", max_tokens=24,
+                                                   temperature=1, seed=seed, **options)
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    alone = [sample(10 + i)[0] for i in range(4)]
+    assert len(set(alone)) == 4  # the seeds draw different texts: the comparisons below can fail
+    assert sample(10, n=4) == alone  # one request's n sequences take seeds 10..13, in one batch from the start
+    assert [sample(10 + i)[0] for i in range(4)] == alone
+    together = [None] * 4
+
+    def request(i):
+        together[i] = sample(10 + i)[0]
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert together == alone
 
 
 def test_start_refuses_a_missing_export_one_without_its_tokenizer_and_a_port_in_use(tmp_path, chat_export, server):
@@ -306,3 +390,124 @@ def test_completions_continue_a_prompt_as_sample_does(server, chat_export):
                    "0", "--max_new_tokens", "5"]).stdout
     assert "Reverse: a b" + reply.choices[0].text == sampled[:-1]
     assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens == len("Reverse: a b")
+
+
+def wait_for(condition, what: str, seconds: float = 30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        time.sleep(0.05)
+
+
+def test_a_dead_worker_answers_every_request_500_turns_health_503_and_exits_1(chat_export, tmp_path):
+    """A fault in the decoder while one stream runs and two requests wait for the one slot: the stream ends in
+    OpenAI's error event, the waiting ones and every later one are 500s naming the failure, /health turns 503, the
+    traceback is printed once and the process exits 1."""
+    import openai
+
+    from fault_serve import FAULT
+
+    trigger = tmp_path / "fail-now"
+    served = Server(chat_export, "--slots", "1", script=("tests/fault_serve.py",),
+                    env={"MEGALITE_SERVE_STEP_S": "0.02", "MEGALITE_SERVE_FAULT": str(trigger)})
+    outcomes = {}
+
+    def call(name, stream):
+        try:
+            reply = chat(served, max_tokens=80, stream=stream, extra_body={"ignore_eos": True})
+            outcomes[name] = "".join(c.choices[0].delta.content or "" for c in reply) if stream else reply
+        except openai.APIError as e:
+            outcomes[name] = e
+
+    try:
+        threads = [threading.Thread(target=call, args=("running", True))]
+        threads[0].start()
+        wait_for(lambda: metric(served, "megalite_slots_in_use") == 1, "the stream holds the slot")
+        threads += [threading.Thread(target=call, args=(name, stream)) for name, stream in
+                    (("waiting", False), ("waiting stream", True))]
+        for t in threads[1:]:
+            t.start()
+        wait_for(lambda: metric(served, "megalite_queue_length") == 2, "two requests wait")
+        trigger.touch()
+        for t in threads:
+            t.join(timeout=60)
+        failure = f"the model's worker failed (RuntimeError: {FAULT})"
+        assert isinstance(outcomes["running"], openai.APIError) and failure in str(outcomes["running"])
+        for name in ("waiting", "waiting stream"):
+            assert isinstance(outcomes[name], openai.InternalServerError) and failure in outcomes[name].message
+        health = httpx.get(f"{served.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "failed", "error": failure}
+        later = httpx.post(f"{served.url}/v1/completions", json={"prompt": "Reverse: a"}, timeout=10)
+        assert later.status_code == 500 and later.json()["error"]["message"].startswith(failure)
+        output = served.proc.communicate(timeout=60)[0]
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+    assert served.proc.returncode == 1, output
+    assert output.count("Traceback") == 1 and f"RuntimeError: {FAULT}" in output, output
+    assert f"error: {failure}; answering 500 for" in output
+
+
+def test_a_burst_past_slots_and_queue_leaves_the_server_as_it_was(chat_export):
+    """Good streams, clients that vanish mid-stream, malformed and out-of-range bodies, all at once against 2 slots
+    and 2 queue places (the decoder at a larger model's pace, so the burst outlasts its arrival): each good
+    stream is its lone answer or a 429, each bad body its 4xx, no 5xx and no traceback; afterwards every slot and
+    queue place is free and the server answers as before."""
+    served = Server(chat_export, "--slots", "2", "--max_queue", "2", script=("tests/fault_serve.py",),
+                    env={"MEGALITE_SERVE_STEP_S": "0.01"})
+    messages = [f"Reverse: {w}" for w in ("king crown", "night king night", "crown")]
+    good = {"model": "export", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    try:
+        before = [chat(served, m, max_tokens=20).choices[0].message.content for m in messages]
+        alone = {m: chat(served, m, max_tokens=good["max_tokens"], extra_body={"ignore_eos": True}
+                         ).choices[0].message.content for m in messages}
+        results, start = [], threading.Barrier(6 + 3 + len(BAD))
+
+        def stream(message):
+            start.wait()
+            body = {**good, "messages": [{"role": "user", "content": message}], "stream": True}
+            with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as response:
+                if response.status_code != 200:
+                    results.append(("good", response.status_code, json.loads(response.read())["error"]))
+                    return
+                text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                               for line in response.iter_lines() if line.startswith("data: {"))
+                results.append(("good", 200, (message, text)))
+
+        def vanish():
+            start.wait()
+            body = {**good, "messages": [{"role": "user", "content": MESSAGE}], "stream": True}
+            with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as response:
+                if response.status_code == 200:
+                    next(response.iter_lines())
+                results.append(("vanished", response.status_code, None))
+
+        def bad(body, status, message):
+            start.wait()
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = httpx.post(f"{served.url}/v1/chat/completions", content=content, timeout=60,
+                                  headers={"content-type": "application/json"})
+            results.append(("bad", response.status_code, (status, message, response.json()["error"]["message"])))
+
+        threads = [threading.Thread(target=stream, args=(messages[i % 3],)) for i in range(6)]
+        threads += [threading.Thread(target=vanish) for _ in range(3)]
+        threads += [threading.Thread(target=bad, args=case) for case in BAD]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(results) == len(threads)
+        assert all(status < 500 for _, status, _ in results), results
+        streams = [(status, value) for kind, status, value in results if kind == "good"]
+        assert {status for status, _ in streams} <= {200, 429}
+        assert any(status == 429 for kind, status, _ in results if kind != "bad")  # the burst overflowed
+        for status, value in streams:
+            assert value[1] == alone[value[0]] if status == 200 else value["code"] == "queue_full", value
+        for _, status, (expected, start_of_message, message) in (r for r in results if r[0] == "bad"):
+            assert status == expected and message.startswith(start_of_message)
+        wait_for(lambda: metric(served, "megalite_slots_in_use") == 0 == metric(served, "megalite_queue_length"),
+                 "every slot and queue place free")
+        assert [chat(served, m, max_tokens=20).choices[0].message.content for m in messages] == before
+    finally:
+        code, output = served.stop()
+    assert code == 0 and "Traceback" not in output, output
