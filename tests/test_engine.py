@@ -315,8 +315,9 @@ def test_training_goes_on_during_the_write_and_the_checkpoint_counts_once_it_is_
         write(*args)
 
     def completing(path, data):
-        if os.path.basename(path) in (checkpoint.MANIFEST, checkpoint.LATEST) and "step_000003" in str(path) + str(data):
-            completions.append((os.path.basename(path), writer._files.unfinished_tasks,
+        name = os.path.basename(path)
+        if name in (checkpoint.MANIFEST, checkpoint.LATEST) and "step_000003" in str(path) + str(data):
+            completions.append((name, writer._files.unfinished_tasks,
                                 deepspeed_files(root / "step_000003") == sync))
         write_atomic(path, data)
 

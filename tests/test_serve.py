@@ -1,9 +1,11 @@
 """`python -m scripts.serve` on a free loopback port, talked to by the official `openai` client and httpx: answers
 equal to `sample.py --chat` and transformers' generate on the export (greedy), streamed deltas adding up to the
-same text, exact finish reasons and token counts, four concurrent streams each getting what it gets alone, a
-client vanishing mid-stream freeing its slot, OpenAI's error body for each bad input with the server going on,
-the API key, refusals at start, and Ctrl-C. The model: a chat-tuned Llama's shape with random weights, exported
-with the chat template of real prepared conversations."""
+same text, exact finish reasons and token counts, four concurrent streams each getting what it gets alone, seeded
+samples alike alone, twice and in a batch, a client vanishing mid-stream freeing its slot, OpenAI's error body for
+each bad input with the server going on, the API key on every route the app has, refusals at start, Ctrl-C, a
+worker that dies (500s, a 503 health, exit 1), a burst past the slots and queue, and the chat page in headless
+Chromium at a 64-token context. The model: a chat-tuned Llama's shape with random weights, exported with the chat
+template of real prepared conversations."""
 import json
 import os
 import re
