@@ -11,6 +11,9 @@ and the NCCL version, and the job measures its all-reduce bus bandwidth (NCCL-te
 below --min_busbw (GB/s). Rank 0 prints one line per rank and the world = dp x pp layout; the exit code is 0
 only if every check passed on every rank.
 """
+import common  # noqa: F401 (first: its filter of DeepSpeed's log must be in place before DeepSpeed is imported)
+
+# isort: split
 import os
 import socket
 import time

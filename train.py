@@ -9,6 +9,9 @@
 The ds_config JSON owns the engine (batch, ZeRO, precision, clipping, pipeline stages, tensor-parallel
 degree); the run YAML owns everything else.
 """
+import common  # noqa: F401 (first: its filter of DeepSpeed's log must be in place before DeepSpeed is imported)
+
+# isort: split
 import functools
 import json
 import os

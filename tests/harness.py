@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fresh_clone(folder) -> str:
+    """The repo's files copied into `folder` as a clone has them: tracked and new ones, nothing ignored (no prepared
+    data, no out/), for a test that must not see what this checkout has run."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    for name in files:
+        if os.path.isfile(os.path.join(REPO, name)):
+            os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), os.path.join(folder, name))
+    return str(folder)
 
 
 def _checked(proc, what: str, check: bool):

@@ -47,6 +47,10 @@ def test_each_tool_as_typed(paths, inputs, cmd, damage, message):
 # `error:` line and exit 2 too, naming the tool as the user typed it (common.checks.ToolParser).
 BAD_COMMAND_LINES = [
     ("train.py", ["--bogus"], "error: train.py: unrecognized arguments: --bogus; fix: see train.py --help"),
+    ("train.py", ["train.init_from=..."], "error: override 'train.init_from=...': YAML cannot read the value '...' "
+                                          "(did not find expected node content); fix: give a value there"),
+    ("train.py", ["ds.zero_optimization.stage=[1"], "error: override 'ds.zero_optimization.stage=[1': YAML cannot "
+                                                    "read the value '[1'"),
     ("preflight.py", ["--min_busbw", "x"], "error: preflight.py: argument --min_busbw: invalid float value: 'x'"),
     ("sample.py", [], "error: sample.py: one of the arguments --out_dir --export is required"),
     ("-m data.prepare", ["--workers", "x"], "error: python -m data.prepare: argument --workers: invalid int value: "
@@ -64,7 +68,8 @@ BAD_COMMAND_LINES = [
 ]
 
 
-@pytest.mark.parametrize("tool, args, message", BAD_COMMAND_LINES, ids=[row[0] for row in BAD_COMMAND_LINES])
+@pytest.mark.parametrize("tool, args, message", BAD_COMMAND_LINES, ids=[" ".join([row[0], *row[1]])
+                                                                      for row in BAD_COMMAND_LINES])
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package")  # runpy on imported modules
 def test_a_bad_command_line_is_one_error_line(tool, args, message, monkeypatch, capsys):
     """In this process through each tool's `__main__` block, but for the two that set up a rank (signal handlers,

@@ -15,7 +15,7 @@ import common.checks
 import data.token_data
 from common.checks import ConfigError
 from data.token_data import TokenData
-from harness import REPO, TINY, train_py
+from harness import TINY, fresh_clone, train_py
 from refusals import assert_one_error_line
 
 # What each start-up line begins with, in order, in a fresh one-process run of the quickstart's GPT on
@@ -77,18 +77,20 @@ def test_the_full_configuration_is_written_always_and_printed_on_request(short_r
 
 def test_missing_data_read_from_another_folder_is_named_with_a_fix_that_works_there(tmp_path, shakespeare_path,
                                                                                     monkeypatch):
-    """`cd docs && python ../train.py`: data/shakespeare_char is read from docs/. The error names that place, and
-    the command it gives, typed there, prepares the dataset that train.py then opens from there."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "train.max_steps=1"], cwd=tmp_path,
+    """`cd docs && python ../train.py` in a fresh clone: data/shakespeare_char is read from docs/. The error names
+    that place, and the command it gives, typed there, prepares the dataset that train.py then opens from there."""
+    repo, here = fresh_clone(tmp_path / "clone"), tmp_path / "elsewhere"  # not this checkout: it may hold the data
+    here.mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(repo, "train.py"), "train.max_steps=1"], cwd=here,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
     assert proc.returncode == 2
-    command = (f"python {REPO}/data/prepare.py --input PATH/TO/text.txt --out_dir data/shakespeare_char")
-    assert_one_error_line(proc.stderr, f"no prepared dataset in {tmp_path}/data/shakespeare_char (meta.json missing: "
-                                       f"data/shakespeare_char is read from the current folder, {tmp_path}, not the "
+    command = (f"python {repo}/data/prepare.py --input PATH/TO/text.txt --out_dir data/shakespeare_char")
+    assert_one_error_line(proc.stderr, f"no prepared dataset in {here}/data/shakespeare_char (meta.json missing: "
+                                       f"data/shakespeare_char is read from the current folder, {here}, not the "
                                        f"repo's root); prepare it with: {command}$", {})
     argv = command.replace("PATH/TO/text.txt", shakespeare_path).split()
-    subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, check=True, capture_output=True, timeout=300)
-    monkeypatch.chdir(tmp_path)
+    subprocess.run([sys.executable, *argv[1:]], cwd=here, check=True, capture_output=True, timeout=300)
+    monkeypatch.chdir(here)
     assert TokenData("data/shakespeare_char", None, 32).meta["vocab_size"] == 65
 
 

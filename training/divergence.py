@@ -13,8 +13,10 @@ already reads the loss, at each log interval, and before each save, so a non-fin
              so the data order moves on past the ones that diverged; stop after train.max_rewinds rewinds
 
 A spike is a finite loss above train.spike_factor times its recent mean (an average over about
-train.spike_window steps, of finite losses that were not spikes): logged as a warning with its step and, with
-train.on_spike stop or rewind, acted on as a non-finite step would be.
+train.spike_window steps, of finite losses that were not spikes) and above it by train.spike_min_rise at least:
+logged as a warning with its step and, with train.on_spike stop or rewind, acted on as a non-finite step would
+be. The rise is an absolute floor beside the ratio: near a loss of 0, where a fine-tuned model's losses sit, a
+ratio of 10 is noise (0.003 to 0.03).
 """
 import os
 from dataclasses import dataclass
@@ -45,8 +47,8 @@ class Verdict:
 class Watch:
     """The device-side record of a rank's steps between two reads."""
 
-    def __init__(self, spike_factor: float, spike_window: int, device: torch.device):
-        self.factor, self.window = spike_factor, spike_window
+    def __init__(self, spike_factor: float, spike_window: int, device: torch.device, spike_min_rise: float = 0.0):
+        self.factor, self.window, self.min_rise = spike_factor, spike_window, spike_min_rise
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.mean, self.seen, self.streak = zero.clone(), zero.clone(), zero.clone()
         self._clear(zero)
@@ -68,7 +70,8 @@ class Watch:
         self.longest = torch.maximum(self.longest, self.streak)
         if not self.factor:
             return
-        spike = ~bad & (self.seen >= self.window) & (loss > self.factor * self.mean)
+        spike = ~bad & (self.seen >= self.window) & (loss > self.factor * self.mean) & \
+            (loss - self.mean > self.min_rise)
         self.ratio = torch.where(spike & (self.spike == NONE), loss / self.mean, self.ratio)
         self.spike = torch.where(spike, self.spike.clamp(max=step), self.spike)
         counted = ~bad & ~spike  # an average of ordinary steps: the running mean, then a moving one
@@ -123,7 +126,7 @@ class Guard:
 
     def __init__(self, train, engine, print0: Callable[[str], None], log):
         self.cfg, self.engine, self.print0, self.log = train, engine, print0, log
-        self.watch = Watch(train.spike_factor, train.spike_window, engine.device)
+        self.watch = Watch(train.spike_factor, train.spike_window, engine.device, train.spike_min_rise)
         self.root = checkpoint.checkpoint_root(train.out_dir)
         self.rewinds = 0
         self.found_inf = skip_nonfinite_updates(engine)  # None: DeepSpeed's optimizer skips and counts them
@@ -142,7 +145,8 @@ class Guard:
         step rewound to, the batches skipped from now on). A stop raises Diverged."""
         if verdict.spike is not None:
             self.print0(f"WARNING: step {verdict.spike}: a loss spike, {verdict.spike_ratio:.1f}x the recent mean "
-                     f"(train.spike_factor {self.cfg.spike_factor:g})")
+                        f"(train.spike_factor {self.cfg.spike_factor:g}, train.spike_min_rise "
+                        f"{self.cfg.spike_min_rise:g})")
             self.log(verdict.spike, loss_spike=verdict.spike_ratio)
         if verdict.first_bad is not None:
             problem = f"step {verdict.first_bad}: the loss or gradient norm is not finite"

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common.checks import ConfigError, existing_file
-from training.config import REPO_ROOT
+from training.config import DS_PREFIX, REPO_ROOT, read_overrides
 
 
 def load_ds_config(path: str, overrides: list[str]) -> dict:
@@ -29,7 +29,7 @@ def load_ds_config(path: str, overrides: list[str]) -> dict:
                           f"of DeepSpeed settings, e.g. {{\"train_micro_batch_size_per_gpu\": 12}}")
     if overrides:
         try:
-            merged = OmegaConf.merge(OmegaConf.create(ds), OmegaConf.from_dotlist(overrides))
+            merged = OmegaConf.merge(OmegaConf.create(ds), read_overrides(overrides, DS_PREFIX))
         except OmegaConfBaseException as e:
             raise ConfigError(f"bad ds override {overrides}: {str(e).splitlines()[0]}") from None
         ds = OmegaConf.to_container(merged)

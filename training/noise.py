@@ -9,15 +9,17 @@ import warnings
 
 import torch
 
+from common import DropMessage
+
 
 def silence_known_noise() -> None:
     # DeepSpeed's WarmupCosineLR.get_lr (runtime/lr_schedules.py) warns when asked before its first step: the
     # engine asks while it is built, and training/optim.py start_schedule steps it right after.
     logging.getLogger("DeepSpeed").addFilter(
-        _DropMessage("Attempting to get learning rate from scheduler before it has started"))
+        DropMessage("Attempting to get learning rate from scheduler before it has started"))
     # WarmupCosineLR.__init__ warns on every rank when the run is shorter than its warm-up; the run says it once,
     # in its own words, with what it means for the learning rate (training/optim.py schedule_note).
-    logging.getLogger("DeepSpeed").addFilter(_DropMessage(" is less than warmup_num_steps "))
+    logging.getLogger("DeepSpeed").addFilter(DropMessage(" is less than warmup_num_steps "))
     # DeepSpeed's ZeRO-1/2 gathers partitions with torch.distributed.all_gather_into_tensor, which torch
     # deprecates by name only; every rank printed it at its first step.
     warnings.filterwarnings("ignore", message=r"`torch.distributed.all_gather_into_tensor` is deprecated",
@@ -55,15 +57,6 @@ def silence_known_noise() -> None:
     from deepspeed.runtime.pipe.module import PipelineModule
     if hasattr(PipelineModule, "_synchronize_tied_weights"):
         PipelineModule._synchronize_tied_weights = _without_autograd(PipelineModule._synchronize_tied_weights)
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
 
 
 def _drop_prints(module, *patterns: str) -> None:

@@ -279,6 +279,8 @@ def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str |
     if not cfg.model.document_masking:
         return None
     if not data.positions:
+        if data.KIND != "text":  # each row one conversation, or one side of a pair: nothing to mask, nothing to say
+            return None
         return "document masking: on, but the data has no document delimiter (one document): nothing to mask"
     kernel = KERNEL_NAMES[document_kernel(device.type, cfg.model.dropout)]
     return f"document masking: attention within each document, positions from its start; kernel: {kernel}"

@@ -1,0 +1,55 @@
+"""The command blocks of the docs a newcomer follows after the README (preference tuning, mixture of experts,
+evaluation), each run in order on a fresh clone where the README's quickstart has run, as pasted, shortened and
+offline as tests/doc_commands.py makes them: a doc line that fails after the one before it, or prints a traceback
+or known noise, turns the suite red. A block that needs a download or a GPU is marked in its doc, and checked here
+as far as one machine can: its train.py settings load."""
+import os
+import re
+import shlex
+
+import pytest
+
+from doc_commands import bash_blocks, check_in_order
+from harness import REPO, fresh_clone
+
+DOCS = ["docs/preference.md", "docs/moe.md", "docs/evaluation.md"]
+
+
+@pytest.fixture(scope="module")
+def after_quickstart(tmp_path_factory) -> str:
+    """A fresh clone where the README's first command has run (data/shakespeare_char, out/quickstart)."""
+    clone = fresh_clone(tmp_path_factory.mktemp("newcomer"))
+    check_in_order(bash_blocks("README.md", "Quickstart")[0][1][:1], clone)
+    return clone
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("doc", DOCS)
+def test_a_docs_command_blocks_work_in_order_after_the_quickstart(after_quickstart, doc):
+    commands = [command for elsewhere, block in bash_blocks(doc) if elsewhere is None for command in block]
+    assert commands, doc
+    check_in_order(commands, after_quickstart)
+
+
+def test_the_blocks_not_run_here_name_settings_that_load():
+    from training.config import load_run_config, parse_args, split_overrides
+    from training.ds_config import load_ds_config
+    elsewhere = [command for doc in DOCS for reason, block in bash_blocks(doc) if reason for command in block]
+    assert len(elsewhere) >= 2, elsewhere
+    for argv in map(shlex.split, elsewhere):
+        if "train.py" in argv:
+            args = parse_args(argv[argv.index("train.py") + 1:])
+            run, ds = split_overrides(args.overrides)
+            load_run_config(os.path.join(REPO, args.config), run)
+            load_ds_config(os.path.join(REPO, args.ds_config), ds)
+        else:
+            assert argv[:3] == ["python", "-m", "scripts.evaluate"], argv
+            from scripts.evaluate import parse_args as evaluate_args
+            evaluate_args(argv[3:])
+
+
+def test_the_shipped_task_yaml_is_the_one_the_docs_show():
+    with open(os.path.join(REPO, "docs", "evaluation.md")) as f:
+        shown = re.search(r"```yaml\n(.*?)```", f.read(), re.S).group(1)
+    with open(os.path.join(REPO, "configs", "eval", "shakespeare.yaml")) as f:
+        assert f.read() == shown
