@@ -7,8 +7,9 @@
 
 A task is a name the harness knows (its dataset comes from the Hugging Face hub, or the datasets cache), a task
 YAML file (--include_path: a folder of them), or a JSONL file in HellaSwag's format (data/tasks.py), scored
-as the training loop scores eval.tasks. A list of JSONL files runs offline; for local task YAMLs set
-HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1. The results are printed as a table and written to
+as the training loop scores eval.tasks. A list of JSONL files runs offline; where the hub cannot be reached (one
+attempt), the datasets are read from the cache only, so a local task YAML runs and a missing dataset fails at
+once. The results are printed as a table and written to
 <out_dir>/eval/<tag>.json (an export's: <export>/eval.json), merged with the tasks scored there before.
 """
 import argparse
@@ -19,16 +20,18 @@ import torch
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError
-from training.evaluate import LOCAL, earlier_results, task_spec, where, write_results
+from training.evaluate import LOCAL, earlier_results, go_offline, hub_unreachable, task_spec, where, write_results
 from training.export import add_trained_arguments, load_trained
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if all(name.endswith(".jsonl") for name in names):  # read before datasets is imported, which reads them once
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if all(name.endswith(".jsonl") for name in names):
+        go_offline()
+    elif os.environ.get("HF_HUB_OFFLINE") != "1" and (unreachable := hub_unreachable()):
+        print(f"the Hugging Face hub cannot be reached ({unreachable}): the datasets are read from the cache only")
+        go_offline()
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager

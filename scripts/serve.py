@@ -2,7 +2,7 @@
 
     python -m scripts.serve --out_dir out/llama_quickstart_sft              # the newest checkpoint of a run
     python -m scripts.serve --export out/llama_quickstart_export --port 8001
-    python -m scripts.serve --out_dir out/sft --host 0.0.0.0 --api_key KEY  # reachable from other machines
+    python -m scripts.serve --out_dir out/llama_quickstart_sft --host 0.0.0.0 --api_key KEY  # from other machines
 
 Then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at http://127.0.0.1:8000/v1.
 `--slots` sequences decode together (each a slot of the key/value cache); up to `--max_queue` more wait for one,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import scripts.evaluate
-from harness import run
+from harness import free_port, run
 from refusals import assert_refused, command
 
 GOOD = {"ctx": "ROMEO:\nGood morrow,", "endings": ["sir", "lord"], "label": 0}
@@ -59,6 +59,19 @@ def test_without_the_eval_extra_it_says_how_to_install_it(tmp_path, paths):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("error: python -m scripts.evaluate needs lm-evaluation-harness "
                                                     "(No module named 'lm_eval'); fix: pip install '.[eval]'")
+
+
+def test_a_hub_that_cannot_be_reached_is_tried_once_and_the_cache_read(tmp_path, paths):
+    """Where the hub does not answer (a closed loopback port here), the datasets library would try it five times
+    over about 30 s: one attempt, then the cache alone, empty here, and one line."""
+    proc = run([sys.executable, "-m", "scripts.evaluate", "--out_dir", str(paths["run"]), "--tasks", "hellaswag",
+                "--limit", "2"], check=False, env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+                                                   "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "0",
+                                                   "HF_HUB_OFFLINE": "0"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "the Hugging Face hub cannot be reached (http://127.0.0.1:" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: a task's dataset could not be fetched")
+    assert "Retrying" not in proc.stdout + proc.stderr
 
 
 def test_results_of_other_tasks_are_kept(paths, capsys):

@@ -4,6 +4,8 @@ its results file, each --tasks entry checked before any scoring, the results mer
 import difflib
 import json
 import os
+import urllib.error
+import urllib.request
 
 from common.checks import ConfigError, existing_dir, existing_file, json_file
 from data.tasks import harness_task, read_task
@@ -11,6 +13,26 @@ from data.writer import write_atomic
 from training import checkpoint
 
 LOCAL = (".jsonl", ".yaml", ".yml")
+OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")  # read once, when datasets and huggingface_hub are imported
+
+
+def hub_unreachable(timeout_s: float = 5) -> str | None:
+    """Why the Hugging Face hub cannot be reached (one attempt), or None. Online, the datasets library tries a
+    missing hub five times over about 30 s before it says so, and before it falls back to its cache."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError) as e:
+        return f"{endpoint}: {getattr(e, 'reason', e)}"
+    return None
+
+
+def go_offline() -> None:
+    """The datasets library and the hub's client read only their caches (before either is imported)."""
+    for name in OFFLINE:
+        os.environ[name] = "1"
 
 
 def where(out_dir: str | None, tag: str | None, export: str | None, output: str | None) -> tuple[str, int, str]:

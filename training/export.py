@@ -132,7 +132,7 @@ def export(tag_dir: str, output: str, force: bool = False) -> str:
     meta, data_dir = run_dataset(tag_dir, run_state)
     write_export(output, run_model(tag_dir, run_state), consolidated_state_dict(tag_dir), meta, run_state["step"],
                  data_dir, source)
-    print(f"wrote {output}: model.safetensors, config.json")
+    print(f"wrote {output}: {', '.join(sorted(os.listdir(output)))}")
     return output
 
 
