@@ -255,7 +255,8 @@ def test_zero3_starts_from_the_weights_zero0_builds_on_the_cpu(tmp_path, char_da
 
     model = [o for o in RUN if o.startswith("model.")]
     probe(device, "weights", tmp_path / "zero3.pt", "--ds_config", "ds_configs/zero3.json", *model, *FP32,
-          "ds.zero_optimization.stage3_param_persistence_threshold=0", f"data.dir={char_data}")
+          "ds.zero_optimization.stage3_param_persistence_threshold=0", f"data.dir={char_data}",
+          f"train.out_dir={tmp_path / 'out'}")  # not the quickstart's, which a checkout may hold
     zero3 = torch.load(tmp_path / "zero3.pt", weights_only=True)
     cfg = load_run_config(DEFAULT_CONFIG, [*model, "model.vocab_size=65"])
     zero0 = {name: p.detach() for name, p in build_model(cfg.model, cfg.train.seed).named_parameters()}

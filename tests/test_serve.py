@@ -162,16 +162,25 @@ def metric(server, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_a_client_that_vanishes_mid_stream_frees_its_slot(server):
+@pytest.fixture(scope="module")
+def slow_server(chat_export):
+    """2 slots and 2 queue places, the decoder at a larger model's pace (tests/fault_serve.py, 10 ms a step): a
+    stream outlasts a client's reading of its first line, and a burst its own arrival."""
+    served = Server(chat_export, "--slots", "2", "--max_queue", "2", script=("tests/fault_serve.py",),
+                    env={"MEGALITE_SERVE_STEP_S": "0.01"})
+    yield served
+    code, output = served.stop()
+    assert code == 0 and "Traceback" not in output, output
+
+
+def test_a_client_that_vanishes_mid_stream_frees_its_slot(slow_server):
+    server = slow_server
     before = metric(server, 'megalite_requests_total{reason="cancelled"}')
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
             "model": "export", "messages": [{"role": "user", "content": MESSAGE}], "stream": True,
             "ignore_eos": True}) as response:
         next(response.iter_lines())
-    deadline = time.monotonic() + 20
-    while metric(server, 'megalite_requests_total{reason="cancelled"}') == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(server, 'megalite_requests_total{reason="cancelled"}') == before + 1
+    wait_for(lambda: metric(server, 'megalite_requests_total{reason="cancelled"}') == before + 1, "cancelled")
     assert metric(server, "megalite_slots_in_use") == 0
 
 
@@ -450,66 +459,61 @@ def test_a_dead_worker_answers_every_request_500_turns_health_503_and_exits_1(ch
     assert f"error: {failure}; answering 500 for" in output
 
 
-def test_a_burst_past_slots_and_queue_leaves_the_server_as_it_was(chat_export):
+def test_a_burst_past_slots_and_queue_leaves_the_server_as_it_was(slow_server):
     """Good streams, clients that vanish mid-stream, malformed and out-of-range bodies, all at once against 2 slots
-    and 2 queue places (the decoder at a larger model's pace, so the burst outlasts its arrival): each good
-    stream is its lone answer or a 429, each bad body its 4xx, no 5xx and no traceback; afterwards every slot and
-    queue place is free and the server answers as before."""
-    served = Server(chat_export, "--slots", "2", "--max_queue", "2", script=("tests/fault_serve.py",),
-                    env={"MEGALITE_SERVE_STEP_S": "0.01"})
+    and 2 queue places: each good stream is its lone answer or a 429, each bad body its 4xx, no 5xx (and no
+    traceback: the fixture's end); afterwards every slot and queue place is free and the server answers as
+    before."""
+    served = slow_server
     messages = [f"Reverse: {w}" for w in ("king crown", "night king night", "crown")]
     good = {"model": "export", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
-    try:
-        before = [chat(served, m, max_tokens=20).choices[0].message.content for m in messages]
-        alone = {m: chat(served, m, max_tokens=good["max_tokens"], extra_body={"ignore_eos": True}
-                         ).choices[0].message.content for m in messages}
-        results, start = [], threading.Barrier(6 + 3 + len(BAD))
+    before = [chat(served, m, max_tokens=20).choices[0].message.content for m in messages]
+    alone = {m: chat(served, m, max_tokens=good["max_tokens"], extra_body={"ignore_eos": True}
+                     ).choices[0].message.content for m in messages}
+    results, start = [], threading.Barrier(6 + 3 + len(BAD))
 
-        def stream(message):
-            start.wait()
-            body = {**good, "messages": [{"role": "user", "content": message}], "stream": True}
-            with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as response:
-                if response.status_code != 200:
-                    results.append(("good", response.status_code, json.loads(response.read())["error"]))
-                    return
-                text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
-                               for line in response.iter_lines() if line.startswith("data: {"))
-                results.append(("good", 200, (message, text)))
+    def stream(message):
+        start.wait()
+        body = {**good, "messages": [{"role": "user", "content": message}], "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as response:
+            if response.status_code != 200:
+                results.append(("good", response.status_code, json.loads(response.read())["error"]))
+                return
+            text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                           for line in response.iter_lines() if line.startswith("data: {"))
+            results.append(("good", 200, (message, text)))
 
-        def vanish():
-            start.wait()
-            body = {**good, "messages": [{"role": "user", "content": MESSAGE}], "stream": True}
-            with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as response:
-                if response.status_code == 200:
-                    next(response.iter_lines())
-                results.append(("vanished", response.status_code, None))
+    def vanish():
+        start.wait()
+        body = {**good, "messages": [{"role": "user", "content": MESSAGE}], "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as response:
+            if response.status_code == 200:
+                next(response.iter_lines())
+            results.append(("vanished", response.status_code, None))
 
-        def bad(body, status, message):
-            start.wait()
-            content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            response = httpx.post(f"{served.url}/v1/chat/completions", content=content, timeout=60,
-                                  headers={"content-type": "application/json"})
-            results.append(("bad", response.status_code, (status, message, response.json()["error"]["message"])))
+    def bad(body, status, message):
+        start.wait()
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(f"{served.url}/v1/chat/completions", content=content, timeout=60,
+                              headers={"content-type": "application/json"})
+        results.append(("bad", response.status_code, (status, message, response.json()["error"]["message"])))
 
-        threads = [threading.Thread(target=stream, args=(messages[i % 3],)) for i in range(6)]
-        threads += [threading.Thread(target=vanish) for _ in range(3)]
-        threads += [threading.Thread(target=bad, args=case) for case in BAD]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert len(results) == len(threads)
-        assert all(status < 500 for _, status, _ in results), results
-        streams = [(status, value) for kind, status, value in results if kind == "good"]
-        assert {status for status, _ in streams} <= {200, 429}
-        assert any(status == 429 for kind, status, _ in results if kind != "bad")  # the burst overflowed
-        for status, value in streams:
-            assert value[1] == alone[value[0]] if status == 200 else value["code"] == "queue_full", value
-        for _, status, (expected, start_of_message, message) in (r for r in results if r[0] == "bad"):
-            assert status == expected and message.startswith(start_of_message)
-        wait_for(lambda: metric(served, "megalite_slots_in_use") == 0 == metric(served, "megalite_queue_length"),
-                 "every slot and queue place free")
-        assert [chat(served, m, max_tokens=20).choices[0].message.content for m in messages] == before
-    finally:
-        code, output = served.stop()
-    assert code == 0 and "Traceback" not in output, output
+    threads = [threading.Thread(target=stream, args=(messages[i % 3],)) for i in range(6)]
+    threads += [threading.Thread(target=vanish) for _ in range(3)]
+    threads += [threading.Thread(target=bad, args=case) for case in BAD]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == len(threads)
+    assert all(status < 500 for _, status, _ in results), results
+    streams = [(status, value) for kind, status, value in results if kind == "good"]
+    assert {status for status, _ in streams} <= {200, 429}
+    assert any(status == 429 for kind, status, _ in results if kind != "bad")  # the burst overflowed
+    for status, value in streams:
+        assert value[1] == alone[value[0]] if status == 200 else value["code"] == "queue_full", value
+    for _, status, (expected, start_of_message, message) in (r for r in results if r[0] == "bad"):
+        assert status == expected and message.startswith(start_of_message)
+    wait_for(lambda: metric(served, "megalite_slots_in_use") == 0 == metric(served, "megalite_queue_length"),
+             "every slot and queue place free")
+    assert [chat(served, m, max_tokens=20).choices[0].message.content for m in messages] == before
