@@ -25,6 +25,11 @@ def exit_bad_input(message) -> None:
     raise SystemExit(2)
 
 
+def not_a_command(module: str, command: str) -> None:
+    """What a library module says when run with `python -m` (a command's old home): where the command is now."""
+    exit_bad_input(f"python -m {module} is a library module, not a command; fix: run {command}")
+
+
 class ToolParser(argparse.ArgumentParser):
     """argparse for every tool: a bad command line ends as any bad input does, in one `error:` line and exit 2
     (argparse's own error prints the usage first, over several lines). A tool run as `python -m data.prepare`

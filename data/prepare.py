@@ -27,7 +27,7 @@ import urllib.request
 
 if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from common.checks import ConfigError, ToolParser, existing_dir, exit_bad_input, json_file, writable_dir
+from common.checks import ConfigError, ToolParser, exit_bad_input, writable_dir
 from data.out_dir import FORMAT, earlier_dataset, finish_dataset, in_val, job_workspace
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import (
@@ -63,30 +63,6 @@ def download_shakespeare(out_dir: str) -> str:
         os.makedirs(out_dir, exist_ok=True)
         write_atomic(path, body)
     return path
-
-
-def read_meta(data_dir: str, what: str, fix: str) -> dict:
-    """The meta.json of the prepared dataset in data_dir, checked (check_meta); `what` names the folder."""
-    existing_dir(data_dir, what, fix)
-    path = os.path.join(data_dir, "meta.json")
-    return check_meta(json_file(path, "dataset meta", fix), f"dataset meta {path}", fix)
-
-
-def check_meta(meta: dict, where: str, fix: str) -> dict:
-    """A dataset's meta (its meta.json, or the copy an export carries) of a format this version reads, holding
-    what its readers need: the tokenizer, the vocabulary size and, for characters, the characters."""
-    if not isinstance(meta, dict):
-        raise ConfigError(f"{where} is not a JSON object; fix: {fix}")
-    version = meta.get("format", 1)  # format 1, the first, wrote no "format"
-    if version != FORMAT:
-        raise ConfigError(f"{where} is of format {version!r}, this version reads format {FORMAT} only (written by "
-                          f"another version of data.prepare); fix: {fix}")
-    needed = ("tokenizer", "vocab_size") + (("chars",) if meta.get("tokenizer") == "char" else ())
-    missing = [key for key in needed if key not in meta]
-    if missing:
-        raise ConfigError(f"{where} lacks {', '.join(missing)} (written by another version of data.prepare, or "
-                          f"another tool); fix: {fix}")
-    return meta
 
 
 def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: str = "text",

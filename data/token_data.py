@@ -26,7 +26,7 @@ import torch
 
 from common.checks import REPO_ROOT, ConfigError, place, read_elsewhere, read_from, tool_command
 from data.documents import Documents
-from data.prepare import read_meta
+from data.meta import read_meta
 from data.sampler import Blend, Epochs
 from data.tokenizers import TokenizerError, tokenizer_from_meta
 

@@ -419,3 +419,8 @@ def to_universal(out_dir: str, tag: str | None) -> str:
     print(f"wrote {target}: resume it {where} with train.resume={tag}_universal")
     return target
 
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("training.checkpoint", "python -m scripts.convert_checkpoint")

@@ -87,3 +87,8 @@ def write_results(output: str, earlier: dict, results: dict, source: str, step: 
     record = {"source": source, "step": step, "tasks": tasks}
     write_atomic(output, (json.dumps(record, indent=1, default=str) + "\n").encode())
 
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("training.evaluate", "python -m scripts.evaluate")

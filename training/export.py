@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.checks import ConfigError, existing_dir, existing_file, json_file, new_output
-from data.prepare import check_meta, read_meta
+from data.meta import check_meta, read_meta
 from data.tokenizers import tokenizer_from_meta
 from model import architecture, build_model, layer_names, model_layers
 from model.config import ModelConfig, model_config
@@ -264,3 +264,8 @@ def _read_weights(path: str, fix: str) -> dict:
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"export weights {path} are not a safetensors file ({e}); fix: {fix}") from None
 
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("training.export", "python -m scripts.export")

@@ -160,3 +160,8 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
             "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
             "cpu": cpu, "micro": layout.micro_batch}
 
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("training.memory_plan", "python -m scripts.memory_plan")

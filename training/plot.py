@@ -123,3 +123,8 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     write_atomic(output, image_bytes.getvalue())
 
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("training.plot", "python -m scripts.plot")
