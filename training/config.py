@@ -145,11 +145,11 @@ class TrainConfig:
     max_rewinds: int = 3
     # A loss above spike_factor x its mean over about spike_window steps (0: not watched), and above that mean by
     # spike_min_rise at least, is logged as a warning ("warn"), or acted on as a non-finite step ("stop",
-    # "rewind"). The rise keeps a fine-tuned model's losses near 0 (0.002 to 0.03, ten times apart and no
-    # divergence) from counting: a model that diverges loses nats, not thousandths.
+    # "rewind"). The rise keeps a fine-tuned model's losses near 0 from counting (0.002 to 0.03 is ten times, and
+    # a DPO batch of harder pairs 0.03 to 0.54): a model that diverges loses nats, not fractions of one.
     spike_factor: float = 3.0
     spike_window: int = 50
-    spike_min_rise: float = 0.5
+    spike_min_rise: float = 1.0
     on_spike: str = "warn"
     # Print the run config and the ds_config, as the run took them, at start (they are always written to
     # out_dir/config.yaml and ds_config.json); without it the start-up says what matters in a few lines.
