@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import deepspeed
 import torch
@@ -27,29 +27,21 @@ from omegaconf import OmegaConf
 from data.loader import prefetched
 from model.cpu_attention import float32_matmul_precision
 from model.generate import Sampling, generate
-from model.moe import NO_EXPERT_PARALLEL
 from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
-from training import checkpoint, hf, reference, universal
+from training import checkpoint, hf, universal
 from training.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
 from training.divergence import Guard, Verdict
-from training.engines import PlainDriver, drive, train_step
+from training.engines import PlainDriver, drive
 from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
-from training.moe import (
-    expert_groups,
-    recording_evaluation,
-    routing_figures,
-    update_router_biases,
-    weigh_router_losses,
-)
 from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
+from training.observers import Observer, Observers
 from training.optim import param_groups, start_schedule
 from training.parallelize import parallelize, whole_model_parameters
-from training.preference import evaluate_pairs
 from training.startup import Run, check_run, describe_data, describe_model, describe_outputs, describe_zero
 from training.steps import adjust_engine, data_parallel_group
 from training.topology import (
@@ -63,14 +55,15 @@ from training.topology import (
 )
 
 
-def main(argv=None) -> None:
-    """Check the run, build the engine, train, finish."""
+def main(argv=None, observers: Sequence[Observer] = ()) -> None:
+    """Check the run, build the engine, train, finish. `observers` see the loop (training/observers.py)."""
     silence_known_noise()
     run = check_run(argv)  # every check that needs no other process: a bad setting stops here, on every rank
-    rank = build_engine(run)
-    if run.reference:
-        PHASE.now("scoring the reference")
-        rank.print0(reference.load_or_score(run, rank, run.reference))
+    rank = build_engine(run, Observers(observers))
+    PHASE.now(f"preparing the {run.objective.name} objective")
+    prepared = run.objective.prepare(run, rank)  # what it computes before step 1, if anything
+    if prepared:
+        rank.print0(prepared)
     last_step = train(run, rank)
     finish(run, rank, last_step)
 
@@ -91,25 +84,24 @@ class Rank:
     log: MetricsLog
     scorer: ChoiceScorer | None  # this rank's share of eval.tasks
     universal_info: dict  # what DeepSpeed's universal converter needs to know of the model (training/checkpoint.py)
+    observers: Observers  # what sees the loop (benchmarks)
 
 
-def build_engine(run: Run) -> Rank:
+def build_engine(run: Run, observers: Observers) -> Rank:
     """The process group, the topology over it, the model, DeepSpeed's engine, and the checkpoint loaded."""
     cfg, layout = run.cfg, run.layout
     if run.device.type == "cuda":
         torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")  # TF32 or full fp32 matmuls
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     else:  # on a CPU "medium" is oneDNN's bf16 mode: bf16 matmuls under fp32 weights (training/device.py)
-        torch.set_float32_matmul_precision("medium" if run.setup.engine_settings.bf16_matmuls else "highest")
+        torch.set_float32_matmul_precision("medium" if run.bf16_matmuls else "highest")
     index, print0, topo = join_process_group(run)
     groups = parallel_groups(topo, layout.sp_size)
     grid, tp = groups.grid, groups.tp
 
     PHASE.now("building the model and the DeepSpeed engine")
-    ds = run.setup.engine_settings.deepspeed_config()
-    ep = expert_groups(layout.ep_size, layout.pipeline_stages) if cfg.model.n_experts else NO_EXPERT_PARALLEL
-    model, compiled = parallelize(cfg, run.setup.engine_settings.pipe, ds, topo, tp, grid, groups.sp, ep)
-    weigh_router_losses(model, cfg.model, layout.grad_accum)
+    ds = run.ds
+    model, compiled = parallelize(cfg, run.pipe, ds, topo, tp, grid, groups.sp)
     if compiled:
         print0(f"compiling {compiled} blocks (torch.compile) at the first step")
     if run.init_from:
@@ -155,7 +147,7 @@ def build_engine(run: Run) -> Rank:
     if scorer:
         print0(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
     return Rank(index, groups.dp_rank, tp, groups.sp, print0, model, engine, driver, start_step, batches_skipped, log,
-                scorer, universal_info)
+                scorer, universal_info, observers)
 
 
 def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
@@ -173,7 +165,7 @@ def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
     topo = topology(layout)
     if index == 0:
         save_effective_config(run.cfg, run.ds, layout)
-        started = "one process, no launcher" if run.setup.launcher == "none" else run.setup.launcher
+        started = "one process, no launcher" if run.launcher == "none" else run.launcher
         print0(f"topology ({started}): {describe_hosts(hostnames)}; {layout.describe()}; {describe_zero(run.ds)}")
         print0(describe_stages(run.specs, run.parts, layout))
         if layout.tp_size > 1 or layout.sp_size > 1:
@@ -220,9 +212,10 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
         rank.driver.start_step(step, layout.grad_accum)
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
-        loss = train_step(rank.driver, micro_batches, run.objective)
-        if cfg.model.router_bias_rate:
-            update_router_biases(rank.model, cfg.model, rank.driver.data_parallel_group)
+        rank.observers.before_step(step, rank.driver, micro_batches)
+        loss = rank.driver.train_step(micro_batches, run.objective)
+        rank.observers.after_step(step, rank.driver, loss)
+        run.hooks.after_step(rank.model, rank.driver)
         guard.observe(step, loss)
         meter.step()
         completed = checkpoint.settle(engine, wait=False)  # a save written in the background since
@@ -255,7 +248,7 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
 
 def throughput_meter(run: Run, rank: Rank) -> Throughput:
     """Tokens/s and MFU against the device's peak, once the run has said what it trains."""
-    cfg, layout, dtype = run.cfg, run.layout, run.setup.engine_settings.dtype
+    cfg, layout, dtype = run.cfg, run.layout, run.dtype
     peak, peak_source = peak_flops(run.device, dtype, cfg.train.peak_tflops, tf32=cfg.train.tf32)
     tokens_per_step = layout.global_batch * cfg.model.block_size
     rank.print0(f"model: {run.n_params:,} parameters ({describe_model(cfg.model)}); {tokens_per_step:,} tokens/step; "
@@ -269,23 +262,22 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
                  guard: Guard) -> Verdict:
     """A progress line and its metrics record: the loss over all ranks, speed, gradient norm, memory; returns
     the divergence watch's verdict, read with the loss."""
+    rank.observers.before_log(run, step)
     verdict, loss = guard.watch.read(loss)  # the loop's only host synchronization (docs/performance.md)
     tokens_per_s, mfu = meter.read()  # None for an interval holding only the warm-up step
     grad_norm = rank.engine.get_global_grad_norm()  # before clipping, which DeepSpeed does
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     memory, reserved = peak_memory_gb(run.device)
-    figures = run.objective.take_metrics(rank.driver)  # the preference losses' rewards, means since the last line
-    routing = routing_figures(rank.model, run.cfg.model, len(run.specs))  # a mixture of experts' balance
+    figures, said = run.objective.progress(rank.driver)  # the objective's own, means since the last line
+    model_figures, model_said = run.hooks.progress(rank.model)  # the model's own figures (its hooks)
+    tokens_seen = step * run.layout.global_batch * run.cfg.model.block_size  # as checkpoints count them
     rank.log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
-                 peak_mem_gb=memory, reserved_gb=reserved, **figures, **routing,
+                 tokens_seen=tokens_seen, peak_mem_gb=memory, reserved_gb=reserved, **figures, **model_figures,
                  **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))
     speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
-    rewards = (f" | reward accuracy {figures['rewards_accuracy']:.3f}, margin {figures['rewards_margin']:.4f}"
-               if figures else "")
-    experts = (f" | aux {routing['moe_aux_loss']:.4f}, expert load max {routing['expert_load_max']:.2f}"
-               if routing else "")
-    rank.print0(f"step {step} | loss {loss:.4f}{rewards}{experts} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+    rank.print0(f"step {step} | loss {loss:.4f}{said}{model_said} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                 f"{speed} | mem {memory:.2f} GB ({reserved:.2f} reserved)")
+    rank.observers.after_log(run, step)
     return verdict
 
 
@@ -293,23 +285,13 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
 def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged (the losses
     unless log_losses is false) and printed."""
-    windows = run.cfg.train.eval_windows
-    figures = {}
-    with recording_evaluation(rank.model):  # a mixture of experts' routing over the evaluation's windows
-        if run.data.KIND == "preference":
-            pairs = {split: evaluate_pairs(run.objective.objective, rank.driver, run.data, split, windows,
-                                           rank.dp_rank, run.layout, run.device, run.cfg.model.vocab_size, rank.sp)
-                     for split in ("train", "val")}
-            losses = {split: values.get("loss", float("nan")) for split, values in pairs.items()}
-            figures = {f"{split}_{name}": value for split, values in pairs.items() for name, value in values.items()
-                       if name != "loss"}
-        else:
-            losses = {split: rank.driver.eval_loss([rank.sp.split(*batch) for batch in run.data.eval_batches(
-                split, windows, rank.dp_rank, run.layout, run.device)], run.data.eval_targets(split, windows))
-                for split in ("train", "val")}
-    routing = {f"eval_{name}": value for name, value in
-               routing_figures(rank.model, run.cfg.model, len(run.specs), evaluation=True).items()
-               if name != "router_bias_max"}
+    with run.hooks.evaluating(rank.model):
+        splits = {split: run.objective.evaluate(run, rank, split, run.cfg.train.eval_windows)
+                  for split in ("train", "val")}
+    losses = {split: values["loss"] for split, values in splits.items()}
+    figures = {f"{split}_{name}": value for split, values in splits.items() for name, value in values.items()
+               if name != "loss"}
+    model_figures, model_said = run.hooks.evaluation(rank.model)
     scores = {}
     if rank.scorer:
         batches = [rank.sp.split(*batch) for batch in rank.scorer.batches(
@@ -319,14 +301,11 @@ def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     record = {f"{task}_{metric}": value for task, accuracies in scores.items()
               for metric, value in zip(("acc", "acc_norm"), accuracies)}
     if log_losses:
-        record = {"train_loss": losses["train"], "val_loss": losses["val"], **figures, **routing, **record}
+        record = {"train_loss": losses["train"], "val_loss": losses["val"], **figures, **model_figures, **record}
     rank.log.log(step, **record)
     tasks = "".join(f"; {task} acc {acc:.4f}, acc_norm {norm:.4f}" for task, (acc, norm) in scores.items())
-    accuracy = "".join(f", {split} reward accuracy {figures[f'{split}_rewards_accuracy']:.3f}"
-                       for split in ("train", "val") if f"{split}_rewards_accuracy" in figures)
-    experts = f", expert load max {routing['eval_expert_load_max']:.2f}" if routing else ""
-    rank.print0(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{experts}{accuracy}"
-                f"{tasks}")
+    rank.print0(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{model_said}"
+                f"{run.objective.evaluation_text(figures)}{tasks}")
 
 
 def save(run: Run, rank: Rank, step: int, wait: bool) -> None:
@@ -336,8 +315,8 @@ def save(run: Run, rank: Rank, step: int, wait: bool) -> None:
     run_state = {"tag": checkpoint.tag_for(step), "step": step,
                  "tokens_seen": step * run.layout.global_batch * cfg.model.block_size,
                  "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
-                 "layout": run.setup.engine_settings.layout_record(), "data": run.data.record(),
-                 "batches_skipped": rank.batches_skipped, "reference": run.reference}
+                 "layout": run.layout_record(), "data": run.data.record(),
+                 "batches_skipped": rank.batches_skipped, **run.objective.record()}
     tag = checkpoint.save(rank.engine, cfg.train.out_dir, step, run_state, cfg.train.keep_checkpoints,
                           rank.universal_info)
     if checkpoint.settle(rank.engine, wait=wait) or not cfg.train.background_save:

@@ -88,11 +88,12 @@ def built_weights(argv: list[str]) -> dict:
 
     from training.failure import leave_process_group
     from training.parallelize import parallelize
+    from training.topology import zero_stage
 
     run = start_one_process(argv)
-    model, _ = parallelize(run.cfg, run.setup.engine_settings.pipe, run.ds)
+    model, _ = parallelize(run.cfg, run.pipe, run.ds)
     params = dict(model.named_parameters())
-    zero3 = run.setup.engine_settings.zero_stage == 3
+    zero3 = zero_stage(run.ds) == 3
     with deepspeed.zero.GatheredParameters(list(params.values())) if zero3 else _nothing():
         weights = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
     leave_process_group()
@@ -127,7 +128,7 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
         predicted = plan(cfg.model, ds, 1)
         release(device)
         baseline = memory.current()
-        engine = build_engine(cfg, engine_settings)
+        engine = build_engine(cfg, engine_settings.pipe, engine_settings.ds)
         for step in (1, 2, 3):
             if step == 2:  # the optimizer states exist from the first step on
                 memory.reset_peak()
@@ -155,7 +156,7 @@ def background_against_synchronous(folder: str, argv: list[str]) -> dict:
     from training.failure import leave_process_group
 
     run = start_one_process(argv)
-    engine = build_engine(run.cfg, run.setup.engine_settings)
+    engine = build_engine(run.cfg, run.pipe, run.ds)
     for step in (1, 2):
         train_step(engine, run.data.step_batches(run.cfg.train.seed, step, 0, run.layout, run.device))
     writers = {"sync": engine.checkpoint_engine, "background": BackgroundWriter(engine._config)}
@@ -206,15 +207,15 @@ def storage_locations(data: bytes) -> list[str]:
     return sorted(reader.seen)
 
 
-def build_engine(cfg, settings):
+def build_engine(cfg, pipe, ds):
     import deepspeed
 
     from training.optim import param_groups, start_schedule
     from training.parallelize import parallelize
 
-    model, _ = parallelize(cfg, settings.pipe, settings.ds)
+    model, _ = parallelize(cfg, pipe, ds)
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=settings.ds)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
     start_schedule(engine)
     return engine
 

@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from training.observers import Observer
+
 SYNC_WARNING = "called a synchronizing CUDA operation"
 TENSOR_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu")
 # The loader sleeps this fraction of the last step's time: a loader that did not overlap the steps would keep the
@@ -117,9 +119,10 @@ def precision_state(device: torch.device) -> dict:
     return state
 
 
-class Watch:
+class Watch(Observer):
     """What the options ask to see of one run: --syncs (and on CUDA the batches' copies), --loader_sleep, --spike;
-    each step's time and the wait before it, the precision and the compile counters always."""
+    each step's time and the wait before it, the precision and the compile counters always. It observes the loop
+    (training/observers.py); only the loader's batches are patched, for --loader_sleep."""
 
     def __init__(self, options: list[str]):
         self.options = set(options)
@@ -127,33 +130,20 @@ class Watch:
         if unknown:
             raise SystemExit(f"error: unknown train probe options {sorted(unknown)}")
         self.logs, self.record = 0, {}
-        self.steps = {}  # step: (start, end) of its train_step, on the loop's clock
+        self.steps = {}  # step: (start, end) of its forward, backward and update, on the loop's clock
+        self.step_started = None
         self.sleep_from, self.slept, self.last_step_seconds = None, {}, 0.0
         self.copies = collections.Counter()
         self.syncs = None
 
     def install(self, cuda: bool) -> None:
-        import train
         from data.token_data import TokenData
 
         if "--syncs" in self.options:
             self.syncs = Syncs(cuda)
         if cuda and "--syncs" in self.options:
             self._note_batch_copies()
-        log_progress, step_batches, train_step = train.log_progress, TokenData.step_batches, train.train_step
-
-        def timed_step(*args, **kwargs):
-            start = time.perf_counter()
-            loss = train_step(*args, **kwargs)
-            end = time.perf_counter()
-            self.steps[len(self.steps) + 1], self.last_step_seconds = (start, end), end - start
-            return loss
-
-        def watched_log(run, rank, step, *args, **kwargs):
-            self.before_log(run, step)
-            verdict = log_progress(run, rank, step, *args, **kwargs)
-            self.after_log(run, step)
-            return verdict
+        step_batches = TokenData.step_batches
 
         def sleepy_step_batches(data, seed, step, *args, **kwargs):
             if self.sleep_from is not None and step >= self.sleep_from:
@@ -162,9 +152,15 @@ class Watch:
                 time.sleep(self.slept[step])
             return step_batches(data, seed, step, *args, **kwargs)
 
-        train.log_progress = watched_log
-        train.train_step = timed_step
         TokenData.step_batches = sleepy_step_batches
+
+    def before_step(self, step: int, driver, micro_batches: list) -> None:
+        self.step_started = time.perf_counter()
+
+    def after_step(self, step: int, driver, loss) -> None:
+        end = time.perf_counter()
+        self.steps[len(self.steps) + 1] = (self.step_started, end)
+        self.last_step_seconds = end - self.step_started
 
     def before_log(self, run, step: int) -> None:
         self.logs += 1
@@ -226,5 +222,5 @@ def watch_train(options: list[str], argv: list[str]) -> dict:
 
     watch = Watch(options)
     watch.install(get_accelerator().device_name() == "cuda")
-    train.main(argv)
+    train.main(argv, observers=[watch])
     return watch.result()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import json
 import os
 import platform
@@ -69,9 +70,9 @@ def launch_recorded(script: str, name: str, ranks: int, config: str, ds_config: 
     return {"tokens_per_s": tokens_per_s, "ranks": per_rank}
 
 
-def run_recorded_rank(record: str, steps: list) -> None:
-    """This rank of a launch_recorded run: train.py with the arguments after `--`, `steps` (what the caller's
-    wrappers append to) written to RECORD.rank<RANK> when it ends."""
+def run_recorded_rank(record: str, steps: list, observer) -> None:
+    """This rank of a launch_recorded run: train.py with the arguments after `--`, watched by `observer`
+    (training/observers.py), `steps` (what it appends to) written to RECORD.rank<RANK> when it ends."""
     import train
 
     def save() -> None:
@@ -80,7 +81,7 @@ def run_recorded_rank(record: str, steps: list) -> None:
 
     atexit.register(save)
     sys.argv = [os.path.join(REPO, "train.py"), *sys.argv[sys.argv.index("--") + 1:]]
-    train.run_rank(train.main)
+    train.run_rank(functools.partial(train.main, observers=[observer]))
 
 
 def at_least(args, low, *names: str) -> None:

@@ -48,7 +48,7 @@ def counted_rank(record: str) -> None:
     import torch
     from deepspeed.sequence import layer
 
-    import train
+    from training.observers import Observer
 
     sent = {"bytes": 0}
     all_to_all = layer.dist.all_to_all_single
@@ -58,23 +58,21 @@ def counted_rank(record: str) -> None:
         return all_to_all(output, tensor, *args, **kwargs)
 
     layer.dist.all_to_all_single = counting
-    train_step, steps = train.train_step, []
+    steps = []
 
-    def measured(driver, micro_batches, *args, **kwargs):
-        if not steps:  # one extra forward of the first micro-batch, every rank at once (its all-to-alls)
-            before = sent["bytes"]
-            kept = saved_bytes(driver.engine.module, micro_batches[0][0], torch)
-            sent["bytes"] = before
-        else:
-            kept = steps[0]["saved"]
-        before = sent["bytes"]
-        loss = train_step(driver, micro_batches, *args, **kwargs)
-        steps.append({"all_to_all_bytes": sent["bytes"] - before, "saved": kept, "micro_batches": len(micro_batches)})
-        return loss
+    class Measured(Observer):
+        def before_step(self, step, driver, micro_batches):
+            if not steps:  # one extra forward of the first micro-batch, every rank at once (its all-to-alls)
+                before = sent["bytes"]
+                self.kept = saved_bytes(driver.engine.module, micro_batches[0][0], torch)
+                sent["bytes"] = before
+            self.before, self.micro_batches = sent["bytes"], len(micro_batches)
 
-    train.train_step = measured
+        def after_step(self, step, driver, loss):
+            steps.append({"all_to_all_bytes": sent["bytes"] - self.before, "saved": self.kept,
+                          "micro_batches": self.micro_batches})
 
-    run_recorded_rank(record, steps)
+    run_recorded_rank(record, steps, Measured())
 
 
 def saved_bytes(model, inputs, torch) -> int:

@@ -45,8 +45,8 @@ FP32_ADAMW_KEPT_BYTES = 12  # fp32 weights and Adam's two moments
 def counted_rank(record: str) -> None:
     """One rank of train.py, with its tensor-parallel all-reduces and its live tensors after each step counted."""
     import model.tensor_parallel as parallel
-    import train
     from benchmarks.memory import live_tensor_bytes
+    from training.observers import Observer
 
     sent = {"bytes": 0}
     all_reduce = parallel._all_reduce
@@ -57,18 +57,17 @@ def counted_rank(record: str) -> None:
         return all_reduce(x, tp, *op)
 
     parallel._all_reduce = counting
-    train_step, steps = train.train_step, []
+    steps = []
 
-    def measured(driver, micro_batches, *args, **kwargs):
-        before = sent["bytes"]
-        loss = train_step(driver, micro_batches, *args, **kwargs)
-        steps.append({"tp_bytes": sent["bytes"] - before, "states": live_tensor_bytes(driver.engine.device),
-                      "params": sum(p.numel() for p in driver.engine.module.parameters())})
-        return loss
+    class Measured(Observer):
+        def before_step(self, step, driver, micro_batches):
+            self.before = sent["bytes"]
 
-    train.train_step = measured
+        def after_step(self, step, driver, loss):
+            steps.append({"tp_bytes": sent["bytes"] - self.before, "states": live_tensor_bytes(driver.engine.device),
+                          "params": sum(p.numel() for p in driver.engine.module.parameters())})
 
-    run_recorded_rank(record, steps)
+    run_recorded_rank(record, steps, Measured())
 
 
 def settings(name: str, args) -> list[str]:

@@ -3,11 +3,11 @@ the rejected one's, side by side in one micro-batch of one data-parallel rank, w
 
 A row is one sequence, the prompt and an answer, padded to the window (input 0, target IGNORE): the loss is
 the row's, summed over its answer's targets. Its labels are (targets, pair_info): pair_info's two columns are
-the reference's log-probability of the answer (training/reference.py fills it in before training; 0 until then,
-and for a loss without a reference) and the answer's count of target tokens. Each epoch visits the train pairs in
-its own order, drawn from (seed, epoch): a sample is a pure function of (seed, sample index), so resuming is exact
-and layouts of one global batch see the same pairs each step. Validation is the first train.eval_windows rows (an
-even number) of each split.
+the reference's log-probability of the answer (training/objectives/reference.py fills it in before training; 0
+until then, and for a loss without a reference) and the answer's count of target tokens. Each epoch visits the
+train pairs in its own order, drawn from (seed, epoch): a sample is a pure function of (seed, sample index), so
+resuming is exact and layouts of one global batch see the same pairs each step. Validation is the first
+train.eval_windows rows (an even number) of each split.
 """
 import math
 
@@ -22,6 +22,7 @@ from data.token_data import IGNORE, TokenData, move_to_device
 class PairData(TokenData):
     """A preference dataset as the training loop reads data (TokenData's interface)."""
     KIND = "preference"
+    OBJECTIVE = "dpo"
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int):
         super().__init__(data_dir, tokenizer, block_size)
@@ -43,7 +44,7 @@ class PairData(TokenData):
                               f"train_micro_batch_size_per_gpu")
 
     def set_reference(self, split: str, logps: np.ndarray) -> None:
-        """The reference's summed log-probability of each row of `split` (training/reference.py)."""
+        """The reference's summed log-probability of each row of `split` (training/objectives/reference.py)."""
         self.reference[split] = np.asarray(logps, dtype=np.float64)
 
     def _pair_info(self, split: str, rows: np.ndarray, windows: np.ndarray) -> np.ndarray:

@@ -111,6 +111,7 @@ class Dataset:
 class TokenData:
     """data.dir, or the blend data.sources ([{dir, weight}, ...]) of datasets with one tokenizer."""
     KIND = "text"  # the subclasses of data/conversations.py and data/pairs.py read the other kinds
+    OBJECTIVE = "next_token"  # train.objective's default for this kind (training/objectives/)
 
     def __init__(self, data_dir: str, tokenizer: str | None, block_size: int, sources=(),
                  document_masking: bool = False):

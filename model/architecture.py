@@ -2,6 +2,7 @@
 declared at the bottom of the model's own file (model/gpt.py, model/llama.py, model/encoder.py) and found from
 `model.arch` through model/registry.py. Code outside model/ asks the object, never compares `arch` with a name.
 """
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -14,6 +15,35 @@ SAME, TRANSPOSED, VOCAB_ROWS = "same", "transposed", "vocab"
 
 def _accepts_all(*_) -> None:
     pass
+
+
+class TrainingHooks:
+    """What a model adds to the training loop beyond its forward and loss (torchtitan's model-spec hooks): the
+    loop calls each at its point, whatever the model; the base adds nothing. `model` is the module DeepSpeed
+    trains (a plain module or a pipeline stage), `driver` the engine's (training/engines.py)."""
+
+    def after_step(self, model, driver) -> None:
+        """Collective, after each optimizer step."""
+
+    def progress(self, model) -> tuple[dict, str]:
+        """Collective, at each progress line: figures of the steps since the last call, and their text there
+        (" | ..." or "")."""
+        return {}, ""
+
+    def evaluating(self, model):
+        """A context around an evaluation's forwards."""
+        return contextlib.nullcontext()
+
+    def evaluation(self, model) -> tuple[dict, str]:
+        """Collective, after an evaluation: its figures (metrics.jsonl names) and their text in its line."""
+        return {}, ""
+
+
+NO_HOOKS = TrainingHooks()
+
+
+def _no_hooks(cfg: ModelConfig) -> TrainingHooks:
+    return NO_HOOKS
 
 
 @dataclass(frozen=True)
@@ -53,6 +83,7 @@ class Architecture:
     # check(cfg, c): its own range checks (c: common.checks.Checks), run by ModelConfig.check after the shared ones.
     check: Callable = _accepts_all
     hf_moe: Optional[HuggingFace] = None  # the layout of the same architecture with experts (model.n_experts)
+    training_hooks: Callable[[ModelConfig], TrainingHooks] = _no_hooks  # what a model of it adds to the loop
 
     def __repr__(self) -> str:
         return f"Architecture({self.name!r})"

@@ -29,6 +29,7 @@ from model.layers import (
     split_heads,
 )
 from model.moe import NO_EXPERT_PARALLEL, ExpertParallel, MoEFeedForward
+from model.moe_hooks import router_hooks
 from model.tensor_parallel import COLUMN, ROW, VOCAB
 
 
@@ -175,4 +176,5 @@ LLAMA = Architecture(
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, grouped_query_attention=True,
     check=check,
     hf_moe=HuggingFace("MixtralForCausalLM", "mixtral", HF_MIXTRAL_LAYERS, hf_mixtral_config, check_mixtral),
+    training_hooks=lambda cfg: router_hooks(cfg, len(llama_layers(cfg))),
 )

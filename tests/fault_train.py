@@ -1,5 +1,6 @@
 """train.py with one rank made to fail or diverge, for the fail-fast and divergence tests; launched like train.py,
-or injected into the ranks tests/ranks.py forks (`inject`), which do so when MEGALITE_FAULT is in their environment.
+or given to the ranks tests/ranks.py forks (`Fault`, an observer of the loop: training/observers.py), which do so
+when MEGALITE_FAULT is in their environment.
 
 MEGALITE_FAULT=KIND:RANKS:STEP (RANKS: one rank or several, comma-separated; STEP: the rank's STEP-th training
 step since it started, so a step trained again after a rewind is not hit twice), KIND being `raise` (an
@@ -9,6 +10,7 @@ exits: a failure its peers cannot see as a broken connection, as under NCCL, whe
 them), `nan` (the model's output is NaN in that step: its loss and gradients are not finite) or `spike` (the
 output scaled by 100 in that step: a finite loss far above the others).
 """
+import functools
 import os
 import sys
 import time
@@ -16,6 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train
 from training.failure import exit_now, report_failure, run_rank
+from training.observers import Observer
 
 SCALES = {"nan": float("nan"), "spike": 100.0}
 # A stalled rank's open connections: long against the 2 s in which every rank's watcher polls the abort key, so its
@@ -23,37 +26,41 @@ SCALES = {"nan": float("nan"), "spike": 100.0}
 STALL_S = 10
 
 
-def inject(fault: str) -> None:
-    """Make train.train_step fail or diverge on this rank as `fault` (KIND:RANKS:STEP) says."""
-    kind, fault_ranks, fault_step = fault.split(":")
-    real_train_step = train.train_step
-    steps_taken = 0
+class Fault(Observer):
+    """Makes this rank's training step fail or diverge as `fault` (KIND:RANKS:STEP) says."""
 
-    def faulty_train_step(driver, micro_batches, *args, **kwargs):
-        nonlocal steps_taken
-        steps_taken += 1
-        if os.environ.get("RANK", "0") not in fault_ranks.split(",") or steps_taken != int(fault_step):
-            return real_train_step(driver, micro_batches, *args, **kwargs)
-        if kind in SCALES:
-            scaled = driver.engine.module.register_forward_hook(lambda module, inputs, output: output * SCALES[kind])
-            try:
-                return real_train_step(driver, micro_batches, *args, **kwargs)
-            finally:
-                scaled.remove()
-        if kind == "raise":
-            raise RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {fault_step}")
-        if kind == "stall":
-            try:
-                raise RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {fault_step}")
-            except RuntimeError as e:
-                report_failure(e)
+    def __init__(self, fault: str):
+        self.kind, ranks, step = fault.split(":")
+        self.step, self.here = int(step), os.environ.get("RANK", "0") in ranks.split(",")
+        self.steps_taken, self.scaled = 0, None
+
+    def before_step(self, step: int, driver, micro_batches: list) -> None:
+        self.steps_taken += 1
+        if not self.here or self.steps_taken != self.step:
+            return
+        if self.kind in SCALES:  # the step's output scaled: its loss and gradients with it
+            self.scaled = driver.engine.module.register_forward_hook(
+                lambda module, inputs, output: output * SCALES[self.kind])
+            return
+        failure = RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {self.step}")
+        if self.kind == "raise":
+            raise failure
+        if self.kind == "stall":
+            report_failure(failure)
             time.sleep(STALL_S)
             exit_now(1)
         time.sleep(3600)
 
-    train.train_step = faulty_train_step
+    def after_step(self, step: int, driver, loss) -> None:
+        if self.scaled is not None:
+            self.scaled.remove()
+            self.scaled = None
+
+
+def faulty(fault: str):
+    """train.main with the fault of MEGALITE_FAULT's form."""
+    return functools.partial(train.main, observers=[Fault(fault)])
 
 
 if __name__ == "__main__":
-    inject(os.environ["MEGALITE_FAULT"])
-    run_rank(train.main)
+    run_rank(faulty(os.environ["MEGALITE_FAULT"]))

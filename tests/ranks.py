@@ -50,11 +50,12 @@ def _rank(argv: list[str], env: dict, logs: tuple[str, str]) -> None:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     import train
     from training.failure import run_rank
+    main = train.main
     if "MEGALITE_FAULT" in env:
         import fault_train
-        fault_train.inject(env["MEGALITE_FAULT"])
+        main = fault_train.faulty(env["MEGALITE_FAULT"])
     try:
-        run_rank(train.main, argv)
+        run_rank(main, argv)
     finally:  # a forked process ends in os._exit: run what an interpreter's exit runs (wandb finishes its run)
         atexit._run_exitfuncs()
 

@@ -177,19 +177,19 @@ def test_the_effective_ds_config_is_assembled_in_one_place():
     assert engine.layout_record() == {"world": 2, "dp": 2, "pp": 1, "tp": 1, "sp": 1, "ep": 1,
                                       "zero_stage": 1}
     assert "checkpoint" not in effective_ds_config(ds, cfg, 2, CPU).ds
-    assert engine.deepspeed_config() == engine.ds  # without sequence parallelism, as assembled
 
 
 def test_deepspeed_counts_the_sequence_ranks_in_its_batch():
-    """Under sequence parallelism the recorded triple counts the data-parallel replicas; DeepSpeed, whose data
-    axis holds the sequence ranks too, is given its own count and not the key it would divide by again."""
+    """Under sequence parallelism the layout's triple counts the data-parallel replicas; DeepSpeed, whose data
+    axis holds the sequence ranks too, is given its own count (the one ds_config, which ds_config.json saves) and
+    not the key it would divide by again."""
     cfg = load_run_config(DEFAULT_CONFIG, [])
     ds = load_ds_config(os.path.join(REPO, "ds_configs", "zero1.json"), ["sequence_parallel_size=2"])
     engine = effective_ds_config(ds, cfg, 4, CPU)
     assert (engine.layout.dp, engine.layout.sp_size, engine.layout.data_axis) == (2, 2, 4)
-    assert engine.ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * engine.layout.grad_accum * 2
-    given = engine.deepspeed_config()
-    assert given["train_batch_size"] == 2 * engine.ds["train_batch_size"] and "sequence_parallel_size" not in given
+    assert engine.layout.global_batch == ds["train_micro_batch_size_per_gpu"] * engine.layout.grad_accum * 2
+    assert engine.ds["train_batch_size"] == 2 * engine.layout.global_batch
+    assert "sequence_parallel_size" not in engine.ds
     assert engine.layout_record()["sp"] == 2
 
 

@@ -137,7 +137,7 @@ def test_shipped_configs_reduce_bf16_gradients_in_fp32(name):
     cfg = run_config(train={"max_steps": 2})
     loaded = load_ds_config(os.path.join(REPO, "ds_configs", name),
                             ["bf16.enabled=true", "train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=1"])
-    ds = effective_ds_config(loaded, cfg, 1, torch.device("cpu")).deepspeed_config()
+    ds = effective_ds_config(loaded, cfg, 1, torch.device("cpu")).ds
     assert ds["bf16"]["enabled"] is True and ds["communication_data_type"] == "fp32"
     engine = engine_for(cfg, ds)
     assert engine.bfloat16_enabled() and engine.communication_data_type == torch.float32

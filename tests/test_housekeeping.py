@@ -10,6 +10,7 @@ import torch
 from common.checks import ConfigError
 from data.writer import write_atomic
 from model.config import ModelConfig
+from scripts.convert_checkpoint import to_universal
 from training import checkpoint
 from training.metrics import MetricsLog
 
@@ -104,7 +105,7 @@ def test_tensor_parallel_checkpoints_that_cannot_reshard_say_so(tmp_path):
     fake_checkpoint(root, 4, layout={"world": 4, "dp": 2, "pp": 1, "tp": 2, "sp": 1, "zero_stage": 3})
     with pytest.raises(ConfigError, match=r"is a ZeRO-3 checkpoint at tensor-parallel degree 2: DeepSpeed's converter "
                                           r"merges ZeRO-3 shards of one tensor slice only. Resume it at tp=2"):
-        checkpoint.to_universal(str(tmp_path), "step_000004")
+        to_universal(str(tmp_path), "step_000004")
     assert sorted(os.listdir(root)) == ["step_000003", "step_000004"]
 
 

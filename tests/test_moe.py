@@ -134,7 +134,7 @@ def test_a_biased_choice_keeps_the_probabilities_as_weights(k):
 
 
 def test_the_bias_moves_toward_even_load(monkeypatch):
-    from training.moe import update_router_biases
+    from model.moe_hooks import update_router_biases
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: tensor)  # one rank
     layer = MoEFeedForward(32, 48, 4, 2, n_layer=2, balancing_bias=True)
     layer.load = torch.tensor([6.0, 1.0, 3.0, 2.0])  # mean 3

@@ -17,9 +17,9 @@ from hf_check import transformers_model
 from model.config import ModelConfig
 from model.sequence_parallel import SequenceParallel
 from training.config import DEFAULT_CONFIG, load_run_config
-from training.preference import Objective, pair_losses
-from training.reference import check_reference, fingerprint, reference_path
-from training.startup import choose_objective
+from training.objectives import choose_objective
+from training.objectives.preference import PairLoss, pair_losses
+from training.objectives.reference import check_reference, fingerprint, reference_path
 from training.topology import Layout
 
 CPU = torch.device("cpu")
@@ -109,7 +109,7 @@ def expected(kind: str, beta=0.1, eps=0.0, gamma=0.5, sft=0.0) -> list[float]:
                                            ("ipo", {"beta": 0.5}), ("simpo", {"beta": 2.0, "gamma": 1.0}),
                                            ("simpo", {"beta": 2.0, "eps": 0.1})])
 def test_the_losses_are_the_papers_formulas(kind, settings):
-    objective = Objective(kind, settings.get("beta", 0.1), settings.get("eps", 0.0), settings.get("gamma", 0.5),
+    objective = PairLoss(kind, settings.get("beta", 0.1), settings.get("eps", 0.0), settings.get("gamma", 0.5),
                           settings.get("sft", 0.0))
     losses, figures = pair_losses(objective, LOGPS, COUNTS, REFERENCE)
     assert losses.tolist() == pytest.approx(expected(kind, **settings), rel=1e-12)
@@ -132,14 +132,16 @@ def test_what_a_preference_run_refuses_at_start(pair_data, char_data, tmp_path):
     with pytest.raises(ConfigError, match="train.objective=dpo compares the model with the one it starts from, but "
                                           "train.init_from is not set; fix: set train.init_from"):
         choose_objective(run_config(pair_data), data, Layout(1, 1, 2, 1), None, None)
-    objective, ref_id = choose_objective(run_config(pair_data, "train.objective=simpo"), data, Layout(1, 1, 2, 1),
-                                         None, None)
-    assert objective.objective.kind == "simpo" and ref_id is None  # no reference to compare with
+    objective = choose_objective(run_config(pair_data, "train.objective=simpo"), data, Layout(1, 1, 2, 1), None, None)
+    assert objective.name == "simpo" and objective.record() == {"reference": None}  # no reference to compare with
     from data.loader import open_data
     text = open_data(char_data, None, 32)
     with pytest.raises(ConfigError, match=f"train.objective=ipo trains on preference pairs, but {char_data} holds "
                                           f"text; fix: prepare pairs with python -m data.prepare --format preference"):
         choose_objective(run_config(char_data, "train.objective=ipo"), text, Layout(1, 1, 2, 1), None, None)
+    with pytest.raises(ConfigError, match=f"train.objective=next_token trains on text or conversations, but "
+                                          f"{pair_data} holds preference pairs; fix: set train.objective to dpo"):
+        choose_objective(run_config(pair_data, "train.objective=next_token"), data, Layout(1, 1, 2, 1), None, None)
     with pytest.raises(ConfigError, match="the reference log-probabilities this run started with, .*abc.npz, are "
                                           "gone; fix: restore the file, or start a fresh run"):
         check_reference(data, "abc", resuming=True)
@@ -168,7 +170,7 @@ def test_simpo_is_trls(beta, gamma, eps):
                           accelerator=SimpleNamespace(device=CPU))
     means = LOGPS / COUNTS
     losses, chosen, rejected = CPOTrainer.cpo_loss(trl, means[0::2], means[1::2])
-    ours, figures = pair_losses(Objective("simpo", beta, eps, gamma), LOGPS, COUNTS, REFERENCE)
+    ours, figures = pair_losses(PairLoss("simpo", beta, eps, gamma), LOGPS, COUNTS, REFERENCE)
     assert ours.tolist() == pytest.approx(losses.tolist(), rel=1e-12)
     assert figures["rewards_chosen"].tolist() == pytest.approx(chosen.tolist(), rel=1e-12)
     assert figures["rewards_rejected"].tolist() == pytest.approx(rejected.tolist(), rel=1e-12)

@@ -80,7 +80,7 @@ def run_dpo(setup, name: str, init_from, extra=()):
 def runs(setup):
     """A run whose policy is its reference (which scores the reference), then one from another model that reads
     that reference."""
-    from training.reference import fingerprint, reference_path
+    from training.objectives.reference import fingerprint, reference_path
     itself = run_dpo(setup, "itself", setup["reference"])
     scored = reference_path(str(setup["data"]), fingerprint(str(setup["reference"])))
     shutil.copy(scored, reference_path(str(setup["data"]), fingerprint(str(setup["policy"]))))

@@ -99,8 +99,8 @@ BAD_SETTINGS = [
                                     "train.on_nonfinite to one of them"),
     (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be >= 1"),
     (["train.max_rewinds=0"], "train.max_rewinds=0: must be >= 1"),
-    (["train.objective=ppo"], "train.objective='ppo': must be null (the data's) or one of dpo, ipo, simpo; fix: set "
-                              "train.objective to one of them"),
+    (["train.objective=ppo"], "train.objective='ppo': must be null (the data's) or one of next_token, dpo, ipo, "
+                              "simpo; fix: set train.objective to one of them"),
     (["preference.beta=0"], "preference.beta=0.0: must be > 0"),
     (["preference.label_smoothing=0.5"], "preference.label_smoothing=0.5: must be in [0.0, 0.5); fix: set "
                                          "preference.label_smoothing between 0.0 and 0.5"),

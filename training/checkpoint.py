@@ -389,37 +389,6 @@ def _describe(layout: dict) -> str:
     return f"dp={layout['dp']} x pp={layout['pp']}{extra} with ZeRO-{layout['zero_stage']}"
 
 
-def to_universal(out_dir: str, tag: str | None) -> str:
-    """Convert a complete checkpoint to DeepSpeed's universal format, as <tag>_universal beside it."""
-    source = find_checkpoint(out_dir, tag)
-    tag = os.path.basename(source)
-    saved = read_run_state(source)
-    if saved.get("universal"):
-        raise ConfigError(f"--tag {tag} is already in the universal format; fix: resume it with train.resume={tag}, "
-                          f"or convert the tag it was made from")
-    reason = universal.unconvertible(source, saved)
-    if reason:
-        raise ConfigError(reason)
-    target = f"{source}_universal"
-    if os.path.exists(os.path.join(target, MANIFEST)):
-        print(f"{target} already exists")
-        return target
-    shutil.rmtree(target, ignore_errors=True)  # the leftovers of an interrupted conversion
-    if universal.has_optimizer_shards(source):
-        universal.convert(source, target)
-    else:
-        states = load_state_file(os.path.join(source, "mp_rank_00_model_states.pt"))
-        try:
-            universal.convert_zero0(source, target, saved, states)
-        except ValueError as e:
-            raise ConfigError(f"{e}; fix: {elsewhere(source, 'convert another tag')}") from None
-    mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
-    where = ("under ZeRO-3 at any data-parallel size" if saved["layout"]["zero_stage"] == 3 else
-             "at any data-parallel size, pipeline stage count or ZeRO stage from 0 to 2")
-    print(f"wrote {target}: resume it {where} with train.resume={tag}_universal")
-    return target
-
-
 if __name__ == "__main__":
     from common.checks import not_a_command
 

@@ -7,11 +7,7 @@
 Every problem found here raises ConfigError before any process group or training work starts.
 """
 import argparse
-import dataclasses
-import difflib
 import os
-import types
-import typing
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -24,7 +20,8 @@ from common.checks import Checks, ConfigError, ToolParser, existing_file
 from data.tasks import task_name
 from model.config import ModelConfig
 from model.registry import check_architecture
-from training.preference import OBJECTIVES
+from training.objectives import OBJECTIVES
+from training.overrides import explain_omegaconf_error, read_overrides
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
@@ -154,8 +151,8 @@ class TrainConfig:
     # Print the run config and the ds_config, as the run took them, at start (they are always written to
     # out_dir/config.yaml and ds_config.json); without it the start-up says what matters in a few lines.
     print_config: bool = False
-    # The loss: null takes the data's (next-token for text and conversations, dpo for preference pairs);
-    # dpo, ipo or simpo on preference pairs (training/preference.py, settings under preference.*).
+    # The objective (training/objectives/): null takes the data's (next_token for text and conversations, dpo
+    # for preference pairs); dpo, ipo or simpo on preference pairs (settings under preference.*).
     objective: Optional[str] = None
 
     def check(self, c: Checks) -> None:
@@ -193,7 +190,7 @@ class TrainConfig:
 
 @dataclass
 class PreferenceConfig:
-    """Preference tuning's settings (train.objective dpo, ipo, simpo; the formulas: training/preference.py)."""
+    """Preference tuning's settings (train.objective dpo, ipo, simpo; training/objectives/preference.py)."""
     beta: float = 0.1  # how far from the reference the policy may go (dpo, ipo); simpo's reward scale
     label_smoothing: float = 0.0  # dpo, simpo: the chance a pair's preference is wrong (conservative DPO)
     gamma: float = 0.5  # simpo: the target margin of the rewards
@@ -282,7 +279,7 @@ def load_run_config(path: str, overrides: list[str]) -> RunConfig:
         try:
             cfg = OmegaConf.merge(cfg, layer())
         except OmegaConfBaseException as e:
-            raise ConfigError(_explain_omegaconf_error(e, source)) from None
+            raise ConfigError(explain_omegaconf_error(e, source, RunConfig)) from None
     cfg = OmegaConf.to_object(cfg)
     check_run_config(cfg)
     return cfg
@@ -341,66 +338,6 @@ def check_run_config(cfg: RunConfig) -> None:
         values = getattr(cfg, section.name)
         values.check(Checks(section.name, values))
     check_architecture(cfg.model, Checks("model", cfg.model))
-
-
-def _explain_omegaconf_error(e: OmegaConfBaseException, source: str) -> str:
-    key = getattr(e, "full_key", None) or "?"
-    section, _, name = key.rpartition(".")
-    known = _known_keys(section)
-    if name and known and name not in known:
-        hint = difflib.get_close_matches(name, known, n=1)
-        suggestion = f"; did you mean '{section + '.' if section else ''}{hint[0]}'?" if hint else ""
-        return (f"unknown setting '{key}' in {source}{suggestion} "
-                f"Known keys{' in ' + section if section else ''}: {', '.join(sorted(known))}")
-    expected = _expected_type(key)
-    if expected:
-        kind, example = expected
-        return (f"bad setting '{key}' in {source}: {getattr(e, 'value', None)!r} is not {kind}; fix: set it to "
-                f"{kind}, e.g. {key}={example}")
-    # OmegaConf appends its full_key, reference_type and object_type on lines of their own: the first line says it.
-    return f"bad setting '{key}' in {source}: {str(getattr(e, 'msg', None) or e).splitlines()[0]}"
-
-
-# How a setting's type is named to the user, with a value of that type to show the fix.
-TYPE_WORDS = {int: ("an integer", "4"), float: ("a number", "0.5"), bool: ("true or false", "true"),
-              str: ("a string", "text"), list: ("a list", "[a,b]")}
-
-
-def _expected_type(key: str) -> tuple[str, str] | None:
-    """(what the setting `key` holds, an example value) from its dataclass field's type; None if not found."""
-    node, annotation = RunConfig, None
-    for part in key.split("."):
-        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
-        if part not in hints:
-            return None
-        node = annotation = hints[part]
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)  # Optional[int], int | None
-    kinds = [typing.get_origin(t) or t for t in (typing.get_args(annotation) if union else (annotation,))
-             if t is not type(None)]
-    return TYPE_WORDS.get(kinds[0]) if len(kinds) == 1 else None
-
-
-def _known_keys(section: str) -> list[str]:
-    node = OmegaConf.structured(RunConfig)
-    for part in filter(None, section.split(".")):
-        node = node.get(part) if isinstance(node, DictConfig) else None
-    return list(node.keys()) if isinstance(node, DictConfig) else []
-
-
-def read_overrides(overrides: list[str], prefix: str = "") -> DictConfig:
-    """Command-line key=value pairs (each key after `prefix`) as a config layer. A value YAML cannot read (a pasted
-    placeholder such as `...`, an unclosed bracket) is refused naming its override, where OmegaConf's own error
-    is a parser traceback that names neither."""
-    for item in overrides:
-        try:
-            OmegaConf.from_dotlist([item])
-        except yaml.YAMLError as e:
-            problem = " ".join(str(getattr(e, "problem", None) or e).split())
-            raise ConfigError(f"override '{prefix}{item}': YAML cannot read the value {item.partition('=')[2]!r} "
-                              f"({problem}); fix: give a value there (a number, true or false, a path, a list such "
-                              f"as [a,b]), quoting the whole override for the shell, e.g. "
-                              f"'eval.tasks=[a.jsonl,b.jsonl]'") from None
-    return OmegaConf.from_dotlist(overrides)
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:

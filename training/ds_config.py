@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common.checks import ConfigError, existing_file
-from training.config import DS_PREFIX, REPO_ROOT, read_overrides
+from training.config import DS_PREFIX, REPO_ROOT
+from training.overrides import read_overrides
 
 
 def load_ds_config(path: str, overrides: list[str]) -> dict:

@@ -13,7 +13,8 @@ from model.kv_cache import attention_modules
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
 from training.multiple_choice import row_losses
-from training.steps import NEXT_TOKEN, data_parallel_group, replicated_weights_in_sync, token_loss_sum
+from training.objectives.next_token import NEXT_TOKEN
+from training.steps import data_parallel_group, replicated_weights_in_sync, token_loss_sum
 
 
 class PlainDriver:
@@ -39,7 +40,7 @@ class PlainDriver:
 
     def train_step(self, micro_batches: list, objective=NEXT_TOKEN) -> torch.Tensor:
         """One optimizer step over the step's micro-batches; returns their mean loss, still on the device: the
-        objective's (training/steps.py NextToken, training/preference.py PreferenceLoss)."""
+        objective's (training/objectives/)."""
         engine = self.engine
         loss_fn = objective.step_loss(micro_batches, self)
         total = 0.0

@@ -1,7 +1,8 @@
 """Everything done to a model between its layer list and DeepSpeed, in one place and in this order:
 
 1. tensor parallelism: each layer splits its weights over the tensor ranks as it is built (the architecture's
-   plan, model/parallelize.py), and a mixture-of-experts block builds this rank's experts only (model/moe.py);
+   plan, model/parallelize.py), and a mixture-of-experts block builds this rank's experts only (model/moe.py),
+   in DeepSpeed's expert groups, its router losses weighed for the accumulation steps (training/moe.py);
 2. activation checkpointing of every `checkpoint_interval` blocks (model/stack.py, or DeepSpeed's
    PipelineModule);
 3. the ZeRO-3 partition: each layer partitioned as soon as it is built, so no rank ever holds the whole model;
@@ -18,22 +19,23 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from model import build_model, build_pipeline, compile_blocks
-from model.moe import NO_EXPERT_PARALLEL, ExpertParallel
+from model.moe import NO_EXPERT_PARALLEL
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel
 from model.tensor_parallel import SINGLE, TensorParallel
 from model.tiling import tile_mlps
 from training.config import RunConfig
+from training.moe import expert_groups, expert_parallel_size, weigh_router_losses
 from training.steps import lm_loss
-from training.topology import Pipeline
+from training.topology import ACCUM, Pipeline
 
 
 def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParallel = SINGLE, grid=None,
-                sp: SequenceParallel = NO_SEQUENCE_PARALLEL,
-                ep: ExpertParallel = NO_EXPERT_PARALLEL) -> tuple[torch.nn.Module, int]:
-    """The model of `cfg` as this rank trains it, and how many blocks were compiled (train.compile). `pipe`:
-    the run's stages (more than one: `topo` is the run's topology); `tp`: its tensor ranks, whose `grid`
-    partitions ZeRO-3 within each slice; `sp`: its sequence ranks; `ep`: its share of the experts; `ds`: the
-    ds_config as DeepSpeed is given it."""
+                sp: SequenceParallel = NO_SEQUENCE_PARALLEL) -> tuple[torch.nn.Module, int]:
+    """Collective: the model of `cfg` as this rank trains it, and how many blocks were compiled (train.compile).
+    `pipe`: the run's stages (more than one: `topo` is the run's topology); `tp`: its tensor ranks, whose `grid`
+    partitions ZeRO-3 within each slice; `sp`: its sequence ranks; `ds`: the ds_config as DeepSpeed is given
+    it, whose expert-parallel degree shares out a model's experts in DeepSpeed's expert groups."""
+    ep = expert_groups(expert_parallel_size(ds), pipe.stages) if cfg.model.n_experts else NO_EXPERT_PARALLEL
     if pipe.stages > 1:
         model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
                                pipe.checkpoint_interval, tp, sp, ep)
@@ -42,6 +44,7 @@ def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorP
                             partition=zero3_partition(ds, tp, grid), tp=tp, sp=sp)
     else:
         model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp, ep=ep)
+    weigh_router_losses(model, cfg.model, ds.get(ACCUM, 1))
     model = tile_mlps(model, cfg.train.mlp_tiles)
     return model, compile_blocks(model, cfg.model.arch) if cfg.train.compile else 0
 

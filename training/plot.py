@@ -43,8 +43,9 @@ def read_run(run_dir: str) -> dict:
                     steps, values = series.setdefault(key, ([], []))
                     steps.append(record["step"])
                     values.append(100 * value if key == "mfu" else value)
+    seen = series.get("tokens_seen")  # the tokens trained on through each logged step
     return {"name": os.path.basename(os.path.normpath(run_dir)), "series": series,
-            "tokens_per_step": tokens_per_step(run_dir)}
+            "tokens_per_step": seen[1][0] // seen[0][0] if seen and seen[0][0] else None}
 
 
 def accuracy_series(run: dict) -> dict[str, tuple[str, str, str]]:
@@ -57,23 +58,14 @@ def accuracy_series(run: dict) -> dict[str, tuple[str, str, str]]:
     return found
 
 
-def tokens_per_step(run_dir: str) -> int | None:
-    from omegaconf import OmegaConf
-    try:
-        with open(os.path.join(run_dir, "ds_config.json")) as f:
-            batch = json.load(f)["train_batch_size"]
-        return batch * OmegaConf.load(os.path.join(run_dir, "config.yaml")).model.block_size
-    except Exception:  # a missing or unreadable file, whatever the parser raises: unknown
-        return None
-
-
 def plot(runs: list[dict], output: str, x: str = "step") -> None:
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
     if x == "tokens" and any(run["tokens_per_step"] is None for run in runs):
-        raise PlotError("--x tokens needs each run's ds_config.json and config.yaml (written by train.py)")
+        raise PlotError("--x tokens needs each run's tokens_seen in its metrics.jsonl (train.py writes it at each "
+                        "progress line); fix: plot by step")
     panels = PANELS + ([ACCURACY] if any(accuracy_series(run) for run in runs) else []) + \
         ([REWARDS] if any(REWARDS[0] in run["series"] for run in runs) else []) + \
         ([EXPERTS] if any(EXPERTS[0] in run["series"] for run in runs) else [])

@@ -19,39 +19,39 @@ from data.tasks import Task
 from data.token_data import KIND_WORDS, TokenData
 from data.tokenizers import sampling_start
 from model import architecture, build_model, model_layers
+from model.architecture import TrainingHooks
 from model.documents import KERNEL_NAMES, document_kernel
 from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
-from training import checkpoint, hf, reference
+from training import checkpoint, hf
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import bf16_matmuls_in_fp32, check_op_build_locks, compute_dtype, keep_freed_host_memory
 from training.ds_config import load_ds_config
 from training.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
 from training.moe import check_experts, expert_parallel_size
 from training.multiple_choice import open_tasks
+from training.objectives import Objective, choose_objective
 from training.optim import optimizer_and_schedule, schedule_note
-from training.preference import Objective, PreferenceLoss
-from training.steps import NextToken
 from training.topology import (
-    ACCUM,
-    GLOBAL,
-    MICRO,
     SP_KEY,
     Layout,
     Pipeline,
     deepspeed_batch,
+    layout_record,
     pipeline_settings,
     resolve_layout,
     sequence_parallel_size,
     stage_partition,
     tensor_parallel_size,
+    zero_stage,
 )
 
 
 @dataclass
 class EngineSettings:
-    """The ds_config DeepSpeed is given, and what follows from it for this process."""
+    """The ds_config DeepSpeed is given (the only one: ds_config.json saves it), and what follows from it for this
+    process."""
     ds: dict
     layout: Layout
     pipe: Pipeline
@@ -59,27 +59,18 @@ class EngineSettings:
     precision_note: str | None
     bf16_matmuls: bool  # fp32 weights, matmuls in bf16 (training/device.py, bf16_matmuls_in_fp32)
 
-    @property
-    def zero_stage(self) -> int:
-        return self.ds.get("zero_optimization", {}).get("stage", 0)
-
-    def deepspeed_config(self) -> dict:
-        """The ds_config as DeepSpeed is given it: the batch triple over its data axis (training/topology.py)."""
-        return {**{k: v for k, v in self.ds.items() if k != SP_KEY}, **deepspeed_batch(self.layout)}
-
     def layout_record(self) -> dict:
-        """The layout as checkpoints record it (run_state.json's "layout")."""
-        return {"world": self.layout.world_size, "dp": self.layout.dp, "pp": self.layout.pipeline_stages,
-                "tp": self.layout.tp_size, "sp": self.layout.sp_size, "ep": self.layout.ep_size,
-                "zero_stage": self.zero_stage}
+        return layout_record(self.layout, zero_stage(self.ds))
 
 
 def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch.device,
                         load_universal: bool = False) -> EngineSettings:
     """The ds_config DeepSpeed is given, assembled here only, from the loaded one (left as it is): the batch
-    triple completed for this world size, bf16 "auto" resolved for the device, the run's optimizer and
-    schedule, and universal loading for a run that resumes a universal checkpoint. Raises ConfigError for what
-    the device, the world size or the run config cannot take."""
+    triple completed for this world size and counted over DeepSpeed's data axis, which holds the sequence ranks
+    (training/topology.py deepspeed_batch; the sequence-parallel degree, which DeepSpeed would divide by again,
+    is read here and left out), bf16 "auto" resolved for the device, the run's optimizer and schedule, and
+    universal loading for a run that resumes a universal checkpoint. Raises ConfigError for what the device,
+    the world size or the run config cannot take."""
     dtype, precision_note = compute_dtype(ds, device, cfg.model.n_embd)
     pipe = pipeline_settings(ds)
     tp_size, sp_size = tensor_parallel_size(ds), sequence_parallel_size(ds)
@@ -90,9 +81,10 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     check_experts(cfg.model, layout, ds.get("zero_optimization", {}).get("stage", 0), dtype == torch.float16,
                   cfg.train.compile, cfg.train.mlp_tiles)
     effective = copy.deepcopy(ds)
+    effective.pop(SP_KEY, None)
     if ds.get("bf16", {}).get("enabled") == "auto":
         effective["bf16"]["enabled"] = dtype == torch.bfloat16
-    effective.update({MICRO: layout.micro_batch, ACCUM: layout.grad_accum, GLOBAL: layout.global_batch})
+    effective.update(deepspeed_batch(layout))
     effective.update(optimizer_and_schedule(cfg, ds))
     if load_universal:
         effective.setdefault("checkpoint", {})["load_universal"] = True
@@ -161,9 +153,17 @@ def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
 
 @dataclass
 class Run:
-    """Everything check_run settled, for the phases of train.py to share."""
+    """Everything check_run settled, for the phases of train.py to share, one level deep: what was asked (`cfg`,
+    resolved: the vocabulary, the schedule's length), what this job resolved it to, and the ds_config DeepSpeed
+    is given."""
     cfg: RunConfig
-    setup: Setup
+    ds: dict  # as DeepSpeed is given it, and ds_config.json saves it
+    layout: Layout
+    pipe: Pipeline
+    dtype: torch.dtype
+    bf16_matmuls: bool  # fp32 weights, matmuls in bf16 (training/device.py, bf16_matmuls_in_fp32)
+    launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launcher_env.py)
+    device: torch.device
     data: TokenData
     tokenizer: object
     prompt_ids: list[int]
@@ -175,20 +175,11 @@ class Run:
     resume_dir: str | None
     init_from: str | None
     discard: list[str]  # newer checkpoints than resume_dir's, deleted at start (train.discard_newer)
-    objective: object  # the loss (training/steps.py NextToken, training/preference.py PreferenceLoss)
-    reference: str | None  # the fingerprint of the reference a preference objective compares with
+    objective: Objective  # what the loop trains for (training/objectives/)
+    hooks: TrainingHooks  # what the model adds to the loop (its architecture's, model/architecture.py)
 
-    @property
-    def ds(self) -> dict:
-        return self.setup.engine_settings.ds
-
-    @property
-    def layout(self) -> Layout:
-        return self.setup.engine_settings.layout
-
-    @property
-    def device(self) -> torch.device:
-        return self.setup.device
+    def layout_record(self) -> dict:
+        return layout_record(self.layout, zero_stage(self.ds))
 
 
 def check_run(argv=None) -> Run:
@@ -221,57 +212,13 @@ def check_run(argv=None) -> Run:
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
-    objective, ref_id = choose_objective(cfg, data, settings.layout, init_from, saved)
+    objective = choose_objective(cfg, data, settings.layout, init_from, saved)
     notes = [note for note in (settings.precision_note, setup.threads_note, prompt_note,
                                masking_note(cfg, data, setup.device),
-                               schedule_note(cfg), objective_note(objective)) if note]
-    return Run(cfg, setup, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
-               newer, objective, ref_id)
-
-
-def choose_objective(cfg: RunConfig, data: TokenData, layout: Layout, init_from: str | None, saved: dict | None
-                     ) -> tuple[object, str | None]:
-    """The run's loss, from train.objective and the data's kind, and its reference's fingerprint (checked usable
-    now: training/reference.py) where it compares with one."""
-    chosen = cfg.train.objective
-    if data.KIND != "preference":
-        if chosen is not None:
-            raise ConfigError(f"train.objective={chosen} trains on preference pairs, but {cfg.data.dir} holds "
-                              f"{KIND_WORDS[data.KIND]}; fix: prepare pairs with python -m data.prepare --format "
-                              f"preference and point data.dir at them, or leave train.objective unset")
-        return NextToken(supervised=data.KIND == "conversations"), None
-    data.check_micro_batch(layout.micro_batch)
-    settings = cfg.preference
-    objective = Objective(chosen or "dpo", settings.beta, settings.label_smoothing, settings.gamma,
-                          settings.sft_weight)
-    ref_id = None
-    if objective.needs_reference:
-        if saved is not None:
-            ref_id = saved.get("reference")
-        elif init_from is None:
-            raise ConfigError(f"train.objective={objective.kind} compares the model with the one it starts from, "
-                              f"but train.init_from is not set; fix: set train.init_from to the fine-tuned model "
-                              f"(a folder written by python -m scripts.export), or train.objective=simpo, which "
-                              f"needs no reference")
-        else:
-            ref_id = reference.fingerprint(init_from)
-        if ref_id is None:
-            raise ConfigError(f"the checkpoint {cfg.train.out_dir} resumes was not trained with "
-                              f"train.objective={objective.kind} (it names no reference); fix: resume it with its own "
-                              f"objective, or start a fresh run in another train.out_dir")
-        reference.check_reference(data, ref_id, resuming=saved is not None)
-    return PreferenceLoss(objective, cfg.model.vocab_size), ref_id
-
-
-def objective_note(objective) -> str | None:
-    """The preference loss and its settings; nothing for the next-token loss, which needs no words."""
-    if not isinstance(objective, PreferenceLoss):
-        return None
-    o = objective.objective
-    settings = [f"beta {o.beta:g}"] + ([f"gamma {o.gamma:g}"] if o.kind == "simpo" else []) + \
-        ([f"label smoothing {o.label_smoothing:g}"] if o.kind != "ipo" else []) + [f"sft weight {o.sft_weight:g}"]
-    compared = "against the reference, train.init_from" if o.needs_reference else "without a reference"
-    return f"objective: {o.kind} ({', '.join(settings)}), a mean over the pairs of each global batch, {compared}"
+                               schedule_note(cfg), objective.describe()) if note]
+    return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype, settings.bf16_matmuls, setup.launcher,
+               setup.device, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
+               newer, objective, architecture(cfg.model).training_hooks(cfg.model))
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:

@@ -2,7 +2,6 @@
 share of a batch, the gradient norm as ZeRO counts it, the check of weights nothing re-synchronizes, and what
 the repo changes in a built engine.
 training/engines.py drives the engines with them."""
-import functools
 import math
 
 import torch
@@ -72,28 +71,6 @@ class CrossEntropyWithGradient(torch.autograd.Function):
     def backward(ctx, upstream):
         grad, = ctx.saved_tensors
         return grad.mul_(upstream), None, None, None
-
-
-class NextToken:
-    """The language-model objective: a step's loss is the mean over its target tokens or, `supervised`
-    (conversations), over the global batch's supervised tokens (supervised_share)."""
-
-    def __init__(self, supervised: bool = False):
-        self.supervised = supervised
-
-    def step_loss(self, micro_batches: list, driver):
-        """The loss function of the step of `micro_batches`, called as loss_fn(logits, targets)."""
-        divisor = None
-        if self.supervised:
-            divisor = supervised_share(micro_batches, driver.data_parallel_group, driver.engine.dp_world_size)
-        return functools.partial(lm_loss, tp=driver.tp, divisor=divisor)
-
-    def take_metrics(self, driver) -> dict:
-        """Figures of the steps since the last call beside the loss: none."""
-        return {}
-
-
-NEXT_TOKEN = NextToken()
 
 
 def supervised_share(micro_batches: list, group, data_parallel: int) -> torch.Tensor:

@@ -117,6 +117,16 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size:
     return Layout(world_size, pipeline_stages, micro, accum, tp_size, sp_size, ep_size)
 
 
+def zero_stage(ds: dict) -> int:
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
+def layout_record(layout: Layout, zero: int) -> dict:
+    """The layout as checkpoints record it (run_state.json's "layout")."""
+    return {"world": layout.world_size, "dp": layout.dp, "pp": layout.pipeline_stages, "tp": layout.tp_size,
+            "sp": layout.sp_size, "ep": layout.ep_size, "zero_stage": zero}
+
+
 def deepspeed_batch(layout: Layout) -> dict:
     """The batch triple as DeepSpeed counts it: over its data axis, sequence ranks included."""
     return {MICRO: layout.micro_batch, ACCUM: layout.grad_accum, GLOBAL: layout.global_batch * layout.sp_size}

@@ -1,0 +1,106 @@
+"""What the server's tests share: a chat-tuned Llama's shape with random weights, exported with the chat template
+of real prepared conversations; `python -m scripts.serve` (or tests/fault_serve.py, which slows or breaks its
+decoder) started on a free loopback port and stopped with Ctrl-C; the requests and readings they make."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+from chats import reverse_tasks
+from harness import REPO, free_port
+from model import build_model
+from model.config import ModelConfig
+
+KEY = "test-key-0123"
+MESSAGE = "Reverse: king crown night"
+
+
+def chat_model_export(folder, block_size: int) -> str:
+    from data.prepare_chat import prepare_chat
+    from training.export import write_export
+
+    tasks = folder / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(50, seed=1)))
+    prepare_chat([str(tasks)], str(folder / "data"), "char", context=64, val_fraction=0.1)
+    meta = json.loads((folder / "data" / "meta.json").read_text())
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=block_size,
+                      vocab_size=meta["vocab_size"])
+    model = build_model(cfg, seed=1)
+    with torch.no_grad():  # weights that make each next token clear: greedy paths never hang on a near tie
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return write_export(str(folder / "export"), cfg, model.state_dict(), meta, step=0, data_dir=str(folder / "data"))
+
+
+class Server:
+    def __init__(self, export: str, *args: str, script=("-m", "scripts.serve"), env: dict | None = None):
+        """`script`: how the server is started (tests/fault_serve.py slows or breaks its decoder, through env)."""
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, *script, "--export", export, "--port", str(self.port),
+                                      "--slots", "4", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+            assert self.proc.poll() is None, self.proc.stdout.read()
+        raise AssertionError("the server did not answer /health within 120 s")
+
+    def client(self, key: str = "unused"):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def stop(self) -> tuple[int, str]:
+        """Ctrl-C, as a user stops it: (exit code, everything it printed)."""
+        self.proc.send_signal(signal.SIGINT)
+        output = self.proc.communicate(timeout=30)[0]
+        return self.proc.returncode, output
+
+
+def chat(server, message: str = MESSAGE, **options):
+    return server.client().chat.completions.create(model="export", messages=[{"role": "user", "content": message}],
+                                                   temperature=0, **options)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_for(condition, what: str, seconds: float = 30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
+        time.sleep(0.05)
+
+
+BAD = [  # (body or raw bytes, status, the error message's start)
+    (b"{not json", 400, "the request body is not valid JSON"),
+    (b"\xff\xfe", 400, "the request body is not UTF-8"),
+    ({"model": "export", "messages": []}, 400, "messages must be a non-empty list"),
+    ({"model": "export", "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0] has the unknown role"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
+     "max_tokens must be at least 1"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}, 400, "max_tokens=500"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi " * 60}]}, 400, "the prompt has"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
+     "temperature must be in [0, 2]"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools are not supported"),
+    ({"model": "export", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "only text content is supported"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "the model 'gpt-9' is not served"),
+]
