@@ -25,7 +25,7 @@ from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError, ToolParser
 from data.token_data import TokenData
-from training.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
+from training.launch.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
 from training.startup import configure, load_configs
 from training.topology import describe_hosts
 

@@ -16,7 +16,7 @@ from data.chat import chat_prompt
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError, sampling_start
 from model.generate import Sampling, decoder_for, generate
-from training.export import add_trained_arguments, load_trained
+from training.checkpoints.export import add_trained_arguments, load_trained
 
 
 def main(argv=None) -> None:

@@ -29,15 +29,15 @@ from model.cpu_attention import float32_matmul_precision
 from model.generate import Sampling, generate
 from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
-from training import checkpoint, hf, universal
-from training.background_save import BackgroundWriter
+from training.checkpoints import checkpoint, hf, universal
+from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb
 from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive
-from training.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
+from training.evaluation.multiple_choice import ChoiceScorer
+from training.launch.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
-from training.multiple_choice import ChoiceScorer
 from training.noise import silence_known_noise
 from training.observers import Observer, Observers
 from training.optim import param_groups, start_schedule
@@ -83,7 +83,7 @@ class Rank:
     batches_skipped: int  # by rewinds (training/divergence.py): step s trains on the batch of step s + this
     log: MetricsLog
     scorer: ChoiceScorer | None  # this rank's share of eval.tasks
-    universal_info: dict  # what DeepSpeed's universal converter needs to know of the model (training/checkpoint.py)
+    universal_info: dict  # what DeepSpeed's universal converter needs to know of the model (training/checkpoints/)
     observers: Observers  # what sees the loop (benchmarks)
 
 
@@ -156,7 +156,7 @@ def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
     layout = run.layout
     PHASE.now(f"joining the process group (world {layout.world_size})")
     deepspeed.init_distributed(timeout=collective_timeout(run.cfg.train.dist_timeout_s))
-    JOB.watch()  # from here a rank that fails stops the whole job (training/failure.py)
+    JOB.watch()  # from here a rank that fails stops the whole job (training/launch/failure.py)
     index = torch.distributed.get_rank()
     print0 = functools.partial(print_line, file=sys.stdout) if index == 0 else lambda *_: None
     hostnames = [None] * layout.world_size

@@ -8,9 +8,9 @@ One process per preset builds the engine as train.py does (the ds_config's ZeRO 
 (a checkpoint's size does not depend on it, a step's time does; GPT-2's position table shrinks with it). After
 the warm-up it times steps without a save (their median is the step), then takes turns: a synchronous save
 (DeepSpeed's TorchCheckpointEngine, then the manifest and `latest`), and a save through BackgroundWriter
-followed by steps until training/checkpoint.py's per-step settle completes it. A save's stall is what the loop
-lost to it: the synchronous save's whole time; for the background save, the call (the copy into host memory,
-also printed alone) plus what the following steps and their settle checks took beyond the step's median.
+followed by steps until training/checkpoints/checkpoint.py's per-step settle completes it. A save's stall is
+what the loop lost to it: the synchronous save's whole time; for the background save, the call (the copy into host
+memory, also printed alone) plus what the following steps and their settle checks took beyond the step's median.
 Prints the medians and the checkpoint's size; writes JSON (--json). The checkpoints go to --work_dir and are
 removed at the end.
 """
@@ -39,11 +39,11 @@ from benchmarks.report import (
 )
 from common.checks import ConfigError, ToolParser
 from model import build_model
-from training import checkpoint
-from training.background_save import BackgroundWriter
+from training.checkpoints import checkpoint
+from training.checkpoints.background_save import BackgroundWriter
 from training.engines import train_step
-from training.failure import leave_process_group
-from training.launcher_env import set_single_process_env
+from training.launch.failure import leave_process_group
+from training.launch.launcher_env import set_single_process_env
 from training.optim import optimizer_and_schedule, param_groups
 from training.topology import resolve_layout
 

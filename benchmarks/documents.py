@@ -81,8 +81,8 @@ def cost(args, data_dir: str) -> dict:
     from benchmarks.turns import timed_turns
     from model import build_model
     from training.engines import train_step
-    from training.failure import leave_process_group
-    from training.launcher_env import set_single_process_env
+    from training.launch.failure import leave_process_group
+    from training.launch.launcher_env import set_single_process_env
     from training.memory_plan import document_masking_bytes
     from training.optim import optimizer_and_schedule, param_groups
     from training.topology import resolve_layout

@@ -43,7 +43,7 @@ EXAMPLE_CONTEXT = 64  # the quickstart Llama's block_size
 
 def trained(run_dir: str):
     """(model config, model, tokenizer, dataset meta) of a run's last checkpoint."""
-    from training.export import load_trained
+    from training.checkpoints.export import load_trained
 
     return load_trained(run_dir)
 
@@ -51,7 +51,7 @@ def trained(run_dir: str):
 def initial(run_dir: str):
     """trained(run_dir) with the model at the run's initialization from scratch (its seed), not its weights."""
     from model import build_model
-    from training import checkpoint
+    from training.checkpoints import checkpoint
 
     cfg, _, tokenizer, meta = trained(run_dir)
     seed = checkpoint.read_run_state(checkpoint.find_checkpoint(run_dir, None))["config"]["train"]["seed"]
@@ -98,7 +98,7 @@ def train(data: str, run: str, settings: list[str], config: str = CONFIG) -> flo
 
 def from_export(args, work: str) -> dict:
     """The README's example: the preset from the export and from scratch, on the export's tokenizer."""
-    from training.export import load_trained
+    from training.checkpoints.export import load_trained
 
     train_tasks, held_out = tasks(args.train or 3000, args.test)
     data, export = os.path.join(work, "data_example"), os.path.abspath(args.init_from)

@@ -79,7 +79,7 @@ def measure(preset: str, prompt_len: int | None, new: int, repeats: int) -> dict
 
     from model import build_model
     from model.generate import CachedDecoder, WindowDecoder
-    from training.export import write_export
+    from training.checkpoints.export import write_export
 
     cfg = model_config(preset, prompt_len, new)
     prompt_len = prompt_len or cfg.block_size // 2

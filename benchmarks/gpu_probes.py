@@ -10,7 +10,8 @@ so each probe runs where DS_ACCELERATOR and CUDA_VISIBLE_DEVICES say (cuda, or c
     matmul OUT.json SIZE                   a bf16 matmul's FLOP/s against the device's datasheet peak
     preflight OUT.json PREFLIGHT.PY ARGS   preflight.py on one process, and the backend its process group had
     documents OUT.json                     FlexAttention's document masking against the dense mask's, bf16
-    saves OUT.json TRAIN.PY ARGS           a synchronous save beside a background one (training/background_save.py)
+    saves OUT.json TRAIN.PY ARGS           a synchronous save beside a background one
+                                           (training/checkpoints/background_save.py)
 
 A probe records what it saw as JSON (or tensors); the tests judge it, so the same probe serves the GPU and the
 CPU stand-in of a check.
@@ -86,7 +87,7 @@ def built_weights(argv: list[str]) -> dict:
     then gathered here), on the CPU: what a run starts from, to compare with another layout or device."""
     import deepspeed
 
-    from training.failure import leave_process_group
+    from training.launch.failure import leave_process_group
     from training.parallelize import parallelize
     from training.topology import zero_stage
 
@@ -114,7 +115,7 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
     from benchmarks.memory import MemoryProbe
     from training.ds_config import load_ds_config
     from training.engines import train_step
-    from training.failure import leave_process_group
+    from training.launch.failure import leave_process_group
     from training.memory_plan import plan
     from training.startup import effective_ds_config
 
@@ -150,10 +151,10 @@ def background_against_synchronous(folder: str, argv: list[str]) -> dict:
     folder/sync and folder/background: which files differ, and the storage locations each file's pickle names."""
     import zipfile
 
-    from training import checkpoint
-    from training.background_save import BackgroundWriter
+    from training.checkpoints import checkpoint
+    from training.checkpoints.background_save import BackgroundWriter
     from training.engines import train_step
-    from training.failure import leave_process_group
+    from training.launch.failure import leave_process_group
 
     run = start_one_process(argv)
     engine = build_engine(run.cfg, run.pipe, run.ds)

@@ -71,8 +71,8 @@ def throughput(args, inputs: dict) -> dict:
     from model import build_model
     from training.device import peak_flops
     from training.engines import train_step
-    from training.failure import leave_process_group
-    from training.launcher_env import set_single_process_env
+    from training.launch.failure import leave_process_group
+    from training.launch.launcher_env import set_single_process_env
     from training.metrics import flops_per_token
     from training.optim import optimizer_and_schedule, param_groups
     from training.topology import resolve_layout

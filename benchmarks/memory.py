@@ -153,7 +153,7 @@ def worker(args) -> None:
     from data.token_data import TokenData
     from training.config import load_run_config, split_overrides
     from training.ds_config import load_ds_config
-    from training.failure import leave_process_group
+    from training.launch.failure import leave_process_group
     from training.optim import param_groups
     from training.parallelize import parallelize
     from training.startup import effective_ds_config

@@ -46,8 +46,8 @@ def preset_export(preset: str, text: str, folder: str) -> tuple[str, dict, objec
     from data.prepare import prepare
     from data.tokenizers import tokenizer_from_meta
     from model import build_model
+    from training.checkpoints.export import write_export
     from training.config import load_run_config
-    from training.export import write_export
 
     path = os.path.join(REPO, "configs", f"{preset}.yaml")
     tokenizer = load_run_config(path, []).data.tokenizer or "char"

@@ -32,8 +32,8 @@ from data.token_data import TokenData
 from model import build_model, compile_blocks
 from training.device import keep_freed_host_memory, peak_flops
 from training.engines import train_step
-from training.failure import leave_process_group
-from training.launcher_env import set_single_process_env
+from training.launch.failure import leave_process_group
+from training.launch.launcher_env import set_single_process_env
 from training.metrics import flops_per_token
 from training.optim import optimizer_and_schedule, param_groups
 from training.steps import adjust_engine, lm_loss

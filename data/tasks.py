@@ -1,4 +1,4 @@
-"""Multiple-choice tasks: what the training loop scores (eval.tasks; training/multiple_choice.py) and what
+"""Multiple-choice tasks: what the training loop scores (eval.tasks; training/evaluation/multiple_choice.py) and what
 `python -m scripts.evaluate` hands lm-evaluation-harness as a local task. One format, HellaSwag's own
 validation JSONL, one example a line:
 

@@ -48,7 +48,7 @@ def _no_hooks(cfg: ModelConfig) -> TrainingHooks:
 
 @dataclass(frozen=True)
 class HuggingFace:
-    """The architecture in Hugging Face's layout (training/hf.py reads and writes it, both directions)."""
+    """The architecture in Hugging Face's layout (training/checkpoints/hf.py reads and writes it, both directions)."""
     architecture: str  # config.json's "architectures" entry, e.g. "GPT2LMHeadModel"
     model_type: str  # config.json's "model_type": how an import recognizes the family
     # Per layer class: (our name within the layer, Hugging Face's, how it moves); "{i}" is the block's index.

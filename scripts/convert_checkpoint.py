@@ -8,7 +8,7 @@ import os
 import shutil
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from training import checkpoint, universal
+from training.checkpoints import checkpoint, universal
 
 
 def main(argv=None) -> None:

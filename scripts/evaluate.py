@@ -20,8 +20,16 @@ import torch
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError
-from training.evaluate import LOCAL, earlier_results, go_offline, hub_unreachable, task_spec, where, write_results
-from training.export import add_trained_arguments, load_trained
+from training.checkpoints.export import add_trained_arguments, load_trained
+from training.evaluation.evaluate import (
+    LOCAL,
+    earlier_results,
+    go_offline,
+    hub_unreachable,
+    task_spec,
+    where,
+    write_results,
+)
 
 
 def main(argv=None) -> None:
@@ -37,7 +45,7 @@ def main(argv=None) -> None:
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import make_table
 
-        from training.lm_eval_model import CheckpointLM, RequestError
+        from training.evaluation.lm_eval_model import CheckpointLM, RequestError
     except ImportError as e:
         exit_bad_input(f"python -m scripts.evaluate needs lm-evaluation-harness ({e}); fix: pip install '.[eval]'")
     try:

@@ -3,7 +3,7 @@
     python -m scripts.export --out_dir out/gpt2_124m [--tag step_005000] [--output DIR] [--force]
 
 Any checkpoint works: ZeRO 0-3, with pipeline stages or not, or already universal. GPT and Llama weights are written
-in Hugging Face's layout (training/hf.py), so `GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(DIR)`
+in Hugging Face's layout (training/checkpoints/hf.py), so `GPT2LMHeadModel` / `LlamaForCausalLM.from_pretrained(DIR)`
 load them; encoder weights keep this repo's names. config.json also carries this repo's model settings
 and the tokenizer, for `sample.py --export DIR`.
 
@@ -15,8 +15,8 @@ import argparse
 import os
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from training import checkpoint
-from training.export import export
+from training.checkpoints import checkpoint
+from training.checkpoints.export import export
 
 
 def main(argv=None) -> None:

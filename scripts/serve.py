@@ -24,7 +24,7 @@ import torch
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError
-from training.export import add_trained_arguments, load_trained
+from training.checkpoints.export import add_trained_arguments, load_trained
 
 KEY_VARIABLE = "MEGALITE_API_KEY"
 FAILURE_LINGER_S = 5

@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train
-from training.failure import exit_now, report_failure, run_rank
+from training.launch.failure import exit_now, report_failure, run_rank
 from training.observers import Observer
 
 SCALES = {"nan": float("nan"), "spike": 100.0}

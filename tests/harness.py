@@ -117,7 +117,7 @@ def launch_cmd(launcher_args: list[str], script: str, ds_config: str, out_dir, d
 
 
 def release_shm(port) -> None:
-    """DeepSpeed's CPU shm workspace of a run on `port` that did not end cleanly (see training/failure.py)."""
+    """DeepSpeed's CPU shm workspace of a run on `port` that did not end cleanly (see training/launch/failure.py)."""
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
         os.remove(path)
 

@@ -8,7 +8,7 @@ import torch
 from model import architecture, build_model
 from model.config import ModelConfig, model_config
 from model.gpt import HF_GELU
-from training.export import _fingerprint, consolidated_state_dict
+from training.checkpoints.export import _fingerprint, consolidated_state_dict
 
 CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM"}
 
@@ -31,8 +31,8 @@ def assert_export_matches_transformers(folder: str, tokens: int = 16, weights: d
     """An export's logits in transformers equal this repo's forward (fp32, max diff <= 1e-5) of the weights it was
     exported from: `weights` (this repo's names) where given, else the checkpoint its config.json names as its
     source, read from the run's checkpoints (an export of harness.export lies in <out_dir>/export/<tag>). Never
-    the export read back through training/hf.py: a wrong name on the way out would be read back alike and the
-    two forwards would agree."""
+    the export read back through training/checkpoints/hf.py: a wrong name on the way out would be read back alike
+    and the two forwards would agree."""
     with open(os.path.join(folder, "config.json")) as f:
         record = json.load(f)["megalite"]
     cfg = model_config(record["model"], folder)

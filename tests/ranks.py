@@ -49,7 +49,7 @@ def _rank(argv: list[str], env: dict, logs: tuple[str, str]) -> None:
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     import train
-    from training.failure import run_rank
+    from training.launch.failure import run_rank
     main = train.main
     if "MEGALITE_FAULT" in env:
         import fault_train

@@ -23,7 +23,7 @@ MESSAGE = "Reverse: king crown night"
 
 def chat_model_export(folder, block_size: int) -> str:
     from data.prepare_chat import prepare_chat
-    from training.export import write_export
+    from training.checkpoints.export import write_export
 
     tasks = folder / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(50, seed=1)))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from harness import FP32, REPO, TINY, export, free_port, launch, metrics, sample_py, train_py, universal
 from hf_check import assert_export_matches_transformers
 from refusals import assert_refused_at_start
-from training import checkpoint
+from training.checkpoints import checkpoint
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 

@@ -6,6 +6,7 @@ two checkpoints, an export), damaged afresh for each row."""
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,9 @@ import sample
 import scripts.convert_checkpoint
 import scripts.evaluate
 import scripts.export
-import training.checkpoint
-import training.export
-import training.universal
+import training.checkpoints.checkpoint
+import training.checkpoints.export
+import training.checkpoints.universal
 from refusals import EXPORT, SHARD, TAG, assert_refused, command, only_tag_truncated, snapshot, truncated
 
 # Damage done to the run's copy before a row runs.
@@ -129,8 +130,8 @@ def test_a_damaged_checkpoint_is_refused_by_each_tool(paths, capsys, tool, damag
 def test_a_corrupt_tag_never_advises_itself(paths):
     """The issue's case: the only tag corrupt, and a resume that names the fix, not the same tag."""
     only_tag_truncated(paths["run"])
-    with pytest.raises(training.checkpoint.ConfigError) as error:
-        training.checkpoint.read_run_state(str(paths["tag"]))
+    with pytest.raises(training.checkpoints.checkpoint.ConfigError) as error:
+        training.checkpoints.checkpoint.read_run_state(str(paths["tag"]))
     assert "step_000002" not in str(error.value).split("fix:")[1]
 
 
@@ -178,9 +179,9 @@ def test_a_failed_export_leaves_the_earlier_one_whole(paths, monkeypatch):
             f.write(b"half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(training.export, "save_file", disk_full)
+    monkeypatch.setattr(training.checkpoints.export, "save_file", disk_full)
     with pytest.raises(OSError):
-        training.export.export(str(paths["tag"]), str(paths["export"]), force=True)
+        training.checkpoints.export.export(str(paths["tag"]), str(paths["export"]), force=True)
     assert snapshot(paths["export"]) == before and sorted(os.listdir(paths["export"].parent)) == ["step_000001"]
 
 
@@ -190,12 +191,12 @@ def test_a_failed_conversion_is_one_line_and_leaves_no_half_checkpoint(paths, mo
 
     def converter_fails(cmd, **kwargs):
         target.mkdir()
-        return training.universal.subprocess.CompletedProcess(cmd, 1, "", "Traceback (most recent call last):\n"
-                                                               "  ...\nValueError: shard 3 is short\n")
+        return subprocess.CompletedProcess(cmd, 1, "", "Traceback (most recent call last):\n  ...\nValueError: shard 3 "
+                                                       "is short\n")
 
-    monkeypatch.setattr(training.universal.subprocess, "run", converter_fails)
-    with pytest.raises(training.universal.ConfigError) as error:
-        training.universal.convert(str(paths["tag"]), str(target))
+    monkeypatch.setattr(training.checkpoints.universal.subprocess, "run", converter_fails)
+    with pytest.raises(training.checkpoints.universal.ConfigError) as error:
+        training.checkpoints.universal.convert(str(paths["tag"]), str(target))
     assert "\n" not in str(error.value) and "Traceback" not in str(error.value)
     assert "(ValueError: shard 3 is short); fix: see its whole output" in str(error.value) and not target.exists()
 

@@ -65,10 +65,10 @@ BAD_COMMAND_LINES = [
     ("-m data.continuation_task", [], "error: python -m data.continuation_task: the following arguments are required: "
                                       "--input"),
     ("benchmarks/throughput.py", ["--steps", "x"], "error: throughput.py: argument --steps: invalid int value"),
-    ("-m training.export", [], "error: python -m training.export is a library module, not a command; fix: run "
-                               "python -m scripts.export"),
-    ("-m training.evaluate", [], "error: python -m training.evaluate is a library module, not a command; fix: run "
-                                 "python -m scripts.evaluate"),
+    ("-m training.checkpoints.export", [], "error: python -m training.checkpoints.export is a library module, not "
+                                           "a command; fix: run python -m scripts.export"),
+    ("-m training.evaluation.evaluate", [], "error: python -m training.evaluation.evaluate is a library module, "
+                                            "not a command; fix: run python -m scripts.evaluate"),
 ]
 
 

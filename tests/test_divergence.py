@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import BF16, FP32, free_port, launch, launch_cmd, metrics, train_py
-from training import checkpoint
+from training.checkpoints import checkpoint
 from training.divergence import Watch
 
 # A checkpoint every four steps (the newest kept), a progress line every five: a NaN injected at step 6 is seen

@@ -13,9 +13,9 @@ import pytest
 from data.tasks import DELIMITER, read_task
 from harness import FP32, REPO, TINY, export, launch, metrics
 from scripts import evaluate
-from training.export import load_trained
-from training.lm_eval_model import CheckpointLM
-from training.multiple_choice import choose
+from training.checkpoints.export import load_trained
+from training.evaluation.lm_eval_model import CheckpointLM
+from training.evaluation.multiple_choice import choose
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 

@@ -19,8 +19,8 @@ from model import build_model
 from model.config import ModelConfig
 from model.gpt import Block
 from model_checks import SMALL_GPT
-from training import background_save, checkpoint
-from training.background_save import BackgroundWriter
+from training.checkpoints import background_save, checkpoint
+from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.ds_config import load_ds_config
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
@@ -253,7 +253,7 @@ def test_the_training_loss_without_gradients_is_cross_entropy_itself():
         assert torch.equal(lm_loss(logits, targets), F.cross_entropy(logits, targets))
 
 
-# Checkpoint files written by a thread while training goes on (training/background_save.py): the bytes of a
+# Checkpoint files written by a thread while training goes on (training/checkpoints/background_save.py): the bytes of a
 # synchronous save, the state of the step saved though the engine steps on during the write, and a checkpoint
 # that counts only once its files are down.
 

@@ -10,8 +10,8 @@ import torch
 
 from harness import BF16, TINY, export, run, sample_py, train_py
 from hf_check import assert_export_matches_transformers
-from training import checkpoint
-from training.export import load_export
+from training.checkpoints import checkpoint
+from training.checkpoints.export import load_export
 
 
 @pytest.fixture(scope="module")

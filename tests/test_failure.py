@@ -1,4 +1,4 @@
-"""A job whose rank fails ends in bounded time (training/failure.py), through the real `deepspeed` launcher: a
+"""A job whose rank fails ends in bounded time (training/launch/failure.py), through the real `deepspeed` launcher: a
 rank that raises or hangs, or SIGTERM to the launcher, ends every rank, with the last checkpoint resumable; across
 two simulated nodes, the job's abort key stops ranks whose failed peers keep their connections open."""
 import os
@@ -21,7 +21,7 @@ from harness import (
     release_shm,
     two_node_hostfile,
 )
-from training import checkpoint
+from training.checkpoints import checkpoint
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 

@@ -13,7 +13,7 @@ from hf_check import load_in_transformers
 from model import build_model
 from model.config import ModelConfig
 from model.generate import CachedDecoder, Sampling, WindowDecoder, decoder_for, generate
-from training.export import write_export
+from training.checkpoints.export import write_export
 
 CPU = torch.device("cpu")
 GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)

@@ -12,8 +12,8 @@ from common.checks import ConfigError
 from hf_check import assert_export_matches_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
-from training import hf
-from training.export import write_export
+from training.checkpoints import hf
+from training.checkpoints.export import write_export
 
 GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65)
 LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=32,

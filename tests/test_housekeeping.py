@@ -11,7 +11,7 @@ from common.checks import ConfigError
 from data.writer import write_atomic
 from model.config import ModelConfig
 from scripts.convert_checkpoint import to_universal
-from training import checkpoint
+from training.checkpoints import checkpoint
 from training.metrics import MetricsLog
 
 MODEL = dataclasses.asdict(ModelConfig(n_layer=2, n_embd=32, vocab_size=65))

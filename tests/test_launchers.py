@@ -14,7 +14,7 @@ import time
 import pytest
 
 from harness import FP32, REPO, free_port, job_env, launch, launch_cmd, release_shm, train_losses
-from training.launcher_env import detect_launcher, launcher_rank, slurm_env, threads_per_rank
+from training.launch.launcher_env import detect_launcher, launcher_rank, slurm_env, threads_per_rank
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -262,7 +262,7 @@ def test_deepspeed_slurm_backend_trains_like_the_deepspeed_launcher(tmp_path, ch
 
 
 def test_slurm_node_list_expands_through_scontrol(slurm, monkeypatch):
-    from training.launcher_env import first_host
+    from training.launch.launcher_env import first_host
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     assert first_host("gpu[07-09,12],cpu1") == "gpu07"
 

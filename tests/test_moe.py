@@ -275,7 +275,7 @@ def test_every_expert_ends_where_one_rank_takes_it(runs, name):
     0.2% of one step's update at lr 3e-3: Adam divides tiny gradients by their own size, which magnifies the
     rounding of sums taken in another order (seen: 1.4e-6; 2.4e-6 under tensor parallelism, whose clipping
     factor reads DeepSpeed's norm, 3e-4 off); a wrong gradient moves a weight by about a whole update."""
-    from training.export import consolidated_state_dict
+    from training.checkpoints.export import consolidated_state_dict
     theirs, ours = (consolidated_state_dict(str(runs[run] / "checkpoints" / "step_000004")) for run in ("dp2", name))
     assert sorted(ours) == sorted(theirs) and any(".deepspeed_experts.3." in key for key in ours)
     for key, tensor in theirs.items():
@@ -353,7 +353,7 @@ def test_init_from_names_a_mixtral_of_another_shape(tmp_path, char_data):
 
 
 def test_mixtral_layout_holds_top_k_experts_in_every_block():
-    from training.hf import to_hf
+    from training.checkpoints.hf import to_hf
     for change, message in ((dict(moe_every=2), "has experts in every block"),
                             (dict(experts_per_token=1), "makes a top-1 expert's weight 1"),
                             (dict(router_bias_rate=0.01), "no per-expert bias on the router's choice")):

@@ -1,8 +1,9 @@
-"""The training loop's multiple-choice score (training/multiple_choice.py) from a task's text, in one process: a
-BPE whose choices differ in length and in tokens per character, scored through the loop's own path (the task read
-and tokenized, its rows in micro-batches, the evaluation forward, the accuracies counted over a one-rank group),
-against acc and the per-token acc_norm computed here from each choice's loss alone. The per-character acc_norm
-(the harness's rule, training/evaluate.py) picks other answers on this task: a loop dividing by characters fails."""
+"""The training loop's multiple-choice score (training/evaluation/multiple_choice.py) from a task's text, in one
+process: a BPE whose choices differ in length and in tokens per character, scored through the loop's own path (the
+task read and tokenized, its rows in micro-batches, the evaluation forward, the accuracies counted over a one-rank
+group), against acc and the per-token acc_norm computed here from each choice's loss alone. The per-character acc_norm
+(the harness's rule, training/evaluation/evaluate.py) picks other answers on this task: a loop dividing by
+characters fails."""
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from harness import free_port
 from model import build_model
 from model.config import ModelConfig
 from training.engines import PlainDriver
-from training.multiple_choice import ChoiceScorer, open_tasks
+from training.evaluation.multiple_choice import ChoiceScorer, open_tasks
 
 CORPUS = "the king is in his kingdom and the queen is in her chamber; the kingdom is the king's. " * 40
 # Whole words of the corpus are one token each, letters it never joins one a letter: " kingdom" is 1 token of 8

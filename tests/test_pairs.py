@@ -187,7 +187,7 @@ def test_a_set_that_holds_no_pair_back_opens_with_an_empty_validation(tmp_path):
 def test_rows_scored_in_chunks_give_the_whole_batchs_sums_and_gradients():
     """The per-row log-probabilities of the loss, a chunk of tokens at a time under activation checkpointing (fp32
     logits never whole), equal the whole batch's, and so do their gradients; the padded vocabulary takes nothing."""
-    from training.multiple_choice import row_losses
+    from training.evaluation.multiple_choice import row_losses
     torch.manual_seed(0)
     logits = torch.randn(4, 12, 40)
     targets = torch.randint(0, 33, (4, 12))

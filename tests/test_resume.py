@@ -11,7 +11,7 @@ import pytest
 
 from harness import BF16, FP32, launch_cmd, metrics, run, train_py, universal
 from refusals import assert_one_error_line, assert_refused_at_start, snapshot
-from training import checkpoint
+from training.checkpoints import checkpoint
 
 # 4 steps, a checkpoint at 2 and 4; a learning rate at which the optimizer state matters.
 RUN = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.eval_windows=8",

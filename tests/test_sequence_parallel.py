@@ -107,8 +107,8 @@ def test_the_final_sample_tells_the_last_positions_logits_from_any_other(runs, a
     import torch
 
     from model.generate import Sampling, WindowDecoder, generate
+    from training.checkpoints.export import load_trained
     from training.config import SampleConfig
-    from training.export import load_trained
 
     out, stdout = runs(arch, "one")
     cfg, model, tokenizer, _ = load_trained(str(out))

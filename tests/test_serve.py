@@ -43,7 +43,7 @@ def test_models_lists_the_served_model(server):
 
 def test_a_greedy_answer_equals_sample_chat_and_transformers(server, chat_export):
     from data.chat import chat_prompt
-    from training.export import load_trained
+    from training.checkpoints.export import load_trained
 
     reply = chat(server, max_tokens=40)
     answer = reply.choices[0].message.content
@@ -132,7 +132,7 @@ def test_bad_input_gets_openais_error_body_and_the_server_goes_on(server, body, 
 
 def test_start_refuses_a_missing_export_one_without_its_tokenizer_and_a_port_in_use(tmp_path, chat_export, server):
     from data.prepare_chat import prepare_chat
-    from training.export import write_export
+    from training.checkpoints.export import write_export
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(20, seed=2)))

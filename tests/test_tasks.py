@@ -15,8 +15,8 @@ from data.token_data import IGNORE
 from data.tokenizers import CharTokenizer
 from model import build_model
 from model.config import ModelConfig
-from training.lm_eval_model import CheckpointLM, RequestError
-from training.multiple_choice import ChoiceScorer, batches, choice_row, choose, open_tasks, right_answers
+from training.evaluation.lm_eval_model import CheckpointLM, RequestError
+from training.evaluation.multiple_choice import ChoiceScorer, batches, choice_row, choose, open_tasks, right_answers
 
 CHARS = CharTokenizer(list(string.ascii_letters + string.punctuation + " \n"), eot=True)
 

@@ -210,7 +210,7 @@ def test_resumed_runs_continue_the_uninterrupted_one(runs, tmp_path, char_data, 
 def test_export_merges_the_slices_into_weights_transformers_loads(runs):
     """The tp 2 run's final checkpoint, exported: its weights are the one-process run's, and transformers'
     GPT2LMHeadModel computes with them what our model does."""
-    from training.export import consolidated_state_dict
+    from training.checkpoints.export import consolidated_state_dict
 
     run_dir = runs("gpt_tp2")[0]
     state = consolidated_state_dict(os.path.join(run_dir, "checkpoints", "step_000004"))

@@ -109,7 +109,7 @@ class TrainConfig:
     save_interval: int = 1000  # checkpoint every N steps (0: only at the end); always at the end
     keep_checkpoints: int = 3  # the newest K complete checkpoints are kept
     # Write checkpoint files from a thread while training goes on: a save costs the loop the copy of its
-    # states into host memory (training/background_save.py). The last save of a run is waited for.
+    # states into host memory (training/checkpoints/background_save.py). The last save of a run is waited for.
     background_save: bool = True
     # "auto": continue from the newest complete checkpoint in out_dir, or start fresh if there is none;
     # "none": start fresh (refused if out_dir holds checkpoints); or a tag / path to resume from.
@@ -227,7 +227,7 @@ class SampleConfig:
 
 @dataclass
 class EvalConfig:
-    """Multiple-choice tasks scored at every evaluation (training/multiple_choice.py), beside the losses."""
+    """Multiple-choice tasks scored at every evaluation (training/evaluation/multiple_choice.py), beside the losses."""
     # "hellaswag" (downloaded once into data_dir), or a JSONL file in HellaSwag's format (data/tasks.py).
     tasks: list[str] = field(default_factory=list)
     limit: Optional[int] = None  # the first N examples of each task: a quicker, noisier signal

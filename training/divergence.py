@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from training import checkpoint
+from training.checkpoints import checkpoint
 from training.steps import grad_norm
 
 NONE = 2**62  # "no such step" in the MIN-reduced step slots

@@ -12,7 +12,7 @@ from model.generate import CachedDecoder, WindowDecoder
 from model.kv_cache import attention_modules
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
-from training.multiple_choice import row_losses
+from training.evaluation.multiple_choice import row_losses
 from training.objectives.next_token import NEXT_TOKEN
 from training.steps import data_parallel_group, replicated_weights_in_sync, token_loss_sum
 
@@ -69,8 +69,8 @@ class PlainDriver:
 
     @torch.no_grad()
     def choice_losses(self, batches: list, vocab_size: int) -> torch.Tensor:
-        """The summed loss of each row's scored targets (multiple-choice rows: training/multiple_choice.py), for
-        every row of this rank's batches, on every rank (the sequence ranks add up their slices')."""
+        """The summed loss of each row's scored targets (multiple-choice rows: training/evaluation/multiple_choice.py),
+        for every row of this rank's batches, on every rank (the sequence ranks add up their slices')."""
         engine = self.engine
         engine.eval()
         losses = torch.cat([row_losses(engine(inputs), targets, vocab_size, self.tp) for inputs, targets in batches])

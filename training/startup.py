@@ -24,13 +24,13 @@ from model.documents import KERNEL_NAMES, document_kernel
 from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
-from training import checkpoint, hf
+from training.checkpoints import checkpoint, hf
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import bf16_matmuls_in_fp32, check_op_build_locks, compute_dtype, keep_freed_host_memory
 from training.ds_config import load_ds_config
-from training.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
+from training.evaluation.multiple_choice import open_tasks
+from training.launch.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
 from training.moe import check_experts, expert_parallel_size
-from training.multiple_choice import open_tasks
 from training.objectives import Objective, choose_objective
 from training.optim import optimizer_and_schedule, schedule_note
 from training.topology import (
@@ -123,7 +123,7 @@ def load_configs(argv=None) -> tuple[RunConfig, dict]:
 @dataclass
 class Setup:
     """This process placed in the job: the launcher that started it, its device, its engine's settings."""
-    launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launcher_env.py)
+    launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launch/launcher_env.py)
     device: torch.device
     engine_settings: EngineSettings
     threads_note: str | None  # how many threads each rank took, where this process set them
@@ -162,7 +162,7 @@ class Run:
     pipe: Pipeline
     dtype: torch.dtype
     bf16_matmuls: bool  # fp32 weights, matmuls in bf16 (training/device.py, bf16_matmuls_in_fp32)
-    launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launcher_env.py)
+    launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launch/launcher_env.py)
     device: torch.device
     data: TokenData
     tokenizer: object

@@ -30,7 +30,7 @@ from common.checks import ConfigError
 from data.token_data import KIND_WORDS
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL
 from model.tensor_parallel import SINGLE
-from training.multiple_choice import row_losses
+from training.evaluation.multiple_choice import row_losses
 from training.objectives import reference
 from training.objectives.base import Objective
 

@@ -8,7 +8,7 @@
 
 `latest` moves only after every rank has finished writing (a barrier) and the manifest is down, so a
 run killed at any moment of a save leaves the previous checkpoint resumable. With train.background_save the
-files are written by a thread while training goes on (training/background_save.py), and the checkpoint is
+files are written by a thread while training goes on (training/checkpoints/background_save.py), and the checkpoint is
 completed at the first step after every rank's files are down. Everything a resume would
 trip over (another architecture, a changed data-parallel layout, a missing shard, a truncated file, a tag
 that does not exist, a file that pickles more than tensors and DeepSpeed's settings) is found here, before
@@ -29,8 +29,8 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from common.checks import ConfigError, existing_dir, json_file
 from data.writer import write_atomic
 from model.config import EARLIER_DEFAULTS, TRAINING_SETTINGS, saved_settings_gaps
-from training import universal
-from training.background_save import BackgroundWriter
+from training.checkpoints import universal
+from training.checkpoints.background_save import BackgroundWriter
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -55,8 +55,8 @@ def tag_step(tag: str) -> int:
 
 def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: dict) -> str:
     """Collective: every rank calls it. uc_info: universal_info of the run. Returns the new tag. With a
-    BackgroundWriter (training/background_save.py) it returns once the files are in host memory, and settle()
-    completes the checkpoint once they are written."""
+    BackgroundWriter (training/checkpoints/background_save.py) it returns once the files are in host memory, and
+    settle() completes the checkpoint once they are written."""
     settle(engine)  # one save in flight at a time
     root, tag = checkpoint_root(out_dir), tag_for(step)
     # DeepSpeed's MoE save reserves the universal converter's key (and the converter does not read native MoE
@@ -392,4 +392,4 @@ def _describe(layout: dict) -> str:
 if __name__ == "__main__":
     from common.checks import not_a_command
 
-    not_a_command("training.checkpoint", "python -m scripts.convert_checkpoint")
+    not_a_command("training.checkpoints.checkpoint", "python -m scripts.convert_checkpoint")

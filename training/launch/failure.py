@@ -32,7 +32,7 @@ import torch
 
 from common.checks import ConfigError
 from training.divergence import Diverged
-from training.launcher_env import launcher_rank
+from training.launch.launcher_env import launcher_rank
 
 
 class Phase:

@@ -1,5 +1,5 @@
 """Multiple-choice scoring, one rule for the training loop (eval.tasks) and for lm-evaluation-harness
-(training/lm_eval_model.py).
+(training/evaluation/lm_eval_model.py).
 
 A choice is scored on one row: its context followed by its tokens, cut to the model's last block_size + 1
 tokens (the context loses its start first, as in the harness), the targets only on the choice's tokens. Its

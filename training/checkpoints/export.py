@@ -1,5 +1,5 @@
 """A checkpoint of any layout as one safetensors file of full fp32 weights plus a config.json, in Hugging Face's
-layout where the architecture has one (training/hf.py), written whole or not at all; and an export, or a
+layout where the architecture has one (training/checkpoints/hf.py), written whole or not at all; and an export, or a
 checkpoint's merged weights, read back into a model (load_trained). The command: scripts/export.py.
 """
 import dataclasses
@@ -19,8 +19,8 @@ from data.tokenizers import tokenizer_from_meta
 from model import architecture, build_model, layer_names, model_layers
 from model.config import ModelConfig, model_config
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
-from training import checkpoint, universal
-from training.hf import from_hf, hf_config, to_hf
+from training.checkpoints import checkpoint, universal
+from training.checkpoints.hf import from_hf, hf_config, to_hf
 from training.optim import decay_split
 
 
@@ -268,4 +268,4 @@ def _read_weights(path: str, fix: str) -> dict:
 if __name__ == "__main__":
     from common.checks import not_a_command
 
-    not_a_command("training.export", "python -m scripts.export")
+    not_a_command("training.checkpoints.export", "python -m scripts.export")

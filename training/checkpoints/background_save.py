@@ -3,7 +3,7 @@
 DeepSpeed's engine writes every file of a checkpoint (model states, ZeRO shards, pipeline layers, experts)
 through its checkpoint engine's `save(state_dict, path)`. `BackgroundWriter` is such an engine: it copies each
 state into host memory and hands the copy to a thread that writes it with the synchronous engine's own
-`torch.save` call while training goes on. training/checkpoint.py completes the checkpoint (run state,
+`torch.save` call while training goes on. training/checkpoints/checkpoint.py completes the checkpoint (run state,
 manifest, `latest`) once every rank's files are down, so a kill during the write leaves the previous
 checkpoint the one to resume.
 
@@ -45,7 +45,7 @@ torch.serialization.register_package(0, copied_location, lambda storage, locatio
 
 class BackgroundWriter(TorchCheckpointEngine):
     """A DeepSpeed checkpoint engine whose files are written by a thread. `unfinished` holds what
-    training/checkpoint.py needs to complete the checkpoint being written (None when there is none)."""
+    training/checkpoints/checkpoint.py needs to complete the checkpoint being written (None when there is none)."""
 
     def __init__(self, config_params):
         super().__init__(config_params)

@@ -1,9 +1,9 @@
 """lm-evaluation-harness's model interface (lm_eval.api.model.LM) over this repo's model and tokenizer: any
 checkpoint scores on the harness's tasks whatever its tokenizer (char, tiktoken, tokenizer.json), where the
-harness's own HFLM reads only Hugging Face tokenizers. One process, the weights whole (training/export.py).
+harness's own HFLM reads only Hugging Face tokenizers. One process, the weights whole (training/checkpoints/export.py).
 
 - loglikelihood: each (context, continuation) on one row, by the rule of the training loop's multiple-choice
-  score (training/multiple_choice.py), with whether greedy decoding would produce the continuation.
+  score (training/evaluation/multiple_choice.py), with whether greedy decoding would produce the continuation.
 - loglikelihood_rolling: a text's log-likelihood in windows of the model's context, every token predicted
   once with as much context as fits (the harness's rolling windows), after the document delimiter.
 - generate_until: greedy decoding until a stop string, the end of a document, or max_gen_toks.
@@ -16,7 +16,7 @@ from data.tasks import context_ids, pair_ids
 from data.token_data import IGNORE
 from data.tokenizers import delimiter_id
 from model.generate import decoder_for
-from training.multiple_choice import Row, batches, choice_row, row_losses
+from training.evaluation.multiple_choice import Row, batches, choice_row, row_losses
 
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default
 

@@ -2,7 +2,7 @@
 needs to know of the model (`universal_info`, saved in each checkpoint), which checkpoints convert and how
 (DeepSpeed's converter for ZeRO shards, this module for ZeRO-0's whole optimizer state), and a universal
 checkpoint loaded into a ZeRO-0 engine, which DeepSpeed's loader does not do. The command is
-`python -m scripts.convert_checkpoint universal` (training/checkpoint.py), which checks the checkpoint first."""
+`python -m scripts.convert_checkpoint universal`, which checks the checkpoint first."""
 import glob
 import os
 import re

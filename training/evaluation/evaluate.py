@@ -10,7 +10,7 @@ import urllib.request
 from common.checks import ConfigError, existing_dir, existing_file, json_file
 from data.tasks import harness_task, read_task
 from data.writer import write_atomic
-from training import checkpoint
+from training.checkpoints import checkpoint
 
 LOCAL = (".jsonl", ".yaml", ".yml")
 OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")  # read once, when datasets and huggingface_hub are imported
@@ -91,4 +91,4 @@ def write_results(output: str, earlier: dict, results: dict, source: str, step: 
 if __name__ == "__main__":
     from common.checks import not_a_command
 
-    not_a_command("training.evaluate", "python -m scripts.evaluate")
+    not_a_command("training.evaluation.evaluate", "python -m scripts.evaluate")
