@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 
 import httpx
 import pytest
@@ -18,7 +17,7 @@ from harness import run
 from hf_check import load_in_transformers
 from model import build_model
 from model.config import ModelConfig
-from servers import BAD, MESSAGE, Server, chat, chat_model_export
+from servers import BAD, MESSAGE, Server, at_once, chat, chat_model_export
 
 pytestmark = pytest.mark.launch  # a server process (python -m pytest -m "not launch" skips it)
 
@@ -82,18 +81,12 @@ def test_a_length_limit_and_a_stop_string_end_the_answer_as_openai_says(server):
 def test_four_concurrent_streams_get_what_each_gets_alone(server):
     messages = [f"Reverse: {w}" for w in ("king crown", "night king night", "crown", "king king crown night")]
     alone = [chat(server, m, max_tokens=30).choices[0].message.content for m in messages]
-    together = [None] * 4
 
-    def stream(i):
-        chunks = chat(server, messages[i], max_tokens=30, stream=True)
-        together[i] = "".join(c.choices[0].delta.content or "" for c in chunks)
+    def stream(message):
+        chunks = chat(server, message, max_tokens=30, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert together == alone
+    assert at_once([lambda m=m: stream(m) for m in messages]) == alone
 
 
 def test_seeded_samples_are_the_same_alone_twice_and_in_a_batch(server):
@@ -106,17 +99,7 @@ def test_seeded_samples_are_the_same_alone_twice_and_in_a_batch(server):
     assert len(set(alone)) == 4  # the seeds draw different texts: the comparisons below can fail
     assert sample(10, n=4) == alone  # one request's n sequences take seeds 10..13, in one batch from the start
     assert [sample(10 + i)[0] for i in range(4)] == alone
-    together = [None] * 4
-
-    def request(i):
-        together[i] = sample(10 + i)[0]
-
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert together == alone
+    assert at_once([lambda i=i: sample(10 + i)[0] for i in range(4)]) == alone  # four requests batched together
 
 
 @pytest.mark.parametrize("body,status,message", BAD, ids=[f"{i}" for i in range(len(BAD))])
