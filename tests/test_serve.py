@@ -113,6 +113,14 @@ def test_bad_input_gets_openais_error_body_and_the_server_goes_on(server, body, 
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_an_unknown_path_or_method_gets_openais_error_body(server):
+    for method, path, status in (("GET", "/v1/nowhere", 404), ("DELETE", "/v1/models", 405)):
+        response = httpx.request(method, server.url + path, timeout=30)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"].startswith(f"{method} {path}: ")
+
+
 def test_start_refuses_a_missing_export_one_without_its_tokenizer_and_a_port_in_use(tmp_path, chat_export, server):
     from data.prepare_chat import prepare_chat
     from training.checkpoints.export import write_export
