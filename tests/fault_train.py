@@ -31,12 +31,13 @@ class Fault(Observer):
 
     def __init__(self, fault: str):
         self.kind, ranks, step = fault.split(":")
-        self.step, self.here = int(step), os.environ.get("RANK", "0") in ranks.split(",")
+        self.ranks, self.step = ranks.split(","), int(step)
         self.steps_taken, self.scaled = 0, None
 
     def before_step(self, step: int, driver, micro_batches: list) -> None:
         self.steps_taken += 1
-        if not self.here or self.steps_taken != self.step:
+        # RANK read now: under mpiexec or srun, train.py sets it from the launcher's own variables at start.
+        if os.environ.get("RANK", "0") not in self.ranks or self.steps_taken != self.step:
             return
         if self.kind in SCALES:  # the step's output scaled: its loss and gradients with it
             self.scaled = driver.engine.module.register_forward_hook(
