@@ -19,23 +19,23 @@ class Observer:
 
 
 class Observers(Observer):
-    """Several observers as one, called in their order."""
+    """Several observers as one, each told of an event in their order."""
 
     def __init__(self, observers=()):
         self.observers = list(observers)
 
-    def before_step(self, *args) -> None:
+    def _tell(self, event: str, *args) -> None:
         for observer in self.observers:
-            observer.before_step(*args)
+            getattr(observer, event)(*args)
+
+    def before_step(self, *args) -> None:
+        self._tell("before_step", *args)
 
     def after_step(self, *args) -> None:
-        for observer in self.observers:
-            observer.after_step(*args)
+        self._tell("after_step", *args)
 
     def before_log(self, *args) -> None:
-        for observer in self.observers:
-            observer.before_log(*args)
+        self._tell("before_log", *args)
 
     def after_log(self, *args) -> None:
-        for observer in self.observers:
-            observer.after_log(*args)
+        self._tell("after_log", *args)
