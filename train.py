@@ -250,7 +250,7 @@ def throughput_meter(run: Run, rank: Rank) -> Throughput:
     """Tokens/s and MFU against the device's peak, once the run has said what it trains."""
     cfg, layout, dtype = run.cfg, run.layout, run.dtype
     peak, peak_source = peak_flops(run.device, dtype, cfg.train.peak_tflops, tf32=cfg.train.tf32)
-    tokens_per_step = layout.global_batch * cfg.model.block_size
+    tokens_per_step = run.tokens_per_step
     rank.print0(f"model: {run.n_params:,} parameters ({describe_model(cfg.model)}); {tokens_per_step:,} tokens/step; "
              f"{dtype}; MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")
     for note in run.notes:
@@ -270,9 +270,9 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     memory, reserved = peak_memory_gb(run.device)
     figures, said = run.objective.progress(rank.driver)  # the objective's own, means since the last line
     model_figures, model_said = run.hooks.progress(rank.model)  # the model's own figures (its hooks)
-    tokens_seen = step * run.layout.global_batch * run.cfg.model.block_size  # as checkpoints count them
     rank.log.log(step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, mfu=mfu,
-                 tokens_seen=tokens_seen, peak_mem_gb=memory, reserved_gb=reserved, **figures, **model_figures,
+                 tokens_seen=step * run.tokens_per_step, peak_mem_gb=memory, reserved_gb=reserved, **figures,
+                 **model_figures,
                  **run.data.epochs_used((step + rank.batches_skipped) * run.layout.global_batch))
     speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "warm-up, not timed"
     rank.print0(f"step {step} | loss {loss:.4f}{said}{model_said} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
@@ -313,7 +313,7 @@ def save(run: Run, rank: Rank, step: int, wait: bool) -> None:
     complete on return unless written in the background and not `wait`."""
     cfg = run.cfg
     run_state = {"tag": checkpoint.tag_for(step), "step": step,
-                 "tokens_seen": step * run.layout.global_batch * cfg.model.block_size,
+                 "tokens_seen": step * run.tokens_per_step,
                  "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
                  "layout": run.layout_record(), "data": run.data.record(),
                  "batches_skipped": rank.batches_skipped, **run.objective.record()}

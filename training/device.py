@@ -18,6 +18,7 @@ from deepspeed.accelerator import get_accelerator
 from torch.utils.cpp_extension import get_default_build_root
 
 from common.checks import ConfigError
+from training.topology import zero_stage
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s: 16-bit (bf16 and fp16), TF32 and plain fp32 tensor math.
 # Keys are matched against torch.cuda.get_device_name(), most specific first ("NVIDIA H100 80GB HBM3" is the
@@ -172,7 +173,7 @@ def compute_dtype(ds: dict, device: torch.device, width: int) -> tuple[torch.dty
                               f"times slower: use ds_configs/zero2_fp16.json, or set ds.bf16.enabled=false")
         note = ("WARNING: this CPU has no bf16 arithmetic (AVX512-BF16 or AMX): bf16 trains many times slower "
                 "than fp32 here; set ds.bf16.enabled=auto or false")
-    plain_zero0 = ds.get("zero_optimization", {}).get("stage", 0) == 0 and "pipeline" not in ds
+    plain_zero0 = zero_stage(ds) == 0 and "pipeline" not in ds
     if bf16 and plain_zero0 and device.type == "cuda":  # see DEFAULT_DS_CONFIG in training/config.py
         note = ("WARNING: bf16 with ZeRO-0 steps through DeepSpeed's unfused optimizer, one host synchronization "
                 "per gradient tensor: use ds_configs/zero1.json (the default on a GPU), same memory at dp=1")

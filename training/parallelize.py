@@ -26,7 +26,7 @@ from model.tiling import tile_mlps
 from training.config import RunConfig
 from training.moe import expert_groups, expert_parallel_size, weigh_router_losses
 from training.steps import lm_loss
-from training.topology import ACCUM, Pipeline
+from training.topology import ACCUM, Pipeline, zero_stage
 
 
 def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParallel = SINGLE, grid=None,
@@ -39,7 +39,7 @@ def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorP
     if pipe.stages > 1:
         model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
                                pipe.checkpoint_interval, tp, sp, ep)
-    elif ds.get("zero_optimization", {}).get("stage", 0) == 3:
+    elif zero_stage(ds) == 3:
         model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval,
                             partition=zero3_partition(ds, tp, grid), tp=tp, sp=sp)
     else:

@@ -78,7 +78,7 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
         raise ConfigError("train.compile=true works on the plain module without sequence parallelism only: use a "
                           "ds_config without pipeline stages or sequence_parallel_size, or set train.compile=false")
     layout = resolve_layout(ds, world_size, pipe.stages, tp_size, sp_size, expert_parallel_size(ds))
-    check_experts(cfg.model, layout, ds.get("zero_optimization", {}).get("stage", 0), dtype == torch.float16,
+    check_experts(cfg.model, layout, zero_stage(ds), dtype == torch.float16,
                   cfg.train.compile, cfg.train.mlp_tiles)
     effective = copy.deepcopy(ds)
     effective.pop(SP_KEY, None)
@@ -180,6 +180,11 @@ class Run:
 
     def layout_record(self) -> dict:
         return layout_record(self.layout, zero_stage(self.ds))
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The tokens a step trains on: the data-parallel replicas' samples of the context (metrics, checkpoints)."""
+        return self.layout.global_batch * self.cfg.model.block_size
 
 
 def check_run(argv=None) -> Run:

@@ -156,9 +156,9 @@ def pipeline_settings(ds: dict) -> Pipeline:
     partition = section.get("partition", "parameters")
     if partition == "best":  # DeepSpeed's placeholder default; not a PipelineModule method
         partition = "parameters"
-    zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stages > 1 and zero_stage >= 2:
-        raise ConfigError(f"ZeRO stage {zero_stage} cannot be combined with pipeline parallelism (pipeline.stages="
+    zero = zero_stage(ds)
+    if stages > 1 and zero >= 2:
+        raise ConfigError(f"ZeRO stage {zero} cannot be combined with pipeline parallelism (pipeline.stages="
                           f"{stages}): DeepSpeed shards gradients across the pipeline engine's micro-batches only "
                           f"with ZeRO 0/1. Use ds_configs/pipe2.json or pipe4.json (ZeRO-1), or set pipeline.stages=1")
     return Pipeline(stages, partition, interval)
