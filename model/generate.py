@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from model.kv_cache import KVCache, attention_modules
+from model.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,17 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each row of logits (rows, vocab) and its token: the token's log-probability and the `top` most likely
+    tokens with theirs, from the fp32 log-softmax of the model's own logits (before temperature, top-k or top-p)."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    chosen = scores.gather(1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(score, []) for score in chosen]
+    values, ids = scores.topk(min(top, scores.size(1)), dim=-1)
+    return [(score, list(zip(i, v))) for score, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
 class WindowDecoder:
     """Next-token logits of up to `slots` sequences, each by a forward pass over its whole window.
     `forward` maps token ids (1, T) on `device`, or (ids, positions) when `documents` is given, to logits."""
@@ -61,27 +73,40 @@ class WindowDecoder:
         self.windows: dict[int, list[int]] = {}
         self.free = list(range(slots))
 
-    def start(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
-        """A slot for a sequence beginning with `prompt` (at least one token), and its next-token logits."""
-        if not self.free:
-            raise RuntimeError("every slot holds a sequence")
-        slot = self.free.pop(0)
-        self.windows[slot] = []
-        return slot, self.step({slot: list(prompt)})[slot]
+    def start(self, prompt: list[int], every: bool = False) -> tuple[int, torch.Tensor]:
+        """A slot for a sequence beginning with `prompt` (at least one token), and its next-token logits; with
+        `every`, the logits after each of the window's tokens, (tokens, vocab_size), the last row the next one's."""
+        slot = self._claim()
+        window = self.windows[slot] = list(prompt)[-self.block_size:]
+        return slot, self._window_logits(window, every)
+
+    def fork(self, slot: int) -> int:
+        """A new slot holding a copy of the slot's sequence: several samples of one prompt prefilled once."""
+        new = self._claim()
+        self.windows[new] = list(self.windows[slot])
+        return new
 
     def step(self, new: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Each slot's next-token logits (vocab_size,) after its sequence is extended by new[slot]."""
         out = {}
         for slot, tokens in new.items():
             window = self.windows[slot] = (self.windows[slot] + tokens)[-self.block_size:]
-            ids = torch.tensor([window], device=self.device)
-            inputs = ids if self.documents is None else (ids, self.positions(window))
-            out[slot] = self.forward(inputs)[0, -1, :self.vocab_size]
+            out[slot] = self._window_logits(window, every=False)
         return out
 
     def release(self, slot: int) -> None:
         del self.windows[slot]
         self.free.append(slot)
+
+    def _claim(self) -> int:
+        if not self.free:
+            raise RuntimeError("every slot holds a sequence")
+        return self.free.pop(0)
+
+    def _window_logits(self, window: list[int], every: bool) -> torch.Tensor:
+        ids = torch.tensor([window], device=self.device)
+        logits = self.forward(ids if self.documents is None else (ids, self.positions(window)))[0, :, :self.vocab_size]
+        return logits if every else logits[-1]
 
     def positions(self, window: list[int]) -> torch.Tensor:
         """(1, len(window)) each token's position within its document, counted from the window's start."""
@@ -94,26 +119,36 @@ class CachedDecoder(WindowDecoder):
     """Next-token logits through a KVCache: a sequence's prompt goes through the model once (prefill), then each
     step feeds every sequence its one new token, together in one forward pass. `model` is the module whose
     attention the cache attaches to (a LayerStack); `forward` (default: the model) maps (ids, positions) to
-    logits through it, passing LayerStack's last_position on."""
+    logits through it, passing LayerStack's last_position on. With a `prefix_cache` (model/prefix_cache.py), a
+    prompt's beginning prefilled before is copied from there, not computed again."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, vocab_size: int, slots: int = 1, documents=None,
-                 forward=None):
+                 forward=None, prefix_cache: PrefixCache | None = None):
         super().__init__(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents)
-        self.model, self.cache = model, KVCache(slots, block_size)
+        self.model, self.cache, self.prefix_cache = model, KVCache(slots, block_size), prefix_cache
         self.attentions = attention_modules(model)
         self.window_positions: dict[int, list[int]] = {}
+
+    def start(self, prompt: list[int], every: bool = False) -> tuple[int, torch.Tensor]:
+        slot = self._claim()
+        window = self.windows[slot] = list(prompt)[-self.block_size:]
+        # Every position's logits need every position computed: such a prefill neither reads nor fills the cache.
+        return slot, self._prefill(slot, window, every, self.prefix_cache if not every else None)
+
+    def fork(self, slot: int) -> int:
+        new = super().fork(slot)
+        self.window_positions[new] = list(self.window_positions[slot])
+        self.cache.copy(slot, new)
+        return new
 
     def step(self, new: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         out, decoding = {}, {}
         for slot, tokens in new.items():
             if len(tokens) == 1 and 0 < len(self.windows[slot]) < self.block_size:
                 decoding[slot] = tokens[0]
-            else:  # a prompt, or a full window that slides: the kept tokens go through again
+            else:  # a full window that slides: the kept tokens go through again
                 window = self.windows[slot] = (self.windows[slot] + tokens)[-self.block_size:]
-                self.cache.free(slot)
-                positions = self.positions(window)
-                self.window_positions[slot] = positions[0].tolist()
-                out[slot] = self._forward([slot], torch.tensor([window], device=self.device), positions)[0]
+                out[slot] = self._prefill(slot, window, every=False, prefix_cache=None)
         if decoding:
             slots = list(decoding)
             positions = [self._next_position(slot, token) for slot, token in decoding.items()]
@@ -122,19 +157,36 @@ class CachedDecoder(WindowDecoder):
                 self.window_positions[slot].append(position)
             logits = self._forward(slots, torch.tensor([[t] for t in decoding.values()], device=self.device),
                                    torch.tensor([[p] for p in positions], device=self.device))
-            out.update(zip(slots, logits))
+            out.update(zip(slots, logits[:, -1]))
         return out
+
+    def _prefill(self, slot: int, window: list[int], every: bool, prefix_cache: PrefixCache | None) -> torch.Tensor:
+        """The slot's cache filled with the window from its start: the last position's logits, or every one's."""
+        positions = self.positions(window)
+        self.window_positions[slot] = positions[0].tolist()
+        self.cache.free(slot)
+        reused = 0
+        if prefix_cache is not None and (chain := prefix_cache.lookup(window)):
+            reused = len(chain) * prefix_cache.block
+            self.cache.write(slot, torch.cat([block.kv for block in chain], dim=3), positions[0, :reused])
+        ids = torch.tensor([window[reused:]], device=self.device)
+        logits = self._forward([slot], ids, positions[:, reused:], every)[0]
+        if prefix_cache is not None:
+            prefix_cache.store(window, lambda start, end: self.cache.read(slot, start, end))
+        return logits if every else logits[-1]
 
     def release(self, slot: int) -> None:
         super().release(slot)
         self.cache.free(slot)
         del self.window_positions[slot]
 
-    def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The last position's logits (rows, vocab_size) of each row, its tokens appended to its slot."""
+    def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, every: bool = False) -> torch.Tensor:
+        """The logits (rows, t, vocab_size) of each row's tokens, appended to its slot: t is 1, the last
+        position's, unless `every`."""
         with self.cache.attached(self.attentions):
-            logits = self.cache.forward(lambda inputs: self.forward(inputs, last_position=True), slots, ids, positions)
-            return logits[:, -1, :self.vocab_size]
+            logits = self.cache.forward(lambda inputs: self.forward(inputs, last_position=not every), slots, ids,
+                                        positions)
+            return logits[:, :, :self.vocab_size]
 
     def _next_position(self, slot: int, token: int) -> int:
         previous = self.windows[slot][-1]
@@ -144,10 +196,11 @@ class CachedDecoder(WindowDecoder):
 
 
 def decoder_for(model: torch.nn.Module, block_size: int, vocab_size: int, slots: int = 1, documents=None,
-                forward=None) -> WindowDecoder:
-    """A CachedDecoder where the model's attention can be cached, else a WindowDecoder over `forward`."""
+                forward=None, prefix_cache: PrefixCache | None = None) -> WindowDecoder:
+    """A CachedDecoder where the model's attention can be cached (with the prefix cache, if given), else a
+    WindowDecoder over `forward`."""
     if attention_modules(model):
-        return CachedDecoder(model, block_size, vocab_size, slots, documents, forward)
+        return CachedDecoder(model, block_size, vocab_size, slots, documents, forward, prefix_cache)
     return WindowDecoder(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents)
 
 

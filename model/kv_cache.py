@@ -37,6 +37,31 @@ class KVCache:
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
 
+    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """A copy of the keys and values of the slot's tokens start..end: (2, layers, kv_heads, end - start, head_dim)."""
+        return torch.stack([torch.stack([k[slot, :, start:end] for k in self.keys]),
+                            torch.stack([v[slot, :, start:end] for v in self.values])])
+
+    def write(self, slot: int, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        """The slot's first tokens made those whose keys and values `kv` holds (as `read` gives them), at
+        `positions` (n,) within their documents; the slot holds those n tokens and nothing after."""
+        n = kv.size(3)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[slot, :, :n] = kv[0, layer]
+            v[slot, :, :n] = kv[1, layer]
+        self.documents[slot, :n] = (positions == 0).cumsum(0)  # as forward numbers them from an empty slot
+        self.lengths[slot] = n
+
+    def copy(self, source: int, target: int) -> None:
+        """The target slot made a copy of the source's tokens (one prompt's prefill shared by several samples)."""
+        n = self.lengths[source]
+        for k, v in zip(self.keys, self.values):
+            k[target, :, :n] = k[source, :, :n]
+            v[target, :, :n] = v[source, :, :n]
+        if self.documents is not None:
+            self.documents[target] = self.documents[source]
+        self.lengths[target] = n
+
     @contextmanager
     def attached(self, attentions: list):
         """The cores of `attentions` (attention_modules of a model) swapped for this cache's while the block runs."""

@@ -49,6 +49,8 @@ def main(argv=None) -> None:
                         help="auto: bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--slots", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429")
+    parser.add_argument("--prefix_cache_mb", type=int, default=512, help="keys and values of prompts seen before, "
+                        "reused by a prompt that begins the same way (0: off)")
     parser.add_argument("--name", help="the model's id in the API (default: the folder's name)")
     parser.add_argument("--api_key", default=os.environ.get(KEY_VARIABLE),
                         help=f"require 'Authorization: Bearer KEY' (default: ${KEY_VARIABLE})")
@@ -61,24 +63,30 @@ def main(argv=None) -> None:
     except ImportError as e:
         exit_bad_input(f"python -m scripts.serve needs its ASGI stack ({e}); fix: pip install '.[serve]'")
     try:
-        for name in ("slots", "max_queue"):
-            if getattr(args, name) < (1 if name == "slots" else 0):
-                raise ConfigError(f"--{name} {getattr(args, name)}: must be at least {1 if name == 'slots' else 0}")
+        for name, low in (("slots", 1), ("max_queue", 0), ("prefix_cache_mb", 0)):
+            if getattr(args, name) < low:
+                raise ConfigError(f"--{name} {getattr(args, name)}: must be at least {low}")
         check_port(args.host, args.port)
         cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
     from model.generate import decoder_for
+    from model.prefix_cache import PrefixCache
     from serving.scheduler import Scheduler
+    from serving.weights import Weights
 
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and args.device != "cpu") else torch.float32
     model = model.to(args.device, dtype).eval()
-    decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, args.slots, documents_seen(cfg.document_masking, meta))
+    prefix_cache = PrefixCache(args.prefix_cache_mb * 2**20) if args.prefix_cache_mb else None
+    decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, args.slots, documents_seen(cfg.document_masking, meta),
+                          prefix_cache=prefix_cache)
     scheduler = Scheduler(decoder, args.slots, args.max_queue)
-    metrics = Metrics(scheduler.stats)
+    metrics = Metrics(scheduler.stats, getattr(decoder, "prefix_cache", None))
     scheduler.observe = metrics.observe
-    name = args.name or os.path.basename(os.path.normpath(args.export or args.out_dir))
-    app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, args.api_key))
+    source = args.export or args.out_dir
+    name = args.name or os.path.basename(os.path.normpath(source))
+    weights = Weights(cfg, meta, model, decoder, source)
+    app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights, args.api_key))
     print(f"serving {name} ({sum(p.numel() for p in model.parameters()):,} parameters, {dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
           + ("; API key required" if args.api_key else ""), flush=True)

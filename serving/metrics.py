@@ -1,17 +1,21 @@
 """The server's Prometheus metrics (GET /metrics, prometheus_client's text format): requests by how they ended,
-tokens in and out, time to first token, inter-token latency, and at each scrape the queue's length and the slots
-in use. The scheduler reports through `observe`."""
+tokens in and out, time to first token, inter-token latency, and at each scrape the queue's length, the slots in
+use and the prefix cache's tokens looked up and found (vLLM's prefix_cache_queries and prefix_cache_hits: their
+ratio is the hit rate). The scheduler reports through `observe`."""
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCIES = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
-    def __init__(self, stats):
-        """stats(): (requests waiting, slots in use), read at each scrape."""
+    def __init__(self, stats, prefix_cache=None):
+        """stats(): (requests waiting, slots in use), read at each scrape, as the prefix cache's counts are."""
         self.registry = CollectorRegistry()
+        if prefix_cache is not None:
+            self.registry.register(PrefixCacheCounts(prefix_cache))
         self.finished = Counter("megalite_requests", "Requests finished, by reason (stop, length, cancelled)",
                                 ["reason"], registry=self.registry)
         self.refused = Counter("megalite_requests_refused", "Requests refused with a 4xx, by status", ["status"],
@@ -48,3 +52,15 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCounts:
+    """The prefix cache's own counts, read at each scrape."""
+
+    def __init__(self, prefix_cache):
+        self.prefix_cache = prefix_cache
+
+    def collect(self):
+        for name, what, value in [("queries", "Prompt tokens looked up in the prefix cache", self.prefix_cache.queries),
+                                  ("hits", "Prompt tokens found in the prefix cache", self.prefix_cache.hits)]:
+            yield CounterMetricFamily(f"megalite_prefix_cache_{name}", what, value=value)

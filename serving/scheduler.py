@@ -4,6 +4,10 @@ step, its prompt prefilled into a free slot, and leaves the moment it finishes o
 away), freeing the slot for the next in the queue. The model runs on the scheduler's one thread; requests come
 and go from any thread, each reading its tokens from its own queue as they are drawn.
 
+Requests admitted in one step with the same prompt (one request's n samples, an RL group) are prefilled once and
+the prompt's cache copied into each one's slot. Work that must not overlap a request (new weights: `pause_for`)
+runs on the same thread once the running requests have finished, none admitted meanwhile.
+
 If that thread dies (a fault in the model, the device gone), every request it held and every later one is told
 so at once ("failed", the reason): a server whose model cannot run must not accept requests it will never answer.
 """
@@ -12,11 +16,13 @@ import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from model.generate import CachedDecoder, Sampling, choose
+from model.generate import CachedDecoder, Sampling, choose, logprobs
 
 
 class QueueFull(Exception):
@@ -27,14 +33,26 @@ class SchedulerFailed(Exception):
     """The scheduler's thread died: no request will be answered again."""
 
 
+class Drawn(NamedTuple):
+    """A token drawn, with its log-probability and the `logprobs` most likely tokens' [(id, log-probability)]
+    where its sequence asked for them."""
+    id: int
+    logprob: float | None = None
+    top: list = []
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sequence to generate: its events arrive on `events` as ("admitted", None) when it leaves the queue for a
-    slot, ("token", id) for each token and finally ("done", reason), reason "stop" (a stop id drawn), "length"
-    (max_new_tokens) or "cancelled"; or at any point ("failed", why) if the scheduler died."""
+    slot; ("prompt", [(log-probability, top)] of the prompt's tokens after its first) where `prompt_logprobs` asks;
+    ("token", Drawn) for each token and finally ("done", reason), reason "stop" (a stop id drawn), "length"
+    (max_new_tokens) or "cancelled"; or at any point ("failed", why) if the scheduler died. `logprobs` and
+    `prompt_logprobs`: how many of the most likely tokens to give beside each token's own score (None: no scores)."""
     prompt: list[int]
     sampling: Sampling
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.monotonic)
     cancelled: str | None = None  # why it was stopped from outside
@@ -53,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # by slot
         self.admitting: list[Sequence] = []  # taken from the queue, their prompts being prefilled
+        self.paused: list[tuple[object, Future]] = []  # work to run once no request is running
         self.changed = threading.Condition()
         self.stopping = False
         self.failure: str | None = None  # why the scheduler's thread died
@@ -85,6 +104,17 @@ class Scheduler:
         with self.changed:
             return len(self.waiting), len(self.running) + len(self.admitting)
 
+    def pause_for(self, work) -> Future:
+        """work() run on the scheduler's thread once the requests running now have finished; those waiting are
+        admitted after it. The future holds what it returns or raises."""
+        done = Future()
+        with self.changed:
+            if self.failure:
+                raise SchedulerFailed(self.failure)
+            self.paused.append((work, done))
+            self.changed.notify()
+        return done
+
     def close(self) -> None:
         with self.changed:
             self.stopping = True
@@ -101,9 +131,12 @@ class Scheduler:
         with self.changed:
             self.failure = f"the model's worker failed ({type(error).__name__}: {error})"
             held = [*self.waiting, *self.admitting, *self.running.values()]
+            paused, self.paused = self.paused, []
             self.waiting.clear()
             self.admitting.clear()
             self.running.clear()
+        for _, done in paused:
+            done.set_exception(SchedulerFailed(self.failure))
         for request in held:
             request.events.put(("failed", self.failure))
             self.observe("finished", request, "failed")
@@ -113,12 +146,13 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.changed:
-                self.changed.wait_for(lambda: self.stopping or self.waiting or self.running)
+                self.changed.wait_for(lambda: self.stopping or self.waiting or self.running or self.paused)
                 if self.stopping:
                     return
                 cancelled = [(slot, r) for slot, r in self.running.items() if r.cancelled]
                 admitted = []
-                while self.waiting and len(self.running) - len(cancelled) + len(admitted) < self.slots:
+                while (self.waiting and not self.paused
+                       and len(self.running) - len(cancelled) + len(admitted) < self.slots):
                     request = self.waiting.popleft()
                     if request.cancelled:
                         request.events.put(("done", request.cancelled))
@@ -129,11 +163,12 @@ class Scheduler:
                 self.admitting = list(admitted)
             for slot, request in cancelled:
                 self._finish(slot, request, request.cancelled)
-            for request in admitted:
-                slot, logits = self.decoder.start(request.prompt)
-                with self.changed:
-                    self.running[slot] = request
-                    self.admitting.remove(request)
+            if self.paused and not self.running and not admitted:
+                self._run_paused()
+                continue
+            prefilled = {}
+            started = [(request, *self._start(request, prefilled)) for request in admitted]
+            for request, slot, logits in started:  # after every start: a drawn stop frees a slot a fork copies
                 self.observe("admitted", request, None)
                 self._draw(slot, request, logits)
             feeding = {slot: [r.pending] for slot, r in self.running.items()
@@ -143,10 +178,38 @@ class Scheduler:
                 for slot in feeding:
                     self._draw(slot, self.running[slot], logits[slot])
 
+    def _start(self, request: Sequence, prefilled: dict) -> tuple[int, torch.Tensor]:
+        """The request's slot and the logits of its first draw: its prompt prefilled, or copied from the slot of an
+        earlier request of this step with the same prompt (`prefilled`, by prompt)."""
+        every = request.prompt_logprobs is not None
+        key = (tuple(request.prompt), every)
+        if key in prefilled:
+            source, logits = prefilled[key]
+            slot = self.decoder.fork(source)
+        else:
+            slot, logits = prefilled[key] = self.decoder.start(request.prompt, every)
+        with self.changed:
+            self.running[slot] = request
+            self.admitting.remove(request)
+        if every:
+            window = request.prompt[-len(logits):]
+            request.events.put(("prompt", logprobs(logits[:-1], window[1:], request.prompt_logprobs)))
+            logits = logits[-1]
+        return slot, logits
+
+    def _run_paused(self) -> None:
+        with self.changed:
+            work, done = self.paused.pop(0)
+        try:
+            done.set_result(work())
+        except Exception as error:  # the caller's to report (a file that cannot be read); the scheduler goes on
+            done.set_exception(error)
+
     def _draw(self, slot: int, request: Sequence, logits: torch.Tensor) -> None:
         token = choose(logits, request.sampling, request.generator)
         request.drawn += 1
-        request.events.put(("token", token))
+        scores = () if request.logprobs is None else logprobs(logits[None], [token], request.logprobs)[0]
+        request.events.put(("token", Drawn(token, *scores)))
         self.observe("token", request, token)
         if token in request.sampling.stop_ids:
             self._finish(slot, request, "stop")

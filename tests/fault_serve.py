@@ -17,17 +17,17 @@ from scripts import serve
 FAULT = "injected fault in the decoder"
 
 
-def slowed(step, seconds: float, trigger: str | None):
-    def step_or_fail(self, new):
+def slowed(method, seconds: float, trigger: str | None):
+    def run_or_fail(self, *args, **kwargs):
         time.sleep(seconds)
         if trigger and os.path.exists(trigger):
             raise RuntimeError(FAULT)
-        return step(self, new)
-    return step_or_fail
+        return method(self, *args, **kwargs)
+    return run_or_fail
 
 
 if __name__ == "__main__":
     delay, trigger = float(os.environ.get("MEGALITE_SERVE_STEP_S", "0")), os.environ.get("MEGALITE_SERVE_FAULT")
-    for decoder in (WindowDecoder, CachedDecoder):  # CachedDecoder.step does not call WindowDecoder's
-        decoder.step = slowed(decoder.step, delay, trigger)
+    for decoder in (WindowDecoder, CachedDecoder):  # CachedDecoder's methods do not call WindowDecoder's
+        decoder.start, decoder.step = slowed(decoder.start, delay, trigger), slowed(decoder.step, delay, trigger)
     sys.exit(serve.main())

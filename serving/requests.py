@@ -1,0 +1,161 @@
+"""What one API request asks for, read from its body and checked: its prompts as token ids (a completion's strings
+or token ids, a conversation through the model's chat template), how to sample, and what to return beside the
+text (log-probabilities, the prompt echoed, token ids). Each value out of range is a 400 that names it."""
+import json
+from dataclasses import dataclass
+
+from data.chat import ChatError, chat_prompt, prompt_turns
+from data.tokenizers import delimiter_id
+from model.generate import Sampling
+from serving.errors import APIError
+
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each token (vLLM's default bound)
+MAX_N = 16
+UNSUPPORTED = {"tools": "tools", "tool_choice": "tools", "functions": "function calling",
+               "function_call": "function calling", "response_format": "response formats"}
+
+
+@dataclass
+class Asked:
+    prompts: list[list[int]]  # each prompt's ids; a request's choices are n for each, in order
+    texts: list[str]  # each prompt's text, which echo repeats
+    sampling: Sampling
+    seed: int | None  # the i-th choice draws with seed + i
+    n: int
+    stops: list[str]
+    logprobs: int | None  # the most likely tokens given beside each token's log-probability; None: none
+    echo: bool  # the prompt's text (and its tokens' log-probabilities) before each answer
+    token_ids: bool  # vLLM's return_token_ids: the prompt's and the answer's ids in the reply
+
+
+def json_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for key, what in UNSUPPORTED.items():
+        if body.get(key):
+            raise APIError(400, f"{what} are not supported by this server", key, code="unsupported")
+    return body
+
+
+def completion_prompts(body: dict, tokenizer) -> tuple[list[list[int]], tuple]:
+    """(the ids of each prompt: a string, a list of token ids, or a list of either; the stop ids)."""
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _is_ids(p) for p in prompts):
+        raise APIError(400, "prompt must be a non-empty string, a list of token ids, or a list of either", "prompt")
+    encoded = []
+    for p in prompts:
+        if not p:
+            raise APIError(400, "prompt must be a non-empty string, a list of token ids, or a list of either",
+                           "prompt")
+        if isinstance(p, str):
+            try:
+                encoded.append(tokenizer.encode(p))
+            except ValueError as e:  # outside a char vocabulary
+                raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
+        else:
+            outside = next((t for t in p if not 0 <= t < tokenizer.vocab_size), None)
+            if outside is not None:
+                raise APIError(400, f"the prompt's token id {outside} is outside the vocabulary: ids are in "
+                                    f"[0, {tokenizer.vocab_size})", "prompt")
+            encoded.append(list(p))
+    stop = delimiter_id(tokenizer)
+    return encoded, () if stop is None else (stop,)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], tuple]:
+    """(the ids of the conversation `messages` rendered by the chat template, (its end-of-turn id,))."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    for message in messages:
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            if any(isinstance(p, dict) and p.get("type") != "text" for p in message["content"]):
+                raise APIError(400, "only text content is supported (no images or audio)", "messages")
+    try:
+        ids, end_of_turn = chat_prompt(prompt_turns(messages), meta, tokenizer, "the chat", "use /v1/completions")
+    except ChatError as e:
+        raise APIError(400, str(e), "messages") from None
+    except ValueError as e:
+        raise APIError(400, str(e), "messages", code="chat_not_supported") from None
+    return ids, (end_of_turn,)
+
+
+def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenizer, block_size: int,
+                 chat: bool) -> Asked:
+    """What the request asks for, each value checked against the prompts and the model's context."""
+    number = _reader(body)
+    keep = number("truncate_prompt_tokens", None, int)  # vLLM's option: keep the prompt's last tokens
+    if keep is not None:
+        if keep < 1:
+            raise APIError(400, "truncate_prompt_tokens must be at least 1", "truncate_prompt_tokens")
+        prompts = [ids[-keep:] for ids in prompts]
+    longest = max(len(ids) for ids in prompts)
+    if longest >= block_size:
+        raise APIError(400, f"the prompt has {longest} tokens and the model's context is {block_size}: at most "
+                            f"{block_size - 1} leave room for an answer (truncate_prompt_tokens keeps the last ones)",
+                       "messages" if chat else "prompt", code="context_length_exceeded")
+    room = block_size - longest
+    max_tokens = number("max_completion_tokens", None, int) or number("max_tokens", room if chat else 16, int)
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, not {max_tokens}", "max_tokens")
+    if max_tokens > room:
+        raise APIError(400, f"max_tokens={max_tokens} and the prompt's {longest} tokens exceed the model's context "
+                            f"of {block_size}: ask for at most {room}", "max_tokens", code="context_length_exceeded")
+    temperature, top_p = number("temperature", 1.0), number("top_p", 1.0)
+    if not 0 <= temperature <= 2:
+        raise APIError(400, f"temperature must be in [0, 2], not {temperature}", "temperature")
+    if not 0 < top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], not {top_p}", "top_p")
+    n, seed = number("n", 1, int), number("seed", None, int)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], not {n}", "n")
+    stops = body.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 4:
+        raise APIError(400, "stop must be a string or a list of at most 4 strings", "stop")
+    if body.get("ignore_eos"):  # vLLM's option: the end of turn or text does not end the answer
+        stop_ids = ()
+    echo = bool(body.get("echo"))
+    if echo and chat:
+        raise APIError(400, "echo is an option of /v1/completions", "echo")
+    texts = [tokenizer.decode(ids) for ids in prompts]
+    return Asked(prompts, texts, Sampling(max_tokens, temperature, None, top_p, stop_ids), seed, n, stops,
+                 _logprobs(body, number, chat), echo, bool(body.get("return_token_ids")))
+
+
+def _logprobs(body: dict, number, chat: bool) -> int | None:
+    """Chat: logprobs true, and top_logprobs of the most likely tokens beside each; completions: logprobs N."""
+    if chat:
+        wanted, top = body.get("logprobs"), number("top_logprobs", None, int)
+        if wanted is not None and not isinstance(wanted, bool):
+            raise APIError(400, "logprobs must be true or false", "logprobs")
+        if top is not None and not wanted:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        top, key = (top or 0) if wanted else None, "top_logprobs"
+    else:
+        top, key = number("logprobs", None, int), "logprobs"
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(400, f"{key} must be in [0, {MAX_LOGPROBS}], not {top}", key)
+    return top
+
+
+def _reader(body: dict):
+    def number(key, default, kind=(int, float)):
+        value = body.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise APIError(400, f"{key} must be a {'whole ' if kind is int else ''}number", key)
+        return value
+    return number

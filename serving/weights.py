@@ -1,0 +1,52 @@
+"""New weights for a running server (POST /v1/load_weights): an export, or a run's checkpoint of any layout, read
+and checked away from the model's thread (the same architecture and shape, the same tokenizer), then copied into
+the served model between requests, the prefix cache emptied (it holds keys and values of the old weights)."""
+import dataclasses
+import os
+
+from common.checks import ConfigError
+from training.checkpoints.export import load_trained
+from training.evaluation.evaluate import where
+
+# Settings of training alone: weights trained with other values of these serve the same way.
+TRAINING_ONLY = ("dropout", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate")
+TOKENIZER = ("tokenizer_fingerprint", "vocab_size", "chat")  # what the API's encoding and chat template read
+
+
+class Weights:
+    def __init__(self, cfg, meta: dict, model, decoder, source: str):
+        self.cfg, self.meta, self.model, self.decoder, self.source = cfg, meta, model, decoder, source
+
+    def read(self, path, tag=None) -> tuple[dict, str, int]:
+        """(the state dict, where it was read, its training step) of `path`: an export (a folder with config.json)
+        or a run's out_dir (its checkpoint `tag`, or its newest). A ConfigError says why it cannot be served."""
+        if not isinstance(path, str) or not path:
+            raise ConfigError("path must name an export or a run's out_dir on the server's machine")
+        if not os.path.isdir(path):
+            raise ConfigError(f"path {path}: no such folder on the server's machine; fix: name an export or a "
+                              f"run's out_dir")
+        export = os.path.isfile(os.path.join(path, "config.json"))
+        if tag is not None and (export or not isinstance(tag, str)):
+            raise ConfigError("tag names a checkpoint of a run's out_dir (a string), not of an export")
+        cfg, model, _, meta = load_trained(None if export else path, tag, path if export else None)
+        source, step, _ = where(None if export else path, tag, path if export else None, None)
+        ours, theirs = self._shape(self.cfg), self._shape(cfg)
+        if ours != theirs:
+            differ = ", ".join(f"{k}={theirs[k]} (served: {ours[k]})" for k in ours if ours[k] != theirs[k])
+            raise ConfigError(f"path {path}: another model ({differ}); fix: load weights of the served architecture "
+                              f"and shape, or start a server for this one")
+        if any(meta.get(k) != self.meta.get(k) for k in TOKENIZER):
+            raise ConfigError(f"path {path}: trained with another tokenizer or chat template than the served "
+                              f"model's; fix: start a server for it")
+        return model.state_dict(), source, step
+
+    def swap(self, state: dict, source: str) -> None:
+        """On the scheduler's thread, no request running: the new weights in, the old keys and values out."""
+        self.model.load_state_dict(state)
+        if getattr(self.decoder, "prefix_cache", None) is not None:
+            self.decoder.prefix_cache.clear()
+        self.source = source
+
+    @staticmethod
+    def _shape(cfg) -> dict:
+        return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_ONLY}
