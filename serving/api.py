@@ -1,6 +1,6 @@
 """OpenAI's HTTP API over a Scheduler, as its clients use it: GET /v1/models, POST /v1/completions and
 /v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), vLLM's POST
-/tokenize, POST /v1/load_weights (new weights between requests), GET /health, GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the
+/tokenize, /detokenize and GET /tokenizer_info, POST /v1/load_weights (new weights between requests), GET /health, GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the
 server going on; if the model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py
 then stops the process, for its supervisor to restart)."""
 import asyncio
@@ -13,11 +13,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from common.checks import ConfigError
-from data.tokenizers import TokenizerError
+from data.tokenizers import TokenizerError, delimiter_id
 from serving.errors import APIError, worker_failed
 from serving.metrics import Metrics
 from serving.replies import Reply
-from serving.requests import Asked, completion_prompts, conversation_prompt, json_body, read_request
+from serving.requests import Asked, completion_prompts, conversation_prompt, json_body, read_request, token_ids
 from serving.scheduler import QueueFull, Scheduler, SchedulerFailed, Sequence
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
@@ -117,6 +117,26 @@ def create_app(served: Served) -> FastAPI:
         else:
             ids = completion_prompts(body, served.tokenizer)[0][0]
         return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: the text of token ids."""
+        body = json_body(await request.body())
+        check_model(body)
+        ids = token_ids(body.get("tokens"), served.tokenizer, "tokens")
+        return {"prompt": served.tokenizer.decode(ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client that tokenizes through this server needs (lm-evaluation-harness's remote
+        tokenizer, which its local-completions model picks when this answers)."""
+        eos = delimiter_id(served.tokenizer)
+        text = None if eos is None else served.tokenizer.decode([eos])
+        if text is not None and served.tokenizer.encode(text) != [eos]:
+            text = None  # a text that does not encode back to the id would name another token
+        return {"tokenizer_class": type(served.tokenizer).__name__, "eos_token": text, "bos_token": None,
+                "pad_token": None, "chat_template": served.meta.get("chat", {}).get("chat_template"),
+                "model_max_length": served.block_size}
 
     def check_model(body: dict) -> None:
         if body.get("model", served.name) != served.name:

@@ -60,13 +60,20 @@ def completion_prompts(body: dict, tokenizer) -> tuple[list[list[int]], tuple]:
             except ValueError as e:  # outside a char vocabulary
                 raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
         else:
-            outside = next((t for t in p if not 0 <= t < tokenizer.vocab_size), None)
-            if outside is not None:
-                raise APIError(400, f"the prompt's token id {outside} is outside the vocabulary: ids are in "
-                                    f"[0, {tokenizer.vocab_size})", "prompt")
-            encoded.append(list(p))
+            encoded.append(token_ids(p, tokenizer, "prompt"))
     stop = delimiter_id(tokenizer)
     return encoded, () if stop is None else (stop,)
+
+
+def token_ids(value, tokenizer, param: str) -> list[int]:
+    """`value` checked to be a list of the tokenizer's ids."""
+    if not _is_ids(value):
+        raise APIError(400, f"{param} must be a list of token ids", param)
+    outside = next((t for t in value if not 0 <= t < tokenizer.vocab_size), None)
+    if outside is not None:
+        raise APIError(400, f"the token id {outside} is outside the vocabulary: ids are in "
+                            f"[0, {tokenizer.vocab_size})", param)
+    return list(value)
 
 
 def _is_ids(value) -> bool:

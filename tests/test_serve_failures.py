@@ -56,7 +56,8 @@ def guarded_routes() -> list[tuple[str, str]]:
 GOOD_BODIES = {"/v1/completions": {"model": "export", "prompt": "Reverse: a", "max_tokens": 2},
                "/v1/chat/completions": {"model": "export", "messages": [{"role": "user", "content": "hi"}],
                                         "max_tokens": 2},
-               "/tokenize": {"model": "export", "prompt": "Reverse: a"}}
+               "/tokenize": {"model": "export", "prompt": "Reverse: a"},
+               "/v1/load_weights": {"path": "{export}"}}  # the served export again
 
 
 def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wrong_one(chat_export):
@@ -67,6 +68,7 @@ def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wro
     try:
         for method, path in routes:
             body = GOOD_BODIES.get(path) if method == "POST" else None
+            body = body and json.loads(json.dumps(body).replace("{export}", chat_export))
             assert method == "GET" or body, f"{method} {path}: a new route needs a body in GOOD_BODIES"
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 response = httpx.request(method, served.url + path, json=body, headers=headers, timeout=30)
