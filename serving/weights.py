@@ -10,7 +10,8 @@ from training.evaluation.evaluate import where
 
 # Settings of training alone: weights trained with other values of these serve the same way.
 TRAINING_ONLY = ("dropout", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate")
-TOKENIZER = ("tokenizer_fingerprint", "vocab_size", "chat")  # what the API's encoding and chat template read
+TOKENIZER = ("tokenizer_fingerprint", "vocab_size")  # what the API's encoding reads
+CHAT = ("template", "chat_template", "end_of_turn_id")  # what its chat prompts read (not the data's statistics)
 
 
 class Weights:
@@ -35,7 +36,8 @@ class Weights:
             differ = ", ".join(f"{k}={theirs[k]} (served: {ours[k]})" for k in ours if ours[k] != theirs[k])
             raise ConfigError(f"path {path}: another model ({differ}); fix: load weights of the served architecture "
                               f"and shape, or start a server for this one")
-        if any(meta.get(k) != self.meta.get(k) for k in TOKENIZER):
+        chats = [{k: m["chat"].get(k) for k in CHAT} if "chat" in m else None for m in (meta, self.meta)]
+        if any(meta.get(k) != self.meta.get(k) for k in TOKENIZER) or chats[0] != chats[1]:
             raise ConfigError(f"path {path}: trained with another tokenizer or chat template than the served "
                               f"model's; fix: start a server for it")
         return model.state_dict(), source, step

@@ -22,20 +22,22 @@ KEY = "test-key-0123"
 MESSAGE = "Reverse: king crown night"
 
 
-def chat_model_export(folder, block_size: int) -> str:
+def chat_model_export(folder, block_size: int, seed: int = 1) -> str:
     from data.prepare_chat import prepare_chat
     from training.checkpoints.export import write_export
 
+    folder.mkdir(parents=True, exist_ok=True)
     tasks = folder / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(50, seed=1)))
     prepare_chat([str(tasks)], str(folder / "data"), "char", context=64, val_fraction=0.1)
     meta = json.loads((folder / "data" / "meta.json").read_text())
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=block_size,
                       vocab_size=meta["vocab_size"])
-    model = build_model(cfg, seed=1)
+    model = build_model(cfg, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # weights that make each next token clear: greedy paths never hang on a near tie
         for p in model.parameters():
-            p.normal_(0, 0.3)
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
     return write_export(str(folder / "export"), cfg, model.state_dict(), meta, step=0, data_dir=str(folder / "data"))
 
 
