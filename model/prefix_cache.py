@@ -4,7 +4,7 @@ computes only what is new: vLLM's automatic prefix caching, on whole blocks.
 
 A token's keys and values depend on every token before it, so a block is found by its own tokens and its parent,
 the block before it in the same prompt: two prompts share a block only where they are the same from their start.
-The cache is bounded in bytes and drops the block used least recently. Each lookup marks a chain's blocks used
+The cache is bounded in bytes and drops the block used least recently. Each prefill marks its chain's blocks used
 from its end back to its start, so a block is always more recent than those after it: the one dropped is never a
 block others hang from.
 """
@@ -36,13 +36,12 @@ class PrefixCache:
         (its logits are the first draw's)."""
         self.queries += len(prompt)
         chain = self._chain(prompt, (len(prompt) - 1) // self.block)
-        for block in reversed(chain):  # the chain's end first: a parent stays more recent than its children
-            self.blocks.move_to_end(block.key)
         self.hits += len(chain) * self.block
         return chain
 
     def store(self, prompt: list[int], read) -> None:
-        """Keep the prompt's whole blocks that are not kept yet; read(start, end) gives their keys and values."""
+        """Keep the prompt's whole blocks that are not kept yet, read(start, end) giving their keys and values, and
+        mark all of its blocks used (a prefill looks its prompt up, then stores it)."""
         whole = len(prompt) // self.block
         chain = self._chain(prompt, whole)
         parent = chain[-1].serial if chain else None
@@ -57,7 +56,7 @@ class PrefixCache:
             self.bytes += size
             added.append(block)
             parent = block.serial
-        for block in reversed(chain + added):
+        for block in reversed(chain + added):  # the chain's end first: a parent stays more recent than its children
             self.blocks.move_to_end(block.key)
         while self.bytes > self.capacity_bytes:
             _, dropped = self.blocks.popitem(last=False)
