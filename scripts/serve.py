@@ -71,12 +71,15 @@ def main(argv=None) -> None:
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
     from model.generate import decoder_for
+    from model.onednn import PackedLinears, packable
     from model.prefix_cache import PrefixCache
     from serving.scheduler import Scheduler
     from serving.weights import Weights
 
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and args.device != "cpu") else torch.float32
     model = model.to(args.device, dtype).eval()
+    parameters = sum(p.numel() for p in model.parameters())
+    load = PackedLinears(model).load if packable(model) else model.load_state_dict
     prefix_cache = PrefixCache(args.prefix_cache_mb * 2**20) if args.prefix_cache_mb else None
     decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, args.slots, documents_seen(cfg.document_masking, meta),
                           prefix_cache=prefix_cache)
@@ -85,9 +88,9 @@ def main(argv=None) -> None:
     scheduler.observe = metrics.observe
     source = args.export or args.out_dir
     name = args.name or os.path.basename(os.path.normpath(source))
-    weights = Weights(cfg, meta, model, decoder, source)
+    weights = Weights(cfg, meta, load, decoder, source)
     app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights, args.api_key))
-    print(f"serving {name} ({sum(p.numel() for p in model.parameters()):,} parameters, {dtype}, {args.device}, "
+    print(f"serving {name} ({parameters:,} parameters, {dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
           + ("; API key required" if args.api_key else ""), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,

@@ -15,8 +15,9 @@ CHAT = ("template", "chat_template", "end_of_turn_id")  # what its chat prompts 
 
 
 class Weights:
-    def __init__(self, cfg, meta: dict, model, decoder, source: str):
-        self.cfg, self.meta, self.model, self.decoder, self.source = cfg, meta, model, decoder, source
+    def __init__(self, cfg, meta: dict, load, decoder, source: str):
+        """load(state dict): puts weights into the served model (its load_state_dict, or model/onednn.py's)."""
+        self.cfg, self.meta, self.load, self.decoder, self.source = cfg, meta, load, decoder, source
 
     def read(self, path, tag=None) -> tuple[dict, str, int]:
         """(the state dict, where it was read, its training step) of `path`: an export (a folder with config.json)
@@ -44,7 +45,7 @@ class Weights:
 
     def swap(self, state: dict, source: str) -> None:
         """On the scheduler's thread, no request running: the new weights in, the old keys and values out."""
-        self.model.load_state_dict(state)
+        self.load(state)
         if getattr(self.decoder, "prefix_cache", None) is not None:
             self.decoder.prefix_cache.clear()
         self.source = source
