@@ -180,7 +180,8 @@ class CachedDecoder(WindowDecoder):
         self.cache.free(slot)
         del self.window_positions[slot]
 
-    def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, every: bool = False) -> torch.Tensor:
+    def _forward(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
+                 every: bool = False) -> torch.Tensor:
         """The logits (rows, t, vocab_size) of each row's tokens, appended to its slot: t is 1, the last
         position's, unless `every`."""
         with self.cache.attached(self.attentions):

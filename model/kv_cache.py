@@ -38,7 +38,8 @@ class KVCache:
         self.lengths[slot] = 0
 
     def read(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """A copy of the keys and values of the slot's tokens start..end: (2, layers, kv_heads, end - start, head_dim)."""
+        """A copy of the keys and values of the slot's tokens start..end: (2, layers, kv_heads, end - start,
+        head_dim)."""
         return torch.stack([torch.stack([k[slot, :, start:end] for k in self.keys]),
                             torch.stack([v[slot, :, start:end] for v in self.values])])
 

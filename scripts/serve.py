@@ -22,7 +22,6 @@ import traceback
 import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from data.documents import documents_seen
 from data.tokenizers import TokenizerError
 from training.checkpoints.export import add_trained_arguments, load_trained
 
@@ -70,27 +69,18 @@ def main(argv=None) -> None:
         cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
-    from model.generate import decoder_for
-    from model.onednn import PackedLinears, packable
-    from model.prefix_cache import PrefixCache
-    from serving.scheduler import Scheduler
+    from serving.engine import start_engine
     from serving.weights import Weights
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and args.device != "cpu") else torch.float32
-    model = model.to(args.device, dtype).eval()
-    parameters = sum(p.numel() for p in model.parameters())
-    load = PackedLinears(model).load if packable(model) else model.load_state_dict
-    prefix_cache = PrefixCache(args.prefix_cache_mb * 2**20) if args.prefix_cache_mb else None
-    decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, args.slots, documents_seen(cfg.document_masking, meta),
-                          prefix_cache=prefix_cache)
-    scheduler = Scheduler(decoder, args.slots, args.max_queue)
-    metrics = Metrics(scheduler.stats, getattr(decoder, "prefix_cache", None))
+    engine = start_engine(cfg, model, meta, args.device, args.dtype, args.slots, args.max_queue, args.prefix_cache_mb)
+    scheduler = engine.scheduler
+    metrics = Metrics(scheduler.stats, getattr(engine.decoder, "prefix_cache", None))
     scheduler.observe = metrics.observe
     source = args.export or args.out_dir
     name = args.name or os.path.basename(os.path.normpath(source))
-    weights = Weights(cfg, meta, load, decoder, source)
+    weights = Weights(cfg, meta, engine.load, engine.decoder, source)
     app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights, args.api_key))
-    print(f"serving {name} ({parameters:,} parameters, {dtype}, {args.device}, "
+    print(f"serving {name} ({engine.parameters:,} parameters, {engine.dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
           + ("; API key required" if args.api_key else ""), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,

@@ -1,8 +1,9 @@
 """OpenAI's HTTP API over a Scheduler, as its clients use it: GET /v1/models, POST /v1/completions and
 /v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), vLLM's POST
-/tokenize, /detokenize and GET /tokenizer_info, POST /v1/load_weights (new weights between requests), GET /health, GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the
-server going on; if the model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py
-then stops the process, for its supervisor to restart)."""
+/tokenize, /detokenize and GET /tokenizer_info, POST /v1/load_weights (new weights between requests), GET /health,
+GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the server going on; if the
+model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py then stops the process,
+for its supervisor to restart)."""
 import asyncio
 import os
 import secrets
@@ -132,8 +133,11 @@ def create_app(served: Served) -> FastAPI:
         tokenizer, which its local-completions model picks when this answers)."""
         eos = delimiter_id(served.tokenizer)
         text = None if eos is None else served.tokenizer.decode([eos])
-        if text is not None and served.tokenizer.encode(text) != [eos]:
-            text = None  # a text that does not encode back to the id would name another token
+        try:
+            if text is not None and served.tokenizer.encode(text) != [eos]:
+                text = None  # a text that does not encode back to the id would name other tokens
+        except ValueError:  # a char tokenizer's end of text has no text of its own
+            text = None
         return {"tokenizer_class": type(served.tokenizer).__name__, "eos_token": text, "bos_token": None,
                 "pad_token": None, "chat_template": served.meta.get("chat", {}).get("chat_template"),
                 "model_max_length": served.block_size}

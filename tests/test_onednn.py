@@ -9,6 +9,7 @@ from model.config import ModelConfig
 from model.generate import CachedDecoder
 from model.onednn import PackedLinears, packable
 
+
 def model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
     """Every weight random, biases too (they start at zero)."""
     built, generator = build_model(cfg), torch.Generator().manual_seed(seed)

@@ -14,6 +14,7 @@ from model.prefix_cache import PrefixCache
 LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=64,
                     vocab_size=20)
 EOT = 19  # ends a document: a prompt of several documents is masked as training masked it
+DOCUMENTS = Documents({"delimiter": "eot", "eot_id": EOT})
 
 
 def model():
@@ -45,7 +46,7 @@ def computed(monkeypatch) -> list[int]:
 
 @torch.no_grad()
 def test_a_prompt_seen_before_computes_only_its_new_tokens_and_draws_the_same(monkeypatch):
-    net, documents = model(), Documents({"delimiter": "eot", "eot_id": EOT})
+    net, documents = model(), DOCUMENTS
     plain = CachedDecoder(net, LLAMA.block_size, LLAMA.vocab_size, documents=documents)
     cache = PrefixCache(capacity_bytes=10**8, block=8)
     cached = CachedDecoder(net, LLAMA.block_size, LLAMA.vocab_size, documents=documents, prefix_cache=cache)
@@ -86,7 +87,7 @@ def test_the_cache_keeps_its_bound_dropping_the_least_recently_used_chain_from_i
 
 @torch.no_grad()
 def test_a_forked_slot_decodes_as_the_slot_it_copied():
-    decoder = CachedDecoder(model(), LLAMA.block_size, LLAMA.vocab_size, slots=3, documents=Documents({"delimiter": "eot", "eot_id": EOT}))
+    decoder = CachedDecoder(model(), LLAMA.block_size, LLAMA.vocab_size, slots=3, documents=DOCUMENTS)
     first, _ = prompts()
     slot, logits = decoder.start(first)
     fork = decoder.fork(slot)
@@ -94,6 +95,6 @@ def test_a_forked_slot_decodes_as_the_slot_it_copied():
     token = int(logits.argmax())
     stepped = decoder.step({slot: [token], fork: [token]})
     assert torch.allclose(stepped[slot], stepped[fork], atol=1e-6, rtol=0)
-    alone = CachedDecoder(model(), LLAMA.block_size, LLAMA.vocab_size, documents=Documents({"delimiter": "eot", "eot_id": EOT}))
+    alone = CachedDecoder(model(), LLAMA.block_size, LLAMA.vocab_size, documents=DOCUMENTS)
     one, _ = alone.start(first)
     assert torch.allclose(alone.step({one: [token]})[one], stepped[fork], atol=1e-5, rtol=0)

@@ -57,13 +57,15 @@ GOOD_BODIES = {"/v1/completions": {"model": "export", "prompt": "Reverse: a", "m
                "/v1/chat/completions": {"model": "export", "messages": [{"role": "user", "content": "hi"}],
                                         "max_tokens": 2},
                "/tokenize": {"model": "export", "prompt": "Reverse: a"},
+               "/detokenize": {"model": "export", "tokens": [1, 2]},
                "/v1/load_weights": {"path": "{export}"}}  # the served export again
 
 
 def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wrong_one(chat_export):
     routes = guarded_routes()
     assert {("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-            ("POST", "/tokenize")} <= set(routes)
+            ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+            ("POST", "/v1/load_weights")} <= set(routes)
     served = Server(chat_export, "--api_key", KEY)
     try:
         for method, path in routes:

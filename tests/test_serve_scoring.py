@@ -127,8 +127,8 @@ def test_a_prompt_sent_again_is_found_in_the_prefix_cache_and_answers_as_it_did(
     assert metric(server, "megalite_prefix_cache_hits_total") - hits == 80  # 5 blocks of 16, the last token left
     assert metric(server, "megalite_prefix_cache_queries_total") - queries == 2 * 93
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    for a, b in zip(again["choices"][0]["logprobs"]["token_logprobs"], first["choices"][0]["logprobs"]["token_logprobs"]):
-        assert abs(a - b) < 1e-5
+    scores = [reply["choices"][0]["logprobs"]["token_logprobs"] for reply in (first, again)]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(*scores))
 
 
 def test_loaded_weights_answer_as_sample_does_on_their_export(server, exports):
