@@ -140,14 +140,30 @@ class Engine:
 
 
 class InProcess:
-    """This server's scheduler (serving/engine.py) in the benchmark's process, asked as the server asks it."""
+    """This server's scheduler (serving/engine.py) asked as the server asks it, with no HTTP: in a process of its
+    own (this script, --in_process), its loop on the main thread, which loaded the model, as in the server."""
 
     def __init__(self, export: str, dtype: str, clients: int):
-        from serving.engine import start_engine
-        from training.checkpoints.export import load_trained
+        self.export, self.dtype, self.clients = export, dtype, clients
 
-        cfg, model, _, meta = load_trained(None, None, export)
-        self.scheduler = start_engine(cfg, model, meta, "cpu", dtype, clients, clients, prefix_cache_mb=512).scheduler
+    def measure(self, asked: list[list[int]], new: int) -> dict:
+        with tempfile.NamedTemporaryFile("w+", suffix=".json") as io:
+            json.dump({"export": self.export, "dtype": self.dtype, "clients": self.clients, "asked": asked,
+                       "new": new}, io)
+            io.flush()
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--in_process", io.name], check=True, cwd=REPO)
+            io.seek(0)
+            return json.load(io)
+
+    def stop(self) -> None:
+        pass
+
+
+class SchedulerClient:
+    """complete() through a scheduler in this process, from the benchmark's client threads."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
 
     def complete(self, prompt: list[int], new: int) -> tuple[list[int], float]:
         from model.generate import Sampling
@@ -164,8 +180,32 @@ class InProcess:
                 assert kind == "done" and len(ids) == new, (kind, value, len(ids))
                 return ids, first
 
-    def stop(self) -> None:
-        self.scheduler.close()
+
+def in_process(path: str) -> None:
+    """--in_process: the scenarios against the scheduler on this main thread; the figures replace the file's
+    request."""
+    import threading
+
+    from serving.engine import start_engine
+    from training.checkpoints.export import load_trained
+
+    with open(path) as f:
+        job = json.load(f)
+    cfg, model, _, meta = load_trained(None, None, job["export"])
+    engine = start_engine(cfg, model, meta, "cpu", job["dtype"], job["clients"], job["clients"], prefix_cache_mb=512,
+                          thread=False)
+    figures = {}
+
+    def drive():
+        try:
+            figures.update(measure(SchedulerClient(engine.scheduler), job["asked"], job["clients"], job["new"]))
+        finally:
+            engine.scheduler.close()
+
+    threading.Thread(target=drive).start()
+    engine.scheduler.run()
+    with open(path, "w") as f:
+        json.dump(figures, f)
 
 
 def prompts(text: str, tokenizer, count: int, length: int) -> list[list[int]]:
@@ -208,12 +248,15 @@ def run_preset(preset: str, args, length: int, engines: list[str], dtypes: list[
         result = {**shape, "prompt": length, "new": args.new, "clients": args.clients}
         for dtype in dtypes:
             for name in engines:  # one after the other: never two engines on the cores at once
-                engine = InProcess(export, dtype, args.clients) if name == "in process" else \
-                    Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
-                try:
-                    result.setdefault(dtype, {})[name] = measure(engine, asked, args.clients, args.new)
-                finally:
-                    engine.stop()
+                if name == "in process":
+                    figures = InProcess(export, dtype, args.clients).measure(asked, args.new)
+                else:
+                    engine = Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
+                    try:
+                        figures = measure(engine, asked, args.clients, args.new)
+                    finally:
+                        engine.stop()
+                result.setdefault(dtype, {})[name] = figures
     return result
 
 
@@ -249,7 +292,11 @@ def main() -> int:
     parser.add_argument("--text", default=SHAKESPEARE, help="tinyshakespeare's text (default: $SHAKESPEARE_TXT, "
                                                             "else ../shared/data/tinyshakespeare.txt)")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--in_process", help=argparse.SUPPRESS)  # the scheduler's process: its job file
     args = parser.parse_args()
+    if args.in_process:
+        in_process(args.in_process)
+        return 0
     at_least(args, 1, "new", "clients", *(["prompt"] if args.prompt is not None else []))
     dtypes = args.dtypes.split(",")
     if not set(dtypes) <= set(DTYPES):

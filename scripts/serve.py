@@ -14,6 +14,7 @@ FAILURE_LINGER_S (so clients and a load balancer learn it), and the process exit
 """
 import argparse
 import os
+import signal
 import socket
 import sys
 import threading
@@ -72,7 +73,8 @@ def main(argv=None) -> None:
     from serving.engine import start_engine
     from serving.weights import Weights
 
-    engine = start_engine(cfg, model, meta, args.device, args.dtype, args.slots, args.max_queue, args.prefix_cache_mb)
+    engine = start_engine(cfg, model, meta, args.device, args.dtype, args.slots, args.max_queue, args.prefix_cache_mb,
+                          thread=False)
     scheduler = engine.scheduler
     metrics = Metrics(scheduler.stats, getattr(engine.decoder, "prefix_cache", None))
     scheduler.observe = metrics.observe
@@ -93,12 +95,25 @@ def main(argv=None) -> None:
         threading.Timer(FAILURE_LINGER_S, lambda: setattr(server, "should_exit", True)).start()
 
     scheduler.on_failure = failed
-    try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it shut down for again once it has (as uvicorn.run does)
-        pass
-    finally:
+
+    def stop(*_) -> None:
+        server.should_exit = True
         scheduler.close()
+
+    # The model's loop keeps the main thread, which loaded the model (serving/scheduler.py says why); HTTP runs on
+    # a thread of its own, where uvicorn installs no signal handlers: Ctrl-C and SIGTERM are handled here.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # the server ended (stopped, or it failed): the model's loop ends with it
+            scheduler.close()
+
+    http = threading.Thread(target=serve_http, name="http")
+    http.start()
+    scheduler.run()  # until stopped, or the model's worker fails
+    http.join()
     return 1 if scheduler.failure else 0
 
 

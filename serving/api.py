@@ -97,12 +97,13 @@ def create_app(served: Served) -> FastAPI:
         """New weights of the same architecture and shape, from an export or a run's checkpoint: the requests
         running now finish on the old ones, every later one starts on the new ones."""
         body = json_body(await request.body())
-        try:
-            state, source, step = await asyncio.to_thread(served.weights.read, body.get("path"), body.get("tag"))
+        scheduler = served.scheduler
+        try:  # read on the model's thread too: a second thread doing torch work slows every step (scheduler.py)
+            state, source, step = await asyncio.wrap_future(scheduler.between_steps(
+                lambda: served.weights.read(body.get("path"), body.get("tag"))))
+            await asyncio.wrap_future(scheduler.pause_for(lambda: served.weights.swap(state, source)))
         except (ConfigError, TokenizerError) as e:
             raise APIError(400, str(e), "path") from None
-        try:
-            await asyncio.wrap_future(served.scheduler.pause_for(lambda: served.weights.swap(state, source)))
         except SchedulerFailed as e:
             raise worker_failed(str(e)) from None
         return {"status": "ok", "path": source, "step": step}

@@ -25,8 +25,9 @@ class Engine:
 
 
 def start_engine(cfg, model: torch.nn.Module, meta: dict, device: str, dtype: str, slots: int, max_queue: int,
-                 prefix_cache_mb: int) -> Engine:
-    """The scheduler's thread started on the model; `dtype` one of DTYPES; a prefix cache of 0 MB is none."""
+                 prefix_cache_mb: int, thread: bool = True) -> Engine:
+    """The scheduler on the model, on a thread of its own or (thread False) for the caller to run on the thread that
+    built it (serving/scheduler.py says why); `dtype` one of DTYPES; a prefix cache of 0 MB is none."""
     chosen = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device != "cpu") else torch.float32
     model = model.to(device, chosen).eval()
     parameters = sum(p.numel() for p in model.parameters())
@@ -34,4 +35,4 @@ def start_engine(cfg, model: torch.nn.Module, meta: dict, device: str, dtype: st
     prefix_cache = PrefixCache(prefix_cache_mb * 2**20) if prefix_cache_mb else None
     decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, slots, documents_seen(cfg.document_masking, meta),
                           prefix_cache=prefix_cache)
-    return Engine(Scheduler(decoder, slots, max_queue), decoder, load, parameters, chosen)
+    return Engine(Scheduler(decoder, slots, max_queue, thread=thread), decoder, load, parameters, chosen)

@@ -148,15 +148,18 @@ def test_generation_times_the_cache_the_window_and_transformers(tmp_path):
 
 
 @pytest.mark.launch  # a server process
-def test_serving_times_clients_together_and_one_at_a_time(tmp_path, shakespeare_path):
+def test_serving_times_the_server_and_its_scheduler_in_process(tmp_path, shakespeare_path):
     report = tmp_path / "serving.json"
-    run([sys.executable, "benchmarks/serving.py", "--presets", "quickstart", "--clients", "1,3", "--prompt", "8",
-         "--new", "4", "--text", shakespeare_path, "--json", str(report)])
+    run([sys.executable, "benchmarks/serving.py", "--presets", "quickstart", "--clients", "3", "--prompt", "8",
+         "--new", "4", "--dtypes", "fp32", "--text", shakespeare_path, "--json", str(report)])
     result = json.loads(report.read_text())["results"]["quickstart"]
     assert (result["prompt"], result["new"], result["block_size"], result["vocab_size"]) == (8, 4, 64, 65)
-    assert set(result["clients"]) == {"1", "3"}
-    for figures in result["clients"].values():
-        assert figures["one_at_a_time"] > 0 and figures["together"] > 0
+    engines = result["fp32"]
+    assert set(engines) == {"megalite", "in process"}
+    for figures in engines.values():
+        assert [len(figures[s]["answers"]) for s in ("new", "again", "together")] == [4, 4, 3]
+        assert all(figures[s]["tokens_per_s"] > 0 and figures[s]["first_token_s"] > 0 for s in ("new", "again"))
+    assert engines["megalite"]["together"]["answers"] == engines["in process"]["together"]["answers"]  # greedy
 
 
 def benchmark(script: str, *args: str, env: dict | None = None):
@@ -282,8 +285,9 @@ BAD_INPUTS = [
      "model.experts_per_token=9: must be at most model.n_experts=4"),
     ("quality.py", ["--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists"),
     ("quality.py", ["--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
-    ("serving.py", ["--clients", "1,x"], "--clients 1,x: not a comma-separated list of numbers"),
-    ("serving.py", ["--clients", "0,4"], "--clients 0,4: each number must be at least 1"),
+    ("serving.py", ["--clients", "0"], "--clients=0: must be >= 1"),
+    ("serving.py", ["--dtypes", "fp32,fp8"], "--dtypes fp32,fp8: each must be one of fp32, bf16"),
+    ("serving.py", ["--vllm", "/nonexistent/python"], "--vllm /nonexistent/python does not exist"),
     ("serving.py", ["--presets", "quickstart", "--prompt", "40", "--new", "30"], "--prompt 40 + --new 30 > "
                                                                                   "quickstart's context of 64"),
     ("serving.py", ["--text", "/nonexistent.txt"], "the text (--text) /nonexistent.txt does not exist"),
