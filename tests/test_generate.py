@@ -140,18 +140,19 @@ def test_greedy_text_equals_transformers_generate_on_the_export(tmp_path, name):
     assert len(set(ours)) > 3  # not one token repeated: the comparison has a text to tell apart
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_one_query_attention_equals_scaled_dot_product_attention(dtype, tolerance):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_attention_is_as_close_to_fp64_as_pytorchs_kernel(dtype):
     """The decode step's attention for several rows in bf16 (model/kv_cache.py): grouped heads, a mask of each row's
-    own keys, against PyTorch's kernel in fp64."""
+    own keys; its error against fp64 no larger than scaled_dot_product_attention's own at the dtype."""
     from model.kv_cache import one_query_attention
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape, generator=generator).to(dtype)
                for shape in [(3, 8, 1, 16), (3, 2, 20, 16), (3, 2, 20, 16)])
     mask = torch.arange(20)[None, None, None, :] < torch.tensor([20, 13, 5])[:, None, None, None]
-    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
-                                                                enable_gqa=True)
+    attention = torch.nn.functional.scaled_dot_product_attention
+    expected = attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
     got = one_query_attention(q, k, v, mask)
     assert got.dtype == dtype and got.shape == expected.shape
-    assert torch.allclose(got.double(), expected, atol=tolerance, rtol=0)
+    kernels = (attention(q, k, v, attn_mask=mask, enable_gqa=True).double() - expected).abs().max()
+    assert (got.double() - expected).abs().max() <= max(kernels, 1e-6)
