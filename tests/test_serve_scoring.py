@@ -4,6 +4,7 @@ greedy and sampled, alone and four at once; a prompt given as token ids, or a li
 does, with the ids of prompt and answer; a prompt sent again is found in the prefix cache (its hits in /metrics)
 and answers as it did; weights loaded into the running server answer as `sample.py` does on their export; a bad
 value of each of these fields gets OpenAI's 4xx body, never a 5xx."""
+import json
 import sys
 
 import httpx
@@ -85,6 +86,24 @@ def test_echoed_and_drawn_logprobs_equal_the_full_window_greedy_and_sampled_alon
         for reply in alone + together:
             check_echoed(reply["choices"][0], reference, top=3)
         assert [r["choices"][0]["token_ids"] for r in together] == [r["choices"][0]["token_ids"] for r in alone]
+
+
+def test_a_stream_carries_the_same_scores_and_ids_as_the_whole_reply(server):
+    body = {"model": "export", "prompt": "Reverse: king crown night", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "logprobs": 2, "echo": True, "return_token_ids": True}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    streamed = {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "token_ids": []}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed["text"] += choice["text"]
+                streamed["token_ids"] += choice["token_ids"]
+                for key in ("tokens", "token_logprobs", "top_logprobs"):
+                    streamed[key] += choice["logprobs"][key]
+    assert streamed["text"] == whole["text"] and streamed["token_ids"] == whole["token_ids"]
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        assert streamed[key] == whole["logprobs"][key], key
 
 
 def test_chat_logprobs_equal_the_full_window(server, exports):
