@@ -7,6 +7,7 @@ for its supervisor to restart)."""
 import asyncio
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -36,6 +37,7 @@ class Served:
     metrics: Metrics
     weights: object = None  # serving/weights.py's Weights: what /v1/load_weights reads and swaps in
     api_key: str | None = None
+    mailbox: object = None  # the event loop's Mailbox, made on its first request
 
 
 def create_app(served: Served) -> FastAPI:
@@ -168,14 +170,16 @@ def create_app(served: Served) -> FastAPI:
 
     def submit(asked: Asked) -> list[Sequence]:
         """A sequence for each of the request's choices, all queued or none."""
-        sequences, loop = [], asyncio.get_running_loop()
+        sequences = []
+        if served.mailbox is None or served.mailbox.loop is not asyncio.get_running_loop():
+            served.mailbox = Mailbox(asyncio.get_running_loop())
         scored = asked.logprobs if asked.echo and asked.logprobs is not None else None
         try:
             for ids in asked.prompts:
                 for i in range(asked.n):
                     sequence = Sequence(ids, asked.sampling, None if asked.seed is None else asked.seed + i,
                                         asked.logprobs, scored)
-                    sequence.events = Events(loop)
+                    sequence.events = Events(served.mailbox)
                     sequences.append(served.scheduler.submit(sequence))
         except (QueueFull, SchedulerFailed) as e:
             for sequence in sequences:
@@ -189,14 +193,38 @@ def create_app(served: Served) -> FastAPI:
     return app
 
 
-class Events:
-    """A sequence's events, put by the scheduler's thread, awaited on the server's event loop."""
+class Mailbox:
+    """Events put on the scheduler's thread, handed to the event loop in one wake-up for all those put before it
+    runs, not one a token: each wake-up of the loop's thread takes a core from the model's OpenMP threads (16 bf16
+    streams at the Llama-124M shape on 2 cores: 169.5 tokens/s with a wake-up an event, 219 with this; 233-238 with
+    no HTTP at all)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue, self.next = loop, asyncio.Queue(), None
+        self.loop, self.lock, self.pending, self.scheduled = loop, threading.Lock(), [], False
+
+    def put(self, queue: asyncio.Queue, event) -> None:
+        with self.lock:
+            self.pending.append((queue, event))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending, self.scheduled = self.pending, [], False
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
+class Events:
+    """A sequence's events, put by the scheduler's thread through the loop's mailbox, awaited on the loop."""
+
+    def __init__(self, mailbox: Mailbox):
+        self.mailbox, self.queue, self.next = mailbox, asyncio.Queue(), None
 
     def put(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        self.mailbox.put(self.queue, event)
 
     async def peek(self):
         """The next event, left for get()."""
