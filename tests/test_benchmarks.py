@@ -286,6 +286,7 @@ BAD_INPUTS = [
     ("quality.py", ["--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists"),
     ("quality.py", ["--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
     ("serving.py", ["--clients", "0"], "--clients=0: must be >= 1"),
+    ("serving.py", ["--rounds", "0"], "--rounds=0: must be >= 1"),
     ("serving.py", ["--dtypes", "fp32,fp8"], "--dtypes fp32,fp8: each must be one of fp32, bf16"),
     ("serving.py", ["--vllm", "/nonexistent/python"], "--vllm /nonexistent/python does not exist"),
     ("serving.py", ["--presets", "quickstart", "--prompt", "40", "--new", "30"], "--prompt 40 + --new 30 > "
