@@ -249,7 +249,8 @@ def run_preset(preset: str, args, length: int, engines: list[str], dtypes: list[
     measure them in turn, A B A B, so that a slow spell of the machine falls on each; the medians of the rounds."""
     with tempfile.TemporaryDirectory() as folder:
         export, shape, tokenizer = preset_export(preset, args.text, folder)
-        asked = prompts(args.text, tokenizer, 4 + args.clients + 1, length)
+        each = 4 + args.clients + 1  # a round's prompts, its own: a prompt seen in an earlier round is a cache hit
+        asked = prompts(args.text, tokenizer, each * args.rounds, length)
         result = {**shape, "prompt": length, "new": args.new, "clients": args.clients, "rounds": args.rounds}
         for dtype in dtypes:
             started = {}
@@ -257,9 +258,9 @@ def run_preset(preset: str, args, length: int, engines: list[str], dtypes: list[
                 for name in engines:
                     started[name] = InProcess(export, dtype, args.clients) if name == "in process" else \
                         Engine(name, export, dtype, shape["block_size"], args.clients, args.vllm)
-                rounds = [{name: engine.measure(asked, args.new) if name == "in process" else
-                           measure(engine, asked, args.clients, args.new) for name, engine in started.items()}
-                          for _ in range(args.rounds)]
+                rounds = [{name: engine.measure(mine, args.new) if name == "in process" else
+                           measure(engine, mine, args.clients, args.new) for name, engine in started.items()}
+                          for mine in (asked[r * each:(r + 1) * each] for r in range(args.rounds))]
             finally:
                 for engine in started.values():
                     engine.stop()
