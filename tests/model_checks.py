@@ -1,5 +1,5 @@
-"""What the model tests share: a small GPT's shape, a preset's model settings, a parameter count that allocates
-nothing, and the causality check."""
+"""What the model tests share: a small GPT's shape, a preset's model settings, a model with decisive random weights,
+a parameter count that allocates nothing, and the causality check."""
 import torch
 from omegaconf import OmegaConf
 
@@ -8,6 +8,16 @@ from model.config import ModelConfig
 from training.config import REPO_ROOT, RunConfig
 
 SMALL_GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
+
+
+def decisive_model(cfg: ModelConfig, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """A model of `cfg` in eval mode, every parameter (biases too) drawn from N(0, scale) by `seed`: at 0.3 each
+    next token is clear, so greedy paths never hang on a near tie between batch shapes or kernels."""
+    model, generator = build_model(cfg), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * scale)
+    return model.eval()
 
 
 def preset(name: str) -> ModelConfig:

@@ -11,12 +11,11 @@ import threading
 import time
 
 import httpx
-import torch
 
 from chats import reverse_tasks
 from harness import REPO, free_port
-from model import build_model
 from model.config import ModelConfig
+from model_checks import decisive_model
 
 KEY = "test-key-0123"
 MESSAGE = "Reverse: king crown night"
@@ -33,11 +32,7 @@ def chat_model_export(folder, block_size: int, seed: int = 1) -> str:
     meta = json.loads((folder / "data" / "meta.json").read_text())
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=block_size,
                       vocab_size=meta["vocab_size"])
-    model = build_model(cfg, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # weights that make each next token clear: greedy paths never hang on a near tie
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    model = decisive_model(cfg, seed)
     return write_export(str(folder / "export"), cfg, model.state_dict(), meta, step=0, data_dir=str(folder / "data"))
 
 

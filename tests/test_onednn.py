@@ -5,20 +5,10 @@ from a state dict as the dense model does."""
 import pytest
 import torch
 
-from model import build_model
 from model.config import ModelConfig
 from model.generate import CachedDecoder
 from model.onednn import PackedLinears, packable
-
-
-def model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
-    """Every weight random at the initialization's scale, biases too (they start at zero)."""
-    built, generator = build_model(cfg), torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in built.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-    return built.eval()
-
+from model_checks import decisive_model
 
 # Widths where some weights are packed (2**19 elements and more) and some stay dense.
 SHAPES = {"gpt": ModelConfig(arch="gpt", n_layer=1, n_head=4, n_embd=512, block_size=32, vocab_size=50),
@@ -31,7 +21,8 @@ SHAPES = {"gpt": ModelConfig(arch="gpt", n_layer=1, n_head=4, n_embd=512, block_
 def test_packed_linears_give_the_dense_logits_and_take_new_weights(arch):
     """Some weights packed, some left dense."""
     cfg = SHAPES[arch]
-    dense, packed, other = (model(cfg, seed) for seed in (1, 1, 2))
+    # At the initialization's scale, biases random too (they start at zero).
+    dense, packed, other = (decisive_model(cfg, seed, scale=0.02) for seed in (1, 1, 2))
     assert packable(packed)
     linears = PackedLinears(packed)
     dense_ones = [m for m in packed.modules() if isinstance(m, torch.nn.Linear) and m not in linears.linears.values()]

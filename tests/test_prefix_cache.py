@@ -5,11 +5,11 @@ bound, dropping the end of the least recently used chain first; a forked slot de
 import torch
 
 from data.documents import Documents
-from model import build_model
 from model.config import ModelConfig
 from model.generate import CachedDecoder, Sampling, generate
 from model.kv_cache import KVCache
 from model.prefix_cache import PrefixCache
+from model_checks import decisive_model
 
 LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=64,
                     vocab_size=20)
@@ -18,11 +18,7 @@ DOCUMENTS = Documents({"delimiter": "eot", "eot_id": EOT})
 
 
 def model():
-    built = build_model(LLAMA, seed=3).eval()
-    with torch.no_grad():  # weights that make each next token clear: no near ties between batch shapes
-        for p in built.parameters():
-            p.normal_(0, 0.3)
-    return built
+    return decisive_model(LLAMA, seed=3)
 
 
 def prompts() -> tuple[list[int], list[int]]:

@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from model import build_model
 from model.config import ModelConfig
 from model.generate import CachedDecoder, Sampling, WindowDecoder, generate
 from model.kv_cache import KVCache
+from model_checks import decisive_model
 from serving.scheduler import Scheduler, SchedulerFailed, Sequence
 
 LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=32,
@@ -23,11 +23,7 @@ GREEDY = Sampling(max_new_tokens=6, temperature=0)
 
 @pytest.fixture(scope="module")
 def model():
-    model = build_model(LLAMA, seed=3).eval()
-    with torch.no_grad():  # weights that make each next token clear: no near ties between batch shapes
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
+    return decisive_model(LLAMA, seed=3)
 
 
 def events(sequence: Sequence, timeout: float = 60) -> list:

@@ -6,11 +6,10 @@ in process from the same export (training/evaluation/lm_eval_model.py, 1e-4), an
 import json
 
 import pytest
-import torch
 
 from data.tasks import DELIMITER, harness_task
-from model import build_model
 from model.config import ModelConfig
+from model_checks import decisive_model
 from scripts import evaluate
 from servers import Server
 from training.checkpoints.export import load_trained, write_export
@@ -33,11 +32,7 @@ def export(tmp_path_factory, char_data) -> str:
         meta = json.load(f)
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=BLOCK,
                       vocab_size=meta["vocab_size"])
-    model = build_model(cfg, seed=1)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # weights with clear preferences: no near ties between the harness's two paths
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    model = decisive_model(cfg, seed=1)  # no near ties between the harness's two paths
     return write_export(str(tmp_path_factory.mktemp("lm_eval") / "export"), cfg, model.state_dict(), meta, step=0,
                         data_dir=char_data)
 
