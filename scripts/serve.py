@@ -24,6 +24,7 @@ import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.tokenizers import TokenizerError
+from serving.engine import DTYPES
 from training.checkpoints.export import add_trained_arguments, load_trained
 
 KEY_VARIABLE = "MEGALITE_API_KEY"
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="auto: bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--slots", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429")
@@ -76,11 +77,10 @@ def main(argv=None) -> None:
     engine = start_engine(cfg, model, meta, args.device, args.dtype, args.slots, args.max_queue, args.prefix_cache_mb,
                           thread=False)
     scheduler = engine.scheduler
-    metrics = Metrics(scheduler.stats, getattr(engine.decoder, "prefix_cache", None))
+    metrics = Metrics(scheduler.stats, engine.prefix_cache)
     scheduler.observe = metrics.observe
-    source = args.export or args.out_dir
-    name = args.name or os.path.basename(os.path.normpath(source))
-    weights = Weights(cfg, meta, engine.load, engine.decoder, source)
+    name = args.name or os.path.basename(os.path.normpath(args.export or args.out_dir))
+    weights = Weights(cfg, meta, engine.load, engine.prefix_cache)
     app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights, args.api_key))
     print(f"serving {name} ({engine.parameters:,} parameters, {engine.dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"

@@ -103,7 +103,7 @@ def create_app(served: Served) -> FastAPI:
         try:  # read on the model's thread too: a second thread doing torch work slows every step (scheduler.py)
             state, source, step = await asyncio.wrap_future(scheduler.between_steps(
                 lambda: served.weights.read(body.get("path"), body.get("tag"))))
-            await asyncio.wrap_future(scheduler.pause_for(lambda: served.weights.swap(state, source)))
+            await asyncio.wrap_future(scheduler.pause_for(lambda: served.weights.swap(state)))
         except (ConfigError, TokenizerError) as e:
             raise APIError(400, str(e), "path") from None
         except SchedulerFailed as e:

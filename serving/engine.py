@@ -18,8 +18,8 @@ DTYPES = ("auto", "fp32", "bf16")
 @dataclass
 class Engine:
     scheduler: Scheduler
-    decoder: object
     load: object  # load(state dict): new weights, in the served model's form
+    prefix_cache: PrefixCache | None  # None where it is off, or the model cannot cache (a WindowDecoder)
     parameters: int
     dtype: torch.dtype
 
@@ -35,4 +35,5 @@ def start_engine(cfg, model: torch.nn.Module, meta: dict, device: str, dtype: st
     prefix_cache = PrefixCache(prefix_cache_mb * 2**20) if prefix_cache_mb else None
     decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, slots, documents_seen(cfg.document_masking, meta),
                           prefix_cache=prefix_cache)
-    return Engine(Scheduler(decoder, slots, max_queue, thread=thread), decoder, load, parameters, chosen)
+    return Engine(Scheduler(decoder, slots, max_queue, thread=thread), load, getattr(decoder, "prefix_cache", None),
+                  parameters, chosen)

@@ -44,7 +44,7 @@ class Drawn(NamedTuple):
     where its sequence asked for them."""
     id: int
     logprob: float | None = None
-    top: list = []
+    top: tuple | list = ()
 
 
 @dataclass(eq=False)

@@ -1,6 +1,7 @@
 """New weights for a running server (POST /v1/load_weights): an export, or a run's checkpoint of any layout, read
-and checked away from the model's thread (the same architecture and shape, the same tokenizer), then copied into
-the served model between requests, the prefix cache emptied (it holds keys and values of the old weights)."""
+and checked on the model's thread between two steps (the same architecture and shape, the same tokenizer), then
+copied into the served model between requests, the prefix cache emptied (it holds keys and values of the old
+weights)."""
 import dataclasses
 import os
 
@@ -15,9 +16,9 @@ CHAT = ("template", "chat_template", "end_of_turn_id")  # what its chat prompts 
 
 
 class Weights:
-    def __init__(self, cfg, meta: dict, load, decoder, source: str):
+    def __init__(self, cfg, meta: dict, load, prefix_cache=None):
         """load(state dict): puts weights into the served model (its load_state_dict, or model/onednn.py's)."""
-        self.cfg, self.meta, self.load, self.decoder, self.source = cfg, meta, load, decoder, source
+        self.cfg, self.meta, self.load, self.prefix_cache = cfg, meta, load, prefix_cache
 
     def read(self, path, tag=None) -> tuple[dict, str, int]:
         """(the state dict, where it was read, its training step) of `path`: an export (a folder with config.json)
@@ -43,12 +44,11 @@ class Weights:
                               f"model's; fix: start a server for it")
         return model.state_dict(), source, step
 
-    def swap(self, state: dict, source: str) -> None:
+    def swap(self, state: dict) -> None:
         """On the scheduler's thread, no request running: the new weights in, the old keys and values out."""
         self.load(state)
-        if getattr(self.decoder, "prefix_cache", None) is not None:
-            self.decoder.prefix_cache.clear()
-        self.source = source
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     @staticmethod
     def _shape(cfg) -> dict:
