@@ -212,6 +212,7 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
         rank.driver.start_step(step, layout.grad_accum)
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]
+        micro_batches = run.objective.step_batches(step, micro_batches, rank.driver)
         rank.observers.before_step(step, rank.driver, micro_batches)
         loss = rank.driver.train_step(micro_batches, run.objective)
         rank.observers.after_step(step, rank.driver, loss)

@@ -20,6 +20,12 @@ class Objective:
         computed first (a reference's log-probabilities); returns a line to print, or None."""
         return None
 
+    def step_batches(self, step: int, micro_batches: list, driver) -> list:
+        """Collective: the micro-batches the engine trains step `step` on, made from the data's (this rank's
+        share; [] on a pipeline stage that reads no data): the data's own, or what the objective makes of them
+        (online RL's rollouts of their prompts)."""
+        return micro_batches
+
     def step_loss(self, micro_batches: list, driver):
         """The loss function of the step of `micro_batches`, called by the engine as loss_fn(logits, labels)."""
         raise NotImplementedError
