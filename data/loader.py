@@ -1,23 +1,27 @@
 """The run's data, as the training loop reads it: open_data picks the batches of text (data/token_data.py), of a
-conversation dataset (data/conversations.py) or of preference pairs (data/pairs.py); prefetched makes a step's
-batches while the device works."""
+conversation dataset (data/conversations.py), of preference pairs (data/pairs.py) or of prompts
+(data/prompt_data.py); prefetched makes a step's batches while the device works."""
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from data.conversations import ChatData
 from data.pairs import PairData
+from data.prompt_data import PromptData
 from data.token_data import TokenData, dataset_kind
 
 
 def open_data(data_dir: str, tokenizer: str | None, block_size: int, sources=(), document_masking: bool = False,
               pack: bool = True) -> TokenData:
-    """The run's data: documents of text (TokenData), conversations (ChatData) or preference pairs (PairData)."""
+    """The run's data: documents of text (TokenData), conversations (ChatData), preference pairs (PairData) or
+    prompts for online RL (PromptData)."""
     kind = "text" if sources else _kind(data_dir)
     if kind == "conversations":
         return ChatData(data_dir, tokenizer, block_size, document_masking, pack)
     if kind == "preference":
         return PairData(data_dir, tokenizer, block_size)
+    if kind == "prompts":
+        return PromptData(data_dir, tokenizer, block_size)
     return TokenData(data_dir, tokenizer, block_size, sources, document_masking)
 
 

@@ -42,10 +42,11 @@ def in_val(document: str, val_fraction: float) -> bool:
 
 
 def finish_dataset(out_dir, workspace, prefixes, tok, job, files, split_rule: str, delimiter,
-                   extra: dict | None = None, empty_val: bool = False) -> dict:
+                   extra: dict | None = None, empty_val: bool = False, beside: list[str] = ()) -> dict:
     """Merge the shards into the dataset's files, replace out_dir's dataset with them, write meta.json (with
     `extra`, a kind of dataset's own record) last. With `empty_val`, a val split without documents is kept (the
-    caller has made sure of the train split: preference sets are often too small to spare pairs)."""
+    caller has made sure of the train split: preference sets are often too small to spare pairs). `beside`: files
+    the caller wrote into the workspace that the dataset keeps (a prompt set's records)."""
     done = [read_done(p) for p in prefixes]
     counts = {s: {k: sum(d["counts"][s][k] for d in done) for k in ("documents", "tokens")} for s in SPLITS}
     documents_total = sum(c["documents"] for c in counts.values())
@@ -73,7 +74,7 @@ def finish_dataset(out_dir, workspace, prefixes, tok, job, files, split_rule: st
     for stale in {f"{s}.mask" for s in SPLITS} - set(masks):  # an earlier conversation dataset's
         if os.path.exists(os.path.join(out_dir, stale)):
             os.remove(os.path.join(out_dir, stale))
-    for name in [f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx")] + masks + tok.save(workspace):
+    for name in [f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx")] + masks + list(beside) + tok.save(workspace):
         os.replace(os.path.join(workspace, name), os.path.join(out_dir, name))
     write_atomic(meta_path, json.dumps(meta, indent=1).encode())
     shutil.rmtree(workspace, ignore_errors=True)

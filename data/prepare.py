@@ -240,11 +240,12 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
     parser.add_argument("--force", action="store_true", help="replace a dataset of other inputs or options in "
                                                              "--out_dir")
-    chat = parser.add_argument_group("conversations and preference pairs (--format chat: data/prepare_chat.py; "
-                                     "--format preference: data/prepare_preference.py)")
-    chat.add_argument("--format", choices=["text", "chat", "preference"], default="text", help="documents of text, "
-                      "conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning, or preference pairs "
-                      "(prompt, chosen, rejected JSONL) for DPO")
+    chat = parser.add_argument_group("conversations, preference pairs and prompts (--format chat: "
+                                     "data/prepare_chat.py; preference: data/prepare_preference.py; prompts: "
+                                     "data/prepare_prompts.py)")
+    chat.add_argument("--format", choices=["text", "chat", "preference", "prompts"], default="text", help="documents "
+                      "of text, conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning, preference pairs "
+                      "(prompt, chosen, rejected JSONL) for DPO, or prompts (and what the reward reads) for online RL")
     chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain, lines); "
                       "default: the tokenizer's tokenizer_config.json, else plain (lines for a tokenizer without an "
                       "end-of-text token)")
@@ -264,14 +265,22 @@ def main(argv=None) -> None:
             prepare_chat(args.input, out_dir, args.tokenizer, args.chat_template, args.train_on or "all",
                          args.context, args.overlong, args.val_fraction, args.force)
             return
+        if args.format in ("preference", "prompts"):
+            if not args.input:
+                raise InputError(f"--format {args.format} needs --input: JSONL files of "
+                                 f"{'preference pairs' if args.format == 'preference' else 'prompts'}")
+            if args.train_on is not None:
+                raise InputError(f"--train_on {args.train_on} applies to --format chat: "
+                                 + ("a preference pair trains on every token of each answer after the prompt (TRL's "
+                                    "completion mask)" if args.format == "preference" else
+                                    "online RL trains on the answers it samples") + "; fix: leave --train_on out")
+        if args.format == "prompts":
+            from data.prepare_prompts import prepare_prompts
+            prepare_prompts(args.input, out_dir, args.tokenizer, args.chat_template, args.context, args.val_fraction,
+                            args.force)
+            return
         if args.format == "preference":
             from data.prepare_preference import prepare_preference
-            if not args.input:
-                raise InputError("--format preference needs --input: JSONL files of preference pairs")
-            if args.train_on is not None:
-                raise InputError(f"--train_on {args.train_on} applies to --format chat: a preference pair trains on "
-                                 f"every token of each answer after the prompt (TRL's completion mask); fix: leave "
-                                 f"--train_on out")
             prepare_preference(args.input, out_dir, args.tokenizer, args.chat_template, args.context, args.overlong,
                                args.val_fraction, args.force)
             return

@@ -156,7 +156,7 @@ def _tokenized(texts: tuple[str, str, str], eos: str | None, tok, standard: bool
     prompt, chosen, rejected = texts
     if eos is not None:  # TRL's add_eos, which it applies to text answers only
         chosen, rejected = (t if t.endswith(eos) else t + eos for t in (chosen, rejected))
-    encode = _text_encoder(tok) if standard else (lambda text: tok.encode_with_offsets(text)[0])
+    encode = text_encoder(tok) if standard else (lambda text: tok.encode_with_offsets(text)[0])
     try:
         prompt_ids, chosen_ids, rejected_ids = (encode(t) for t in (prompt, chosen, rejected))
     except ValueError as e:  # a character outside a given character vocabulary
@@ -165,7 +165,7 @@ def _tokenized(texts: tuple[str, str, str], eos: str | None, tok, standard: bool
                                          common_prefix_length(prompt_ids, rejected_ids))
 
 
-def _text_encoder(tok):
+def text_encoder(tok):
     """How TRL encodes text, transformers' tokenizer(text): a tokenizer.json's own special tokens (its
     post-processor's, a Llama's BOS) are added; a rendered template (apply_chat_template) adds none."""
     if isinstance(tok, HFTokenizer):

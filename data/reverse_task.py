@@ -1,9 +1,9 @@
 """Write the reverse-the-words task, the fine-tuning example: conversations "Reverse: king crown night" ->
 "night crown king" to train on, and held-out ones, none of whose prompts is among the training ones, to score;
 and preference pairs of the training prompts, the reversal chosen over a plausible wrong answer (the words as
-given), for preference tuning after fine-tuning.
+given), for preference tuning after fine-tuning; and the training prompts with their answers, for online RL.
 
-    python -m data.reverse_task --out_dir data/reverse_chats      # train.jsonl, test.jsonl and pairs.jsonl
+    python -m data.reverse_task --out_dir data/reverse_chats      # train.jsonl, test.jsonl, pairs.jsonl, prompts.jsonl
     python -m data.prepare --format chat --input data/reverse_chats/train.jsonl --tokenizer EXPORT --context 64 ...
 
 Each prompt is 2 or 3 of WORDS (lower-case words of 3 to 5 letters, so any character vocabulary of English text
@@ -58,6 +58,11 @@ def preference_pair(words) -> dict | None:
             "rejected": [{"role": "assistant", "content": wrong}]}
 
 
+def prompt_record(words) -> dict:
+    """The prompt with its answer beside it (data/prompts.py's format), for online RL with rl.reward=exact_match."""
+    return {"prompt": [{"role": "user", "content": prompt(words)}], "answer": answer(words)}
+
+
 def tasks(train: int, test: int, seed: int = SEED, lengths: tuple[int, int] = (2, 3),
           words: tuple[str, ...] | list[str] = WORDS) -> tuple[list[list[str]], list[list[str]]]:
     """`train` word lists to train on and `test` held-out ones, all different; EXAMPLE is the first held-out one
@@ -97,6 +102,8 @@ def main(argv=None) -> None:
                  for split, drawn in (("train", train), ("test", test))}
         pairs = [pair for pair in map(preference_pair, train) if pair]
         files[os.path.join(args.out_dir, "pairs.jsonl")] = "".join(json.dumps(p) + "\n" for p in pairs).encode()
+        files[os.path.join(args.out_dir, "prompts.jsonl")] = "".join(json.dumps(prompt_record(w)) + "\n"
+                                                                     for w in train).encode()
         if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
             raise ConfigError(f"--out_dir {args.out_dir} is a file; fix: pass a folder")
         if all(_holds(path, data) for path, data in files.items()):
@@ -113,7 +120,8 @@ def main(argv=None) -> None:
         write_atomic(path, data)
     print(f"wrote {args.out_dir}: train.jsonl ({len(train):,} conversations), test.jsonl ({len(test):,} held-out, "
           f"none of their prompts among the training ones), pairs.jsonl ({len(pairs):,} of the training prompts, "
-          f"the reversal chosen over a wrong answer)")
+          f"the reversal chosen over a wrong answer), prompts.jsonl (the training prompts with their answers, for "
+          f"online RL)")
 
 
 def _holds(path: str, data: bytes) -> bool:

@@ -35,13 +35,19 @@ LOADER_KEYS = ("dtype", "train_tokens", "val_tokens", "max_token_id", "tokenizer
 EVAL_SEED = 0  # validation windows are fixed across runs and seeds, so val losses compare
 IGNORE = -100  # target of a padding row: F.cross_entropy's ignore_index
 # A prepared dataset's kind, from the record its meta.json holds, and the data.prepare --format that writes it.
-FORMATS = {"text": "text", "conversations": "chat", "preference": "preference"}
-KIND_WORDS = {"text": "text", "conversations": "conversations", "preference": "preference pairs"}
+FORMATS = {"text": "text", "conversations": "chat", "preference": "preference", "prompts": "prompts"}
+KIND_WORDS = {"text": "text", "conversations": "conversations", "preference": "preference pairs",
+              "prompts": "prompts"}
+OWN_ROWS = ("preference", "prompts")  # kinds whose rows are their own (a pair's side, a prompt), not windows
 
 
 def dataset_kind(meta: dict) -> str:
-    """text, conversations or preference (pairs, which also carry a chat record when conversational)."""
-    return "preference" if "preference" in meta else "conversations" if "chat" in meta else "text"
+    """text, conversations, preference or prompts (pairs and prompts also carry a chat record when they are
+    conversations)."""
+    for kind in OWN_ROWS:
+        if kind in meta:
+            return kind
+    return "conversations" if "chat" in meta else "text"
 
 
 def missing_dataset(data_dir: str, prepare: str) -> str:
@@ -85,14 +91,14 @@ class Dataset:
     def _open(self, split: str) -> int:
         path = os.path.join(self.dir, f"{split}.bin")
         kind = dataset_kind(self.meta)
-        may_be_empty = kind == "preference" and split == "val"  # a small set of pairs may hold none back
+        may_be_empty = kind in OWN_ROWS and split == "val"  # a small set of pairs or prompts may hold none back
         if not os.path.exists(path) or (os.path.getsize(path) == 0 and not may_be_empty):
             raise ConfigError(f"{path} is missing or empty; prepare the dataset with: {self.prepare}")
         n_tokens = os.path.getsize(path) // self.dtype.itemsize
         if n_tokens != self.meta[f"{split}_tokens"]:
             raise ConfigError(f"{path} holds {n_tokens:,} tokens but meta.json says {self.meta[f'{split}_tokens']:,}: "
                               f"the dataset is corrupt or half-written; prepare it again with: {self.prepare}")
-        if n_tokens <= self.block_size + 1 and kind != "preference":  # a pair's rows are its own, padded
+        if n_tokens <= self.block_size + 1 and kind not in OWN_ROWS:  # a pair's or prompt's rows are its own
             raise ConfigError(f"model.block_size={self.block_size} needs windows of {self.block_size + 1} tokens but "
                               f"{path} holds only {n_tokens:,}: use a smaller block_size or more text")
         return n_tokens

@@ -1,8 +1,9 @@
 """The one place that tells DeepSpeed's two engines apart. A driver holds the built engine and does what the
-loop, the evaluation, the scorer and the sampler ask of it: a training step, evaluation losses, choice losses,
-next-token logits, and the end-of-run weight checks. The plain engine runs micro-batches one by one; the
-pipeline engine takes all of a step's micro-batches at once and returns the loss averaged over them and over
-the data-parallel ranks. `drive(engine)` picks the driver; nothing else asks which engine it holds."""
+loop, the evaluation, the scorer and the sampler ask of it: a training step, evaluation losses, choice losses
+(or any other value per row), next-token logits, and the end-of-run weight checks. The plain engine runs
+micro-batches one by one; the pipeline engine takes all of a step's micro-batches at once and returns the loss
+averaged over them and over the data-parallel ranks. `drive(engine)` picks the driver; nothing else asks which
+engine it holds."""
 import functools
 
 import torch
@@ -67,30 +68,36 @@ class PlainDriver:
         torch.distributed.all_reduce(total, group=data_parallel_group(engine))
         return total.item() / tokens
 
-    @torch.no_grad()
     def choice_losses(self, batches: list, vocab_size: int) -> torch.Tensor:
         """The summed loss of each row's scored targets (multiple-choice rows: training/evaluation/multiple_choice.py),
         for every row of this rank's batches, on every rank (the sequence ranks add up their slices')."""
+        return self.row_values(batches, functools.partial(row_losses, vocab_size=vocab_size, tp=self.tp))
+
+    @torch.no_grad()
+    def row_values(self, batches: list, row_fn) -> torch.Tensor:
+        """row_fn(outputs, labels) -> one value a row (a sum over its positions), for every row of this rank's
+        batches, on every rank: the sequence ranks add up their slices' values."""
         engine = self.engine
         engine.eval()
-        losses = torch.cat([row_losses(engine(inputs), targets, vocab_size, self.tp) for inputs, targets in batches])
+        values = torch.cat([row_fn(engine(inputs), labels) for inputs, labels in batches])
         engine.train()
-        return self._summed_over_sequence(losses)
+        return self._summed_over_sequence(values)
 
     def _summed_over_sequence(self, losses: torch.Tensor) -> torch.Tensor:
         if self.sp.size > 1:
             torch.distributed.all_reduce(losses, group=self.sp.group)
         return losses
 
-    def decoder(self, micro_batch: int, block_size: int, vocab: tuple[int, int], with_positions: bool) -> WindowDecoder:
-        """A decoder of one sequence for model.generate, its logits whole on every rank; `vocab`: (real, padded)
-        vocabulary sizes. Through a key/value cache where the attention runs whole on each rank (tensor ranks
-        cache their heads), else a forward pass over the window for every token."""
+    def decoder(self, micro_batch: int, block_size: int, vocab: tuple[int, int], with_positions: bool,
+                slots: int = 1) -> WindowDecoder:
+        """A decoder of `slots` sequences for model.generate, its logits whole on every rank; `vocab`: (real,
+        padded) vocabulary sizes. Through a key/value cache where the attention runs whole on each rank (tensor
+        ranks cache their heads), else a forward pass over the window for every token."""
         forward = (lambda inputs, **options: gather_vocab(self.engine(inputs, **options), self.tp)) \
             if self.tp.size > 1 else self.engine
         if self.sp.size == 1 and attention_modules(self.engine.module):
-            return CachedDecoder(self.engine.module, block_size, vocab[0], forward=forward)
-        return WindowDecoder(gathered_logits(forward, self.sp), block_size, vocab[0], self.engine.device)
+            return CachedDecoder(self.engine.module, block_size, vocab[0], slots, forward=forward)
+        return WindowDecoder(gathered_logits(forward, self.sp), block_size, vocab[0], self.engine.device, slots)
 
     def weights_in_sync(self) -> dict:
         """The end-of-run checks of weights that nothing re-synchronizes: {name: all ranks' copies equal}."""
@@ -142,11 +149,11 @@ class PipelineDriver(PlainDriver):
             module.loss_fn = training_loss
 
     @torch.no_grad()
-    def choice_losses(self, batches: list, vocab_size: int) -> torch.Tensor:
-        """The last stage computes the rows' losses and sends them along its pipeline."""
+    def row_values(self, batches: list, row_fn) -> torch.Tensor:
+        """The last stage computes the rows' values and sends them along its pipeline."""
         engine = self.engine
         module, training_loss, monitor_on = engine.module, engine.module.loss_fn, engine.monitor.enabled
-        module.loss_fn = functools.partial(row_losses, vocab_size=vocab_size, tp=self.tp)
+        module.loss_fn = row_fn
         # Work around DeepSpeed's eval_batch, made for one scalar loss: it adds each output into the training
         # loss accumulator (which only train_batch resets) and, with a monitor on, broadcasts and logs the
         # result as one.
@@ -156,14 +163,15 @@ class PipelineDriver(PlainDriver):
                                         bcast_loss=False)
         finally:
             module.loss_fn, engine.monitor.enabled, engine.total_loss = training_loss, monitor_on, None
-        rows = sum(len(targets) for _, targets in batches)
-        losses = torch.cat(outputs).float() if engine.is_last_stage() else torch.empty(rows, device=engine.device)
-        torch.distributed.broadcast(losses, src=self.last_stage, group=engine.grid.get_pipe_parallel_group())
-        return self._summed_over_sequence(losses)
+        rows = sum(len(labels[0] if isinstance(labels, tuple) else labels) for _, labels in batches)
+        values = torch.cat(outputs).float() if engine.is_last_stage() else torch.empty(rows, device=engine.device)
+        torch.distributed.broadcast(values, src=self.last_stage, group=engine.grid.get_pipe_parallel_group())
+        return self._summed_over_sequence(values)
 
-    def decoder(self, micro_batch: int, block_size: int, vocab: tuple[int, int], with_positions: bool) -> WindowDecoder:
+    def decoder(self, micro_batch: int, block_size: int, vocab: tuple[int, int], with_positions: bool,
+                slots: int = 1) -> WindowDecoder:
         logits = PipelineLogits(self, micro_batch, block_size, vocab[1], with_positions)
-        return WindowDecoder(logits, block_size, vocab[0], self.engine.device)
+        return WindowDecoder(logits, block_size, vocab[0], self.engine.device, slots)
 
     def weights_in_sync(self) -> dict:
         return {"tied_weights_in_sync": self._tied_weights_in_sync(), **super().weights_in_sync()}

@@ -1,0 +1,63 @@
+"""The rewards of online RL (rl.reward): a Python function called with a prompt's record (data/prompts.py) and an
+answer's text, returning a number; `exact_match`, built in, gives 1 where the answer, stripped, is the record's
+"answer" (the reverse-the-words task's: data/reverse_task.py), else 0.
+
+    rl.reward=exact_match
+    rl.reward=my_rewards:length_penalty        # def length_penalty(record: dict, completion: str) -> float
+
+A function that raises, or returns something that is not a finite number, stops the run naming the prompt's file
+and line. The function is imported and tried on the first training prompt at start, so a typo stops the run there.
+"""
+import importlib
+import math
+from typing import Callable
+
+from common.checks import ConfigError
+
+
+def exact_match(record: dict, completion: str) -> float:
+    if "answer" not in record:
+        raise KeyError("the record has no \"answer\" for exact_match to compare with")
+    return float(completion.strip() == str(record["answer"]).strip())
+
+
+BUILT_IN = {"exact_match": exact_match}
+
+
+class Reward:
+    """rl.reward's function, called on (a prompt's {"where", "record"}, an answer's text)."""
+
+    def __init__(self, spec: str):
+        self.spec, self.function = spec, _function(spec)
+
+    def __call__(self, prompt: dict, completion: str) -> float:
+        try:
+            value = self.function(prompt["record"], completion)
+        except Exception as e:  # the user's code: whatever it raises is named with the prompt it failed on
+            raise ConfigError(f"rl.reward={self.spec} raised {type(e).__name__}: {e} on the prompt {prompt['where']}; "
+                              f"fix: the function, or the record") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"rl.reward={self.spec} returned {value!r} on the prompt {prompt['where']}: a reward is "
+                              f"a finite number; fix: the function")
+        return float(value)
+
+
+def _function(spec: str) -> Callable:
+    if spec in BUILT_IN:
+        return BUILT_IN[spec]
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"rl.reward={spec}: not {', '.join(BUILT_IN)} nor module:function; fix: name a built-in, or "
+                          f"a function importable from the repo's root, e.g. rl.reward=my_rewards:score")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise ConfigError(f"rl.reward={spec}: module {module} does not import ({e}); fix: put it on the path (the "
+                          f"repo's root, or PYTHONPATH)") from None
+    except AttributeError:
+        raise ConfigError(f"rl.reward={spec}: module {module} has no {name}; fix: name a function it defines"
+                          ) from None
+    if not callable(function):
+        raise ConfigError(f"rl.reward={spec}: {name} is not a function; fix: name one, called with (record, "
+                          f"completion)")
+    return function
