@@ -64,6 +64,7 @@ def main(argv=None, observers: Sequence[Observer] = ()) -> None:
     prepared = run.objective.prepare(run, rank)  # what it computes before step 1, if anything
     if prepared:
         rank.print0(prepared)
+    rank.observers.before_training(run, rank)
     last_step = train(run, rank)
     finish(run, rank, last_step)
 

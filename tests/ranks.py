@@ -54,6 +54,9 @@ def _rank(argv: list[str], env: dict, logs: tuple[str, str]) -> None:
     if "MEGALITE_FAULT" in env:
         import fault_train
         main = fault_train.faulty(env["MEGALITE_FAULT"])
+    if "MEGALITE_RL_CHECK" in env:
+        import rl_check
+        main = rl_check.checked(main)
     try:
         run_rank(main, argv)
     finally:  # a forked process ends in os._exit: run what an interpreter's exit runs (wandb finishes its run)

@@ -5,6 +5,9 @@ sequence_parallel.py count each step's communication)."""
 
 
 class Observer:
+    def before_training(self, run, rank) -> None:
+        """Once the engine holds its starting weights and the objective is prepared (`run`, `rank`: train.py's)."""
+
     def before_step(self, step: int, driver, micro_batches: list) -> None:
         """Right before the step's forward, backward and optimizer step (`driver`: training/engines.py)."""
 
@@ -27,6 +30,9 @@ class Observers(Observer):
     def _tell(self, event: str, *args) -> None:
         for observer in self.observers:
             getattr(observer, event)(*args)
+
+    def before_training(self, *args) -> None:
+        self._tell("before_training", *args)
 
     def before_step(self, *args) -> None:
         self._tell("before_step", *args)

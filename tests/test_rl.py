@@ -1,0 +1,137 @@
+"""Online RL end to end: prompts prepared with their records, GRPO runs of a tiny Llama from an export with real
+rollouts: the same seed gives the same run, a stopped run resumes exactly, and the figures count what was sampled;
+the refusals at start, each in one line."""
+import json
+import os
+
+import pytest
+
+from chats import CHATML, WORDS, chatml_folder, write_jsonl
+from harness import FP32, TINY, launch, metrics, tool
+from hf_check import transformers_model
+from model.config import ModelConfig
+
+pytestmark = pytest.mark.launch
+
+SHAPE = ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=64,
+                    vocab_size=500)
+GRPO = [*TINY, "model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.block_size=64",
+        "model.vocab_size=500", "model.dropout=0", *FP32, "train.objective=grpo", "optim.lr=3e-3",
+        "optim.warmup_steps=1", "train.max_steps=3", "train.eval_windows=4", "rl.group_size=4",
+        "rl.max_new_tokens=8", "rl.reward=rl_rewards:length", "ds.train_micro_batch_size_per_gpu=8",
+        "ds.gradient_accumulation_steps=2", "sample.max_new_tokens=0"]
+FIGURES = ("loss", "grad_norm", "reward", "reward_std", "answer_tokens", "truncated", "mismatch")
+
+
+def reverse_prompts(count: int) -> list[dict]:
+    records = []
+    for i in range(count):
+        words = [WORDS[(i * 3 + k * 7) % len(WORDS)] for k in range(2 + i % 2)]
+        records.append({"prompt": [{"role": "user", "content": "Reverse: " + " ".join(words)}],
+                        "answer": " ".join(reversed(words)), "id": i})
+    return records
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, shakespeare_path):
+    root = tmp_path_factory.mktemp("rl")
+    (root / "tokenizer").mkdir()
+    tokenizer = chatml_folder(root / "tokenizer", shakespeare_path)
+    transformers_model(SHAPE, root / "policy", seed=7)
+    inputs = write_jsonl(root / "prompts.jsonl", reverse_prompts(40))
+    from data.prepare import main as prepare
+    tool(prepare, ["--format", "prompts", "--input", inputs, "--tokenizer", str(tokenizer), "--context", "48",
+                   "--val_fraction", "0.2", "--out_dir", str(root / "prompts")])
+    return {"root": root, "data": str(root / "prompts"), "policy": str(root / "policy"), "tokenizer": tokenizer}
+
+
+def test_prompts_are_kept_with_their_records_in_the_order_of_their_ids(setup):
+    data = setup["data"]
+    meta = json.loads(open(os.path.join(data, "meta.json")).read())
+    record = meta["prompts"]
+    assert (record["format"], record["train_prompts"] + record["val_prompts"]) == ("messages", 40)
+    assert meta["chat"]["end_of_turn"] == "<|im_end|>"
+    from data.chat import ChatTemplate
+    from data.prompt_data import PromptData
+    prompts, template = PromptData(data, None, 64), ChatTemplate(CHATML)
+    tok = prompts.tokenizer()
+    for split in ("train", "val"):
+        ids, records = prompts.eval_prompts(split, 100)
+        assert len(ids) == record[f"{split}_prompts"]
+        for prompt_ids, kept in zip(ids, records):
+            rendered = template.render(kept["record"]["prompt"], add_generation_prompt=True)[0]
+            assert rendered.endswith(f"{kept['record']['prompt'][0]['content']}<|im_end|><|im_start|>assistant\n")
+            assert prompt_ids == tok.encode_with_offsets(rendered)[0]
+            assert kept["where"].endswith(f"prompts.jsonl:{kept['record']['id'] + 1}")
+    assert max(len(i) for s in ("train", "val") for i in prompts.eval_prompts(s, 100)[0]) == record["longest"]
+
+
+@pytest.mark.parametrize("record, problem", [
+    ({"text": "x"}, "prompts.jsonl:2: no \"prompt\" in it (found keys ['text'])"),
+    ({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "prompts.jsonl:2: the prompt ends with the assistant's turn"),
+    ({"prompt": "plain text"}, "prompts.jsonl:2: a prompt of text in a file of prompts of messages"),
+])
+def test_a_bad_prompt_record_is_refused_with_its_line(setup, tmp_path, capsys, record, problem):
+    inputs = write_jsonl(tmp_path / "prompts.jsonl", [reverse_prompts(1)[0], record])
+    from data.prepare import main as prepare
+    with pytest.raises(SystemExit) as e:
+        prepare(["--format", "prompts", "--input", inputs, "--tokenizer", str(setup["tokenizer"]), "--out_dir",
+                 str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert problem in capsys.readouterr().err
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def grpo(setup, name: str, extra=(), nprocs: int = 1, ds_config: str = "zero0.json", env=None):
+    out = setup["root"] / name
+    launch(nprocs, ds_config, out, setup["data"], [*GRPO, f"train.init_from={setup['policy']}", *extra],
+           env={"PYTHONPATH": os.path.dirname(__file__), **(env or {})})
+    return out
+
+
+def steps(out) -> dict:
+    return {m["step"]: m for m in metrics(out) if "loss" in m}
+
+
+def test_a_run_is_its_seeds_and_resumes_exactly(setup):
+    whole = steps(grpo(setup, "whole"))
+    stopped = grpo(setup, "stopped", ["train.stop_at_step=2"])
+    grpo(setup, "stopped", ["train.resume=auto"])
+    resumed = steps(stopped)
+    assert sorted(whole) == sorted(resumed) == [1, 2, 3]
+    for step in (1, 2, 3):  # steps 1-2: the same seed; step 3: after the resume
+        assert {k: whole[step][k] for k in FIGURES} == {k: resumed[step][k] for k in FIGURES}, step
+    first = whole[1]
+    # 4 prompts a step (16 answers: 2 micro-batches of 8 rows, 4 answers a prompt), each answer 1 to 8 tokens
+    assert 1 <= first["answer_tokens"] <= 8 and first["grad_norm"] > 0
+    assert first["reward"] > 0 and first["reward_std"] > 0  # the graded reward, the answer's characters / 10
+    assert first["mismatch"] < 1e-5  # the sampler's log-probabilities and the training forward's
+    assert 0 <= first["rollout_s"] and first["no_signal_groups"] == 0
+
+
+def test_layouts_sample_and_train_alike(setup):
+    """Each prompt's answers are drawn from its own generator, seeded by its place in the run: ranks that split
+    the prompts sample what one process samples, and train the same step."""
+    one = steps(grpo(setup, "one", ["ds.gradient_accumulation_steps=4", "ds.train_micro_batch_size_per_gpu=4"]))
+    for name, nprocs, config, extra in [("dp2", 2, "zero0.json", []), ("zero3", 2, "zero3.json", []),
+                                        ("tp2", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"])]:
+        other = steps(grpo(setup, name, ["ds.train_micro_batch_size_per_gpu=4", *extra], nprocs, config))
+        for step in (1, 2, 3):
+            for k in FIGURES:
+                assert other[step][k] == pytest.approx(one[step][k], rel=1e-5, abs=1e-6), (name, step, k)
+
+
+@pytest.mark.parametrize("objective, epochs", [("grpo", 2), ("rloo", 1)])
+def test_rows_are_prompts_and_answers_with_their_groups_advantages(setup, objective, epochs):
+    """tests/rl_check.py checks every row of every step from outside the objective: its prompt, the answer alone
+    in the loss, its group's advantage, and at a sampling step of rollouts trained twice, the rollouts' policy's
+    log-probabilities the model's before the step."""
+    out = grpo(setup, f"checked_{objective}", [f"train.objective={objective}", f"rl.epochs={epochs}",
+                                               "train.max_steps=4", "train.save_interval=4"],
+               env={"MEGALITE_RL_CHECK": "1"})
+    record = steps(out)
+    assert sorted(record) == [1, 2, 3, 4]
+    clipped = [record[s]["clipped"] for s in (1, 2, 3, 4)]
+    # trained twice: the second step on a batch sees the policy moved by the first (a ratio clipped somewhere)
+    assert (clipped[0], clipped[2]) == (0, 0) and (clipped[1] > 0 or epochs == 1)
