@@ -106,8 +106,9 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     if compiled:
         print0(f"compiling {compiled} blocks (torch.compile) at the first step")
     if run.init_from:
-        hf.load_into(model, run.init_from, cfg.model, tp)
-        print0(f"initialized from {run.init_from}")
+        fresh = hf.load_into(model, run.init_from, cfg.model, tp)
+        print0(f"initialized from {run.init_from}" + (f"; {', '.join(fresh)} not there: its initialization, "
+                                                      f"N(0, 0.02)" if fresh else ""))
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
     weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
@@ -341,6 +342,9 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
             rank.print0(f"WARNING: {OUT_OF_SYNC[check]}")
     rank.log.close()
 
+    if not cfg.model.generates:  # a score head (a reward model) has no next token to sample
+        leave_process_group()
+        return
     PHASE.now("sampling")
     vocab = (cfg.model.vocab_size, cfg.model.padded_vocab_size)
     decoder = rank.driver.decoder(run.layout.micro_batch, cfg.model.block_size, vocab, run.data.positions)

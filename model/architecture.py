@@ -50,6 +50,7 @@ def _no_hooks(cfg: ModelConfig) -> TrainingHooks:
 class HuggingFace:
     """The architecture in Hugging Face's layout (training/checkpoints/hf.py reads and writes it, both directions)."""
     architecture: str  # config.json's "architectures" entry, e.g. "GPT2LMHeadModel"
+    scorer: str  # the entry of a model with a score head (model.head=score), e.g. "GPT2ForSequenceClassification"
     model_type: str  # config.json's "model_type": how an import recognizes the family
     # Per layer class: (our name within the layer, Hugging Face's, how it moves); "{i}" is the block's index.
     layers: dict
@@ -100,5 +101,7 @@ class Architecture:
         return feature not in self.unsupported
 
     def ties(self, cfg: ModelConfig) -> bool:
-        """Whether this model's LM head is its token embedding."""
+        """Whether this model's LM head is its token embedding (a score head never is)."""
+        if cfg.head != "lm":
+            return False
         return self.tied_embeddings == "always" or (self.tied_embeddings == "optional" and cfg.tie_embeddings)

@@ -5,6 +5,9 @@ from typing import Optional
 from common.checks import ConfigError
 
 GELUS = ("gelu_tanh", "gelu")
+# What the last layer computes: next-token logits over the vocabulary (lm), or one score per position (score:
+# a reward model, transformers' *ForSequenceClassification with num_labels=1, trained by train.objective=reward).
+HEADS = ("lm", "score")
 
 
 @dataclass
@@ -59,6 +62,9 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     router_bias_rate: float = 0.0
+    # The output layer (HEADS): lm, the LM head; score, a Linear(n_embd, 1) in its place, read at a sequence's last
+    # token (training/objectives/reward.py). Under tensor parallelism the score head is replicated.
+    head: str = "lm"
 
     def check(self, c) -> None:
         """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
@@ -71,6 +77,7 @@ class ModelConfig:
                f"make model.n_embd a multiple of {self.n_head}")
         c.in_range("dropout", 0.0, 1.0, high_open=True)
         c.one_of("activation", GELUS)
+        c.one_of("head", HEADS)
         c.that(self.n_kv_head is None or self.n_head % self.n_kv_head == 0, "n_kv_head",
                f"divide model.n_head={self.n_head}: each key/value head serves a whole group of query heads",
                f"choose a divisor of {self.n_head}")
@@ -94,6 +101,11 @@ class ModelConfig:
         return self.n_experts > 0 and index % self.moe_every == self.moe_every - 1
 
     @property
+    def generates(self) -> bool:
+        """Whether the model has next-token logits to sample or score text with (a score head has none)."""
+        return self.head == "lm"
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 
@@ -114,10 +126,10 @@ TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_a
 
 
 # The settings a record written before they existed lacks, at the defaults that record's model had: dense MLPs
-# (no mixture of experts) and GPT-2's tanh GELU.
+# (no mixture of experts), GPT-2's tanh GELU and the LM head.
 EARLIER_DEFAULTS = {name: getattr(ModelConfig, name) for name in (
     "n_experts", "experts_per_token", "moe_every", "expert_hidden", "capacity_factor", "router_aux_loss_coef",
-    "router_z_loss_coef", "router_bias_rate", "activation")}
+    "router_z_loss_coef", "router_bias_rate", "activation", "head")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

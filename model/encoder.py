@@ -18,7 +18,7 @@ from deepspeed.pipe import LayerSpec
 
 from model.architecture import Architecture
 from model.config import ModelConfig
-from model.layers import LMHead, TokenEmbedding, causal_attention, merge_heads
+from model.layers import LMHead, ScoreHead, TokenEmbedding, causal_attention, merge_heads
 from model.tensor_parallel import COLUMN, ROW, VOCAB
 
 INIT_RANGE = 0.1  # the tutorial's uniform init for the embedding and decoder
@@ -94,7 +94,7 @@ def encoder_layers(cfg: ModelConfig) -> list:
         LayerSpec(EncoderEmbedding, vocab, cfg.n_embd, cfg.block_size, cfg.dropout),
         *[LayerSpec(CausalEncoderLayer, cfg.n_embd, cfg.n_head, ENCODER.mlp_hidden(cfg), cfg.dropout)
           for _ in range(cfg.n_layer)],
-        LayerSpec(Decoder, cfg.n_embd, vocab),
+        LayerSpec(Decoder, cfg.n_embd, vocab) if cfg.head == "lm" else LayerSpec(ScoreHead, cfg.n_embd),
     ]
 
 

@@ -17,6 +17,7 @@ from model.documents import hidden_and_positions, with_positions
 from model.layers import (
     MLP,
     FinalLayerNorm,
+    ScoreHead,
     TokenEmbedding,
     causal_attention,
     init_weights,
@@ -78,19 +79,22 @@ class Block(nn.Module):
 
 
 def gpt_layers(cfg: ModelConfig) -> list:
-    """Embedding, position embedding, n_layer blocks, final LayerNorm, tied LM head."""
+    """Embedding, position embedding, n_layer blocks, final LayerNorm, tied LM head or score head."""
     embed = dict(padded_vocab_size=cfg.padded_vocab_size, n_embd=cfg.n_embd)
+    head = TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head) if cfg.head == "lm" else \
+        LayerSpec(ScoreHead, cfg.n_embd)
     return [
         TiedLayerSpec("embed", TokenEmbedding, **embed),
         LayerSpec(PositionEmbedding, cfg.block_size, cfg.n_embd, cfg.dropout),
         *[LayerSpec(Block, cfg.n_embd, cfg.n_head, GPT.mlp_hidden(cfg), cfg.n_layer, cfg.dropout, cfg.bias,
                     cfg.activation) for _ in range(cfg.n_layer)],
         LayerSpec(FinalLayerNorm, cfg.n_embd, bias=cfg.bias),
-        TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head),
+        head,
     ]
 
 
-# Hugging Face's GPT2LMHeadModel: (our name, theirs, how it moves) per layer class; "{i}" is the block's index.
+# Hugging Face's GPT2LMHeadModel (GPT2ForSequenceClassification: its `score`): (our name, theirs, how it moves) per
+# layer class; "{i}" is the block's index.
 HF_BLOCK = [("ln_1.weight", "ln_1.weight", SAME), ("ln_1.bias", "ln_1.bias", SAME),
             ("attn.qkv.weight", "attn.c_attn.weight", TRANSPOSED), ("attn.qkv.bias", "attn.c_attn.bias", SAME),
             ("attn.proj.weight", "attn.c_proj.weight", TRANSPOSED), ("attn.proj.bias", "attn.c_proj.bias", SAME),
@@ -100,7 +104,8 @@ HF_BLOCK = [("ln_1.weight", "ln_1.weight", SAME), ("ln_1.bias", "ln_1.bias", SAM
 HF_LAYERS = {TokenEmbedding: [("weight", "transformer.wte.weight", VOCAB_ROWS)],
              PositionEmbedding: [("weight", "transformer.wpe.weight", SAME)],
              Block: [(ours, f"transformer.h.{{i}}.{theirs}", how) for ours, theirs, how in HF_BLOCK],
-             FinalLayerNorm: [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)]}
+             FinalLayerNorm: [("weight", "transformer.ln_f.weight", SAME), ("bias", "transformer.ln_f.bias", SAME)],
+             ScoreHead: [("weight", "score.weight", SAME)]}
 
 
 # model.activation's name in a GPT2Config; transformers also calls the tanh GELU gelu_pytorch_tanh and gelu_fast
@@ -136,7 +141,8 @@ GPT = Architecture(
     # embedding (and so the tied LM head) by vocabulary rows.
     plan={TokenEmbedding: {"": VOCAB},
           Block: {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}},
-    hf=HuggingFace("GPT2LMHeadModel", "gpt2", HF_LAYERS, hf_config, check_hf, check_hf_folder),
+    hf=HuggingFace("GPT2LMHeadModel", "GPT2ForSequenceClassification", "gpt2", HF_LAYERS, hf_config, check_hf,
+                   check_hf_folder),
     mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="always",
     unsupported={"mixture_of_experts": "its MLPs are GPT-2's dense GELU networks; the Llama's become Mixtral's "
                                        "mixtures of SwiGLU experts"},

@@ -1,5 +1,5 @@
-"""The pieces the architectures share: GPT-2 initialization, the token embedding and the LM head, causal
-attention, rotary position embeddings, the final norms, and the two feed-forward networks (GELU and SwiGLU).
+"""The pieces the architectures share: GPT-2 initialization, the token embedding, the LM head and the score head,
+causal attention, rotary position embeddings, the final norms, and the two feed-forward networks (GELU and SwiGLU).
 
 Plain modules with no parallel code: model/parallelize.py splits them after they are built. Under document
 masking the layers pass (hidden states, positions) along (model/documents.py).
@@ -66,6 +66,20 @@ class LMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class ScoreHead(nn.Module):
+    """A reward model's head in place of the LM head (model.head=score): one score per position, Linear(n_embd, 1)
+    without a bias, initialized N(0, 0.02) as transformers' *ForSequenceClassification initializes its `score`
+    (initializer_range). A row's score is read at its last token (training/objectives/reward.py)."""
+
+    def __init__(self, n_embd: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, n_embd))
+        normal_init(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,

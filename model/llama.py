@@ -17,6 +17,7 @@ from model.documents import hidden_and_positions, with_positions
 from model.layers import (
     FinalRMSNorm,
     LMHead,
+    ScoreHead,
     SwiGLU,
     TokenEmbedding,
     apply_rope,
@@ -86,9 +87,11 @@ class LlamaBlock(nn.Module):
 
 
 def llama_layers(cfg: ModelConfig) -> list:
-    """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding if asked)."""
+    """Token embedding, n_layer blocks, final RMSNorm, LM head (tied to the embedding if asked) or score head."""
     embed = dict(padded_vocab_size=cfg.padded_vocab_size, n_embd=cfg.n_embd)
-    if cfg.tie_embeddings:
+    if cfg.head == "score":
+        first, head = LayerSpec(TokenEmbedding, **embed), LayerSpec(ScoreHead, cfg.n_embd)
+    elif cfg.tie_embeddings:
         first, head = (TiedLayerSpec("embed", TokenEmbedding, **embed),
                        TiedLayerSpec("embed", TokenEmbedding, **embed, forward_fn=lm_head))
     else:
@@ -108,7 +111,8 @@ def check(cfg: ModelConfig, c) -> None:
            f"embeddings rotate pairs of dimensions", "choose model.n_embd and model.n_head with an even quotient")
 
 
-# Hugging Face's LlamaForCausalLM: (our name, theirs) per block; every tensor moves as it is.
+# Hugging Face's LlamaForCausalLM (LlamaForSequenceClassification: `score` in place of `lm_head`): (our name,
+# theirs) per block; every tensor moves as it is.
 HF_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight", "self_attn.q_proj.weight"),
             ("attn.k.weight", "self_attn.k_proj.weight"), ("attn.v.weight", "self_attn.v_proj.weight"),
             ("attn.o.weight", "self_attn.o_proj.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"),
@@ -117,7 +121,8 @@ HF_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight", "s
 HF_LAYERS = {TokenEmbedding: [("weight", "model.embed_tokens.weight", VOCAB_ROWS)],
              LlamaBlock: [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in HF_BLOCK],
              FinalRMSNorm: [("weight", "model.norm.weight", SAME)],
-             LMHead: [("weight", "lm_head.weight", VOCAB_ROWS)]}
+             LMHead: [("weight", "lm_head.weight", VOCAB_ROWS)],
+             ScoreHead: [("weight", "score.weight", SAME)]}
 
 
 # Hugging Face's MixtralForCausalLM: the Llama's attention and norms; the MLP is block_sparse_moe, its router
@@ -172,9 +177,10 @@ LLAMA = Architecture(
           LlamaBlock: {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
                        "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW},
           LMHead: {"": COLUMN}},
-    hf=HuggingFace("LlamaForCausalLM", "llama", HF_LAYERS, hf_config),
+    hf=HuggingFace("LlamaForCausalLM", "LlamaForSequenceClassification", "llama", HF_LAYERS, hf_config),
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, grouped_query_attention=True,
     check=check,
-    hf_moe=HuggingFace("MixtralForCausalLM", "mixtral", HF_MIXTRAL_LAYERS, hf_mixtral_config, check_mixtral),
+    hf_moe=HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral", HF_MIXTRAL_LAYERS,
+                       hf_mixtral_config, check_mixtral),
     training_hooks=lambda cfg: router_hooks(cfg, len(llama_layers(cfg))),
 )

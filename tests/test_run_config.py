@@ -32,6 +32,7 @@ BAD_SETTINGS = [
                            "of 4"),
     (["model.dropout=1.0"], "model.dropout=1.0: must be in [0.0, 1.0); fix: set model.dropout between 0.0 and 1.0"),
     (["model.dropout=-0.1"], "model.dropout=-0.1: must be in [0.0, 1.0)"),
+    (["model.head=value"], "model.head='value': must be one of lm, score; fix: set model.head to one of them"),
     (["model.activation=relu"], "model.activation='relu': must be one of gelu_tanh, gelu; fix: set model.activation "
                                 "to one of them"),
     (["model.ffn_multiple_of=0"], "model.ffn_multiple_of=0: must be >= 1"),
@@ -100,12 +101,13 @@ BAD_SETTINGS = [
     (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be >= 1"),
     (["train.max_rewinds=0"], "train.max_rewinds=0: must be >= 1"),
     (["train.objective=ppo"], "train.objective='ppo': must be null (the data's) or one of next_token, dpo, ipo, "
-                              "simpo; fix: set train.objective to one of them"),
+                              "simpo, reward"),
     (["preference.beta=0"], "preference.beta=0.0: must be > 0"),
     (["preference.label_smoothing=0.5"], "preference.label_smoothing=0.5: must be in [0.0, 0.5); fix: set "
                                          "preference.label_smoothing between 0.0 and 0.5"),
     (["preference.gamma=-1"], "preference.gamma=-1.0: must be >= 0"),
     (["preference.sft_weight=-0.5"], "preference.sft_weight=-0.5: must be >= 0 (0 adds no supervised term)"),
+    (["preference.center_rewards=-1"], "preference.center_rewards=-1.0: must be >= 0 (0 adds no centering term)"),
     (["train.spike_factor=0.5"], "train.spike_factor=0.5: must be above 1 (a loss that many times its recent mean "
                                  "is a spike), or 0 to watch no spikes; fix: set train.spike_factor to 3, say, or 0"),
     (["train.spike_window=0"], "train.spike_window=0: must be >= 1"),

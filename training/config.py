@@ -190,17 +190,22 @@ class TrainConfig:
 
 @dataclass
 class PreferenceConfig:
-    """Preference tuning's settings (train.objective dpo, ipo, simpo; training/objectives/preference.py)."""
+    """Preference tuning's settings (train.objective dpo, ipo, simpo; training/objectives/preference.py), and a
+    reward model's (train.objective reward; training/objectives/reward.py)."""
     beta: float = 0.1  # how far from the reference the policy may go (dpo, ipo); simpo's reward scale
     label_smoothing: float = 0.0  # dpo, simpo: the chance a pair's preference is wrong (conservative DPO)
     gamma: float = 0.5  # simpo: the target margin of the rewards
     sft_weight: float = 0.0  # adds this times the chosen answer's loss per token (RPO: TRL's rpo_alpha)
+    # reward: adds this times (r_chosen + r_rejected)^2, which keeps the scores near 0 (TRL's
+    # center_rewards_coefficient)
+    center_rewards: float = 0.0
 
     def check(self, c: Checks) -> None:
         c.above("beta", 0)
         c.in_range("label_smoothing", 0.0, 0.5, high_open=True)
         c.at_least("gamma", 0)
         c.at_least("sft_weight", 0, "0 adds no supervised term")
+        c.at_least("center_rewards", 0, "0 adds no centering term")
 
 
 @dataclass

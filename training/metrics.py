@@ -12,17 +12,18 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (PaLM appendix B): 6 x the weights used in matmuls (per layer: the query
     and output projections 2d^2, the key and value projections 2 d x kv_heads x head_dim, which grouped-
     query attention shrinks, and the MLP's 2 or, for SwiGLU, 3 matrices of d x ffn; plus the vocabulary
-    head) for forward and backward, plus 12 x n_layer x d x block_size for the attention score and value
-    matmuls (every query head attends). Biases, norms, RoPE and the embedding lookup are left out. The
-    same formula holds for the GPT, Llama and the encoder stack. A mixture-of-experts block counts its active
-    weights: the router's d x n_experts and experts_per_token experts."""
+    head, or a score head's d) for forward and backward, plus 12 x n_layer x d x block_size for the attention
+    score and value matmuls (every query head attends). Biases, norms, RoPE and the embedding lookup are left
+    out. The same formula holds for the GPT, Llama and the encoder stack. A mixture-of-experts block counts its
+    active weights: the router's d x n_experts and experts_per_token experts."""
     d, layers, arch = cfg.n_embd, cfg.n_layer, architecture(cfg)
     attention = 2 * d * d + 2 * d * cfg.kv_heads * cfg.head_dim
     dense_mlp = arch.mlp_matrices * d * arch.mlp_hidden(cfg)
     moe_mlp = d * cfg.n_experts + cfg.experts_per_token * arch.mlp_matrices * d * (cfg.expert_hidden or
                                                                                    arch.mlp_hidden(cfg))
     mlps = sum(moe_mlp if cfg.is_moe_block(i) else dense_mlp for i in range(layers))
-    matmul_weights = layers * attention + mlps + cfg.padded_vocab_size * d
+    head = cfg.padded_vocab_size if cfg.head == "lm" else 1  # a score head (model.head=score) has one output
+    matmul_weights = layers * attention + mlps + head * d
     return 6 * matmul_weights + 12 * layers * d * cfg.block_size
 
 

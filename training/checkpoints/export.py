@@ -231,18 +231,33 @@ def add_trained_arguments(parser, use: str) -> None:
     parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
 
 
-def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | None = None) -> tuple:
+def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | None = None,
+                 head: str = "lm") -> tuple:
     """(model config, model holding its weights on the CPU, tokenizer, its dataset's meta) of an export, or of a
-    run's checkpoint (`tag`, or its newest) of any layout, its slices merged."""
+    run's checkpoint (`tag`, or its newest) of any layout, its slices merged. `head`: the model.head the caller
+    uses (lm: sampling, serving, evaluation; score: a reward model's scores); another is refused."""
     if export_dir:
         cfg, state, meta = load_export(export_dir)
+        _check_head(cfg, head, export_dir)
         fix = "an export's tokenizer stays beside its config.json; export the checkpoint again"
         return cfg, _with_weights(cfg, state, export_dir), tokenizer_from_meta(meta, export_dir, fix), meta
     tag_dir = checkpoint.find_checkpoint(out_dir, tag)
     run_state = checkpoint.read_run_state(tag_dir)
     meta, data_dir = run_dataset(tag_dir, run_state)
     cfg = run_model(tag_dir, run_state)
+    _check_head(cfg, head, tag_dir)
     return cfg, _with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir), tokenizer_from_meta(meta, data_dir), meta
+
+
+def _check_head(cfg: ModelConfig, head: str, source: str) -> None:
+    if cfg.head == head:
+        return
+    if head == "lm":
+        raise ConfigError(f"{source} holds a reward model (model.head=score): it scores whole sequences and has no "
+                          f"next-token logits to sample, serve or evaluate with; fix: pass a language model, or "
+                          f"score with training.reward_model.load_reward_model")
+    raise ConfigError(f"{source} holds a language model (model.head={cfg.head}), not a reward model; fix: pass the "
+                      f"export of a train.objective=reward run (model.head=score)")
 
 
 def _with_weights(cfg: ModelConfig, state: dict, source: str) -> torch.nn.Module:

@@ -86,12 +86,30 @@ def special_token_ids(meta: dict) -> dict:
     return ids
 
 
+def score_pad_id(meta: dict) -> int:
+    """The pad_token_id of a model with a score head: the tokenizer's end of text (TRL pads a reward model's batch
+    with its end of sequence), else its beginning of text, else id 0. transformers' *ForSequenceClassification
+    reads a row's score at its last token that is not this id, and so does this repo (training/objectives/
+    reward.py): a sequence that ends with it (an appended end of text) is scored at the token before, alike."""
+    ids = special_token_ids({key: value for key, value in meta.items() if key != "chat"})  # not the end of turn
+    return next((i for i in (ids["eos_token_id"], ids["bos_token_id"]) if i is not None), 0)
+
+
 def hf_config(cfg: ModelConfig, meta: dict) -> dict:
-    """config.json for transformers, special token ids from the dataset's tokenizer meta."""
+    """config.json for transformers, special token ids from the dataset's tokenizer meta; a score head's model
+    as *ForSequenceClassification with one label, and the pad id its score is read by."""
     hf = architecture(cfg).hf_layout(cfg)
-    return {"architectures": [hf.architecture], "vocab_size": cfg.vocab_size, "initializer_range": 0.02,
-            "tie_word_embeddings": architecture(cfg).ties(cfg), "dtype": "float32", **special_token_ids(meta),
-            "model_type": hf.model_type, **hf.config(cfg)}
+    config = {"architectures": [hf.architecture], "vocab_size": cfg.vocab_size, "initializer_range": 0.02,
+              "tie_word_embeddings": architecture(cfg).ties(cfg), "dtype": "float32", **special_token_ids(meta),
+              "model_type": hf.model_type, **hf.config(cfg)}
+    if cfg.head == "score":
+        config.update(architectures=[hf.scorer], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
+                      pad_token_id=score_pad_id(meta))
+    return config
+
+
+# Tensors a folder may lack: a score head that train.init_from starts from a causal LM begins at its own init.
+FRESH = ("score.weight",)
 
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -153,6 +171,8 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
         found.update(tensor_shapes(path))
     vocab = {theirs for _, theirs, how in tensor_pairs(cfg) if how == VOCAB_ROWS}
     for name, tensor in expected.items():
+        if name not in found and name in FRESH:
+            continue
         if name not in found:
             raise ConfigError(f"train.init_from={folder}: tensor {name} is missing there; this run's model config "
                               f"(model.*) needs it: match the folder's config.json")
@@ -175,17 +195,22 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
 
 
 
-def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> list[str]:
     """Copy a checked Hugging Face checkpoint into a freshly built model, before deepspeed.initialize, one
     tensor at a time from the memory-mapped files. A pipeline stage holds, and so reads, only its own
     layers, a tensor rank its slice of each; under ZeRO-3 (each layer partitioned as it is built) each
-    parameter is gathered, written by rank 0 and partitioned again (GatheredParameters is a no-op otherwise)."""
+    parameter is gathered, written by rank 0 and partitioned again (GatheredParameters is a no-op otherwise).
+    Returns the FRESH tensors (Hugging Face's names) the folder lacks, which keep their initialization."""
     files, pairs = weight_files(folder), {ours: (theirs, how) for ours, theirs, how in tensor_pairs(cfg)}
     experts = global_expert_names(model)  # an expert-parallel rank's experts are numbered from its first
+    fresh = sorted(name for name in FRESH if name in {theirs for theirs, _ in pairs.values()} and name not in files)
     with torch.no_grad():
         for name, param in model.named_parameters():
             theirs, how = pairs[experts.get(name, name)]
+            if theirs in fresh:
+                continue
             with safe_open(files[theirs], framework="pt") as f:
                 tensor = shard_parameter(_to_ours(f.get_tensor(theirs), how, cfg), split_rule(param), tp)
             with GatheredParameters([param], modifier_rank=0):
                 param.copy_(tensor)
+    return fresh

@@ -7,14 +7,17 @@ returns it (raising common.checks.ConfigError for data or settings it cannot tra
 dataset names the objective it trains with by default (`OBJECTIVE`: text and conversations next-token, pairs DPO).
 """
 from common.checks import ConfigError
-from training.objectives import next_token, preference
+from training.objectives import next_token, preference, reward
 from training.objectives.base import Objective
 
 # train.objective -> its builder
 OBJECTIVES = {
     "next_token": next_token.build,
     **{kind: preference.build for kind in preference.KINDS},
+    "reward": reward.build,
 }
+# What each model.head is, for the refusal of an objective that trains the other.
+HEAD_WORDS = {"lm": "a language model's LM head", "score": "a reward model's score head"}
 
 
 def choose_objective(cfg, data, layout, init_from: str | None, saved: dict | None) -> Objective:
@@ -23,4 +26,9 @@ def choose_objective(cfg, data, layout, init_from: str | None, saved: dict | Non
     name = cfg.train.objective or data.OBJECTIVE
     if name not in OBJECTIVES:  # a name registered when the settings were checked, and gone since
         raise ConfigError(f"train.objective={name}: not one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name](name, cfg, data, layout, init_from, saved)
+    objective = OBJECTIVES[name](name, cfg, data, layout, init_from, saved)
+    if objective.head != cfg.model.head:
+        raise ConfigError(f"train.objective={name} trains {HEAD_WORDS[objective.head]}, but model.head="
+                          f"{cfg.model.head}; fix: set model.head={objective.head}" +
+                          (", or train.objective=reward" if cfg.model.head == "score" else ""))
+    return objective

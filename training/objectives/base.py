@@ -10,6 +10,7 @@ class Objective:
     """The base: a step's loss is the objective's own, everything else does nothing. Subclasses override."""
 
     name = "objective"
+    head = "lm"  # the model.head it trains (model/config.py HEADS): choose_objective refuses a model of another
 
     def describe(self) -> str | None:
         """Its start-up line (its settings), or None where it needs no words."""

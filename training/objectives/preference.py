@@ -129,14 +129,8 @@ class PreferenceObjective(Objective):
     def progress(self, driver) -> tuple[dict, str]:
         """Collective: the means of the figures over the pairs of every data-parallel rank since the last call
         (the loss stage's, under a pipeline), on every rank; the sums start again."""
-        sums = self.sums if self.sums is not None else torch.zeros(len(METRICS), dtype=torch.float64,
-                                                                   device=driver.engine.device)
-        totals = torch.cat([sums, torch.tensor([float(self.pairs)], dtype=torch.float64, device=sums.device)])
-        totals = driver.from_loss_stage(totals)
-        dist.all_reduce(totals, group=driver.data_parallel_group)
+        figures = pair_means(driver, METRICS, self.sums, self.pairs)
         self.sums, self.pairs = None, 0
-        values = totals.tolist()
-        figures = {name: value / max(values[-1], 1) for name, value in zip(METRICS, values)}
         return figures, (f" | reward accuracy {figures['rewards_accuracy']:.3f}, margin "
                          f"{figures['rewards_margin']:.4f}")
 
@@ -150,6 +144,18 @@ class PreferenceObjective(Objective):
 
     def record(self) -> dict:
         return {"reference": self.ref_id}
+
+
+def pair_means(driver, names: tuple, sums: torch.Tensor | None, pairs: int) -> dict:
+    """Collective: {name: its mean over the pairs of every data-parallel rank} from this rank's `sums` of the
+    figures `names` (None: none seen) over its `pairs` (the loss stage's, under a pipeline), on every rank."""
+    if sums is None:
+        sums = torch.zeros(len(names), dtype=torch.float64, device=driver.engine.device)
+    totals = torch.cat([sums, torch.tensor([float(pairs)], dtype=torch.float64, device=sums.device)])
+    totals = driver.from_loss_stage(totals)
+    dist.all_reduce(totals, group=driver.data_parallel_group)
+    values = totals.tolist()
+    return {name: value / max(values[-1], 1) for name, value in zip(names, values)}
 
 
 def pair_metrics(objective: PairLoss, nll: torch.Tensor, pair_info: torch.Tensor) -> dict:

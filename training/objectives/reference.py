@@ -78,14 +78,19 @@ def score_rows(driver, data, split: str, rows: int, dp_rank: int, layout, device
     """Collective: each of the first `rows` rows' summed loss over its answer (float64, on every rank), each
     data-parallel rank scoring its share in micro-batches of the training shape."""
     batches = [sp.split(*batch) for batch in data.scoring_batches(split, rows, dp_rank, layout, device)]
-    losses = driver.choice_losses(batches, vocab_size).double()  # this rank's share, padded
+    return gathered_rows(driver, driver.choice_losses(batches, vocab_size), rows, dp_rank, layout, sp)
+
+
+def gathered_rows(driver, values: torch.Tensor, rows: int, dp_rank: int, layout, sp) -> torch.Tensor:
+    """Collective: the values of all `rows` rows (float64, on every rank) from each data-parallel rank's share of
+    them, in data.scoring_batches' order (this rank's `values`, padded)."""
     per_rank = math.ceil(rows / layout.dp)
     first = dp_rank * per_rank
     mine = min(per_rank, max(rows - first, 0))
-    everyone = torch.zeros(rows, dtype=torch.float64, device=losses.device)
+    everyone = torch.zeros(rows, dtype=torch.float64, device=values.device)
     # DeepSpeed's data-parallel group spans the sequence ranks too, which hold the same sums: the first gives them.
     if sp.rank == 0:
-        everyone[first:first + mine] = losses[:mine]
+        everyone[first:first + mine] = values[:mine].double()
     torch.distributed.all_reduce(everyone, group=driver.data_parallel_group)
     return everyone
 
