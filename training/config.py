@@ -152,7 +152,8 @@ class TrainConfig:
     # out_dir/config.yaml and ds_config.json); without it the start-up says what matters in a few lines.
     print_config: bool = False
     # The objective (training/objectives/): null takes the data's (next_token for text and conversations, dpo
-    # for preference pairs); dpo, ipo or simpo on preference pairs (settings under preference.*).
+    # for preference pairs, grpo for prompts); dpo, ipo or simpo on preference pairs (settings under
+    # preference.*); grpo or rloo on prompts (settings under rl.*).
     objective: Optional[str] = None
 
     def check(self, c: Checks) -> None:
@@ -209,6 +210,37 @@ class PreferenceConfig:
 
 
 @dataclass
+class RLConfig:
+    """Online RL's settings (train.objective grpo, rloo; training/objectives/rl.py, docs/rl.md)."""
+    group_size: int = 8  # answers sampled a prompt, compared with each other (TRL's num_generations)
+    temperature: float = 1.0  # of the rollouts, and of the log-probabilities the loss reads (as TRL)
+    top_p: float = 1.0
+    max_new_tokens: int = 64  # an answer's most tokens; one cut there counts as truncated
+    reward: str = "exact_match"  # exact_match (the record's "answer"), or module:function(record, completion)
+    reward_model: Optional[str] = None  # an export of train.objective=reward: its score is the reward instead
+    scale_rewards: str = "group"  # group: advantages divided by the group's standard deviation; none
+    loss_type: str = "dapo"  # dapo: a mean over the global batch's answer tokens; grpo: per answer, then over them
+    epsilon: float = 0.2  # the clip of the ratio to the rollouts' policy
+    epsilon_high: Optional[float] = None  # its upper side (DAPO's clip-higher); null: epsilon
+    beta: float = 0.0  # the weight of the KL to the starting model (0: no reference kept)
+    epochs: int = 1  # steps a batch of rollouts is trained on (TRL's num_iterations)
+
+    def check(self, c: Checks) -> None:
+        c.at_least("group_size", 2, "answers of one prompt are compared with each other")
+        c.above("temperature", 0)
+        c.above("top_p", 0)
+        c.in_range("top_p", 0, 1)
+        c.at_least("max_new_tokens", 1)
+        c.not_empty("reward")
+        c.one_of("scale_rewards", ("group", "none"))
+        c.one_of("loss_type", ("dapo", "grpo"))
+        c.in_range("epsilon", 0, 1, high_open=True)
+        c.at_least("epsilon_high", 0)
+        c.at_least("beta", 0, "0 keeps no reference")
+        c.at_least("epochs", 1)
+
+
+@dataclass
 class SampleConfig:
     """Text printed at the end of training."""
     prompt: str = "\n"
@@ -256,6 +288,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 

@@ -4,10 +4,11 @@ that interface.
 
 Adding one: a module with a subclass of Objective and a `build(name, cfg, data, layout, init_from, saved)` that
 returns it (raising common.checks.ConfigError for data or settings it cannot train on), and its name here. A
-dataset names the objective it trains with by default (`OBJECTIVE`: text and conversations next-token, pairs DPO).
+dataset names the objective it trains with by default (`OBJECTIVE`: text and conversations next-token, pairs DPO,
+prompts GRPO).
 """
 from common.checks import ConfigError
-from training.objectives import next_token, preference, reward
+from training.objectives import next_token, preference, reward, rl
 from training.objectives.base import Objective
 
 # train.objective -> its builder
@@ -15,6 +16,7 @@ OBJECTIVES = {
     "next_token": next_token.build,
     **{kind: preference.build for kind in preference.KINDS},
     "reward": reward.build,
+    **{kind: rl.build for kind in rl.KINDS},
 }
 # What each model.head is, for the refusal of an objective that trains the other.
 HEAD_WORDS = {"lm": "a language model's LM head", "score": "a reward model's score head"}
