@@ -25,6 +25,7 @@ EVALUATES_FOR_MINUTES = ["--limit", "40"]
 # (how a command starts, what its output holds when it ends as the docs say)
 ENDINGS = [
     ("python -m data.prepare", "wrote "),
+    ("python train.py --config configs/llama_quickstart_reward.yaml", "saved step_"),  # a reward model: no sample
     ("python train.py", "--- sample ---"),
     ("deepspeed", "--- sample ---"),
     ("torchrun", "--- sample ---"),
