@@ -110,20 +110,32 @@ def test_a_pair_row_is_scored_on_its_whole_sequence_as_transformers_scores_it(pa
     assert (ours - theirs).abs().max().item() <= 1e-5 and ours.std() > 0.1  # scores that differ, equal in both
 
 
-def transformers_scores(folder: str, sequences: list[list[int]]) -> torch.Tensor:
-    """The scores of transformers' class named in the folder's config.json (checked: a sequence classifier with
-    one label and a pad id), its batch right-padded with that id."""
+def transformers_scores(folder: str, sequences: list[list[int]],
+                        expected: str = "LlamaForSequenceClassification") -> torch.Tensor:
+    """The scores of transformers' class named in the folder's config.json (checked: `expected`, with one label and
+    a pad id), its batch right-padded with that id."""
     import transformers
     config = json.loads(open(f"{folder}/config.json").read())
-    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["id2label"] == {"0": "LABEL_0"}
-    model, info = transformers.LlamaForSequenceClassification.from_pretrained(folder, output_loading_info=True,
-                                                                              dtype=torch.float32)
+    assert config["architectures"] == [expected] and config["id2label"] == {"0": "LABEL_0"}
+    model, info = getattr(transformers, expected).from_pretrained(folder, output_loading_info=True,
+                                                                  dtype=torch.float32)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     batch = torch.full((len(sequences), max(map(len, sequences))), config["pad_token_id"])
     for row, ids in enumerate(sequences):
         batch[row, :len(ids)] = torch.tensor(ids)
     with torch.no_grad():
         return model.eval()(batch).logits[:, 0]
+
+
+def test_a_gpt_reward_model_exports_as_gpt2_for_sequence_classification(pairs, tmp_path):
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=pairs["meta"]["vocab_size"],
+                      head="score")
+    model = decisive_model(cfg, seed=2)
+    folder = write_export(str(tmp_path / "gpt"), cfg, model.state_dict(), pairs["meta"], 0)
+    sequences = [ids for ids, _ in documents(pairs["data"], "train")[:6]]
+    theirs = transformers_scores(folder, sequences, "GPT2ForSequenceClassification")
+    ours = load_reward_model(folder).score(sequences)
+    assert (ours - theirs).abs().max().item() <= 1e-5 and ours.std() > 0.01  # scores that differ, equal in both
 
 
 @pytest.fixture(scope="module")
