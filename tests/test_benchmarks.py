@@ -19,8 +19,8 @@ from training.config import load_run_config
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
 SCRIPTS = ["checkpoint_stall.py", "cpu_attention.py", "data.py", "documents.py", "finetune.py", "generation.py",
            "llama.py", "memory.py", "moe.py", "pipeline.py", "preference.py", "quality.py", "quickstart_race.py",
-           "reward_model.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py", "record.sh",
-           "wheelhouse.sh"]
+           "reward_model.py", "rl.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py",
+           "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -254,6 +254,9 @@ BAD_INPUTS = [
     ("reward_model.py", ["--init_from", "{tmp}", "--steps", "0"], "--steps=0: must be >= 1"),
     ("reward_model.py", ["--init_from", "{tmp}"], "--init_from {tmp} holds no export (config.json); fix: export the "
                                                   "quickstart Llama"),
+    ("rl.py", ["--init_from", "{tmp}", "--sft_steps", "0"], "--sft_steps=0: must be >= 1"),
+    ("rl.py", ["--init_from", "{tmp}"], "--init_from {tmp} holds no export (config.json); fix: export the quickstart "
+                                        "Llama"),
     ("memory.py", ["--nprocs", "0"], "--nprocs=0: must be >= 1"),
     ("memory.py", ["--steps", "0"], "--steps=0: must be >= 1"),
     ("memory.py", ["--json", "{file}/m.json"], "--json file {file}/m.json cannot be created"),

@@ -135,3 +135,24 @@ def test_rows_are_prompts_and_answers_with_their_groups_advantages(setup, object
     clipped = [record[s]["clipped"] for s in (1, 2, 3, 4)]
     # trained twice: the second step on a batch sees the policy moved by the first (a ratio clipped somewhere)
     assert (clipped[0], clipped[2]) == (0, 0) and (clipped[1] > 0 or epochs == 1)
+
+
+def test_a_reward_model_rewards_as_its_score_of_prompt_and_answer(setup):
+    """rl.reward_model=EXPORT trains exactly as a reward function that scores each answer with that model by hand
+    (load_reward_model's encode and score, tests/rl_rewards.py model_score)."""
+    import dataclasses
+
+    from model_checks import decisive_model
+    from training.checkpoints.export import write_export
+    meta = json.loads(open(os.path.join(setup["data"], "meta.json")).read())
+    cfg = dataclasses.replace(SHAPE, head="score")
+    folder = write_export(str(setup["root"] / "reward_export"), cfg, decisive_model(cfg, seed=5).state_dict(), meta, 0,
+                          data_dir=setup["data"])
+    one = ["train.max_steps=2", "train.eval_windows=2"]
+    by_model = steps(grpo(setup, "by_model", [f"rl.reward_model={folder}", *one]))
+    by_hand = steps(grpo(setup, "by_hand", ["rl.reward=rl_rewards:model_score", *one],
+                         env={"RL_REWARD_MODEL": folder}))
+    for step in (1, 2):
+        assert {k: by_model[step][k] for k in FIGURES} == pytest.approx({k: by_hand[step][k] for k in FIGURES},
+                                                                         rel=1e-6, abs=1e-7)
+    assert by_model[1]["reward_std"] > 0 and by_model[1]["grad_norm"] > 0

@@ -108,6 +108,17 @@ BAD_SETTINGS = [
     (["preference.gamma=-1"], "preference.gamma=-1.0: must be >= 0"),
     (["preference.sft_weight=-0.5"], "preference.sft_weight=-0.5: must be >= 0 (0 adds no supervised term)"),
     (["preference.center_rewards=-1"], "preference.center_rewards=-1.0: must be >= 0 (0 adds no centering term)"),
+    (["rl.group_size=1"], "rl.group_size=1: must be >= 2 (answers of one prompt are compared with each other)"),
+    (["rl.temperature=0"], "rl.temperature=0.0: must be > 0"),
+    (["rl.top_p=1.5"], "rl.top_p=1.5: must be in [0, 1]"),
+    (["rl.max_new_tokens=0"], "rl.max_new_tokens=0: must be >= 1"),
+    (["rl.reward="], "bad setting 'rl.reward' in the command line: None is not a string"),
+    (["rl.scale_rewards=batch"], "rl.scale_rewards='batch': must be one of group, none"),
+    (["rl.loss_type=bnpo"], "rl.loss_type='bnpo': must be one of dapo, grpo"),
+    (["rl.epsilon=1"], "rl.epsilon=1.0: must be in [0, 1)"),
+    (["rl.epsilon_high=-0.1"], "rl.epsilon_high=-0.1: must be >= 0"),
+    (["rl.beta=-1"], "rl.beta=-1.0: must be >= 0 (0 keeps no reference)"),
+    (["rl.epochs=0"], "rl.epochs=0: must be >= 1"),
     (["train.spike_factor=0.5"], "train.spike_factor=0.5: must be above 1 (a loss that many times its recent mean "
                                  "is a spike), or 0 to watch no spikes; fix: set train.spike_factor to 3, say, or 0"),
     (["train.spike_window=0"], "train.spike_window=0: must be >= 1"),
@@ -149,6 +160,7 @@ def test_the_table_covers_every_setting():
                 "train.discard_newer", "train.background_save",
                 "data.allow_changed", "data.pack", "train.print_config"}
     no_range |= {"data.sources"}  # checked where the blend is opened (tests/test_data.py)
+    no_range |= {"rl.reward_model"}  # read where the objective is built (tests/test_rl.py)
     tested = {row[0][0].split("=")[0] for row in BAD_SETTINGS}
     settings = {f"{section.name}.{f.name}" for section in fields(RunConfig) for f in fields(section.type)}
     assert settings - tested - no_range == set()
@@ -254,7 +266,7 @@ BAD_RUN_CONFIG_FILES = [
                    "file"),
     ("\x00binary", "{path}: malformed YAML: unacceptable character #x0000"),
     ("- 1\n- 2\n", "{path} holds a YAML list, not a mapping: a run config maps data, eval, model, optim, preference, "
-                   "sample, train to their settings"),
+                   "rl, sample, train to their settings"),
     ("model: 3\n", "{path}: 'model' holds 3, not a mapping of settings; fix: write its settings under it"),
     ("modle:\n  n_layer: 2\n", "unknown setting 'modle' in {path}; did you mean 'model'?"),
     ("base: gpt9\n", "{path}: base: gpt9 is neither a preset of configs/ nor a file ({dir}/gpt9); fix: name one of "

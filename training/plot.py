@@ -1,6 +1,6 @@
 """Runs' metrics.jsonl drawn as one image: loss, learning rate, tokens/s, MFU, multiple-choice accuracy, the
-reward accuracy of preference tuning and a mixture of experts' load against steps or tokens, several runs
-overlaid. The command: scripts/plot.py.
+reward accuracy of preference tuning, online RL's reward and a mixture of experts' load against steps or tokens,
+several runs overlaid. The command: scripts/plot.py.
 """
 import io
 import json
@@ -16,9 +16,11 @@ class PlotError(ValueError):
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU (%)")]
 ACCURACY = ("accuracy", "multiple-choice accuracy")  # a fifth panel, for runs that score eval.tasks
 REWARDS = ("rewards_accuracy", "reward accuracy (preference pairs)")  # and one for preference tuning
+RL = ("reward", "online RL: the rollouts' mean reward; val pass@1 (greedy)")  # and one for online RL
 EXPERTS = ("expert_load_max", "expert load (busiest expert / mean, worst layer)")  # and one for a mixture of experts
 # Panels that overlay a training series (each logged step) and its evaluation (o--, its last value in the legend).
-OVERLAID = {"loss": ("loss", "val_loss"), "rewards_accuracy": ("rewards_accuracy", "val_rewards_accuracy")}
+OVERLAID = {"loss": ("loss", "val_loss"), "rewards_accuracy": ("rewards_accuracy", "val_rewards_accuracy"),
+            "reward": ("reward", "val_pass1")}
 ACC_SUFFIXES = (("_acc_norm", "o-", "acc_norm"), ("_acc", "o--", "acc"))
 
 
@@ -68,6 +70,7 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
                         "progress line); fix: plot by step")
     panels = PANELS + ([ACCURACY] if any(accuracy_series(run) for run in runs) else []) + \
         ([REWARDS] if any(REWARDS[0] in run["series"] for run in runs) else []) + \
+        ([RL] if any(RL[0] in run["series"] for run in runs) else []) + \
         ([EXPERTS] if any(EXPERTS[0] in run["series"] for run in runs) else [])
     columns = 2 if len(panels) == 4 else 3
     rows = -(-len(panels) // columns)
@@ -102,7 +105,7 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
         ax.set_title(title)
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.grid(alpha=0.3)
-        if key in ("loss", "accuracy", "rewards_accuracy") or len(runs) > 1:
+        if key in ("loss", "accuracy", "rewards_accuracy", "reward") or len(runs) > 1:
             ax.legend(fontsize=8)
     per_step = {run["tokens_per_step"] for run in runs}
     if x == "step" and len(per_step) == 1 and None not in per_step:

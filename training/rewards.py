@@ -7,6 +7,10 @@ answer's text, returning a number; `exact_match`, built in, gives 1 where the an
 
 A function that raises, or returns something that is not a finite number, stops the run naming the prompt's file
 and line. The function is imported and tried on the first training prompt at start, so a typo stops the run there.
+
+With rl.reward_model=EXPORT (a reward model: train.objective=reward, then python -m scripts.export) the reward is
+instead its score of the prompt and the answer, rendered as its preference pairs were (training/reward_model.py),
+each rank scoring its own answers in batches.
 """
 import importlib
 import math
@@ -29,6 +33,12 @@ class Reward:
 
     def __init__(self, spec: str):
         self.spec, self.function = spec, _function(spec)
+
+    def many(self, prompts: list[dict], completions: list[str]) -> list[float]:
+        return [self(prompt, completion) for prompt, completion in zip(prompts, completions)]
+
+    def to(self, device) -> "Reward":
+        return self
 
     def __call__(self, prompt: dict, completion: str) -> float:
         try:
@@ -61,3 +71,31 @@ def _function(spec: str) -> Callable:
         raise ConfigError(f"rl.reward={spec}: {name} is not a function; fix: name one, called with (record, "
                           f"completion)")
     return function
+
+
+class ModelReward(Reward):
+    """rl.reward_model's score of each (prompt, answer), read from its export at start (on the CPU; `to` moves it)."""
+
+    def __init__(self, folder: str):
+        from training.reward_model import load_reward_model  # the checkpoint code imports the objectives' registry
+        self.spec, self.model = f"the reward model {folder}", load_reward_model(folder)
+
+    def to(self, device) -> "ModelReward":
+        self.model.model.to(device)
+        self.model.device = device
+        return self
+
+    def many(self, prompts: list[dict], completions: list[str]) -> list[float]:
+        sequences = []
+        for prompt, completion in zip(prompts, completions):
+            asked = prompt["record"]["prompt"]
+            answer = [{"role": "assistant", "content": completion}] if isinstance(asked, list) else completion
+            try:
+                sequences.append(self.model.encode(asked, answer)[-self.model.block_size:])
+            except ValueError as e:
+                raise ConfigError(f"rl.reward_model: {e} (the prompt {prompt['where']}); fix: a reward model of the "
+                                  f"prompts' kind") from None
+        return self.model.score(sequences).tolist()
+
+    def __call__(self, prompt: dict, completion: str) -> float:
+        return self.many([prompt], [completion])[0]

@@ -25,7 +25,7 @@ from model.cpu_attention import float32_matmul_precision
 from model.generate import Sampling
 from training.objectives.base import Objective
 from training.objectives.policy_loss import PolicyLoss, advantages, reduce, token_logps, token_losses
-from training.rewards import Reward
+from training.rewards import ModelReward, Reward
 from training.rollouts import roll_out
 from training.steps import supervised_share
 
@@ -58,8 +58,10 @@ class OnlineRL(Objective):
                 f"{loss.epsilon:g}-{loss.high:g}, beta {loss.beta:g}, rollouts trained {s.epochs}x")
 
     def prepare(self, run, rank) -> str | None:
-        """The starting model, kept frozen beside the policy where the loss compares with it (rl.beta > 0): built
-        as this rank's tensor slice, whole on every data-parallel rank (under ZeRO-3 too)."""
+        """The reward model on the run's device, and the starting model, kept frozen beside the policy where the
+        loss compares with it (rl.beta > 0): built as this rank's tensor slice, whole on every data-parallel rank
+        (under ZeRO-3 too)."""
+        self.reward = self.reward.to(run.device)
         if not self.loss.beta:
             return None
         from training.checkpoints import hf  # the checkpoint code imports the objectives' registry
@@ -82,8 +84,9 @@ class OnlineRL(Objective):
                       for _, record in prompts]
         rollouts = self._sample(driver, [ids for ids, _ in prompts], self.sampling, self.settings.group_size,
                                 generators)
-        rewards = torch.tensor([self.reward(prompts[i // self.settings.group_size][1], self._text(r.answer))
-                                for i, r in enumerate(rollouts)], dtype=torch.float64)
+        group = self.settings.group_size
+        rewards = torch.tensor(self.reward.many([prompts[i // group][1] for i in range(len(rollouts))],
+                                                [self._text(r.answer) for r in rollouts]), dtype=torch.float64)
         self._count(rollouts, rewards)
         advantage = advantages(rewards, self.settings.group_size, self.name, self.settings.scale_rewards).float()
         per_micro = len(rollouts) // len(micro_batches)
@@ -210,7 +213,7 @@ class OnlineRL(Objective):
         padded = [ids[i] for i in mine] + [ids[0]] * (share - len(mine))
         greedy = Sampling(self.sampling.max_new_tokens, 0.0, None, 1.0, self.sampling.stop_ids)
         rollouts = self._sample(driver, padded, greedy, 1, [None] * len(padded))[:len(mine)]
-        rewards = [self.reward(records[i], self._text(r.answer)) for i, r in zip(mine, rollouts)]
+        rewards = self.reward.many([records[i] for i in mine], [self._text(r.answer) for r in rollouts])
         totals = torch.tensor([sum(rewards), sum(v >= 1 for v in rewards), len(rewards)], dtype=torch.float64,
                               device=driver.engine.device)
         dist.all_reduce(totals, group=driver.data_parallel_group)
@@ -257,11 +260,9 @@ def build(name: str, cfg, data, layout, init_from: str | None, saved: dict | Non
         raise ConfigError(f"train.save_interval={cfg.train.save_interval} is not a multiple of rl.epochs={s.epochs}: "
                           f"a checkpoint between two steps on one batch of rollouts could not resume them; fix: a "
                           f"multiple of {s.epochs}")
-    if s.reward_model:
-        raise ConfigError("rl.reward_model is not built yet; fix: rl.reward")
-    reward = Reward(s.reward)
+    reward = ModelReward(s.reward_model) if s.reward_model else Reward(s.reward)
     first = data.eval_prompts("train", 1)[1][0]
-    reward(first, "")  # a typo in the function, or a record it cannot read, stops the run here
+    reward(first, "")  # a typo in the function, a record it cannot read, a model of other prompts: stop here
     tokenizer = data.tokenizer()
     stops = tuple(i for i in (data.meta.get("chat", {}).get("end_of_turn_id"), tokenizer.eot_id) if i is not None)
     data.sample_groups(s.group_size, s.epochs)
