@@ -156,3 +156,61 @@ def test_a_reward_model_rewards_as_its_score_of_prompt_and_answer(setup):
         assert {k: by_model[step][k] for k in FIGURES} == pytest.approx({k: by_hand[step][k] for k in FIGURES},
                                                                          rel=1e-6, abs=1e-7)
     assert by_model[1]["reward_std"] > 0 and by_model[1]["grad_norm"] > 0
+
+
+def test_what_an_rl_run_refuses_at_start(setup, char_data, monkeypatch):
+    """Each refusal one line with its fix, before any process group: the layouts rollouts cannot run on, groups a
+    micro-batch cannot hold, answers the context cannot hold, no model to start from, and rewards that fail on the
+    first prompt."""
+    from common.checks import ConfigError
+    from data.loader import open_data
+    from data.prompt_data import PromptData
+    from training.config import DEFAULT_CONFIG, load_run_config
+    from training.objectives import choose_objective
+    from training.topology import Layout
+
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))  # rl_rewards, as the ranks import it
+    data, policy, layout = PromptData(setup["data"], None, 64), setup["policy"], Layout(1, 1, 8, 2)
+    longest = data.longest
+    rows = [
+        ([], Layout(2, 2, 8, 1), None,
+         "train.objective=grpo samples answers on every rank through a key/value cache, which pipeline stages cannot "
+         "(each holds a part of the model or of the sequence); fix: a ds_config without them"),
+        ([], Layout(2, 1, 8, 1, sp_size=2), None, "which sequence-parallel ranks cannot"),
+        (["rl.group_size=3"], layout, None, "train_micro_batch_size_per_gpu=8 rows does not hold whole groups of "
+                                            "rl.group_size=3 answers"),
+        ([f"rl.max_new_tokens={65 - longest}"], layout, None,
+         f"the longest prompt of {setup['data']} ({longest} tokens) and rl.max_new_tokens={65 - longest} exceed "
+         f"model.block_size=64; fix: lower rl.max_new_tokens to {64 - longest}"),
+        (["train.init_from=null"], layout, None, "train.objective=grpo samples answers from the model it trains: start "
+                                                 "it from a fine-tuned one; fix: set train.init_from"),
+        (["rl.epochs=2", "train.save_interval=3"], layout, None,
+         "train.save_interval=3 is not a multiple of rl.epochs=2"),
+        (["rl.reward=no_such_module:score"], layout, None,
+         "rl.reward=no_such_module:score: module no_such_module does not import"),
+        (["rl.reward=rl_rewards:nothing"], layout, None, "rl.reward=rl_rewards:nothing: module rl_rewards has no "
+                                                         "nothing; fix: name a function it defines"),
+        (["rl.reward=rl_rewards:raises"], layout, None,
+         f"rl.reward=rl_rewards:raises raised KeyError: '' on the prompt {setup['root'] / 'prompts.jsonl'}:"),
+        (["rl.reward=rl_rewards:text"], layout, None, "rl.reward=rl_rewards:text returned 'high' on the prompt "),
+        ([f"data.dir={char_data}"], layout, open_data(char_data, None, 64), f"train.objective=grpo samples answers "
+                                                                             f"to prompts, but "
+                                                     f"{char_data} holds text; fix: prepare prompts"),
+    ]
+    for overrides, row_layout, dataset, message in rows:
+        cfg = load_run_config(DEFAULT_CONFIG, [f"data.dir={setup['data']}", "model.block_size=64",
+                                               f"train.init_from={policy}", "train.objective=grpo", "rl.group_size=4",
+                                               "rl.max_new_tokens=8", *overrides])
+        with pytest.raises(ConfigError) as refused:
+            choose_objective(cfg, dataset or data, row_layout, cfg.train.init_from, None)
+        assert message in str(refused.value), (overrides, str(refused.value))
+        assert "\n" not in str(refused.value)
+
+
+def test_a_refusal_ends_train_py_in_one_line(setup, tmp_path):
+    from refusals import assert_one_error_line, assert_refused_at_start, train_py_as_typed
+    proc = train_py_as_typed(f"data.dir={setup['data']}", f"train.out_dir={tmp_path}", *GRPO,
+                             f"train.init_from={setup['policy']}", "rl.group_size=3")
+    assert_refused_at_start(proc, "rl.group_size=3 answers")
+    assert_one_error_line(proc.stderr, "train_micro_batch_size_per_gpu=8 rows does not hold whole groups ... fix: a "
+                                       "micro-batch that is a multiple of rl.group_size$", {})
