@@ -1,5 +1,5 @@
-"""The command blocks of the docs a newcomer follows after the README (preference tuning, mixture of experts,
-evaluation), each run in order on a fresh clone where the README's quickstart has run, as pasted, shortened and
+"""The command blocks of the docs a newcomer follows after the README (preference tuning, online RL, mixture of
+experts, evaluation), each run in order on a fresh clone where the README's quickstart has run, as pasted, shortened and
 offline as tests/doc_commands.py makes them: a doc line that fails after the one before it, or prints a traceback
 or known noise, turns the suite red. A block that needs a download or a GPU is marked in its doc, and checked here
 as far as one machine can: its train.py settings load."""
@@ -12,7 +12,7 @@ import pytest
 from doc_commands import bash_blocks, check_in_order
 from harness import REPO, fresh_clone
 
-DOCS = ["docs/preference.md", "docs/moe.md", "docs/evaluation.md"]
+DOCS = ["docs/preference.md", "docs/rl.md", "docs/moe.md", "docs/evaluation.md"]
 
 
 @pytest.fixture(scope="module")
