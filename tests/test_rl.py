@@ -94,13 +94,21 @@ def steps(out) -> dict:
     return {m["step"]: m for m in metrics(out) if "loss" in m}
 
 
-def test_a_run_is_its_seeds_and_resumes_exactly(setup):
-    whole = steps(grpo(setup, "whole"))
-    stopped = grpo(setup, "stopped", ["train.stop_at_step=2"])
-    grpo(setup, "stopped", ["train.resume=auto"])
+CHECKED = {"MEGALITE_RL_CHECK": "1"}  # tests/rl_check.py checks each step's rows from outside the objective
+
+
+def test_a_checked_run_is_its_seeds_and_resumes_exactly(setup):
+    """GRPO with rollouts trained twice (rl.epochs=2): the same seed gives the same run, a run stopped at step 2
+    resumes exactly, and tests/rl_check.py finds every row of every step its prompt and its answer alone in the
+    loss, with its group's advantage, and at each sampling step the rollouts' log-probabilities the model's before
+    the step."""
+    twice = ["rl.epochs=2", "train.max_steps=4", "train.save_interval=2"]
+    whole = steps(grpo(setup, "whole", twice, env=CHECKED))
+    stopped = grpo(setup, "stopped", [*twice, "train.stop_at_step=2"], env=CHECKED)
+    grpo(setup, "stopped", [*twice, "train.resume=auto"], env=CHECKED)
     resumed = steps(stopped)
-    assert sorted(whole) == sorted(resumed) == [1, 2, 3]
-    for step in (1, 2, 3):  # steps 1-2: the same seed; step 3: after the resume
+    assert sorted(whole) == sorted(resumed) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):  # steps 1-2: the same seed; steps 3-4: after the resume
         assert {k: whole[step][k] for k in FIGURES} == {k: resumed[step][k] for k in FIGURES}, step
     first = whole[1]
     # 4 prompts a step (16 answers: 2 micro-batches of 8 rows, 4 answers a prompt), each answer 1 to 8 tokens
@@ -108,33 +116,22 @@ def test_a_run_is_its_seeds_and_resumes_exactly(setup):
     assert first["reward"] > 0 and first["reward_std"] > 0  # the graded reward, the answer's characters / 10
     assert first["mismatch"] < 1e-5  # the sampler's log-probabilities and the training forward's
     assert 0 <= first["rollout_s"] and first["no_signal_groups"] == 0
+    # a sampling step trains on the policy that sampled (ratio 1); the second step on a batch sees it moved
+    clipped = [whole[s]["clipped"] for s in (1, 2, 3, 4)]
+    assert clipped[0] == clipped[2] == 0 and clipped[1] + clipped[3] > 0
 
 
 def test_layouts_sample_and_train_alike(setup):
     """Each prompt's answers are drawn from its own generator, seeded by its place in the run: ranks that split
-    the prompts sample what one process samples, and train the same step."""
-    one = steps(grpo(setup, "one", ["ds.gradient_accumulation_steps=4", "ds.train_micro_batch_size_per_gpu=4"]))
+    the prompts sample what one process samples, and train the same step (RLOO, its rows checked in one process)."""
+    rloo = ["train.objective=rloo", "ds.train_micro_batch_size_per_gpu=4"]
+    one = steps(grpo(setup, "one", [*rloo, "ds.gradient_accumulation_steps=4"], env=CHECKED))
     for name, nprocs, config, extra in [("dp2", 2, "zero0.json", []), ("zero3", 2, "zero3.json", []),
                                         ("tp2", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"])]:
-        other = steps(grpo(setup, name, ["ds.train_micro_batch_size_per_gpu=4", *extra], nprocs, config))
+        other = steps(grpo(setup, name, [*rloo, *extra], nprocs, config))
         for step in (1, 2, 3):
             for k in FIGURES:
                 assert other[step][k] == pytest.approx(one[step][k], rel=1e-5, abs=1e-6), (name, step, k)
-
-
-@pytest.mark.parametrize("objective, epochs", [("grpo", 2), ("rloo", 1)])
-def test_rows_are_prompts_and_answers_with_their_groups_advantages(setup, objective, epochs):
-    """tests/rl_check.py checks every row of every step from outside the objective: its prompt, the answer alone
-    in the loss, its group's advantage, and at a sampling step of rollouts trained twice, the rollouts' policy's
-    log-probabilities the model's before the step."""
-    out = grpo(setup, f"checked_{objective}", [f"train.objective={objective}", f"rl.epochs={epochs}",
-                                               "train.max_steps=4", "train.save_interval=4"],
-               env={"MEGALITE_RL_CHECK": "1"})
-    record = steps(out)
-    assert sorted(record) == [1, 2, 3, 4]
-    clipped = [record[s]["clipped"] for s in (1, 2, 3, 4)]
-    # trained twice: the second step on a batch sees the policy moved by the first (a ratio clipped somewhere)
-    assert (clipped[0], clipped[2]) == (0, 0) and (clipped[1] > 0 or epochs == 1)
 
 
 def test_a_reward_model_rewards_as_its_score_of_prompt_and_answer(setup):
