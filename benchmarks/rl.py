@@ -3,16 +3,16 @@ held-out prompts after a short fine-tuning, after that plus GRPO (or RLOO), and 
 as long (train.py's wall time).
 
     python benchmarks/rl.py --init_from out/llama_quickstart_export       # the quickstart Llama, pretrained
-    python benchmarks/rl.py --init_from EXPORT --sft_steps 300 --steps 150 rl.group_size=12
+    python benchmarks/rl.py --init_from EXPORT --sft_steps 300 --steps 300 --objective rloo optim.lr=1e-4
 
 From the pretrained export: --sft_steps of configs/llama_quickstart_sft.yaml on the task's conversations, exported;
-then from that export --steps of configs/llama_quickstart_grpo.yaml (--objective) on the same training prompts with
-their answers, rewarded by exact match; and configs/llama_quickstart_sft.yaml again from the export for as many
-seconds as the RL run took (its steps chosen from the first fine-tuning's speed). Exact match: the share of --test
-held-out prompts whose greedy answer through the chat template is the reversal (benchmarks/finetune.py's). The RL
-run's curve (held-out pass@1 at each evaluation, here on the same held-out prompts) and the share of each step's
-time spent sampling are printed from its metrics: its pass@1 is on the prompts the preparation held back from RL
-(its val split, 5% of the training prompts, which the first fine-tuning saw).
+then from that export --steps of configs/llama_quickstart_grpo.yaml (--objective; 8 prompts a step) on the same
+training prompts with their answers, rewarded by exact match; and configs/llama_quickstart_sft.yaml again from the
+export for as many seconds as the RL run took (its steps chosen from the first fine-tuning's speed). Exact match:
+the share of --test held-out prompts whose greedy answer through the chat template is the reversal
+(benchmarks/finetune.py's). The RL run's curve and the share of each step's time spent sampling are printed from
+its metrics: its pass@1 is on the prompts the preparation held back from RL (its val split, 5% of the training
+prompts, which the first fine-tuning saw).
 """
 import argparse
 import json
@@ -28,6 +28,7 @@ from data.reverse_task import prompt_record, tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL = "configs/llama_quickstart_grpo.yaml"
+RL_ENGINE = ["ds.gradient_accumulation_steps=8"]  # 8 prompts a step, one to each micro-batch of 12 answers
 
 
 def write_prompts(path: str, drawn: list[list[str]]) -> str:
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=3000, help="training prompts (conversations and prompts)")
     parser.add_argument("--test", type=int, default=200, help="held-out prompts")
     parser.add_argument("--sft_steps", type=int, default=300, help="the short fine-tuning's steps")
-    parser.add_argument("--steps", type=int, default=200, help="steps of online RL")
+    parser.add_argument("--steps", type=int, default=600, help="steps of online RL")
     parser.add_argument("--objective", default="grpo", choices=["grpo", "rloo"])
     parser.add_argument("--work_dir", default=os.path.join("out", "rl"))
     parser.add_argument("overrides", nargs="*", help="run-config key=value (and ds.key=value) for the RL run")
@@ -71,7 +72,7 @@ def main() -> None:
     rl_run = os.path.join(work, "run_rl")
     rl_seconds = train(prompts, rl_run, [f"train.init_from={sft_export}", f"train.max_steps={args.steps}",
                                          f"train.objective={args.objective}", f"train.eval_windows={args.test}",
-                                         *args.overrides], RL)
+                                         *RL_ENGINE, *args.overrides], RL)
     more_steps = max(1, round(args.sft_steps * rl_seconds / sft_seconds))
     more = os.path.join(work, "run_more_sft")
     more_seconds = train(chats, more, [f"train.init_from={sft_export}", f"train.max_steps={more_steps}",
