@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.finetune import EXAMPLE_CONTEXT, accuracy, greedy_answers, train, trained, write_tasks
@@ -59,6 +60,40 @@ def pair_records(train_words: list[list[str]], model=None) -> tuple[list[dict], 
     return records, own
 
 
+SFT_STEPS = ["train.epochs=null", "train.eval_interval=0"]  # a fine-tuning of --sft_steps (or more), no evaluation
+
+
+@dataclass(frozen=True)
+class ShortFineTuning:
+    """What the preference and RL benchmarks start from: the task's words, its conversations prepared, and a short
+    fine-tuning of the pretrained export (its run, its export, its train.py seconds)."""
+    work: str
+    train_words: list
+    held_out: list
+    chats: str
+    run: str
+    export: str
+    seconds: float
+
+
+def short_fine_tuning(args) -> ShortFineTuning:
+    """--sft_steps of the fine-tuning preset from --init_from (an export, checked) on --train conversations, in
+    --work_dir."""
+    if not os.path.isfile(os.path.join(args.init_from, "config.json")):
+        raise ConfigError(f"--init_from {args.init_from} holds no export (config.json); fix: export the quickstart "
+                          f"Llama with python -m scripts.export --out_dir out/llama_quickstart")
+    work = work_folder(os.path.join(REPO, args.work_dir))
+    train_words, held_out = tasks(args.train, args.test)
+    pretrained = os.path.abspath(args.init_from)
+    chats = prepare("chat", write_tasks(os.path.join(work, "chats.jsonl"), train_words), pretrained,
+                    os.path.join(work, "data_chats"))
+    run = os.path.join(work, "run_sft")
+    seconds = train(chats, run, [f"train.init_from={pretrained}", f"train.max_steps={args.sft_steps}", *SFT_STEPS],
+                    SFT)
+    return ShortFineTuning(work, train_words, held_out, chats, run, export(run, os.path.join(work, "sft_export")),
+                           seconds)
+
+
 def last_metric(run: str, key: str) -> float:
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [record[key] for record in map(json.loads, f) if key in record][-1]
@@ -80,18 +115,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="run-config key=value for the preference run")
     args = parser.parse_intermixed_args()
     at_least(args, 1, "train", "test", "sft_steps", "steps")
-    if not os.path.isfile(os.path.join(args.init_from, "config.json")):
-        raise ConfigError(f"--init_from {args.init_from} holds no export (config.json); fix: export the quickstart "
-                          f"Llama with python -m scripts.export --out_dir out/llama_quickstart")
-    work = work_folder(os.path.join(REPO, args.work_dir))
-    train_words, held_out = tasks(args.train, args.test)
-    pretrained = os.path.abspath(args.init_from)
-    chats = prepare("chat", write_tasks(os.path.join(work, "chats.jsonl"), train_words), pretrained,
-                    os.path.join(work, "data_chats"))
-    steps = ["train.epochs=null", "train.eval_interval=0"]
-    sft = os.path.join(work, "run_sft")
-    train(chats, sft, [f"train.init_from={pretrained}", f"train.max_steps={args.sft_steps}", *steps], SFT)
-    sft_export = export(sft, os.path.join(work, "sft_export"))
+    start = short_fine_tuning(args)
+    work, train_words, held_out, chats, sft, sft_export = (start.work, start.train_words, start.held_out,
+                                                           start.chats, start.run, start.export)
     pairs_file = os.path.join(work, "pairs.jsonl")
     records, own = pair_records(train_words, trained(sft) if args.rejected == "own" else None)
     with open(pairs_file, "w") as f:
@@ -100,9 +126,10 @@ def main() -> None:
     runs = {"dpo": os.path.join(work, "run_preference"), "more": os.path.join(work, "run_more_sft")}
     seconds = {
         "dpo": train(pairs, runs["dpo"], [f"train.init_from={sft_export}", f"train.max_steps={args.steps}",
-                                          f"train.objective={args.objective}", *steps[:1], *args.overrides], DPO),
+                                          f"train.objective={args.objective}", *SFT_STEPS[:1], *args.overrides],
+                     DPO),
         "more": train(chats, runs["more"], [f"train.init_from={sft_export}", f"train.max_steps={args.steps}",
-                                            *steps], SFT)}
+                                            *SFT_STEPS], SFT)}
     results = {"sft": accuracy(*trained(sft), held_out)}
     for name, run in runs.items():
         cfg, model, tokenizer, meta = trained(run)

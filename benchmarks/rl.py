@@ -20,11 +20,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.finetune import accuracy, train, trained, write_tasks
-from benchmarks.preference import SFT, export, prepare
-from benchmarks.report import at_least, print_table, run_main, work_folder
-from common.checks import ConfigError, ToolParser
-from data.reverse_task import prompt_record, tasks
+from benchmarks.finetune import accuracy, train, trained
+from benchmarks.preference import SFT, SFT_STEPS, prepare, short_fine_tuning
+from benchmarks.report import at_least, print_table, run_main
+from common.checks import ToolParser
+from data.reverse_task import prompt_record
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL = "configs/llama_quickstart_grpo.yaml"
@@ -55,35 +55,26 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="run-config key=value (and ds.key=value) for the RL run")
     args = parser.parse_intermixed_args()
     at_least(args, 1, "train", "test", "sft_steps", "steps")
-    if not os.path.isfile(os.path.join(args.init_from, "config.json")):
-        raise ConfigError(f"--init_from {args.init_from} holds no export (config.json); fix: export the quickstart "
-                          f"Llama with python -m scripts.export --out_dir out/llama_quickstart")
-    work = work_folder(os.path.join(REPO, args.work_dir))
-    train_words, held_out = tasks(args.train, args.test)
-    pretrained = os.path.abspath(args.init_from)
-    chats = prepare("chat", write_tasks(os.path.join(work, "chats.jsonl"), train_words), pretrained,
-                    os.path.join(work, "data_chats"))
-    sft = os.path.join(work, "run_sft")
-    sft_seconds = train(chats, sft, [f"train.init_from={pretrained}", f"train.max_steps={args.sft_steps}",
-                                     "train.epochs=null", "train.eval_interval=0"], SFT)
-    sft_export = export(sft, os.path.join(work, "sft_export"))
+    start = short_fine_tuning(args)
+    work, train_words, held_out, sft, sft_export = start.work, start.train_words, start.held_out, start.run, \
+        start.export
     prompts = prepare("prompts", write_prompts(os.path.join(work, "prompts.jsonl"), train_words), sft_export,
                       os.path.join(work, "data_prompts"))
     rl_run = os.path.join(work, "run_rl")
     rl_seconds = train(prompts, rl_run, [f"train.init_from={sft_export}", f"train.max_steps={args.steps}",
                                          f"train.objective={args.objective}", f"train.eval_windows={args.test}",
                                          *RL_ENGINE, *args.overrides], RL)
-    more_steps = max(1, round(args.sft_steps * rl_seconds / sft_seconds))
+    more_steps = max(1, round(args.sft_steps * rl_seconds / start.seconds))
     more = os.path.join(work, "run_more_sft")
-    more_seconds = train(chats, more, [f"train.init_from={sft_export}", f"train.max_steps={more_steps}",
-                                       "train.epochs=null", "train.eval_interval=0"], SFT)
+    more_seconds = train(start.chats, more, [f"train.init_from={sft_export}", f"train.max_steps={more_steps}",
+                                             *SFT_STEPS], SFT)
     results = {name: accuracy(*trained(run), held_out) for name, run in (("sft", sft), ("rl", rl_run),
                                                                          ("more", more))}
     records = read_metrics(rl_run)
     curve = [(r["step"], r["val_pass1"]) for r in records if "val_pass1" in r]
     shares = [r["rollout_s"] / (r["rollout_s"] + r["train_s"]) for r in records if r.get("train_s")]
     print_table(["model", "steps", "train.py seconds", "exact match on held-out prompts"], [
-        [f"fine-tuned from {args.init_from}", args.sft_steps, f"{sft_seconds:.0f}", f"{results['sft']:.3f}"],
+        [f"fine-tuned from {args.init_from}", args.sft_steps, f"{start.seconds:.0f}", f"{results['sft']:.3f}"],
         [f"then {args.objective}", f"{args.sft_steps} + {args.steps}", f"{rl_seconds:.0f}", f"{results['rl']:.3f}"],
         ["then fine-tuned as long instead", f"{args.sft_steps} + {more_steps}", f"{more_seconds:.0f}",
          f"{results['more']:.3f}"]])
@@ -95,7 +86,7 @@ def main() -> None:
     with open(os.path.join(work, "rl.json"), "w") as f:
         json.dump({"init_from": args.init_from, "train": args.train, "test": args.test, "sft_steps": args.sft_steps,
                    "steps": args.steps, "objective": args.objective, "overrides": args.overrides,
-                   "exact_match": results, "train_py_seconds": {"sft": sft_seconds, "rl": rl_seconds,
+                   "exact_match": results, "train_py_seconds": {"sft": start.seconds, "rl": rl_seconds,
                                                                 "more": more_seconds},
                    "more_steps": more_steps, "curve": curve}, f, indent=1)
 
