@@ -8,7 +8,7 @@ import os
 import shutil
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from training.checkpoints import checkpoint, universal
+from training.checkpoints import checkpoint, universal, universal_moe
 
 
 def main(argv=None) -> None:
@@ -41,7 +41,13 @@ def to_universal(out_dir: str, tag: str | None) -> str:
         print(f"{target} already exists")
         return target
     shutil.rmtree(target, ignore_errors=True)  # the leftovers of an interrupted conversion
-    if universal.has_optimizer_shards(source):
+    layout = saved["layout"]
+    if saved["config"]["model"].get("n_experts"):
+        try:
+            universal_moe.convert(source, target, layout["dp"], layout.get("ep", 1), checkpoint.load_state_file)
+        except ValueError as e:
+            raise ConfigError(f"{e}; fix: {checkpoint.elsewhere(source, 'convert another tag')}") from None
+    elif universal.has_optimizer_shards(source):
         universal.convert(source, target)
     else:
         states = checkpoint.load_state_file(os.path.join(source, "mp_rank_00_model_states.pt"))
@@ -50,8 +56,9 @@ def to_universal(out_dir: str, tag: str | None) -> str:
         except ValueError as e:
             raise ConfigError(f"{e}; fix: {checkpoint.elsewhere(source, 'convert another tag')}") from None
     checkpoint.mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
-    where = ("under ZeRO-3 at any data-parallel size" if saved["layout"]["zero_stage"] == 3 else
-             "at any data-parallel size, pipeline stage count or ZeRO stage from 0 to 2")
+    where = ("under ZeRO-3 at any data-parallel size" if layout["zero_stage"] == 3 else
+             "at any data-parallel size, pipeline stage count or ZeRO stage from 0 to 2"
+             + (" and any expert-parallel degree" if saved["config"]["model"].get("n_experts") else ""))
     print(f"wrote {target}: resume it {where} with train.resume={tag}_universal")
     return target
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness import FP32, REPO, TINY, run, train_py
+from moe_runs import moe_runs  # noqa: F401 (a fixture, shared by two modules)
 from refusals import EXPORT, TAG
 
 

@@ -54,6 +54,9 @@ def _rank(argv: list[str], env: dict, logs: tuple[str, str]) -> None:
     if "MEGALITE_FAULT" in env:
         import fault_train
         main = fault_train.faulty(env["MEGALITE_FAULT"])
+    if "MEGALITE_OPTIMIZER_DUMP" in env:
+        import optimizer_dump
+        main = optimizer_dump.dumping(env["MEGALITE_OPTIMIZER_DUMP"], main)
     if "MEGALITE_RL_CHECK" in env:
         import rl_check
         main = rl_check.checked(main)

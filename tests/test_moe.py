@@ -12,19 +12,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from common.checks import ConfigError
-from harness import FP32, TINY, export, launch, metrics, train_py
+from harness import TINY, export, launch, metrics, train_py
 from hf_check import assert_export_matches_transformers, load_in_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
 from model.moe import BiasedGate, ExpertParallel, MoEFeedForward, moe_layers
+from moe_runs import MOE
 from training.metrics import flops_per_token
 from training.moe import check_experts
 from training.topology import Layout
 
-# TINY's 2 layers x 32 wide; 4 experts of width 48, 2 per token; global batch 8.
-MOE = ["model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.n_experts=4", "model.expert_hidden=48",
-       "train.max_steps=4", "optim.warmup_steps=2", "optim.lr=3e-3", "model.router_aux_loss_coef=0.1",
-       "model.router_z_loss_coef=0.01", *FP32]
 SHAPE = ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=32,
                     vocab_size=65, n_experts=4, expert_hidden=48)
 
@@ -201,43 +198,6 @@ def test_gpt_has_no_experts(char_data, tmp_path):
     assert proc.returncode == 2 and "model.n_experts=4: must be 0 for the GPT" in proc.stderr
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, char_data):
-    """ep=1 x dp=2 for 4 steps; ep=2 (ZeRO-2) and pp=2 (ZeRO-1, 2 micro-batches) each stopped at step 2 and
-    resumed to 4; one process with 2 accumulation steps."""
-    out = {name: tmp_path_factory.mktemp(f"moe_{name}")
-           for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "bias_ep2", "bias_one")}
-    proc = launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"])
-    (out["dp2"] / "stdout.txt").write_text(proc.stdout)
-    ep2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.expert_parallel_size=2", "train.save_interval=2"]
-    launch(2, "zero2.json", out["ep2"], char_data, [*ep2, "train.stop_at_step=2"])
-    launch(2, "zero2.json", out["ep2"], char_data, ep2)
-    pp2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2", "train.save_interval=2"]
-    launch(2, "pipe2.json", out["pp2"], char_data, [*pp2, "train.stop_at_step=2"])
-    launch(2, "pipe2.json", out["pp2"], char_data, pp2)
-    # The same micro-batch everywhere: the load-balancing loss is a micro-batch's (a product of two means over
-    # its tokens), so it changes with the micro-batch's size.
-    launch(4, "pipe2.json", out["pp2_ep2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
-                                                         "ds.gradient_accumulation_steps=1",
-                                                         "ds.expert_parallel_size=2"])
-    # Tensor parallelism: the experts whole on each tensor rank (ep 1), or shared out over the tensor group (ep 2).
-    launch(2, "tp2.json", out["tp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
-                                                  "ds.gradient_accumulation_steps=2"])
-    launch(4, "tp2.json", out["tp2_ep2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
-                                                      "ds.expert_parallel_size=2"])
-    one = ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json", f"data.dir={char_data}",
-           *TINY, *MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]
-    train_py([*one, f"train.out_dir={out['one']}"])
-    # Balancing by a per-expert bias: the bias moves with the routes of the whole step, every rank's.
-    bias = ["model.router_bias_rate=0.01", "model.router_aux_loss_coef=0"]
-    bias_ep2 = [*MOE, *bias, "ds.train_micro_batch_size_per_gpu=4", "ds.expert_parallel_size=2",
-                "train.save_interval=2"]
-    launch(2, "zero2.json", out["bias_ep2"], char_data, [*bias_ep2, "train.stop_at_step=2"])  # the bias resumes too
-    launch(2, "zero2.json", out["bias_ep2"], char_data, bias_ep2)
-    train_py([*one, *bias, f"train.out_dir={out['bias_one']}"])
-    return out
-
-
 def steps(out_dir) -> list[dict]:
     """Each logged step's record, with its evaluation's (step 0's and the last: TINY's interval) merged in."""
     records = metrics(out_dir)
@@ -247,11 +207,11 @@ def steps(out_dir) -> list[dict]:
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name", ["ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2"])
-def test_layouts_train_alike(runs, name):
+def test_layouts_train_alike(moe_runs, name):
     """ep=2 (ZeRO-2), pp=2 (each stage's load-balancing losses reaching its gradients; both resumed at step 2)
     and one process equal ep=1 x dp=2 step for step: losses, gradient norms, the load-balancing loss and the
     experts' loads (every rank's tokens counted, every stage's layers)."""
-    reference, other = steps(runs["dp2"]), steps(runs[name])
+    reference, other = steps(moe_runs["dp2"]), steps(moe_runs[name])
     assert [m["step"] for m in other] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_mean"):
         # Under tensor parallelism DeepSpeed's gradient norm of the experts' groups (each rank's partition norm
@@ -263,62 +223,54 @@ def test_layouts_train_alike(runs, name):
         assert other[-1][key] == pytest.approx(reference[-1][key], rel=1e-5), key
     assert all(m["expert_load_max"] > 1 for m in reference)  # a real imbalance measured, not a constant
     if name.startswith("tp"):  # the weights every tensor rank holds whole stayed equal (each rank's own experts apart)
-        assert [m["replicated_weights_in_sync"] for m in metrics(runs[name]) if "replicated_weights_in_sync" in m] \
+        assert [m["replicated_weights_in_sync"] for m in metrics(moe_runs[name]) if "replicated_weights_in_sync" in m] \
             == [True]
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name", ["ep2", "pp2_ep2", "tp2_ep2"])
-def test_every_expert_ends_where_one_rank_takes_it(runs, name):
+def test_every_expert_ends_where_one_rank_takes_it(moe_runs, name):
     """After 4 steps every weight, each expert's included (gathered from the ranks that held it), equals the
     ep=1 run's: the experts' gradients were the same (DeepSpeed's own MoE test compares them so). Within 5e-6,
     0.2% of one step's update at lr 3e-3: Adam divides tiny gradients by their own size, which magnifies the
     rounding of sums taken in another order (seen: 1.4e-6; 2.4e-6 under tensor parallelism, whose clipping
     factor reads DeepSpeed's norm, 3e-4 off); a wrong gradient moves a weight by about a whole update."""
     from training.checkpoints.export import consolidated_state_dict
-    theirs, ours = (consolidated_state_dict(str(runs[run] / "checkpoints" / "step_000004")) for run in ("dp2", name))
+    theirs, ours = (consolidated_state_dict(str(moe_runs[run] / "checkpoints" / "step_000004"))
+                    for run in ("dp2", name))
     assert sorted(ours) == sorted(theirs) and any(".deepspeed_experts.3." in key for key in ours)
     for key, tensor in theirs.items():
         torch.testing.assert_close(ours[key], tensor, rtol=0, atol=5e-6, msg=key)
 
 
 @pytest.mark.launch
-def test_a_biased_router_balances_alike_in_every_layout(runs):
+def test_a_biased_router_balances_alike_in_every_layout(moe_runs):
     """With the bias (and no auxiliary loss) ep=2, stopped at step 2 and resumed, equals one process with
     accumulation, the bias has moved, and the routing differs from the unbiased runs'."""
-    biased, one = steps(runs["bias_ep2"]), steps(runs["bias_one"])
+    biased, one = steps(moe_runs["bias_ep2"]), steps(moe_runs["bias_one"])
     for key in ("loss", "grad_norm", "expert_load_max", "expert_load_mean", "router_bias_max"):
         assert [m[key] for m in biased] == pytest.approx([m[key] for m in one], rel=1e-5), key
     assert [m["router_bias_max"] for m in biased] == pytest.approx([0.01, 0.02, 0.03, 0.04])  # one rate a step
     assert [m["expert_load_max"] for m in biased][1:] != pytest.approx([m["expert_load_max"] for m in
-                                                                       steps(runs["dp2"])][1:], rel=1e-3)
+                                                                       steps(moe_runs["dp2"])][1:], rel=1e-3)
 
 
 @pytest.mark.launch
-def test_the_start_and_each_step_name_the_routing(runs):
-    lines = (runs["dp2"] / "stdout.txt").read_text().splitlines()
+def test_the_start_and_each_step_name_the_routing(moe_runs):
+    lines = (moe_runs["dp2"] / "stdout.txt").read_text().splitlines()
     assert any("llama: 2 layers, 2 heads, width 32, context 32, vocabulary 65, 4 experts in every block, 2 per "
                "token (dropless)" in line for line in lines)
-    first = steps(runs["dp2"])[0]
+    first = steps(moe_runs["dp2"])[0]
     assert any(line.startswith(f"step 1 | loss {first['loss']:.4f} | aux {first['moe_aux_loss']:.4f}, expert load "
                                f"max {first['expert_load_max']:.2f} | lr") for line in lines)
 
 
 @pytest.mark.launch
-def test_layout_change_is_refused(runs, char_data):
-    proc = train_py(["--config", "configs/quickstart.yaml", f"train.out_dir={runs['ep2']}", f"data.dir={char_data}",
-                     *TINY, *MOE, "train.max_steps=6"], check=False)
-    assert proc.returncode == 2
-    assert ("the checkpoint was saved at dp=2 x pp=1 x ep=2 with ZeRO-2, this run is dp=1 x pp=1 with ZeRO-0: a "
-            "mixture of experts resumes at its own layout only") in proc.stderr
-
-
-@pytest.mark.launch
 @pytest.mark.parametrize("name", ["ep2", "pp2", "tp2_ep2"])
-def test_export_is_a_mixtral_that_transformers_loads(runs, name):
+def test_export_is_a_mixtral_that_transformers_loads(moe_runs, name):
     """The checkpoint's weights (the module's files and each expert's, DeepSpeed's names) under Mixtral's names:
     transformers' MixtralForCausalLM gives this repo's logits, and its config the routing."""
-    folder = export(runs[name], "step_000004")
+    folder = export(moe_runs[name], "step_000004")
     assert_export_matches_transformers(folder, tokens=32)
     config = load_in_transformers(folder).config
     assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,

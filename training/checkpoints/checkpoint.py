@@ -14,6 +14,7 @@ trip over (another architecture, a changed data-parallel layout, a missing shard
 that does not exist, a file that pickles more than tensors and DeepSpeed's settings) is found here, before
 DeepSpeed loads anything, and nothing is overwritten.
 """
+import contextlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from common.checks import ConfigError, existing_dir, json_file
 from data.writer import write_atomic
 from model.config import EARLIER_DEFAULTS, TRAINING_SETTINGS, saved_settings_gaps
-from training.checkpoints import universal
+from training.checkpoints import universal, universal_moe
 from training.checkpoints.background_save import BackgroundWriter
 
 CHECKPOINTS = "checkpoints"
@@ -59,8 +60,8 @@ def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: d
     settle() completes the checkpoint once they are written."""
     settle(engine)  # one save in flight at a time
     root, tag = checkpoint_root(out_dir), tag_for(step)
-    # DeepSpeed's MoE save reserves the universal converter's key (and the converter does not read native MoE
-    # checkpoints: check_compatible keeps their layout).
+    # DeepSpeed's MoE save reserves the universal converter's key (which its converter, not used for experts,
+    # reads: training/checkpoints/universal_moe.py converts them).
     client_state = {} if engine.has_moe_layers else {UNIVERSAL_CHECKPOINT_INFO: uc_info}
     engine.save_checkpoint(root, tag=tag, client_state=client_state,
                            save_latest=False)  # `latest` is ours to move, once the checkpoint is complete
@@ -313,27 +314,39 @@ def load(engine, tag_dir: str) -> dict:
     step to continue after)."""
     with open(os.path.join(tag_dir, RUN_STATE)) as f:
         state = json.load(f)
-    # DeepSpeed reads a universal checkpoint's weights and optimizer states into its ZeRO optimizers only
-    # (and BF16_Optimizer, from ZeRO's loading path); without ZeRO it hands the model-states file's optimizer
-    # entry, None in a universal checkpoint, to the optimizer: TypeError. Those states are loaded here first,
-    # then DeepSpeed loads the rest (schedule, counters) with its optimizer loading off.
-    without_zero = state.get("universal") and not engine.zero_optimization()
+    universal_form = state.get("universal")
+    names = universal_moe.expert_names(engine) if universal_form and engine.has_moe_layers else \
+        contextlib.nullcontext()
     try:
-        copy_masters = universal.load_universal_without_zero(engine, tag_dir, load_state_file(os.path.join(
-            tag_dir, "zero", "optimizer_state.pt"))["param_groups"]) if without_zero else None
-        if copy_masters and not hasattr(engine.optimizer, "update_lp_params"):
-            engine.optimizer.update_lp_params = copy_masters  # DeepSpeed calls it after a universal load
-        try:
-            path, _ = engine.load_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
-                                             load_optimizer_states=not without_zero, load_lr_scheduler_states=True)
-        finally:
-            if copy_masters and engine.optimizer.update_lp_params is copy_masters:
-                del engine.optimizer.update_lp_params
+        with names:
+            path = _load_into(engine, tag_dir, universal_form)
+        if universal_form:
+            universal.load_buffers(engine.module, tag_dir)
     except Exception as e:  # a file that passed the size check but does not unpickle
         raise ConfigError(f"could not load checkpoint {tag_dir}: {type(e).__name__}: {e}") from None
     if path is None:
         raise ConfigError(f"DeepSpeed found no checkpoint to load in {tag_dir}")
     return state
+
+
+def _load_into(engine, tag_dir: str, universal_form: bool) -> str | None:
+    """DeepSpeed's load_checkpoint, and the universal checkpoint's optimizer states it does not load."""
+    # DeepSpeed reads a universal checkpoint's weights and optimizer states into its ZeRO optimizers only
+    # (and BF16_Optimizer, from ZeRO's loading path); without ZeRO it hands the model-states file's optimizer
+    # entry, None in a universal checkpoint, to the optimizer: TypeError. Those states are loaded here first,
+    # then DeepSpeed loads the rest (schedule, counters) with its optimizer loading off.
+    without_zero = universal_form and not engine.zero_optimization()
+    copy_masters = universal.load_universal_without_zero(engine, tag_dir, load_state_file(os.path.join(
+        tag_dir, "zero", "optimizer_state.pt"))["param_groups"]) if without_zero else None
+    if copy_masters and not hasattr(engine.optimizer, "update_lp_params"):
+        engine.optimizer.update_lp_params = copy_masters  # DeepSpeed calls it after a universal load
+    try:
+        path, _ = engine.load_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir),
+                                         load_optimizer_states=not without_zero, load_lr_scheduler_states=True)
+    finally:
+        if copy_masters and engine.optimizer.update_lp_params is copy_masters:
+            del engine.optimizer.update_lp_params
+    return path
 
 
 def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | None = None,
@@ -354,20 +367,18 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
                               f"ZeRO-{layout['zero_stage']}: DeepSpeed loads one made from ZeRO-3 under ZeRO-3 only, "
                               f"and one made from ZeRO 0-2 under ZeRO 0-2 only; fix: resume it with {fix}")
         return
-    was, now = {"ep": 1, **saved["layout"]}, layout
-    if model_cfg["n_experts"] and any(was[key] != now[key] for key in ("dp", "ep", "pp", "tp", "sp", "zero_stage")):
-        raise ConfigError(f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}: a mixture of "
-                          f"experts resumes at its own layout only (DeepSpeed's universal converter does not handle "
-                          f"its native MoE layers, DeepSpeed issue 5716); resume with the checkpoint's layout, or "
-                          f"start from its weights in another train.out_dir")
-    if was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and was["tp"] == now["tp"]:
-        return  # without ZeRO every rank saves and loads the whole optimizer state: any dp (and sp) fits
-    if was["zero_stage"] == 0 and was["tp"] != now["tp"]:
+    was, now, experts = {"ep": 1, **saved["layout"]}, {"ep": 1, **layout}, model_cfg["n_experts"]
+    # Without ZeRO every rank saves and loads the whole optimizer state: any dp (and sp) fits, experts apart
+    # (their optimizer states are saved per expert-parallel rank).
+    if not experts and was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and \
+            was["tp"] == now["tp"]:
+        return
+    if not experts and was["zero_stage"] == 0 and was["tp"] != now["tp"]:
         raise ConfigError(f"the checkpoint was saved at tensor-parallel degree {was['tp']} without ZeRO, this run has "
                           f"{now['tp']}: DeepSpeed's universal converter, which reshards, needs ZeRO optimizer shards. "
                           f"Resume it with tensor_model_parallel_size={was['tp']}, or start from its weights "
                           f"(python -m scripts.export, then train.init_from=EXPORT_DIR)")
-    if any(was[key] != now[key] for key in ("dp", "pp", "tp", "sp", "zero_stage")):
+    if any(was[key] != now[key] for key in ("dp", "ep", "pp", "tp", "sp", "zero_stage")):
         reason = universal.unconvertible(tag_dir, saved) if tag_dir else None
         if reason:
             raise ConfigError(f"the checkpoint was saved at {_describe(was)}, this run is {_describe(now)}. {reason}")

@@ -117,6 +117,17 @@ def load_universal_without_zero(engine, tag_dir: str, saved_groups: list):
     return copy_masters
 
 
+def load_buffers(model: torch.nn.Module, tag_dir: str) -> None:
+    """A universal checkpoint's buffers (a biased router's, training/checkpoints/universal_moe.py) into the model:
+    DeepSpeed's loader restores the optimizer's parameters only. The converters write each module entry without
+    optimizer state as zero/<name>/fp32.pt."""
+    saved = model.state_dict()  # persistent buffers only
+    for name, buffer in model.named_buffers():
+        path = os.path.join(tag_dir, "zero", name, f"{FP32_WEIGHT_KEY}.pt")
+        if name in saved and os.path.exists(path):
+            buffer.copy_(torch.load(path, map_location="cpu", weights_only=True)[PARAM])
+
+
 def has_optimizer_shards(tag_dir: str) -> bool:
     """ZeRO 1-3 and bf16 pipelines save optimizer shards, which DeepSpeed's converter reads; ZeRO-0 otherwise keeps
     the whole optimizer state in its model-states files."""
@@ -127,6 +138,8 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
     """Why the checkpoint (`saved`: its run state) cannot be converted to the universal format, with what to do
     instead; None if it can."""
     layout, tag = saved["layout"], os.path.basename(os.path.normpath(tag_dir))
+    if saved["config"]["model"].get("n_experts"):
+        return _unconvertible_experts(tag_dir, layout)
     if layout["tp"] > 1 and layout["zero_stage"] == 3:
         return (f"{tag_dir} is a ZeRO-3 checkpoint at tensor-parallel degree {layout['tp']}: DeepSpeed's converter "
                 f"merges ZeRO-3 shards of one tensor slice only. Resume it at tp={layout['tp']}, or train with "
@@ -141,6 +154,21 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
             f"train.init_from={out_dir}/export/{tag}")
         return (f"{tag_dir} is a ZeRO-0 checkpoint {where}, whose optimizer state no converter reads: resume it on "
                 f"its own layout (pp={layout['pp']}, tp={layout['tp']}){weights}")
+    return None
+
+
+def _unconvertible_experts(tag_dir: str, layout: dict) -> str | None:
+    """Why a mixture of experts' checkpoint cannot be converted (training/checkpoints/universal_moe.py reads ZeRO
+    shards of one pipeline stage and one tensor rank), or None."""
+    saved_at = f"pp={layout['pp']}, tp={layout['tp']}, ZeRO-{layout['zero_stage']}"
+    if layout["zero_stage"] == 0:
+        return (f"{tag_dir} is a mixture of experts' ZeRO-0 checkpoint, whose optimizer state no converter reads: "
+                f"resume it on its own layout ({saved_at}), or train with ZeRO-1 or 2 (ds_configs/zero2.json) to "
+                f"change the layout later")
+    if layout["pp"] > 1 or layout["tp"] > 1:
+        return (f"{tag_dir} is a mixture of experts' checkpoint at {saved_at}: its experts convert from one pipeline "
+                f"stage and one tensor rank only. Resume it on its own layout, or train at pp=1, tp=1 to change the "
+                f"layout later")
     return None
 
 

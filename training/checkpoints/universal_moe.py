@@ -1,0 +1,143 @@
+"""A mixture of experts' checkpoint in DeepSpeed's universal format, which DeepSpeed's converter does not write
+(DeepSpeed issue 5716): it merges every group's ZeRO partitions over the whole data-parallel world, where an
+expert group is partitioned over the ranks that hold the same experts and its parameters are named by their
+place on their rank. Written here as DeepSpeed's loader reads a universal checkpoint: each parameter's fp32
+weight and Adam moments whole under zero/<name>/, an expert's under the name a one-rank model gives it (its
+global index), so that any expert-parallel degree finds its own (`expert_names` maps them back at load).
+
+The source is a ZeRO-1 or ZeRO-2 checkpoint of one pipeline stage and one tensor rank, at any data-parallel and
+expert-parallel degree (universal.unconvertible refuses the others). DeepSpeed's expert groups there are
+consecutive blocks of ep ranks: data-parallel rank r holds expert block r % ep, and is partition r // ep of the
+ranks that hold the same block."""
+import glob
+import os
+import shutil
+from collections import defaultdict
+
+import torch
+from deepspeed.checkpoint.constants import (
+    BASE_OPTIMIZER_STATE,
+    CAT_DIM,
+    FP32_WEIGHT_KEY,
+    OPTIMIZER_STATE_DICT,
+    PARAM,
+    PARAM_GROUPS,
+    PARAM_SLICE_MAPPINGS,
+    SINGLE_PARTITION_OF_FP32_GROUPS,
+)
+
+from model.moe import global_expert_names
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+EXPERT_FILES = "layer_*_expert_*_model_states.pt"
+# DeepSpeed names an expert parameter group by its expert-parallel degree ("ep_size_2"), and its loader copies a
+# saved group's settings over the running one's: the name must not travel to another degree.
+LAYOUT_SETTINGS = ("name",)
+
+
+def convert(source: str, target: str, dp: int, ep: int, load) -> None:
+    """Write the universal form of `source` (saved at data-parallel degree `dp`, expert-parallel degree `ep`)
+    to `target`. load: reads one of its torch files safely."""
+    states = load(os.path.join(source, MODEL_STATES))
+    shapes = {name: torch.Size(shape) for group in states["param_shapes"] for name, shape in group.items()}
+    shards = [load(_shard(source, rank)) for rank in range(dp)]
+    try:
+        pieces, steps = _fragments(shards, ep, _local_experts(shapes, states["num_experts"], ep))
+        for name, by_key in pieces.items():
+            local = _local_name(name)
+            for key, parts in by_key.items():
+                whole = torch.cat([parts[i] for i in sorted(parts)])
+                if whole.numel() != shapes[local].numel():
+                    raise ValueError(f"{source}: the ZeRO shards hold {whole.numel()} of {name}'s "
+                                     f"{shapes[local].numel()} values ({key}), so it cannot be converted")
+                _save(target, name, key, {PARAM: whole.view(shapes[local]), CAT_DIM: 0})
+            _save(target, name, "step", steps[name])
+        for name in states["buffer_names"]:  # not the optimizer's: DeepSpeed's loader does not read them
+            _save(target, name, FP32_WEIGHT_KEY, {PARAM: states["module"][name]})
+        optimizer = shards[0][OPTIMIZER_STATE_DICT]
+        sharded = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
+        groups = [{k: v for k, v in group.items() if not (group.get("moe") and k in LAYOUT_SETTINGS)}
+                  for group in optimizer[BASE_OPTIMIZER_STATE][PARAM_GROUPS]]
+        torch.save({**{k: v for k, v in optimizer.items() if k not in sharded}, PARAM_GROUPS: groups},
+                   os.path.join(target, "zero", "optimizer_state.pt"))
+        for path in [os.path.join(source, MODEL_STATES), *glob.glob(os.path.join(source, EXPERT_FILES))]:
+            shutil.copy2(path, target)  # what export and sampling read, and DeepSpeed's run counters
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
+        raise
+
+
+def _shard(source: str, rank: int) -> str:
+    paths = glob.glob(os.path.join(source, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    if len(paths) != 1:
+        raise ValueError(f"{source} lacks the ZeRO shard of data-parallel rank {rank}, so it cannot be converted")
+    return paths[0]
+
+
+def _local_experts(shapes: dict, num_experts: list, ep: int) -> int:
+    """Experts per rank: every MoE layer of this repo's models holds the same number."""
+    if len(set(num_experts)) != 1:
+        raise ValueError(f"the MoE layers hold {num_experts} experts: one number for every layer is converted")
+    return num_experts[0] // ep
+
+
+def _fragments(shards: list, ep: int, local_experts: int) -> tuple[dict, dict]:
+    """Every parameter's fragments by its global name: {name: {state: {partition index: flat tensor}}}, and its
+    optimizer step."""
+    pieces, steps = defaultdict(lambda: defaultdict(dict)), {}
+    for rank, shard in enumerate(shards):
+        optimizer = shard[OPTIMIZER_STATE_DICT]
+        base = optimizer[BASE_OPTIMIZER_STATE]
+        for index, group in enumerate(base[PARAM_GROUPS]):
+            experts = group.get("moe", False)
+            partition = rank // ep if experts else rank
+            state = base["state"][index]
+            flat = {FP32_WEIGHT_KEY: optimizer[SINGLE_PARTITION_OF_FP32_GROUPS][index],
+                    **{key: value for key, value in state.items() if key != "step"}}
+            for name, address in optimizer[PARAM_SLICE_MAPPINGS][index].items():
+                if experts:
+                    name = _global_name(name, (rank % ep) * local_experts)
+                for key, tensor in flat.items():
+                    pieces[name][key][partition] = tensor.narrow(0, address.start, address.numel).clone()
+                steps[name] = state["step"]
+    return pieces, steps
+
+
+EXPERTS = ".deepspeed_experts."
+
+
+def _global_name(name: str, first: int) -> str:
+    """An expert parameter's name on its rank, whose experts are numbered from 0, with its global index."""
+    head, tail = name.split(EXPERTS)
+    local, rest = tail.split(".", 1)
+    return f"{head}{EXPERTS}{first + int(local)}.{rest}"
+
+
+def _local_name(name: str) -> str:
+    """The name of the same parameter of expert 0 (the model states' shapes name each rank's own)."""
+    if EXPERTS not in name:
+        return name
+    head, tail = name.split(EXPERTS)
+    return f"{head}{EXPERTS}0.{tail.split('.', 1)[1]}"
+
+
+def _save(target: str, name: str, key: str, value) -> None:
+    folder = os.path.join(target, "zero", name)
+    os.makedirs(folder, exist_ok=True)
+    torch.save(value, os.path.join(folder, f"{key}.pt"))
+
+
+class expert_names:
+    """Within it, the engine names each expert parameter as a one-rank model does (DeepSpeed's universal loader
+    finds a parameter's folder by the engine's name for it, which numbers a rank's experts from 0)."""
+
+    def __init__(self, engine):
+        self.names, self.renamed = engine.param_names, global_expert_names(engine.module)
+
+    def __enter__(self):
+        self.saved = dict(self.names)
+        for param, name in self.names.items():
+            self.names[param] = self.renamed.get(name, name)
+
+    def __exit__(self, *exc):
+        self.names.update(self.saved)
