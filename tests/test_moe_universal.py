@@ -22,10 +22,11 @@ def converted(moe_runs, name: str, tag: str, tmp_path) -> str:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("name,tag", [("ep2", "step_000002"), ("dp2", "step_000004")])
+@pytest.mark.parametrize("name,tag", [("ep2", "step_000002"), ("dp2", "step_000004"), ("ep2_dp4", "step_000002")])
 def test_conversion_holds_every_weight_and_moment_bit_for_bit(moe_runs, tmp_path, name, tag):
-    """ep=2 (each rank's experts numbered from 0, one partition each) and ep=1 x dp=2 (each expert group's states
-    partitioned over both ranks): every parameter's fp32 weight and moments equal what the engines held."""
+    """ep=2 (each rank's experts numbered from 0, one partition each), ep=1 x dp=2 (each expert group's states
+    partitioned over both ranks) and ep=2 x dp=4 (both): every parameter's fp32 weight and moments equal what the
+    engines held."""
     folder = converted(moe_runs, name, tag, tmp_path)
     held = {}
     for path in glob.glob(str(moe_runs[f"{name}_held"] / "rank*.pt")):
