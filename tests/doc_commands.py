@@ -33,6 +33,7 @@ ENDINGS = [
     ("torchrun", "--- sample ---"),
     ("python sample.py", ""),
     ("python -m scripts.export", DONE),
+    ("python -m scripts.convert_checkpoint", "wrote "),
     ("python -m scripts.evaluate", "acc"),
     ("python -m scripts.serve", "serving "),
     ("python -m data.reverse_task", DONE),
