@@ -13,16 +13,20 @@ Added around it:
   its MoEAuxLossAutoScaler): each layer's loss is attached to its output, whose backward adds the loss's
   gradient. So it needs no second output from any layer, and pipeline stages pass the hidden states alone;
 - the router's z-loss (ST-MoE), attached the same way, and the count of the routes a capacity factor drops,
-  which DeepSpeed's layer does not report.
+  which DeepSpeed's layer does not report;
+- under sequence parallelism, the load-balancing loss of the whole sequence, not of a rank's slice of it
+  (BalancingGate).
 """
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.sharded_moe import TopKGate, top2gating, topkgating
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from model.layers import SwiGLU, init_weights
 
@@ -52,7 +56,52 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.ones_like(loss)
 
 
-class BiasedGate(TopKGate):
+class BalancingGate(TopKGate):
+    """DeepSpeed's gate (its router and settings taken over: checkpoints name it alike) computing the
+    load-balancing loss itself, by DeepSpeed's formula for k: E^2 x the mean over experts of (mean router
+    probability x share of routes), the routes first choices for k <= 2, all k of them over k for more. Its two
+    means are taken over the tokens of every rank of `balance_group` when one is set: under sequence parallelism
+    each rank holds a slice of the same windows, and one process balances over all their tokens
+    (training/moe.py sets it). The probability's mean is all-reduced with its gradient, so each rank's tokens
+    get the gradient of the whole sequence's loss."""
+
+    def __init__(self, gate: TopKGate):
+        with torch.random.fork_rng(devices=[]):  # its own router, thrown away, draws nothing from the model's seed
+            super().__init__(gate.wg.in_features, gate.wg.out_features, gate.k, gate.capacity_factor,
+                             gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens,
+                             gate.use_rts, None, gate.top2_2nd_expert_sampling)
+        self.wg, self.balance_group = gate.wg, getattr(gate, "balance_group", None)
+
+    def forward(self, input: torch.Tensor, used_token=None, sparse_routes: bool = False, use_tutel: bool = False):
+        logits = F.linear(input.float(), self.wg.weight.float())
+        probs = F.softmax(logits, dim=-1)
+        routed, routes = self.route(input, logits, probs, sparse_routes)
+        return (self.balancing_loss(probs, routes), *routed[1:])
+
+    def route(self, input: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, sparse_routes: bool):
+        """DeepSpeed's gating's output, and the routes its loss counts (a bool mask, tokens x experts)."""
+        routed = super().forward(input, sparse_routes=sparse_routes)
+        if self.k > 2:
+            return routed, torch.zeros_like(probs, dtype=torch.bool).scatter_(1, probs.topk(self.k).indices, True)
+        return routed, F.one_hot(probs.argmax(dim=1), probs.size(1)).bool()
+
+    def balancing_loss(self, probs: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+        me, ce = probs.mean(0), routes.float().mean(0)
+        if self.balance_group is not None:
+            size = dist.get_world_size(self.balance_group)
+            me = differentiable_all_reduce(me, group=self.balance_group) / size
+            dist.all_reduce(ce, group=self.balance_group)
+            ce = ce / size
+        experts = probs.size(1)
+        return (me * ce).mean() * experts * experts / self.routes_per_token
+
+    @property
+    def routes_per_token(self) -> int:
+        """The routes of a token the loss counts: DeepSpeed's top-1 and top-2 count the first choice alone."""
+        return self.k if self.k > 2 else 1
+
+
+class BiasedGate(BalancingGate):
     """DeepSpeed's gate with DeepSeek-V3's balancing without an auxiliary loss: a per-expert bias, added to the
     router's probabilities for the choice of the k experts only; their weights stay the renormalized
     probabilities. DeepSpeed's gating takes the choice and the weights from one softmax, so the choice is made
@@ -61,30 +110,22 @@ class BiasedGate(TopKGate):
     choice (top-k's formula, E^2 / k x mean over experts of mean probability x share of routes)."""
 
     def __init__(self, gate: TopKGate):
-        with torch.random.fork_rng(devices=[]):  # its own router, thrown away, draws nothing from the model's seed
-            super().__init__(gate.wg.in_features, gate.wg.out_features, gate.k, gate.capacity_factor,
-                             gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens,
-                             gate.use_rts, None, gate.top2_2nd_expert_sampling)
-        self.wg = gate.wg
+        super().__init__(gate)
         # Not "expert_...": DeepSpeed's MoE checkpoint takes every state name with "expert" in it for an expert's.
         self.register_buffer("choice_bias", torch.zeros(gate.wg.out_features))
 
-    def forward(self, input: torch.Tensor, used_token=None, sparse_routes: bool = False, use_tutel: bool = False):
-        logits = F.linear(input.float(), self.wg.weight.float())
-        probs = F.softmax(logits, dim=-1)
+    routes_per_token = property(lambda self: self.k)
+
+    def route(self, input: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, sparse_routes: bool):
         choice = (probs + self.choice_bias).topk(self.k).indices
         chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, choice, True)
         capacity = self.capacity_factor if self.training else self.eval_capacity_factor
         masked = logits.masked_fill(~chosen, float("-inf"))
         if self.k == 2:
-            routed = top2gating(masked, capacity, self.min_capacity, self.drop_tokens, self.ep_group, False,
-                                sparse_routes)
-        else:
-            routed = topkgating(masked, self.k, capacity, self.min_capacity, self.drop_tokens, self.ep_group,
-                                sparse_routes=sparse_routes)
-        experts = probs.size(1)
-        aux_loss = (probs.mean(0) * chosen.float().mean(0)).mean() * experts * experts / self.k
-        return (aux_loss, *routed[1:])
+            return top2gating(masked, capacity, self.min_capacity, self.drop_tokens, self.ep_group, False,
+                              sparse_routes), chosen
+        return topkgating(masked, self.k, capacity, self.min_capacity, self.drop_tokens, self.ep_group,
+                          sparse_routes=sparse_routes), chosen
 
 
 class MoEFeedForward(nn.Module):
@@ -181,6 +222,15 @@ def global_expert_names(model: nn.Module) -> dict[str, str]:
                     names[f"{prefix}.moe.deepspeed_moe.experts.deepspeed_experts.{local}.{name}"] = \
                         f"{prefix}.moe.deepspeed_moe.experts.deepspeed_experts.{first + local}.{name}"
     return names
+
+
+def balance_over(model: nn.Module, group) -> None:
+    """Every MoE layer's load-balancing loss taken over the tokens of every rank of `group` (BalancingGate)."""
+    for layer in moe_layers(model):
+        gate = layer.moe.deepspeed_moe.gate
+        if not isinstance(gate, BalancingGate):
+            gate = layer.moe.deepspeed_moe.gate = BalancingGate(gate)
+        gate.balance_group = group
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:

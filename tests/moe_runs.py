@@ -17,8 +17,8 @@ def moe_runs(tmp_path_factory, char_data):
     write what their engines hold of each parameter at the step they save (tests/optimizer_dump.py) into
     "<name>_held"."""
     out = {name: tmp_path_factory.mktemp(f"moe_{name}")
-           for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "bias_ep2", "bias_one",
-                                                    "ep2_dp4", "dp2_held", "ep2_held", "ep2_dp4_held")}
+           for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "sp2", "sp2_ep2", "bias_ep2",
+                        "bias_one", "ep2_dp4", "dp2_held", "ep2_held", "ep2_dp4_held")}
     proc = launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"],
                   env={"MEGALITE_OPTIMIZER_DUMP": f"4:{out['dp2_held']}"})
     (out["dp2"] / "stdout.txt").write_text(proc.stdout)
@@ -43,6 +43,11 @@ def moe_runs(tmp_path_factory, char_data):
                                                   "ds.gradient_accumulation_steps=2"])
     launch(4, "tp2.json", out["tp2_ep2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
                                                       "ds.expert_parallel_size=2"])
+    # Sequence parallelism: each rank a half of every window, the load-balancing loss the whole window's.
+    for name, ep in (("sp2", 1), ("sp2_ep2", 2)):
+        launch(2, "sp2.json", out[name], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
+                                                     "ds.gradient_accumulation_steps=2",
+                                                     f"ds.expert_parallel_size={ep}"])
     one = ["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json", f"data.dir={char_data}",
            *TINY, *MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]
     train_py([*one, f"train.out_dir={out['one']}"])

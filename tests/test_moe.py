@@ -176,7 +176,6 @@ def test_memory_plan_holds_a_ranks_share_of_the_experts():
                               "expert block would skip the expert collectives"),
     (dict(tp=2, ep=4), "cannot be combined with tensor parallelism at expert_parallel_size=4: DeepSpeed's experts go "
                        "over the tensor group; set it to 1 or 2"),
-    (dict(sp=2), "cannot be combined with sequence parallelism"),
     (dict(fp16=True), "cannot be combined with fp16"),
     (dict(compile=True), "cannot be combined with train.compile"),
     (dict(tiles=2), "cannot be combined with train.mlp_tiles"),
@@ -206,10 +205,11 @@ def steps(out_dir) -> list[dict]:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("name", ["ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2"])
+@pytest.mark.parametrize("name", ["ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "sp2", "sp2_ep2"])
 def test_layouts_train_alike(moe_runs, name):
-    """ep=2 (ZeRO-2), pp=2 (each stage's load-balancing losses reaching its gradients; both resumed at step 2)
-    and one process equal ep=1 x dp=2 step for step: losses, gradient norms, the load-balancing loss and the
+    """ep=2 (ZeRO-2), pp=2 (each stage's load-balancing losses reaching its gradients; both resumed at step 2),
+    sp=2 (each rank half of each window, balancing over the whole of it) and one process equal ep=1 x dp=2 step
+    for step: losses, gradient norms, the load-balancing loss and the
     experts' loads (every rank's tokens counted, every stage's layers)."""
     reference, other = steps(moe_runs["dp2"]), steps(moe_runs[name])
     assert [m["step"] for m in other] == [1, 2, 3, 4]

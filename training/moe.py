@@ -7,7 +7,8 @@ import torch
 
 from common.checks import ConfigError
 from model.config import ModelConfig
-from model.moe import ExpertParallel, moe_layers
+from model.moe import ExpertParallel, balance_over, moe_layers
+from model.sequence_parallel import SequenceParallel
 
 # The ds_config's expert-parallel degree. Ours: DeepSpeed's "expert_parallel" section configures AutoEP, which
 # replaces a Hugging Face model's MoE blocks; here the model's own blocks hold DeepSpeed's MoE layer.
@@ -46,8 +47,6 @@ def check_experts(cfg: ModelConfig, layout, zero_stage: int, fp16: bool, compile
         (layout.tp_size > 1 and ep not in (1, layout.tp_size),
          f"tensor parallelism at {EP_KEY}={ep}: DeepSpeed's experts go over the tensor group; set it to 1 or "
          f"{layout.tp_size}"),
-        (layout.sp_size > 1, "sequence parallelism: not yet in this repo (each rank would balance its slice of the "
-                             "sequence); remove sequence_parallel_size"),
         (fp16, "fp16: the load-balancing loss's gradient does not follow the dynamic loss scale; use bf16 or fp32"),
         (compile_blocks, "train.compile: DeepSpeed's MoE layer routes with data-dependent shapes; set "
                          "train.compile=false"),
@@ -89,9 +88,13 @@ def _gather_tokens(input_: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return buffer if dim == 0 else torch.cat(buffer.chunk(world, dim=0), dim=dim).contiguous()
 
 
-def weigh_router_losses(model: torch.nn.Module, cfg: ModelConfig, grad_accum: int) -> None:
+def weigh_router_losses(model: torch.nn.Module, cfg: ModelConfig, grad_accum: int, sp: SequenceParallel) -> None:
     """Each MoE layer's load-balancing loss and z-loss enter the gradients with weights router_aux_loss_coef and
-    router_z_loss_coef, divided by the accumulation steps as DeepSpeed divides each micro-batch's loss."""
+    router_z_loss_coef, divided by the accumulation steps as DeepSpeed divides each micro-batch's loss. Under
+    sequence parallelism the load-balancing loss is the whole sequence's: its statistics are taken over the
+    sequence ranks (the z-loss, a mean over tokens, is averaged over them with the gradients)."""
     for layer in moe_layers(model):
         layer.aux_loss_scale = cfg.router_aux_loss_coef / grad_accum
         layer.z_loss_scale = cfg.router_z_loss_coef / grad_accum
+    if sp.size > 1:
+        balance_over(model, sp.group)

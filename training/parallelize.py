@@ -44,7 +44,7 @@ def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorP
                             partition=zero3_partition(ds, tp, grid), tp=tp, sp=sp)
     else:
         model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp, ep=ep)
-    weigh_router_losses(model, cfg.model, ds.get(ACCUM, 1))
+    weigh_router_losses(model, cfg.model, ds.get(ACCUM, 1), sp)
     model = tile_mlps(model, cfg.train.mlp_tiles)
     return model, compile_blocks(model, cfg.model.arch) if cfg.train.compile else 0
 
