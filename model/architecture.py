@@ -11,10 +11,16 @@ from model.config import ModelConfig
 # How a tensor moves between this repo's layout and Hugging Face's: as it is, transposed (GPT-2's Conv1D stores
 # (in, out)), or cut to / padded from the real vocabulary (our embedding and head have `padded_vocab_size` rows).
 SAME, TRANSPOSED, VOCAB_ROWS = "same", "transposed", "vocab"
+# The key of a layout's entry for the blocks with experts, beside the class's own: (block class, EXPERTS).
+EXPERTS = "experts"
 
 
 def _accepts_all(*_) -> None:
     pass
+
+
+def _no_experts(config: dict) -> tuple[int, int]:
+    return 0, 0
 
 
 class TrainingHooks:
@@ -58,6 +64,16 @@ class HuggingFace:
     check: Callable[[ModelConfig], None] = _accepts_all  # raises ConfigError for a model the layout cannot hold
     # raises ConfigError for a folder's config.json (a dict) that train.init_from cannot start this model from
     check_folder: Callable[[dict, ModelConfig, str], None] = _accepts_all
+    # (routed experts, shared experts) of a folder's config.json in this layout: what model.n_experts and
+    # model.n_shared_experts must be to start from it
+    folder_experts: Callable[[dict], tuple[int, int]] = _no_experts
+
+    def pairs(self, spec) -> list:
+        """(ours, theirs, how) of a layer of the model's layer list: a block with experts (built with moe=True)
+        takes its class's entry under (class, EXPERTS) where the layout has one."""
+        if spec.module_kwargs.get("moe") and (spec.typename, EXPERTS) in self.layers:
+            return self.layers[spec.typename, EXPERTS]
+        return self.layers[spec.typename]
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,7 @@ class Architecture:
     # check(cfg, c): its own range checks (c: common.checks.Checks), run by ModelConfig.check after the shared ones.
     check: Callable = _accepts_all
     hf_moe: Optional[HuggingFace] = None  # the layout of the same architecture with experts (model.n_experts)
+    hf_shared_moe: Optional[HuggingFace] = None  # ... and with a shared expert beside them (model.n_shared_experts)
     training_hooks: Callable[[ModelConfig], TrainingHooks] = _no_hooks  # what a model of it adds to the loop
 
     def __repr__(self) -> str:
@@ -94,8 +111,23 @@ class Architecture:
         return cfg.ffn_hidden or self.mlp_width(cfg)
 
     def hf_layout(self, cfg: ModelConfig) -> Optional[HuggingFace]:
-        """The Hugging Face layout of this model: with experts, the mixture-of-experts one."""
+        """The Hugging Face layout of this model: with experts, the mixture-of-experts one, with a shared expert
+        too, the shared-expert one."""
+        if cfg.n_shared_experts:
+            return self.hf_shared_moe
         return self.hf_moe if cfg.n_experts else self.hf
+
+    def hf_layouts(self) -> list[HuggingFace]:
+        """Every Hugging Face layout of this architecture."""
+        return [hf for hf in (self.hf, self.hf_moe, self.hf_shared_moe) if hf]
+
+    def expert_hidden(self, cfg: ModelConfig) -> int:
+        """An expert's SwiGLU width: model.expert_hidden, else the dense MLP's."""
+        return cfg.expert_hidden or self.mlp_hidden(cfg)
+
+    def shared_hidden(self, cfg: ModelConfig) -> int:
+        """The shared expert's width: n_shared_experts experts' (0: none)."""
+        return cfg.n_shared_experts * self.expert_hidden(cfg)
 
     def supports(self, feature: str) -> bool:
         return feature not in self.unsupported

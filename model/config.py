@@ -54,6 +54,8 @@ class ModelConfig:
     # times its even share and drops the rest. router_aux_loss_coef weighs the load-balancing loss,
     # router_z_loss_coef the router's z-loss (ST-MoE: 1e-3; 0 computes none). router_bias_rate > 0 balances the
     # load without an auxiliary loss too (DeepSeek-V3): a per-expert bias on the choice, moved by this much a step.
+    # n_shared_experts > 0 adds to each MoE block an always-on SwiGLU that many experts wide behind a sigmoid gate
+    # (Qwen2-MoE's shared expert, DeepSeek-MoE's shared experts as one).
     n_experts: int = 0
     experts_per_token: int = 2
     moe_every: int = 1
@@ -62,6 +64,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     router_bias_rate: float = 0.0
+    n_shared_experts: int = 0
     # The output layer (HEADS): lm, the LM head; score, a Linear(n_embd, 1) in its place, read at a sequence's last
     # token (training/objectives/reward.py). Under tensor parallelism the score head is replicated.
     head: str = "lm"
@@ -86,6 +89,10 @@ class ModelConfig:
         c.at_least("router_aux_loss_coef", 0)
         c.at_least("router_z_loss_coef", 0)
         c.at_least("router_bias_rate", 0)
+        c.at_least("n_shared_experts", 0)
+        c.that(not self.n_shared_experts or self.n_experts > 0, "n_shared_experts",
+               "be 0 without experts (model.n_experts=0): a shared expert sits beside the routed ones",
+               "set model.n_experts to 2 or more, or model.n_shared_experts=0")
         c.that(not self.router_bias_rate or self.experts_per_token >= 2, "router_bias_rate",
                "be 0 with model.experts_per_token=1 (DeepSpeed's top-1 weighs its expert by its probability, which "
                "a biased choice cannot keep)", "route to 2 or more experts, or set model.router_bias_rate=0")
@@ -126,10 +133,10 @@ TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_a
 
 
 # The settings a record written before they existed lacks, at the defaults that record's model had: dense MLPs
-# (no mixture of experts), GPT-2's tanh GELU and the LM head.
+# (no mixture of experts, no shared expert), GPT-2's tanh GELU and the LM head.
 EARLIER_DEFAULTS = {name: getattr(ModelConfig, name) for name in (
     "n_experts", "experts_per_token", "moe_every", "expert_hidden", "capacity_factor", "router_aux_loss_coef",
-    "router_z_loss_coef", "router_bias_rate", "activation", "head")}
+    "router_z_loss_coef", "router_bias_rate", "n_shared_experts", "activation", "head")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from common.checks import ConfigError
-from model.architecture import SAME, VOCAB_ROWS, Architecture, HuggingFace
+from model.architecture import EXPERTS, SAME, VOCAB_ROWS, Architecture, HuggingFace
 from model.config import ModelConfig
 from model.documents import hidden_and_positions, with_positions
 from model.layers import (
@@ -63,7 +63,8 @@ class Attention(nn.Module):
 
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block: x + attention(norm(x)), then + SwiGLU(norm(x)), or + a mixture of SwiGLU experts
-    (Mixtral's block) where `moe`; `ep`: the expert-parallel degree and rank (model/moe.py)."""
+    (Mixtral's block, Qwen2-MoE's with a shared expert) where `moe`; `ep`: the expert-parallel degree and rank
+    (model/moe.py)."""
 
     def __init__(self, cfg: ModelConfig, moe: bool = False, ep: ExpertParallel = NO_EXPERT_PARALLEL):
         super().__init__()
@@ -71,12 +72,12 @@ class LlamaBlock(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         if moe:
-            self.mlp = MoEFeedForward(cfg.n_embd, cfg.expert_hidden or LLAMA.mlp_hidden(cfg), cfg.n_experts,
-                                      cfg.experts_per_token, cfg.n_layer, cfg.capacity_factor, ep,
-                                      balancing_bias=cfg.router_bias_rate > 0)
+            self.mlp = MoEFeedForward(cfg.n_embd, LLAMA.expert_hidden(cfg), cfg.n_experts, cfg.experts_per_token,
+                                      cfg.n_layer, cfg.capacity_factor, ep, balancing_bias=cfg.router_bias_rate > 0,
+                                      shared_hidden=LLAMA.shared_hidden(cfg))
         else:
             self.mlp = SwiGLU(cfg.n_embd, LLAMA.mlp_hidden(cfg))
-        init_weights(self, cfg.n_layer, residual=("attn.o.weight", "mlp.down.weight"))
+        init_weights(self, cfg.n_layer, residual=("attn.o.weight", "mlp.down.weight", "mlp.shared_mlp.down.weight"))
         if moe:
             self.mlp.init_experts()
 
@@ -128,12 +129,26 @@ HF_LAYERS = {TokenEmbedding: [("weight", "model.embed_tokens.weight", VOCAB_ROWS
 # Hugging Face's MixtralForCausalLM: the Llama's attention and norms; the MLP is block_sparse_moe, its router
 # `gate` and each expert's w1 (gate), w3 (up) and w2 (down). "{e}": each global expert.
 EXPERT = "mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e}"
-HF_MIXTRAL_BLOCK = [*HF_BLOCK[:6], ("mlp.moe.deepspeed_moe.gate.wg.weight", "block_sparse_moe.gate.weight"),
+ROUTER = "mlp.moe.deepspeed_moe.gate.wg.weight"
+HF_MIXTRAL_BLOCK = [*HF_BLOCK[:6], (ROUTER, "block_sparse_moe.gate.weight"),
                     (f"{EXPERT}.gate.weight", "block_sparse_moe.experts.{e}.w1.weight"),
                     (f"{EXPERT}.up.weight", "block_sparse_moe.experts.{e}.w3.weight"),
                     (f"{EXPERT}.down.weight", "block_sparse_moe.experts.{e}.w2.weight")]
-HF_MIXTRAL_LAYERS = {**HF_LAYERS, LlamaBlock: [(ours, f"model.layers.{{i}}.{theirs}", SAME)
-                                               for ours, theirs in HF_MIXTRAL_BLOCK]}
+# Hugging Face's Qwen2MoeForCausalLM: the Llama's attention (without q/k/v biases: qkv_bias=False) and norms, and
+# the dense MLP's names in its blocks without experts; a block with experts has its router `gate`, each expert's
+# gate_proj, up_proj and down_proj, the shared expert's and the shared expert's sigmoid gate.
+HF_QWEN2_MOE_BLOCK = [*HF_BLOCK[:6], (ROUTER, "mlp.gate.weight"),
+                      *[(f"{EXPERT}.{ours}.weight", f"mlp.experts.{{e}}.{ours}_proj.weight")
+                        for ours in ("gate", "up", "down")],
+                      *[(f"mlp.shared_mlp.{ours}.weight", f"mlp.shared_expert.{ours}_proj.weight")
+                        for ours in ("gate", "up", "down")],
+                      ("mlp.shared_gate.weight", "mlp.shared_expert_gate.weight")]
+
+
+def with_experts(block: list) -> dict:
+    """The Llama's layout, its blocks with experts in `block`'s (our name, theirs within the block) pairs."""
+    return {**HF_LAYERS,
+            (LlamaBlock, EXPERTS): [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in block]}
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -150,37 +165,83 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def hf_mixtral_config(cfg: ModelConfig) -> dict:
-    return {**hf_config(cfg), "intermediate_size": cfg.expert_hidden or LLAMA.mlp_hidden(cfg),
+    return {**hf_config(cfg), "intermediate_size": LLAMA.expert_hidden(cfg),
             "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
             "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False,
             "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def hf_qwen2_moe_config(cfg: ModelConfig) -> dict:
+    """Its blocks with experts are every decoder_sparse_step-th, the last of each run (blocks n-1, 2n-1, ...: ours
+    of model.moe_every); the others keep the dense MLP (intermediate_size). norm_topk_prob: the chosen experts'
+    weights renormalized, as DeepSpeed's top-k for k >= 2; its top-1 weighs the expert by its probability."""
+    return {**hf_config(cfg), "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": LLAMA.expert_hidden(cfg), "shared_expert_intermediate_size":
+            LLAMA.shared_hidden(cfg), "norm_topk_prob": cfg.experts_per_token > 1, "decoder_sparse_step": cfg.moe_every,
+            "mlp_only_layers": [], "qkv_bias": False, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+            "output_router_logits": False, "use_sliding_window": False}
+
+
+def check_unbiased_router(cfg: ModelConfig, layout: str) -> None:
+    if cfg.router_bias_rate:
+        raise ConfigError(f"Hugging Face's {layout} layout has no per-expert bias on the router's choice "
+                          f"(model.router_bias_rate > 0): the export would route otherwise")
 
 
 def check_mixtral(cfg: ModelConfig) -> None:
     if cfg.moe_every != 1:
         raise ConfigError(f"Hugging Face's Mixtral layout has experts in every block: this model has them in every "
                           f"{cfg.moe_every}th (model.moe_every={cfg.moe_every})")
-    if cfg.router_bias_rate:
-        raise ConfigError("Hugging Face's Mixtral layout has no per-expert bias on the router's choice "
-                          "(model.router_bias_rate > 0): the export would route otherwise")
+    check_unbiased_router(cfg, "Mixtral")
     if cfg.experts_per_token < 2:
         raise ConfigError("Hugging Face's Mixtral renormalizes the chosen experts' weights, which makes a top-1 "
                           "expert's weight 1; DeepSpeed's top-1 weighs it by its probability "
                           "(model.experts_per_token=1): the export would compute another model")
 
 
+def check_qwen2_moe(cfg: ModelConfig) -> None:
+    check_unbiased_router(cfg, "Qwen2-MoE")
+
+
+def mixtral_experts(config: dict) -> tuple[int, int]:
+    return config.get("num_local_experts", 0), 0
+
+
+def qwen2_moe_experts(config: dict) -> tuple[int, float]:
+    """The shared expert counted in experts of the routed ones' width."""
+    return config.get("num_experts", 0), config.get("shared_expert_intermediate_size", 0) / config.get(
+        "moe_intermediate_size", 1)
+
+
+def check_qwen2_moe_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
+    """What Qwen2-MoE can hold and this repo's Llama does not compute: q/k/v biases, unnormalized top-k weights
+    (normalized top-1), sliding-window attention."""
+    expected = {"qkv_bias": False, "norm_topk_prob": cfg.experts_per_token > 1, "use_sliding_window": False}
+    for key, ours in expected.items():
+        if config.get(key, ours) != ours:
+            raise ConfigError(f"train.init_from={folder}: its config.json has {key}={config[key]}, which this repo's "
+                              f"Llama with experts does not compute ({key}={ours} at model.experts_per_token="
+                              f"{cfg.experts_per_token}): pick another folder")
+
+
 LLAMA = Architecture(
     name="llama", title="the Llama", layers=llama_layers, block=LlamaBlock,
-    # Attention splits by heads (query and key/value heads alike, so each rank keeps whole groups), the MLP by
-    # hidden features, each closed by a row-parallel map; the embedding and LM head by vocabulary rows.
+    # Attention splits by heads (query and key/value heads alike, so each rank keeps whole groups), the MLP and a
+    # block's shared expert by hidden features, each closed by a row-parallel map (the shared expert's gate stays
+    # whole); the embedding and LM head by vocabulary rows.
     plan={TokenEmbedding: {"": VOCAB},
           LlamaBlock: {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
-                       "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW},
+                       "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW, "mlp.shared_mlp.gate": COLUMN,
+                       "mlp.shared_mlp.up": COLUMN, "mlp.shared_mlp.down": ROW},
           LMHead: {"": COLUMN}},
     hf=HuggingFace("LlamaForCausalLM", "LlamaForSequenceClassification", "llama", HF_LAYERS, hf_config),
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, grouped_query_attention=True,
     check=check,
-    hf_moe=HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral", HF_MIXTRAL_LAYERS,
-                       hf_mixtral_config, check_mixtral),
+    hf_moe=HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral",
+                       with_experts(HF_MIXTRAL_BLOCK), hf_mixtral_config, check_mixtral,
+                       folder_experts=mixtral_experts),
+    hf_shared_moe=HuggingFace("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "qwen2_moe",
+                              with_experts(HF_QWEN2_MOE_BLOCK), hf_qwen2_moe_config, check_qwen2_moe,
+                              check_qwen2_moe_folder, qwen2_moe_experts),
     training_hooks=lambda cfg: router_hooks(cfg, len(llama_layers(cfg))),
 )

@@ -1,5 +1,6 @@
 """Mixture-of-experts feed-forward networks (Mixtral's block: a softmax router picks k of n SwiGLU experts per
-token, their outputs weighted by the renormalized router probabilities), through DeepSpeed's MoE layer.
+token, their outputs weighted by the renormalized router probabilities), through DeepSpeed's MoE layer; with a
+shared expert, Qwen2-MoE's block: an always-on SwiGLU added behind a sigmoid gate.
 
 DeepSpeed's layer (deepspeed.moe.layer.MoE) holds the router and this rank's experts, and exchanges tokens with
 the other ranks of its expert-parallel group (all-to-all). It is used with its second choice deterministic
@@ -131,15 +132,25 @@ class BiasedGate(BalancingGate):
 class MoEFeedForward(nn.Module):
     """n_experts SwiGLU experts of width `hidden`, k of them per token; `capacity_factor` None routes every
     token (dropless), else an expert takes at most capacity_factor x its even share of tokens and drops the rest.
-    aux_loss_scale and z_loss_scale: the weights in the gradients of the load-balancing loss and of the router's
-    z-loss (training/moe.py sets them: each coefficient over the accumulation steps, as DeepSpeed scales the
-    language-model loss)."""
+    shared_hidden > 0: Qwen2-MoE's shared expert, a SwiGLU of that width every token goes through, its output
+    weighted by sigmoid(x . shared_gate) and added to the experts'. aux_loss_scale and z_loss_scale: the weights in
+    the gradients of the load-balancing loss and of the router's z-loss (training/moe.py sets them: each
+    coefficient over the accumulation steps, as DeepSpeed scales the language-model loss)."""
 
     def __init__(self, n_embd: int, hidden: int, n_experts: int, k: int, n_layer: int,
                  capacity_factor: float | None = None, ep: ExpertParallel = NO_EXPERT_PARALLEL,
-                 balancing_bias: bool = False):
+                 balancing_bias: bool = False, shared_hidden: int = 0):
         super().__init__()
         dropless = capacity_factor is None
+        if shared_hidden:
+            # Dense weights, held whole on every expert-parallel rank. Registered before the experts, so the block's
+            # initialization draws them before this rank's share of experts: alike at every degree. Beside
+            # DeepSpeed's MoE module, not in it, and named clear of "expert": its checkpoint takes every state name
+            # within it that holds the word for an expert's.
+            self.shared_mlp = SwiGLU(n_embd, shared_hidden)
+            self.shared_gate = nn.Linear(n_embd, 1, bias=False)
+        else:
+            self.shared_mlp = self.shared_gate = None
         self.moe = MoE(n_embd, SwiGLU(n_embd, hidden), num_experts=n_experts, ep_size=ep.size, k=k,
                        capacity_factor=capacity_factor or 1.0, eval_capacity_factor=capacity_factor or 1.0,
                        drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
@@ -188,6 +199,8 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, aux_loss, counts = self.moe(x)
+        if self.shared_mlp is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared_mlp(x)
         training = torch.is_grad_enabled()  # under activation checkpointing: the recomputation, once
         if training or self.recording:
             z_loss = self.z_loss(x) if self.z_loss_scale else torch.zeros((), device=x.device)

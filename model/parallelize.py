@@ -32,6 +32,8 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     arch = architecture(cfg)
     shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
               "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": arch.mlp_hidden(cfg)}
+    if cfg.n_shared_experts:
+        shares["the shared expert's width (model.n_shared_experts x the experts' width)"] = arch.shared_hidden(cfg)
     if arch.grouped_query_attention:
         shares["the key/value heads (model.n_kv_head)"] = cfg.kv_heads
     for what, count in shares.items():
@@ -78,7 +80,10 @@ def apply_plan(layer: nn.Module, plan: dict, tp: TensorParallel) -> nn.Module:
         if not path:
             return _split_module(layer, rule, tp)
         parent, _, child = path.rpartition(".")
-        owner = layer.get_submodule(parent) if parent else layer
+        try:
+            owner = layer.get_submodule(parent) if parent else layer
+        except AttributeError:  # a part some layers of the class lack: the shared expert of a block without one
+            continue
         if isinstance(owner, MoEFeedForward):
             continue  # experts stay whole: DeepSpeed's layer shares the tokens out over the tensor ranks
         target = getattr(owner, child)

@@ -10,7 +10,7 @@ from model.config import ModelConfig, model_config
 from model.gpt import HF_GELU
 from training.checkpoints.export import _fingerprint, consolidated_state_dict
 
-CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM"}
+CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"}
 
 
 def load_in_transformers(folder: str):
@@ -67,13 +67,21 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
                       max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
                       tie_word_embeddings=cfg.tie_embeddings,
                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
-        if cfg.n_experts:
+        arch = architecture(cfg)
+        if cfg.n_shared_experts:
+            config = transformers.Qwen2MoeConfig(
+                **shared, intermediate_size=arch.mlp_hidden(cfg), moe_intermediate_size=arch.expert_hidden(cfg),
+                shared_expert_intermediate_size=arch.shared_hidden(cfg), num_experts=cfg.n_experts,
+                num_experts_per_tok=cfg.experts_per_token, decoder_sparse_step=cfg.moe_every, norm_topk_prob=True,
+                qkv_bias=False)
+            model = transformers.Qwen2MoeForCausalLM(config)
+        elif cfg.n_experts:
             config = transformers.MixtralConfig(
-                **shared, intermediate_size=cfg.expert_hidden or architecture(cfg).mlp_hidden(cfg),
-                num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token)
+                **shared, intermediate_size=arch.expert_hidden(cfg), num_local_experts=cfg.n_experts,
+                num_experts_per_tok=cfg.experts_per_token)
             model = transformers.MixtralForCausalLM(config)
         else:
-            config = transformers.LlamaConfig(**shared, intermediate_size=architecture(cfg).mlp_hidden(cfg))
+            config = transformers.LlamaConfig(**shared, intermediate_size=arch.mlp_hidden(cfg))
             model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

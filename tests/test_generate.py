@@ -1,7 +1,8 @@
 """Generation: the sampling rules (temperature, top-k, top-p, over the real vocabulary only); the key/value cache,
 whose logits equal a forward pass over the whole window at every step (fp32, 1e-5) for the GPT and the Llama with
 grouped-query attention, several sequences of different lengths at once, a prompt of several documents, a
-sequence sliding past block_size; and greedy text equal to transformers' generate on the export."""
+sequence sliding past block_size; and greedy text equal to transformers' generate on the export (the GPT, the Llama,
+Mixtral, Qwen2-MoE)."""
 import dataclasses
 
 import numpy as np
@@ -20,7 +21,8 @@ GPT = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=20)
 LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=16,
                     vocab_size=20)
 MIXTRAL = dataclasses.replace(LLAMA, n_experts=4, expert_hidden=48)  # DeepSpeed's MoE layer, top-2
-MODELS = {"gpt": GPT, "llama_gqa": LLAMA, "mixtral": MIXTRAL}
+QWEN2_MOE = dataclasses.replace(MIXTRAL, experts_per_token=3, n_shared_experts=1)  # top-3, a shared expert
+MODELS = {"gpt": GPT, "llama_gqa": LLAMA, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
 EOT = 3  # the documents' delimiter below: the token after it starts the next document
 DOCUMENTS = Documents({"delimiter": "eot", "eot_id": EOT})
 

@@ -49,6 +49,10 @@ BAD_SETTINGS = [
     (["model.router_bias_rate=-1"], "model.router_bias_rate=-1.0: must be >= 0"),
     (["model.router_bias_rate=0.001", "model.arch=llama", "model.n_experts=4", "model.experts_per_token=1"],
      "model.router_bias_rate=0.001: must be 0 with model.experts_per_token=1"),
+    (["model.n_shared_experts=-1"], "model.n_shared_experts=-1: must be >= 0"),
+    (["model.n_shared_experts=1", "model.arch=llama"], "model.n_shared_experts=1: must be 0 without experts "
+     "(model.n_experts=0): a shared expert sits beside the routed ones; fix: set model.n_experts to 2 or more, or "
+     "model.n_shared_experts=0"),
     (["model.n_kv_head=3"], "model.n_kv_head=3: must divide model.n_head=4: each key/value head serves a whole "
                             "group of query heads; fix: choose a divisor of 4"),
     (["model.arch=llama", "model.n_head=128"], "model.n_embd=128: must give an even head size n_embd / n_head "

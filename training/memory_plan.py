@@ -25,8 +25,10 @@ the CPU) keeps each block's mask for its backward, converted to the compute dtyp
 measured by benchmarks/documents.py).
 A mixture-of-experts block (model/moe.py) keeps, per token, what k of its experts keep (8 x expert width each,
 SwiGLU), each route's dispatched input and expert output (2 d each) and the router's fp32 probabilities (4 E),
-counted as if the routing were even; a rank holds n_experts / expert_parallel_size experts, whose optimizer
-states ZeRO partitions over the ranks that hold the same experts (dp / ep).
+counted as if the routing were even, and what its shared expert keeps (8 x its width, its output, 2 d, for the
+product with its gate's sigmoid, and that sigmoid, 2 bytes); a rank holds n_experts / expert_parallel_size
+experts, whose optimizer states ZeRO partitions over the ranks that hold the same experts (dp / ep), and the
+shared expert whole.
 ZeRO-3 adds its gradient bucket, allocated whole at start. Allocator fragmentation, the other communication
 buckets and the CUDA context (a few GB) come on top. Under ZeRO-3 a GPU's peak runs above this count of the
 activations (docs/performance.md, "The memory plan on a GPU").
@@ -83,8 +85,9 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1) -> float:
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     mlp = 0 if mlp_tiles > 1 else (8 if arch.mlp_matrices == 3 else 4) * arch.mlp_hidden(cfg)
     if cfg.n_experts:  # the larger of the two kinds of block, when only every moe_every-th has experts
-        routes = cfg.experts_per_token * (8 * (cfg.expert_hidden or arch.mlp_hidden(cfg)) + 4 * cfg.n_embd)
-        mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts)
+        routes = cfg.experts_per_token * (8 * arch.expert_hidden(cfg) + 4 * cfg.n_embd)
+        shared = 8 * arch.shared_hidden(cfg) + (2 * cfg.n_embd + 2 if cfg.n_shared_experts else 0)
+        mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts + shared)
     split = 4 * cfg.n_embd + 4 * kv + mlp
     return 8 * cfg.n_embd + masks + document_masking_bytes(cfg) + split / tp_size
 

@@ -1,5 +1,6 @@
 """This repo's weights and settings <-> Hugging Face's layout, both directions, for each architecture that has
-one (its Architecture's `hf`: the GPT's `GPT2LMHeadModel`, the Llama's `LlamaForCausalLM`). Used by export.py,
+one (its Architecture's `hf`: the GPT's `GPT2LMHeadModel`, the Llama's `LlamaForCausalLM`; with experts, its
+`hf_moe` or `hf_shared_moe`: `MixtralForCausalLM`, `Qwen2MoeForCausalLM`). Used by export.py,
 sample.py and `train.init_from`; `transformers` itself is never imported here (it is a test-only dependency: the
 tests load what this writes with it).
 
@@ -21,9 +22,9 @@ from model.moe import global_expert_names
 from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
 
 
-def model_types() -> dict[str, str]:
-    """Hugging Face's model_type -> the model.arch that reads it."""
-    return {hf.model_type: a.name for a in ARCHITECTURES.values() for hf in (a.hf, a.hf_moe) if hf}
+def hf_layouts() -> dict[str, tuple]:
+    """Hugging Face's model_type -> (the model.arch that reads it, its layout)."""
+    return {hf.model_type: (a.name, hf) for a in ARCHITECTURES.values() for hf in a.hf_layouts()}
 
 
 def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
@@ -40,7 +41,7 @@ def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
         if getattr(spec, "forward_fn", None):  # a tied layer's reuse (the LM head): its tensors are paired
             continue
         kind = spec.typename
-        for ours, theirs, how in layout.layers[kind]:
+        for ours, theirs, how in layout.pairs(spec):
             experts = range(cfg.n_experts) if "{e}" in ours else [None]  # an expert's tensors: one pair each
             pairs += [(f"{prefix}.{ours.format(e=e)}", theirs.format(i=block, e=e), how) for e in experts]
         block += kind is arch.block
@@ -141,6 +142,25 @@ def _rope_theta(config: dict):
     return (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
 
 
+def _check_experts(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
+    """The folder's experts, routed and shared (`theirs`: its layout), and their number per token are this run's."""
+    experts, shared = theirs.folder_experts(config)
+    layout = architecture(cfg).hf_layout(cfg)
+    if experts != cfg.n_experts:
+        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model with {experts} "
+                          f"experts, this run's {layout.model_type!r} model has {cfg.n_experts} (model.n_experts): set "
+                          f"model.n_experts={experts} (and its shape) or pick another folder")
+    if shared != cfg.n_shared_experts:
+        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model whose shared expert is "
+                          f"{shared:g} experts wide (0: none), this run's {layout.model_type!r} model's "
+                          f"{cfg.n_shared_experts} (model.n_shared_experts): set model.n_shared_experts={shared:g} or "
+                          f"pick another folder")
+    if experts and config.get("num_experts_per_tok") != cfg.experts_per_token:
+        raise ConfigError(f"train.init_from={folder} routes each token to {config.get('num_experts_per_tok')} experts "
+                          f"(num_experts_per_tok), this run to {cfg.experts_per_token}: set "
+                          f"model.experts_per_token={config.get('num_experts_per_tok')}")
+
+
 def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     """A Hugging Face checkpoint `train.init_from` can start this run from: same family, every tensor
     present with this run's shape (the first that is not is named), same norm and RoPE settings."""
@@ -150,20 +170,11 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
                           f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
                           f"python -m scripts.export")
     config = json_file(config_path, "train.init_from's config", FOLDER_FIX)
-    family = model_types().get(config.get("model_type"))
+    family, theirs = hf_layouts().get(config.get("model_type"), (None, None))
     if family != cfg.arch:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
-    layout = architecture(cfg).hf_layout(cfg)
-    experts = config.get("num_local_experts", 0) if config.get("model_type") == "mixtral" else 0
-    if config.get("model_type") != layout.model_type or experts != cfg.n_experts:
-        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model with {experts} "
-                          f"experts, this run's {layout.model_type!r} model has {cfg.n_experts} (model.n_experts): set "
-                          f"model.n_experts={experts} (and its shape) or pick another folder")
-    if experts and config.get("num_experts_per_tok") != cfg.experts_per_token:
-        raise ConfigError(f"train.init_from={folder} routes each token to {config.get('num_experts_per_tok')} experts "
-                          f"(num_experts_per_tok), this run to {cfg.experts_per_token}: set "
-                          f"model.experts_per_token={config.get('num_experts_per_tok')}")
+    _check_experts(folder, config, theirs, cfg)
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
     found = {}
@@ -185,7 +196,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
             raise ConfigError(f"train.init_from={folder}: tensor {name} has shape {list(found[name])} there, "
                               f"{list(tensor.shape)} in this run's model config: match model.* to the folder's "
                               f"config.json")
-    layout.check_folder(config, cfg, folder)
+    theirs.check_folder(config, cfg, folder)  # the run's own layout, its experts checked alike
     ours = hf_config(cfg, {})
     for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", _rope_theta(config))):
         if key in ours and value is not None and float(value) != float(ours[key]):
