@@ -170,7 +170,9 @@ def test_memory_plan_holds_a_ranks_share_of_the_experts():
 @pytest.mark.parametrize("change, message", [
     (dict(ep=3), "expert_parallel_size=3 does not divide model.n_experts=4"),
     (dict(ep=4, dp=2), "expert_parallel_size=4 does not divide the 2 ranks of a pipeline stage"),
-    (dict(zero_stage=3), "DeepSpeed's native MoE is not supported with ZeRO Stage 3"),
+    (dict(zero_stage=3), "DeepSpeed's native MoE is not supported with ZeRO Stage 3 (its engine refuses it); the "
+                         "nearest layout is ZeRO-2 (ds_configs/zero2.json), which shards gradients and optimizer "
+                         "states, with expert_parallel_size=2 to share out the experts' weights"),
     (dict(tp=2, pp=2), "cannot be combined with tensor parallelism and pipeline stages together"),
     (dict(pp=2, moe_every=2), "cannot be combined with pipeline stages at model.moe_every=2: a stage without an "
                               "expert block would skip the expert collectives"),

@@ -36,8 +36,9 @@ def check_experts(cfg: ModelConfig, layout, zero_stage: int, fp16: bool, compile
         raise ConfigError(f"{EP_KEY}={ep} does not divide the {stage_ranks} ranks of a pipeline stage: an expert group "
                           f"is {ep} consecutive ranks of one; launch a multiple of {ep} processes per stage")
     refusals = [
-        (zero_stage == 3, "ZeRO stage 3: DeepSpeed's native MoE is not supported with ZeRO Stage 3 (its engine "
-                          "refuses it); use ZeRO 0, 1 or 2 (ds_configs/zero2.json)"),
+        (zero_stage == 3, f"ZeRO stage 3: DeepSpeed's native MoE is not supported with ZeRO Stage 3 (its engine "
+                          f"refuses it); the nearest layout is ZeRO-2 (ds_configs/zero2.json), which shards gradients "
+                          f"and optimizer states, with {EP_KEY}={max(ep, 2)} to share out the experts' weights"),
         (layout.pipeline_stages > 1 and cfg.moe_every > 1,
          f"pipeline stages at model.moe_every={cfg.moe_every}: a stage without an expert block would skip the expert "
          f"collectives DeepSpeed's pipeline engine runs on every stage (the job hangs); set model.moe_every=1"),
