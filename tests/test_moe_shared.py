@@ -2,8 +2,8 @@
 SwiGLU behind a sigmoid gate. The export is a Qwen2-MoE whose logits in transformers are this repo's (top-1, -2,
 -3, dense blocks between, a tied head; from ep 2 and tp 2 x ep 2 checkpoints too) and a Qwen2-MoE folder is read
 back exactly at ep 2 and tp 2; the shared expert is dense weights, alike at every expert- and tensor-parallel
-degree; ep 2 (stopped and resumed), pp 2 and tp 2 x ep 2 train as one process does; FLOPs and the memory plan
-count it; what the layouts cannot hold is refused in one line."""
+degree; ep 2 (stopped and resumed), pp 2, tp 2 x ep 2 and sp 2 x ep 2 train as one process does; FLOPs and the
+memory plan count it; what the layouts cannot hold is refused in one line."""
 import dataclasses
 import json
 
@@ -136,22 +136,23 @@ def test_what_the_layouts_cannot_hold_is_refused_in_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, char_data):
-    """One process and pp=2 (ZeRO-1) with 2 accumulation steps; ep=2 (ZeRO-2, stopped at step 2 and resumed to 4)
-    and tp=2 x ep=2 (4 ranks, the experts shared out over the tensor group): 8 sequences a step each. (At tp=2 x
-    ep=1 DeepSpeed writes the first tensor rank's module file only, its expert-data-parallel writer.)"""
-    out = {name: tmp_path_factory.mktemp(f"shared_{name}") for name in ("one", "ep2", "pp2", "tp2_ep2")}
+    """One process, pp=2 (ZeRO-1) and sp=2 x ep=2 with 2 accumulation steps; ep=2 (ZeRO-2, stopped at step 2 and
+    resumed to 4) and tp=2 x ep=2 (4 ranks, the experts shared out over the tensor group): 8 sequences a step each.
+    (At tp=2 x ep=1 DeepSpeed writes the first tensor rank's module file only, its expert-data-parallel writer.)"""
+    out = {name: tmp_path_factory.mktemp(f"shared_{name}") for name in ("one", "ep2", "pp2", "tp2_ep2", "sp2_ep2")}
     train_py(["--config", "configs/quickstart.yaml", "--ds_config", "ds_configs/zero0.json", f"data.dir={char_data}",
               *TINY, *SHARED, "ds.gradient_accumulation_steps=2", f"train.out_dir={out['one']}"])
     ep2 = [*SHARED, "ds.expert_parallel_size=2"]
     launch(2, "zero2.json", out["ep2"], char_data, [*ep2, "train.stop_at_step=2"])
     launch(2, "zero2.json", out["ep2"], char_data, ep2)
     launch(2, "pipe2.json", out["pp2"], char_data, [*SHARED, "ds.gradient_accumulation_steps=2"])
+    launch(2, "sp2.json", out["sp2_ep2"], char_data, [*ep2, "ds.gradient_accumulation_steps=2"])
     launch(4, "tp2.json", out["tp2_ep2"], char_data, ep2)
     return out
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("name", ["ep2", "pp2", "tp2_ep2"])
+@pytest.mark.parametrize("name", ["ep2", "pp2", "tp2_ep2", "sp2_ep2"])
 def test_layouts_train_as_one_process_does(runs, name):
     """Step for step the losses, gradient norms (tp 2 x ep 2: DeepSpeed's accounting of the experts' norms, 3e-4, as in
     test_moe.py), load-balancing losses and expert loads, and the last validation loss equal one process's; after 4
