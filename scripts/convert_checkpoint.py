@@ -8,7 +8,7 @@ import os
 import shutil
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from training.checkpoints import checkpoint, universal, universal_moe
+from training.checkpoints import checkpoint, experts, universal
 
 
 def main(argv=None) -> None:
@@ -44,7 +44,7 @@ def to_universal(out_dir: str, tag: str | None) -> str:
     layout = saved["layout"]
     if saved["config"]["model"].get("n_experts"):
         try:
-            universal_moe.convert(source, target, layout["dp"], layout.get("ep", 1), checkpoint.load_state_file)
+            experts.convert(source, target, layout["dp"], layout.get("ep", 1), checkpoint.load_state_file)
         except ValueError as e:
             raise ConfigError(f"{e}; fix: {checkpoint.elsewhere(source, 'convert another tag')}") from None
     elif universal.has_optimizer_shards(source):

@@ -39,8 +39,10 @@ def moe_runs(tmp_path_factory, char_data):
                                                          "ds.gradient_accumulation_steps=1",
                                                          "ds.expert_parallel_size=2"])
     # Tensor parallelism: the experts whole on each tensor rank (ep 1), or shared out over the tensor group (ep 2).
-    launch(2, "tp2.json", out["tp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
-                                                  "ds.gradient_accumulation_steps=2"])
+    # tp 2 stopped at step 2 and resumed: at ep 1 every tensor rank writes its own files too.
+    tp2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2", "train.save_interval=2"]
+    launch(2, "tp2.json", out["tp2"], char_data, [*tp2, "train.stop_at_step=2"])
+    launch(2, "tp2.json", out["tp2"], char_data, tp2)
     launch(4, "tp2.json", out["tp2_ep2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4",
                                                       "ds.expert_parallel_size=2"])
     # Sequence parallelism: each rank a half of every window, the load-balancing loss the whole window's.

@@ -1,4 +1,4 @@
-"""A mixture of experts' checkpoint converted to the universal format (training/checkpoints/universal_moe.py) holds
+"""A mixture of experts' checkpoint converted to the universal format (training/checkpoints/experts.py) holds
 every weight and Adam moment its run held, bit for bit, an expert's under its global index, and resumes on
 another layout (expert-parallel degree, data-parallel degree, ZeRO stage, pipeline stages) as the run would have
 gone on: the same losses, router losses, expert loads and gradient norms. What cannot be converted is refused in

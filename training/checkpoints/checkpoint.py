@@ -30,7 +30,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from common.checks import ConfigError, existing_dir, json_file
 from data.writer import write_atomic
 from model.config import EARLIER_DEFAULTS, TRAINING_SETTINGS, saved_settings_gaps
-from training.checkpoints import universal, universal_moe
+from training.checkpoints import experts, universal
 from training.checkpoints.background_save import BackgroundWriter
 
 CHECKPOINTS = "checkpoints"
@@ -61,10 +61,11 @@ def save(engine, out_dir: str, step: int, run_state: dict, keep: int, uc_info: d
     settle(engine)  # one save in flight at a time
     root, tag = checkpoint_root(out_dir), tag_for(step)
     # DeepSpeed's MoE save reserves the universal converter's key (which its converter, not used for experts,
-    # reads: training/checkpoints/universal_moe.py converts them).
+    # reads: training/checkpoints/experts.py converts them).
     client_state = {} if engine.has_moe_layers else {UNIVERSAL_CHECKPOINT_INFO: uc_info}
-    engine.save_checkpoint(root, tag=tag, client_state=client_state,
-                           save_latest=False)  # `latest` is ours to move, once the checkpoint is complete
+    with experts.every_tensor_rank_writes(engine):
+        engine.save_checkpoint(root, tag=tag, client_state=client_state,
+                               save_latest=False)  # `latest` is ours to move, once the checkpoint is complete
     unfinished = (os.path.join(root, tag), run_state, keep)
     if isinstance(engine.checkpoint_engine, BackgroundWriter):
         engine.checkpoint_engine.unfinished = unfinished
@@ -315,7 +316,7 @@ def load(engine, tag_dir: str) -> dict:
     with open(os.path.join(tag_dir, RUN_STATE)) as f:
         state = json.load(f)
     universal_form = state.get("universal")
-    names = universal_moe.expert_names(engine) if universal_form and engine.has_moe_layers else \
+    names = experts.expert_names(engine) if universal_form and engine.has_moe_layers else \
         contextlib.nullcontext()
     try:
         with names:

@@ -118,7 +118,7 @@ def load_universal_without_zero(engine, tag_dir: str, saved_groups: list):
 
 
 def load_buffers(model: torch.nn.Module, tag_dir: str) -> None:
-    """A universal checkpoint's buffers (a biased router's, training/checkpoints/universal_moe.py) into the model:
+    """A universal checkpoint's buffers (a biased router's, training/checkpoints/experts.py) into the model:
     DeepSpeed's loader restores the optimizer's parameters only. The converters write each module entry without
     optimizer state as zero/<name>/fp32.pt."""
     saved = model.state_dict()  # persistent buffers only
@@ -158,7 +158,7 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
 
 
 def _unconvertible_experts(tag_dir: str, layout: dict) -> str | None:
-    """Why a mixture of experts' checkpoint cannot be converted (training/checkpoints/universal_moe.py reads ZeRO
+    """Why a mixture of experts' checkpoint cannot be converted (training/checkpoints/experts.py reads ZeRO
     shards of one pipeline stage and one tensor rank), or None."""
     saved_at = f"pp={layout['pp']}, tp={layout['tp']}, ZeRO-{layout['zero_stage']}"
     if layout["zero_stage"] == 0:

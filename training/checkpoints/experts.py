@@ -1,14 +1,16 @@
-"""A mixture of experts' checkpoint in DeepSpeed's universal format, which DeepSpeed's converter does not write
-(DeepSpeed issue 5716): it merges every group's ZeRO partitions over the whole data-parallel world, where an
-expert group is partitioned over the ranks that hold the same experts and its parameters are named by their
-place on their rank. Written here as DeepSpeed's loader reads a universal checkpoint: each parameter's fp32
-weight and Adam moments whole under zero/<name>/, an expert's under the name a one-rank model gives it (its
-global index), so that any expert-parallel degree finds its own (`expert_names` maps them back at load).
+"""A mixture of experts' checkpoints, where DeepSpeed's own handling falls short: the save under tensor parallelism at
+expert-parallel degree 1 (`every_tensor_rank_writes`), and the conversion to DeepSpeed's universal format, which
+DeepSpeed's converter does not write (DeepSpeed issue 5716).
 
-The source is a ZeRO-1 or ZeRO-2 checkpoint of one pipeline stage and one tensor rank, at any data-parallel and
-expert-parallel degree (universal.unconvertible refuses the others). DeepSpeed's expert groups there are
-consecutive blocks of ep ranks: data-parallel rank r holds expert block r % ep, and is partition r // ep of the
-ranks that hold the same block."""
+The converter merges every group's ZeRO partitions over the whole data-parallel world, where an expert group is
+partitioned over the ranks that hold the same experts and its parameters are named by their place on their rank.
+`convert` writes what DeepSpeed's loader reads of a universal checkpoint: each parameter's fp32 weight and Adam
+moments whole under zero/<name>/, an expert's under the name a one-rank model gives it (its global index), so that
+any expert-parallel degree finds its own (`expert_names` maps them back at load). Its source is a ZeRO-1 or ZeRO-2
+checkpoint of one pipeline stage and one tensor rank, at any data-parallel and expert-parallel degree
+(universal.unconvertible refuses the others). DeepSpeed's expert groups there are consecutive blocks of ep ranks:
+data-parallel rank r holds expert block r % ep, and is partition r // ep of the ranks that hold the same block."""
+import contextlib
 import glob
 import os
 import shutil
@@ -25,6 +27,8 @@ from deepspeed.checkpoint.constants import (
     PARAM_SLICE_MAPPINGS,
     SINGLE_PARTITION_OF_FP32_GROUPS,
 )
+from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from model.moe import global_expert_names
 
@@ -33,6 +37,28 @@ EXPERT_FILES = "layer_*_expert_*_model_states.pt"
 # DeepSpeed names an expert parameter group by its expert-parallel degree ("ep_size_2"), and its loader copies a
 # saved group's settings over the running one's: the name must not travel to another degree.
 LAYOUT_SETTINGS = ("name",)
+
+
+@contextlib.contextmanager
+def every_tensor_rank_writes(engine):
+    """Within it, DeepSpeed's save of a mixture of experts writes every tensor rank's files at expert-parallel degree
+    1. DeepSpeed lets the first rank of each expert-data-parallel group write (the experts, the module, the
+    experts' optimizer states), and that group spans the tensor ranks when the experts are not shared out over
+    them: the other tensor ranks wrote nothing, so a resume found no model-states file of theirs and an export
+    merged one slice. Here every rank of the first data-parallel replica writes, each its own mp_rank files (the
+    experts' copies, alike on every tensor rank, once per rank)."""
+    writer = engine.checkpoint_engine
+    shared_out = groups._get_expert_parallel_world_size(groups._get_max_expert_size_name()) > 1 \
+        if engine.has_moe_layers else True
+    if shared_out or bwc_tensor_model_parallel_world_size(engine.mpu) == 1:
+        yield
+        return
+    first_replica = engine.mpu.get_data_parallel_rank() == 0
+    writer.is_data_parallel_writer = lambda rank: first_replica
+    try:
+        yield
+    finally:
+        del writer.is_data_parallel_writer
 
 
 def convert(source: str, target: str, dp: int, ep: int, load) -> None:
