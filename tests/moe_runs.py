@@ -13,12 +13,12 @@ MOE = ["model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.n_
 @pytest.fixture(scope="session")
 def moe_runs(tmp_path_factory, char_data):
     """ep=1 x dp=2 for 4 steps; ep=2 (ZeRO-2) and pp=2 (ZeRO-1, 2 micro-batches) each stopped at step 2 and
-    resumed to 4; one process with 2 accumulation steps; ep=2 x dp=4 for 2 steps. dp=2, ep=2 and ep=2 x dp=4
-    write what their engines hold of each parameter at the step they save (tests/optimizer_dump.py) into
+    resumed to 4; one process with 2 accumulation steps; ep=2 x dp=4 for 2 steps. dp=2, ep=2, ep=2 x dp=4 and
+    pp=2 write what their engines hold of each parameter at the step they save (tests/optimizer_dump.py) into
     "<name>_held"."""
     out = {name: tmp_path_factory.mktemp(f"moe_{name}")
            for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "sp2", "sp2_ep2", "bias_ep2",
-                        "bias_one", "ep2_dp4", "dp2_held", "ep2_held", "ep2_dp4_held")}
+                        "bias_one", "ep2_dp4", "dp2_held", "ep2_held", "ep2_dp4_held", "pp2_held")}
     proc = launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"],
                   env={"MEGALITE_OPTIMIZER_DUMP": f"4:{out['dp2_held']}"})
     (out["dp2"] / "stdout.txt").write_text(proc.stdout)
@@ -31,7 +31,8 @@ def moe_runs(tmp_path_factory, char_data):
                                                         "ds.expert_parallel_size=2", "train.max_steps=2"],
            env={"MEGALITE_OPTIMIZER_DUMP": f"2:{out['ep2_dp4_held']}"})
     pp2 = [*MOE, "ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2", "train.save_interval=2"]
-    launch(2, "pipe2.json", out["pp2"], char_data, [*pp2, "train.stop_at_step=2"])
+    launch(2, "pipe2.json", out["pp2"], char_data, [*pp2, "train.stop_at_step=2"],
+           env={"MEGALITE_OPTIMIZER_DUMP": f"2:{out['pp2_held']}"})
     launch(2, "pipe2.json", out["pp2"], char_data, pp2)
     # The same micro-batch everywhere: the load-balancing loss is a micro-batch's (a product of two means over
     # its tokens), so it changes with the micro-batch's size.

@@ -22,11 +22,12 @@ def converted(moe_runs, name: str, tag: str, tmp_path) -> str:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("name,tag", [("ep2", "step_000002"), ("dp2", "step_000004"), ("ep2_dp4", "step_000002")])
+@pytest.mark.parametrize("name,tag", [("ep2", "step_000002"), ("dp2", "step_000004"), ("ep2_dp4", "step_000002"),
+                                      ("pp2", "step_000002")])
 def test_conversion_holds_every_weight_and_moment_bit_for_bit(moe_runs, tmp_path, name, tag):
     """ep=2 (each rank's experts numbered from 0, one partition each), ep=1 x dp=2 (each expert group's states
-    partitioned over both ranks) and ep=2 x dp=4 (both): every parameter's fp32 weight and moments equal what the
-    engines held."""
+    partitioned over both ranks), ep=2 x dp=4 (both) and 2 pipeline stages (a stage's files each): every
+    parameter's fp32 weight and moments equal what the engines held."""
     folder = converted(moe_runs, name, tag, tmp_path)
     held = {}
     for path in glob.glob(str(moe_runs[f"{name}_held"] / "rank*.pt")):
@@ -43,17 +44,20 @@ def steps(out_dir) -> list[dict]:
     return [m for m in metrics(out_dir) if "loss" in m]
 
 
-# Where an ep=2 x ZeRO-2 checkpoint resumes: (ranks, ds_config, settings); 1 rank: one process under ZeRO-0.
+# Where a checkpoint saved at step 2 resumes: (the run that saved it, ranks, ds_config, settings); 1 rank: one
+# process under ZeRO-0. "ep2": ep=2 x ZeRO-2; "pp2": 2 pipeline stages under ZeRO-1.
 LAYOUTS = {
-    "one": (1, "zero0.json", ["ds.gradient_accumulation_steps=2"]),
-    "dp2_zero1": (2, "zero1.json", []),
-    "pp2": (2, "pipe2.json", ["ds.gradient_accumulation_steps=2"]),
-    "pp2_ep2": (4, "pipe2.json", ["ds.gradient_accumulation_steps=1", "ds.expert_parallel_size=2"]),
+    "one": ("ep2", 1, "zero0.json", ["ds.gradient_accumulation_steps=2"]),
+    "dp2_zero1": ("ep2", 2, "zero1.json", []),
+    "pp2": ("ep2", 2, "pipe2.json", ["ds.gradient_accumulation_steps=2"]),
+    "pp2_ep2": ("ep2", 4, "pipe2.json", ["ds.gradient_accumulation_steps=1", "ds.expert_parallel_size=2"]),
     # bf16: DeepSpeed's bf16 optimizers look up each expert group's process group by its name, which the
     # checkpoint's ep=2 must not carry to ep=1.
-    "dp2_bf16": (2, "zero1.json", ["ds.bf16.enabled=true"]),
-    "bias_one": (1, "zero0.json", ["ds.gradient_accumulation_steps=2", "model.router_bias_rate=0.01",
-                                   "model.router_aux_loss_coef=0"]),
+    "dp2_bf16": ("ep2", 2, "zero1.json", ["ds.bf16.enabled=true"]),
+    "bias_one": ("bias_ep2", 1, "zero0.json", ["ds.gradient_accumulation_steps=2", "model.router_bias_rate=0.01",
+                                               "model.router_aux_loss_coef=0"]),
+    "from_pp2_one": ("pp2", 1, "zero0.json", ["ds.gradient_accumulation_steps=2"]),
+    "from_pp2_ep2": ("pp2", 2, "zero2.json", ["ds.expert_parallel_size=2"]),
 }
 
 
@@ -61,12 +65,11 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_converted_checkpoint_resumes_on_another_layout(moe_runs, tmp_path, char_data, layout):
     """ep=2 x ZeRO-2 stopped at step 2, converted, resumed for steps 3-4 on one process (ZeRO-0, 2 accumulation
-    steps), at ep=1 x dp=2 under ZeRO-1, over 2 pipeline stages, and over 2 stages of ep=2 (4 ranks): steps 3-4
-    as the ep=2 run took them (a micro-batch of 4 everywhere: the load-balancing loss is a micro-batch's); in
-    bf16, within its rounding. With a biased router its bias comes along (the one-process run's steps 3-4, bias
-    included)."""
-    ranks, ds_config, settings = LAYOUTS[layout]
-    source = "bias_ep2" if layout.startswith("bias") else "ep2"
+    steps), at ep=1 x dp=2 under ZeRO-1, over 2 pipeline stages, and over 2 stages of ep=2 (4 ranks); 2 pipeline
+    stages converted and resumed on one process and at ep=2: steps 3-4 as the saving run took them (a
+    micro-batch of 4 everywhere: the load-balancing loss is a micro-batch's); in bf16, within its rounding. With a
+    biased router its bias comes along."""
+    source, ranks, ds_config, settings = LAYOUTS[layout]
     args = [*MOE, "ds.train_micro_batch_size_per_gpu=4", *settings,
             f"train.resume={converted(moe_runs, source, 'step_000002', tmp_path)}"]
     out = tmp_path / "resumed"
@@ -97,9 +100,9 @@ def test_a_layout_change_without_conversion_says_how_to_convert(moe_runs, char_d
     ({"zero_stage": 0, "pp": 1, "tp": 1}, "/run/step_000002 is a mixture of experts' ZeRO-0 checkpoint, whose "
      "optimizer state no converter reads: resume it on its own layout (pp=1, tp=1, ZeRO-0), or train with ZeRO-1 "
      "or 2 (ds_configs/zero2.json) to change the layout later"),
-    ({"zero_stage": 1, "pp": 2, "tp": 1}, "/run/step_000002 is a mixture of experts' checkpoint at pp=2, tp=1, "
-     "ZeRO-1: its experts convert from one pipeline stage and one tensor rank only. Resume it on its own layout, or "
-     "train at pp=1, tp=1 to change the layout later"),
+    ({"zero_stage": 1, "pp": 1, "tp": 2}, "/run/step_000002 is a mixture of experts' checkpoint at pp=1, tp=2, "
+     "ZeRO-1: its experts convert from one tensor rank only. Resume it on its own layout, or train at tp=1 to "
+     "change the layout later"),
 ])
 def test_what_cannot_be_converted_is_named(layout, message):
     saved = {"layout": {"dp": 2, "ep": 2, **layout}, "config": {"model": {"n_experts": 4}}}

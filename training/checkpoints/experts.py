@@ -7,9 +7,10 @@ partitioned over the ranks that hold the same experts and its parameters are nam
 `convert` writes what DeepSpeed's loader reads of a universal checkpoint: each parameter's fp32 weight and Adam
 moments whole under zero/<name>/, an expert's under the name a one-rank model gives it (its global index), so that
 any expert-parallel degree finds its own (`expert_names` maps them back at load). Its source is a ZeRO-1 or ZeRO-2
-checkpoint of one pipeline stage and one tensor rank, at any data-parallel and expert-parallel degree
-(universal.unconvertible refuses the others). DeepSpeed's expert groups there are consecutive blocks of ep ranks:
-data-parallel rank r holds expert block r % ep, and is partition r // ep of the ranks that hold the same block."""
+checkpoint of one tensor rank, at any data-parallel and expert-parallel degree and over any pipeline stages
+(universal.unconvertible refuses the others). DeepSpeed's expert groups there are consecutive blocks of ep ranks
+of a stage: its data-parallel rank r holds expert block r % ep, and is partition r // ep of the ranks that hold
+the same block."""
 import contextlib
 import glob
 import os
@@ -32,7 +33,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from model.moe import global_expert_names
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = "mp_rank_*_model_states.pt"
 EXPERT_FILES = "layer_*_expert_*_model_states.pt"
 # DeepSpeed names an expert parameter group by its expert-parallel degree ("ep_size_2"), and its loader copies a
 # saved group's settings over the running one's: the name must not travel to another degree.
@@ -61,46 +62,61 @@ def every_tensor_rank_writes(engine):
         del writer.is_data_parallel_writer
 
 
-def convert(source: str, target: str, dp: int, ep: int, load) -> None:
-    """Write the universal form of `source` (saved at data-parallel degree `dp`, expert-parallel degree `ep`)
-    to `target`. load: reads one of its torch files safely."""
-    states = load(os.path.join(source, MODEL_STATES))
-    shapes = {name: torch.Size(shape) for group in states["param_shapes"] for name, shape in group.items()}
-    shards = [load(_shard(source, rank)) for rank in range(dp)]
+def convert(source: str, target: str, dp: int, ep: int, stages: int, load) -> None:
+    """Write the universal form of `source` (saved at data-parallel degree `dp`, expert-parallel degree `ep`, over
+    `stages` pipeline stages) to `target`. load: reads one of its torch files safely."""
     try:
-        pieces, steps = _fragments(shards, ep, _local_experts(shapes, states["num_experts"], ep))
-        for name, by_key in pieces.items():
-            local = _local_name(name)
-            for key, parts in by_key.items():
-                whole = torch.cat([parts[i] for i in sorted(parts)])
-                if whole.numel() != shapes[local].numel():
-                    raise ValueError(f"{source}: the ZeRO shards hold {whole.numel()} of {name}'s "
-                                     f"{shapes[local].numel()} values ({key}), so it cannot be converted")
-                _save(target, name, key, {PARAM: whole.view(shapes[local]), CAT_DIM: 0})
-            _save(target, name, "step", steps[name])
-        for name in states["buffer_names"]:  # not the optimizer's: DeepSpeed's loader does not read them
-            _save(target, name, FP32_WEIGHT_KEY, {PARAM: states["module"][name]})
-        optimizer = shards[0][OPTIMIZER_STATE_DICT]
+        first = None
+        for stage in range(stages):
+            states = load(os.path.join(source, _model_states(stage)))
+            shards = [load(_shard(source, rank, stage)) for rank in range(dp)]
+            _convert_stage(source, target, states, shards, ep)
+            first = first or shards[0][OPTIMIZER_STATE_DICT]
         sharded = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
-        groups = [{k: v for k, v in group.items() if not (group.get("moe") and k in LAYOUT_SETTINGS)}
-                  for group in optimizer[BASE_OPTIMIZER_STATE][PARAM_GROUPS]]
-        torch.save({**{k: v for k, v in optimizer.items() if k not in sharded}, PARAM_GROUPS: groups},
+        param_groups = [{k: v for k, v in group.items() if not (group.get("moe") and k in LAYOUT_SETTINGS)}
+                        for group in first[BASE_OPTIMIZER_STATE][PARAM_GROUPS]]
+        torch.save({**{k: v for k, v in first.items() if k not in sharded}, PARAM_GROUPS: param_groups},
                    os.path.join(target, "zero", "optimizer_state.pt"))
-        for path in [os.path.join(source, MODEL_STATES), *glob.glob(os.path.join(source, EXPERT_FILES))]:
+        for path in [*glob.glob(os.path.join(source, MODEL_STATES)), *glob.glob(os.path.join(source, EXPERT_FILES))]:
             shutil.copy2(path, target)  # what export and sampling read, and DeepSpeed's run counters
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
         raise
 
 
-def _shard(source: str, rank: int) -> str:
-    paths = glob.glob(os.path.join(source, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+def _convert_stage(source: str, target: str, states: dict, shards: list, ep: int) -> None:
+    """One pipeline stage's parameters (`states`: its model-states file; `shards`: its ranks' ZeRO shards) and
+    buffers into `target`. A parameter two stages hold (the tied embedding) is written by the first."""
+    shapes = {name: torch.Size(shape) for group in states["param_shapes"] for name, shape in group.items()}
+    pieces, steps = _fragments(shards, ep, _local_experts(states["num_experts"], ep))
+    for name, by_key in pieces.items():
+        if os.path.exists(os.path.join(target, "zero", name)):
+            continue
+        local = _local_name(name)
+        for key, parts in by_key.items():
+            whole = torch.cat([parts[i] for i in sorted(parts)])
+            if whole.numel() != shapes[local].numel():
+                raise ValueError(f"{source}: the ZeRO shards hold {whole.numel()} of {name}'s "
+                                 f"{shapes[local].numel()} values ({key}), so it cannot be converted")
+            _save(target, name, key, {PARAM: whole.view(shapes[local]), CAT_DIM: 0})
+        _save(target, name, "step", steps[name])
+    for name in states["buffer_names"]:  # not the optimizer's: DeepSpeed's loader does not read them
+        _save(target, name, FP32_WEIGHT_KEY, {PARAM: states["module"][name]})
+
+
+def _model_states(stage: int) -> str:
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def _shard(source: str, rank: int, stage: int) -> str:
+    paths = glob.glob(os.path.join(source, f"*zero_pp_rank_{rank}_mp_rank_{stage:02d}_optim_states.pt"))
     if len(paths) != 1:
-        raise ValueError(f"{source} lacks the ZeRO shard of data-parallel rank {rank}, so it cannot be converted")
+        raise ValueError(f"{source} lacks the ZeRO shard of data-parallel rank {rank} of stage {stage}, so it cannot "
+                         f"be converted")
     return paths[0]
 
 
-def _local_experts(shapes: dict, num_experts: list, ep: int) -> int:
+def _local_experts(num_experts: list, ep: int) -> int:
     """Experts per rank: every MoE layer of this repo's models holds the same number."""
     if len(set(num_experts)) != 1:
         raise ValueError(f"the MoE layers hold {num_experts} experts: one number for every layer is converted")

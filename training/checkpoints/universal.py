@@ -159,16 +159,15 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
 
 def _unconvertible_experts(tag_dir: str, layout: dict) -> str | None:
     """Why a mixture of experts' checkpoint cannot be converted (training/checkpoints/experts.py reads ZeRO
-    shards of one pipeline stage and one tensor rank), or None."""
+    shards of one tensor rank), or None."""
     saved_at = f"pp={layout['pp']}, tp={layout['tp']}, ZeRO-{layout['zero_stage']}"
     if layout["zero_stage"] == 0:
         return (f"{tag_dir} is a mixture of experts' ZeRO-0 checkpoint, whose optimizer state no converter reads: "
                 f"resume it on its own layout ({saved_at}), or train with ZeRO-1 or 2 (ds_configs/zero2.json) to "
                 f"change the layout later")
-    if layout["pp"] > 1 or layout["tp"] > 1:
-        return (f"{tag_dir} is a mixture of experts' checkpoint at {saved_at}: its experts convert from one pipeline "
-                f"stage and one tensor rank only. Resume it on its own layout, or train at pp=1, tp=1 to change the "
-                f"layout later")
+    if layout["tp"] > 1:
+        return (f"{tag_dir} is a mixture of experts' checkpoint at {saved_at}: its experts convert from one tensor "
+                f"rank only. Resume it on its own layout, or train at tp=1 to change the layout later")
     return None
 
 
