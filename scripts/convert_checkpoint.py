@@ -44,8 +44,11 @@ def to_universal(out_dir: str, tag: str | None) -> str:
     layout = saved["layout"]
     if saved["config"]["model"].get("n_experts"):
         try:
-            experts.convert(source, target, layout["dp"], layout.get("ep", 1), layout["pp"],
-                            checkpoint.load_state_file)
+            if universal.has_optimizer_shards(source):
+                experts.convert(source, target, layout["dp"], layout.get("ep", 1), layout["pp"],
+                                checkpoint.load_state_file)
+            else:
+                experts.convert_zero0(source, target, saved, layout.get("ep", 1), checkpoint.load_state_file)
         except ValueError as e:
             raise ConfigError(f"{e}; fix: {checkpoint.elsewhere(source, 'convert another tag')}") from None
     elif universal.has_optimizer_shards(source):

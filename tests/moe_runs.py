@@ -13,12 +13,13 @@ MOE = ["model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.n_
 @pytest.fixture(scope="session")
 def moe_runs(tmp_path_factory, char_data):
     """ep=1 x dp=2 for 4 steps; ep=2 (ZeRO-2) and pp=2 (ZeRO-1, 2 micro-batches) each stopped at step 2 and
-    resumed to 4; one process with 2 accumulation steps; ep=2 x dp=4 for 2 steps. dp=2, ep=2, ep=2 x dp=4 and
-    pp=2 write what their engines hold of each parameter at the step they save (tests/optimizer_dump.py) into
-    "<name>_held"."""
+    resumed to 4; one process with 2 accumulation steps; ep=2 x dp=4 and ep=2 under ZeRO-0 for 2 steps. Those
+    that a test converts write what their engines hold of each parameter at the step they save
+    (tests/optimizer_dump.py) into "<name>_held"."""
     out = {name: tmp_path_factory.mktemp(f"moe_{name}")
            for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "sp2", "sp2_ep2", "bias_ep2",
-                        "bias_one", "ep2_dp4", "dp2_held", "ep2_held", "ep2_dp4_held", "pp2_held")}
+                        "bias_one", "ep2_dp4", "z0_ep2", "dp2_held", "ep2_held", "ep2_dp4_held", "pp2_held",
+                        "z0_ep2_held")}
     proc = launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"],
                   env={"MEGALITE_OPTIMIZER_DUMP": f"4:{out['dp2_held']}"})
     (out["dp2"] / "stdout.txt").write_text(proc.stdout)
@@ -27,6 +28,9 @@ def moe_runs(tmp_path_factory, char_data):
            env={"MEGALITE_OPTIMIZER_DUMP": f"2:{out['ep2_held']}"})
     launch(2, "zero2.json", out["ep2"], char_data, ep2)
     # Each expert group's states partitioned over 2 of 4 ranks, numbered from 0 on each (a checkpoint to convert).
+    # ep 2 without ZeRO: each expert-parallel rank's whole optimizer state in a file of its own.
+    launch(2, "zero0.json", out["z0_ep2"], char_data, [*ep2, "train.stop_at_step=2"],
+           env={"MEGALITE_OPTIMIZER_DUMP": f"2:{out['z0_ep2_held']}"})
     launch(4, "zero2.json", out["ep2_dp4"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=2",
                                                         "ds.expert_parallel_size=2", "train.max_steps=2"],
            env={"MEGALITE_OPTIMIZER_DUMP": f"2:{out['ep2_dp4_held']}"})

@@ -23,16 +23,25 @@ class OptimizerDump(Observer):
         if step != self.step:
             return
         engine = driver.engine
+        names = global_expert_names(engine.module)
+        held = {}
+        if not engine.zero_optimization():  # fp32 without ZeRO: torch's optimizer steps the weights themselves
+            for name, param in engine.module.named_parameters():
+                state = engine.optimizer.state[param]
+                held[names.get(name, name)] = {"fp32": param.detach().clone(), "exp_avg": state["exp_avg"],
+                                               "exp_avg_sq": state["exp_avg_sq"]}
+            return self.write(held)
         # DeepSpeed links each parameter to its moments after the first optimizer step of the first group, when
         # the other groups' moments do not exist yet (their fragments stay empty): linked again now.
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
-        names = global_expert_names(engine.module)
-        held = {}
         for name, param in engine.module.named_parameters():  # collective within each parameter's group
             held[names.get(name, name)] = {"fp32": safe_get_full_fp32_param(param),
                                            **{key: safe_get_full_optimizer_state(param, key)
                                               for key in ("exp_avg", "exp_avg_sq")}}
+        self.write(held)
+
+    def write(self, held: dict) -> None:
         torch.save(held, os.path.join(self.folder, f"rank{torch.distributed.get_rank()}.pt"))
 
 

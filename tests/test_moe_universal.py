@@ -23,11 +23,12 @@ def converted(moe_runs, name: str, tag: str, tmp_path) -> str:
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name,tag", [("ep2", "step_000002"), ("dp2", "step_000004"), ("ep2_dp4", "step_000002"),
-                                      ("pp2", "step_000002")])
+                                      ("pp2", "step_000002"), ("z0_ep2", "step_000002")])
 def test_conversion_holds_every_weight_and_moment_bit_for_bit(moe_runs, tmp_path, name, tag):
     """ep=2 (each rank's experts numbered from 0, one partition each), ep=1 x dp=2 (each expert group's states
-    partitioned over both ranks), ep=2 x dp=4 (both) and 2 pipeline stages (a stage's files each): every
-    parameter's fp32 weight and moments equal what the engines held."""
+    partitioned over both ranks), ep=2 x dp=4 (both), 2 pipeline stages (a stage's files each) and ep=2 without
+    ZeRO (each expert-parallel rank's whole optimizer state): every parameter's fp32 weight and moments equal
+    what the engines held."""
     folder = converted(moe_runs, name, tag, tmp_path)
     held = {}
     for path in glob.glob(str(moe_runs[f"{name}_held"] / "rank*.pt")):
@@ -58,7 +59,12 @@ LAYOUTS = {
                                                "model.router_aux_loss_coef=0"]),
     "from_pp2_one": ("pp2", 1, "zero0.json", ["ds.gradient_accumulation_steps=2"]),
     "from_pp2_ep2": ("pp2", 2, "zero2.json", ["ds.expert_parallel_size=2"]),
+    "from_zero0_one": ("z0_ep2", 1, "zero0.json", ["ds.gradient_accumulation_steps=2"]),
+    "from_zero0_dp2_zero1": ("z0_ep2", 2, "zero1.json", []),
 }
+# The run whose steps 3-4 a resumed one must take: the saving run's own, or (for one that stopped at step 2) the
+# same run's under ZeRO-2.
+GOES_ON_AS = {"z0_ep2": "ep2"}
 
 
 @pytest.mark.launch
@@ -66,9 +72,9 @@ LAYOUTS = {
 def test_a_converted_checkpoint_resumes_on_another_layout(moe_runs, tmp_path, char_data, layout):
     """ep=2 x ZeRO-2 stopped at step 2, converted, resumed for steps 3-4 on one process (ZeRO-0, 2 accumulation
     steps), at ep=1 x dp=2 under ZeRO-1, over 2 pipeline stages, and over 2 stages of ep=2 (4 ranks); 2 pipeline
-    stages converted and resumed on one process and at ep=2: steps 3-4 as the saving run took them (a
-    micro-batch of 4 everywhere: the load-balancing loss is a micro-batch's); in bf16, within its rounding. With a
-    biased router its bias comes along."""
+    stages converted and resumed on one process and at ep=2; ep=2 without ZeRO resumed on one process and at
+    ep=1 x dp=2: steps 3-4 as the saving run took them (a micro-batch of 4 everywhere: the load-balancing loss is
+    a micro-batch's); in bf16, within its rounding. With a biased router its bias comes along."""
     source, ranks, ds_config, settings = LAYOUTS[layout]
     args = [*MOE, "ds.train_micro_batch_size_per_gpu=4", *settings,
             f"train.resume={converted(moe_runs, source, 'step_000002', tmp_path)}"]
@@ -78,7 +84,7 @@ def test_a_converted_checkpoint_resumes_on_another_layout(moe_runs, tmp_path, ch
                   f"data.dir={char_data}", *TINY, *args, f"train.out_dir={out}"])
     else:
         launch(ranks, ds_config, out, char_data, args)
-    resumed, reference = steps(out), steps(moe_runs[source])[2:]
+    resumed, reference = steps(out), steps(moe_runs[GOES_ON_AS.get(source, source)])[2:]
     assert [m["step"] for m in resumed] == [3, 4]
     keys = ("loss",) if "bf16" in layout else ROUTING + (("router_bias_max",) if source == "bias_ep2" else ())
     for key in keys:
@@ -97,9 +103,9 @@ def test_a_layout_change_without_conversion_says_how_to_convert(moe_runs, char_d
 
 
 @pytest.mark.parametrize("layout,message", [
-    ({"zero_stage": 0, "pp": 1, "tp": 1}, "/run/step_000002 is a mixture of experts' ZeRO-0 checkpoint, whose "
-     "optimizer state no converter reads: resume it on its own layout (pp=1, tp=1, ZeRO-0), or train with ZeRO-1 "
-     "or 2 (ds_configs/zero2.json) to change the layout later"),
+    ({"zero_stage": 0, "pp": 2, "tp": 1}, "/run/step_000002 is a mixture of experts' ZeRO-0 checkpoint over 2 "
+     "pipeline stages, whose optimizer state no converter reads: resume it on its own layout (pp=2, tp=1, ZeRO-0), "
+     "or train with ZeRO-1 to change the layout later"),
     ({"zero_stage": 1, "pp": 1, "tp": 2}, "/run/step_000002 is a mixture of experts' checkpoint at pp=1, tp=2, "
      "ZeRO-1: its experts convert from one tensor rank only. Resume it on its own layout, or train at tp=1 to "
      "change the layout later"),

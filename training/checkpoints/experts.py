@@ -32,9 +32,11 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from model.moe import global_expert_names
+from training.checkpoints import universal
 
 MODEL_STATES = "mp_rank_*_model_states.pt"
 EXPERT_FILES = "layer_*_expert_*_model_states.pt"
+EXPERTS = ".deepspeed_experts."  # in an expert parameter's name, before its index
 # DeepSpeed names an expert parameter group by its expert-parallel degree ("ep_size_2"), and its loader copies a
 # saved group's settings over the running one's: the name must not travel to another degree.
 LAYOUT_SETTINGS = ("name",)
@@ -73,15 +75,51 @@ def convert(source: str, target: str, dp: int, ep: int, stages: int, load) -> No
             _convert_stage(source, target, states, shards, ep)
             first = first or shards[0][OPTIMIZER_STATE_DICT]
         sharded = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
-        param_groups = [{k: v for k, v in group.items() if not (group.get("moe") and k in LAYOUT_SETTINGS)}
-                        for group in first[BASE_OPTIMIZER_STATE][PARAM_GROUPS]]
-        torch.save({**{k: v for k, v in first.items() if k not in sharded}, PARAM_GROUPS: param_groups},
+        torch.save({**{k: v for k, v in first.items() if k not in sharded},
+                    PARAM_GROUPS: _layout_free(first[BASE_OPTIMIZER_STATE][PARAM_GROUPS])},
                    os.path.join(target, "zero", "optimizer_state.pt"))
         for path in [*glob.glob(os.path.join(source, MODEL_STATES)), *glob.glob(os.path.join(source, EXPERT_FILES))]:
             shutil.copy2(path, target)  # what export and sampling read, and DeepSpeed's run counters
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
         raise
+
+
+def convert_zero0(source: str, target: str, saved: dict, ep: int, load) -> None:
+    """A ZeRO-0 checkpoint of a mixture of experts (one stage, one tensor rank; `saved`: its run state) in the
+    universal format, as universal.convert_zero0 writes a dense one. Each expert-parallel rank's whole optimizer
+    state is a file of its own (expp_rank_<e>_mp_rank_00_optim_states.pt), in the order its optimizer took the
+    parameters: the dense matrices, the dense vectors, then that rank's experts (DeepSpeed moves them to a group of
+    their own). Each expert is written under its global index."""
+    order = universal.optimizer_order(saved, source)
+    dense, routed = [p for p in order if EXPERTS not in p[0]], [p for p in order if EXPERTS in p[0]]
+    local = saved["config"]["model"]["n_experts"] // ep
+    states = load(os.path.join(source, _model_states(0)))
+    expert_files = sorted(glob.glob(os.path.join(source, EXPERT_FILES)))
+    weights = {**states["module"], **{k: v for path in expert_files for k, v in load(path).items()}}
+    try:
+        for rank in range(ep):
+            mine = [p for p in routed if rank * local <= _expert_index(p[0]) < (rank + 1) * local]
+            optimizer = load(os.path.join(source, f"expp_rank_{rank}_mp_rank_00_optim_states.pt"))["optimizer"]
+            adam = universal.write_parameters(target, dense + mine, optimizer, weights, source,
+                                              skip=frozenset(name for name, _ in dense) if rank else frozenset())
+            if rank == 0:
+                torch.save({"ds_version": states["ds_version"], PARAM_GROUPS: _layout_free(adam[PARAM_GROUPS])},
+                           os.path.join(target, "zero", "optimizer_state.pt"))
+        for name in states["buffer_names"]:
+            _save(target, name, FP32_WEIGHT_KEY, {PARAM: states["module"][name]})
+        torch.save({**states, "optimizer": None}, os.path.join(target, _model_states(0)))
+        for path in expert_files:
+            shutil.copy2(path, target)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
+        raise
+
+
+def _layout_free(param_groups: list) -> list:
+    """The optimizer's groups without what names their layout (an expert group's degree)."""
+    return [{k: v for k, v in group.items() if not (group.get("moe") and k in LAYOUT_SETTINGS)}
+            for group in param_groups]
 
 
 def _convert_stage(source: str, target: str, states: dict, shards: list, ep: int) -> None:
@@ -145,7 +183,9 @@ def _fragments(shards: list, ep: int, local_experts: int) -> tuple[dict, dict]:
     return pieces, steps
 
 
-EXPERTS = ".deepspeed_experts."
+
+def _expert_index(name: str) -> int:
+    return int(name.split(EXPERTS)[1].split(".", 1)[0])
 
 
 def _global_name(name: str, first: int) -> str:

@@ -131,7 +131,7 @@ def load_buffers(model: torch.nn.Module, tag_dir: str) -> None:
 def has_optimizer_shards(tag_dir: str) -> bool:
     """ZeRO 1-3 and bf16 pipelines save optimizer shards, which DeepSpeed's converter reads; ZeRO-0 otherwise keeps
     the whole optimizer state in its model-states files."""
-    return bool(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))
+    return bool(glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*optim_states.pt")))  # not an expert rank's
 
 
 def unconvertible(tag_dir: str, saved: dict) -> str | None:
@@ -159,15 +159,15 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
 
 def _unconvertible_experts(tag_dir: str, layout: dict) -> str | None:
     """Why a mixture of experts' checkpoint cannot be converted (training/checkpoints/experts.py reads ZeRO
-    shards of one tensor rank), or None."""
+    shards of one tensor rank, or a ZeRO-0 checkpoint of one stage and one tensor rank), or None."""
     saved_at = f"pp={layout['pp']}, tp={layout['tp']}, ZeRO-{layout['zero_stage']}"
-    if layout["zero_stage"] == 0:
-        return (f"{tag_dir} is a mixture of experts' ZeRO-0 checkpoint, whose optimizer state no converter reads: "
-                f"resume it on its own layout ({saved_at}), or train with ZeRO-1 or 2 (ds_configs/zero2.json) to "
-                f"change the layout later")
     if layout["tp"] > 1:
         return (f"{tag_dir} is a mixture of experts' checkpoint at {saved_at}: its experts convert from one tensor "
                 f"rank only. Resume it on its own layout, or train at tp=1 to change the layout later")
+    if layout["zero_stage"] == 0 and layout["pp"] > 1:
+        return (f"{tag_dir} is a mixture of experts' ZeRO-0 checkpoint over {layout['pp']} pipeline stages, whose "
+                f"optimizer state no converter reads: resume it on its own layout ({saved_at}), or train with "
+                f"ZeRO-1 to change the layout later")
     return None
 
 
@@ -190,28 +190,45 @@ def convert_zero0(source: str, target: str, saved: dict, states: dict) -> None:
     its loaders read it, zero/<name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt per parameter and
     zero/optimizer_state.pt, beside the model-states file without its optimizer entry (`states`: that file,
     read safely)."""
-    with torch.device("meta"):
-        model = build_model(model_config(saved["config"]["model"], f"the run state of {source}"))
-    decay, no_decay = decay_split(model.named_parameters())  # the order train.py gave the optimizer
-    names, shapes = [n for n, _ in decay + no_decay], {n: p.shape for n, p in decay + no_decay}
-    optimizer = states["optimizer"]
-    masters = optimizer.get("fp32_groups")  # bf16: DeepSpeed's unfused optimizer keeps fp32 masters
-    adam = optimizer["optimizer_state_dict"] if masters is not None else optimizer
-    weights = [t for group in masters for t in group] if masters is not None else \
-        [states["module"].get(name) for name in names]
-    if len(weights) != len(names) or any(w is None or w.shape != shapes[n] for n, w in zip(names, weights)):
-        raise ValueError(f"{source}: its optimizer state does not fit the model its run_state.json describes, so "
-                         f"it cannot be converted")
+    order = optimizer_order(saved, source)
     try:
-        for index, (name, weight) in enumerate(zip(names, weights)):
-            folder = os.path.join(target, "zero", name)
-            os.makedirs(folder)
-            torch.save({PARAM: weight.float(), CAT_DIM: 0}, os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"))
-            for key, value in adam["state"].get(index, {}).items():  # step, exp_avg, exp_avg_sq
-                torch.save(value if key == "step" else {PARAM: value, CAT_DIM: 0}, os.path.join(folder, f"{key}.pt"))
+        adam = write_parameters(target, order, states["optimizer"], states["module"], source)
         torch.save({"ds_version": states["ds_version"], "param_groups": adam["param_groups"]},
                    os.path.join(target, "zero", "optimizer_state.pt"))
         torch.save({**states, "optimizer": None}, os.path.join(target, "mp_rank_00_model_states.pt"))
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
         raise
+
+
+def optimizer_order(saved: dict, source: str) -> list[tuple[str, torch.Size]]:
+    """The parameters of the checkpoint's model (`saved`: its run state), names and shapes, in the order train.py
+    gave the optimizer: the model built on the meta device."""
+    with torch.device("meta"):
+        model = build_model(model_config(saved["config"]["model"], f"the run state of {source}"))
+    decay, no_decay = decay_split(model.named_parameters())
+    return [(name, p.shape) for name, p in decay + no_decay]
+
+
+def write_parameters(target: str, order: list, optimizer: dict, module: dict, source: str,
+                     skip: frozenset = frozenset()) -> dict:
+    """Each parameter of `order` ((name, shape) in the optimizer's order) but those in `skip`, from a ZeRO-0
+    optimizer's whole state (torch's, or bf16's beside its fp32 masters; the weights of an fp32 run are the
+    `module`'s): its fp32 weight and Adam states, as DeepSpeed's universal loaders read them. Returns torch's
+    optimizer state dict."""
+    masters = optimizer.get("fp32_groups")  # bf16: DeepSpeed's unfused optimizer keeps fp32 masters
+    adam = optimizer["optimizer_state_dict"] if masters is not None else optimizer
+    weights = [t for group in masters for t in group] if masters is not None else \
+        [module.get(name) for name, _ in order]
+    if len(weights) != len(order) or any(w is None or w.shape != shape for (_, shape), w in zip(order, weights)):
+        raise ValueError(f"{source}: its optimizer state does not fit the model its run_state.json describes, so "
+                         f"it cannot be converted")
+    for index, ((name, _), weight) in enumerate(zip(order, weights)):
+        if name in skip:
+            continue
+        folder = os.path.join(target, "zero", name)
+        os.makedirs(folder)
+        torch.save({PARAM: weight.float(), CAT_DIM: 0}, os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"))
+        for key, value in adam["state"].get(index, {}).items():  # step, exp_avg, exp_avg_sq
+            torch.save(value if key == "step" else {PARAM: value, CAT_DIM: 0}, os.path.join(folder, f"{key}.pt"))
+    return adam
