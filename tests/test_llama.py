@@ -96,6 +96,9 @@ def test_llama_hidden_size_rule():
 @pytest.mark.parametrize("name,vocab,expected", [
     ("tinyllama_1.1b", None, 1_100_048_384),
     ("llama3.2_1b", None, 1_235_814_400),
+    ("llama3.1_8b", None, 8_030_261_248),  # the Llama 3 paper's 8.03B, 70.6B and 405.9B
+    ("llama3.1_70b", None, 70_553_706_496),
+    ("llama3.1_405b", None, 405_853_388_800),
     ("llama_124m", 50_000, 179_522_304),
     ("llama_quickstart", 65, 820_352),
 ])
