@@ -10,6 +10,10 @@ then marks complete. On GPUs each rank also reports its GPU's UUID (two ranks on
 and the NCCL version, and the job measures its all-reduce bus bandwidth (NCCL-tests' busbw), with a warning
 below --min_busbw (GB/s). Rank 0 prints one line per rank and the world = dp x pp layout; the exit code is 0
 only if every check passed on every rank.
+
+At a scale this machine does not have, check the layout without starting any rank (training/dry_run.py):
+
+    python preflight.py --dry_run --world 1024 --gpus_per_node 8 --config RUN.yaml --ds_config DS.json
 """
 import common  # noqa: F401 (first: its filter of DeepSpeed's log must be in place before DeepSpeed is imported)
 
@@ -23,7 +27,7 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from common.checks import ConfigError, ToolParser
+from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.token_data import TokenData
 from training.launch.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
 from training.startup import configure, load_configs
@@ -37,7 +41,13 @@ def main(argv=None) -> None:
     own = ToolParser(add_help=False)
     # 10 GB/s: far below NVLink (hundreds) and InfiniBand NDR (about 45), above TCP over 25-100 GbE.
     own.add_argument("--min_busbw", type=float, default=10.0, help="GB/s below which the all-reduce warns (GPUs)")
+    own.add_argument("--dry_run", action="store_true", help="start no rank: print and check the groups of --world "
+                                                            "ranks, the stages and each rank's parameters")
+    own.add_argument("--world", type=int, help="with --dry_run: the number of ranks (GPUs)")
+    own.add_argument("--gpus_per_node", type=int, default=8, help="with --dry_run: GPUs of a node (default 8)")
     preflight_args, rest = own.parse_known_args(argv)
+    if preflight_args.dry_run:
+        return print_dry_run(preflight_args, rest)
     if not preflight_args.min_busbw >= 0:  # NaN included
         raise ConfigError(f"--min_busbw {preflight_args.min_busbw}: must be >= 0 (GB/s; 0 never warns); fix: pass the "
                           f"bus bandwidth below which to warn, e.g. --min_busbw 10")
@@ -86,6 +96,23 @@ def main(argv=None) -> None:
     leave_process_group()
     if any(r["problems"] for r in reports):
         raise SystemExit(1)
+
+
+def print_dry_run(args, rest: list[str]) -> None:
+    from training.dry_run import dry_run
+
+    try:
+        for flag, value in (("--world", args.world), ("--gpus_per_node", args.gpus_per_node)):
+            if value is None or value < 1:
+                raise ConfigError(f"--dry_run needs {flag} N >= 1 (now {value}); fix: e.g. --world 1024 "
+                                  f"--gpus_per_node 8")
+        cfg, ds = load_configs(rest)
+        if cfg.model.vocab_size is None:
+            raise ConfigError("--dry_run counts parameters: model.vocab_size is unset (a run takes it from its "
+                              "dataset); fix: pass model.vocab_size=N")
+        print(dry_run(cfg, ds, args.world, args.gpus_per_node))
+    except ConfigError as e:  # no rank started: a tool's refusal, not a job's
+        exit_bad_input(e)
 
 
 def local_checks(cfg, token: str) -> dict:

@@ -263,15 +263,21 @@ def parallel_groups(topo, sp_size: int = 1) -> Groups:
     return Groups(grid, tp, sp, dp_rank)
 
 
-def describe_topology(topo, sp_size: int = 1) -> str:
-    """Which ranks form each tensor-parallel, sequence-parallel, data-parallel and pipeline group, and each
-    rank's coordinates."""
+def group_lists(topo, sp_size: int = 1) -> dict[str, list[list[int]]]:
+    """The ranks of each tensor-parallel, sequence-parallel (sp_size > 1), data-parallel and pipeline group of the
+    topology, by axis name."""
     alone = [[r] for r in range(topo.world_size())]  # an axis of size 1: DeepSpeed lists no groups
     lists = {axis: topo.get_axis_comm_lists(axis) or alone for axis in ("model", "data", "pipe")}
     sequence = [ranks[i: i + sp_size] for ranks in lists["data"] for i in range(0, len(ranks), sp_size)]
     data = [ranks[i::sp_size] for ranks in lists["data"] for i in range(sp_size)]
-    groups = [f"tensor groups {lists['model']}", *([f"sequence groups {sequence}"] if sp_size > 1 else []),
-              f"data groups {data}", f"pipeline groups {lists['pipe']}"]
+    return {"tensor": lists["model"], **({"sequence": sequence} if sp_size > 1 else {}), "data": data,
+            "pipeline": lists["pipe"]}
+
+
+def describe_topology(topo, sp_size: int = 1) -> str:
+    """Which ranks form each tensor-parallel, sequence-parallel, data-parallel and pipeline group, and each
+    rank's coordinates."""
+    groups = [f"{axis} groups {lists}" for axis, lists in group_lists(topo, sp_size).items()]
     sequence_rank = (lambda c: f", sequence rank {c.data % sp_size}") if sp_size > 1 else (lambda c: "")
     ranks = [f"rank {r}: stage {c.pipe}, tensor rank {c.model}{sequence_rank(c)}, data rank {c.data // sp_size}"
              for r, c in ((r, topo.get_coord(r)) for r in range(topo.world_size()))]
