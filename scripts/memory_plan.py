@@ -1,9 +1,12 @@
-"""Per-GPU memory plan for a preset under each ds_config layout: model states plus activations.
+"""Per-GPU memory plan for a preset under each ds_config layout: model states plus activations; with --plan, every
+layout for a number of GPUs with its memory, an estimated step time and MFU, and the one to choose.
 
     python -m scripts.memory_plan --config configs/encoder_1b.yaml  # every shipped ds_config, 1 and 8 GPUs
     python -m scripts.memory_plan --config configs/gpt2_1.5b.yaml --ds_config ds_configs/zero3.json --gpus 8
+    python -m scripts.memory_plan --config configs/llama3.1_70b.yaml --plan --gpus 64 --gpu_gb 80
 
-What it counts, after whom, and what comes on top of it: training/memory_plan.py.
+What it counts, after whom, and what comes on top of it: training/memory_plan.py; the step-time model and its
+assumptions: training/layout_planner.py.
 """
 import argparse
 import glob
@@ -11,27 +14,43 @@ import os
 
 import torch
 
-from common.checks import ToolParser
+from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.config import REPO_ROOT, load_run_config
 from training.ds_config import load_ds_config
+from training.layout_planner import Assumptions, plan_layouts
 from training.memory_plan import GB, plan
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a preset, e.g. configs/encoder_1b.yaml")
     parser.add_argument("--ds_config", action="append", help="default: every shipped ds_config")
     parser.add_argument("--gpus", type=int, action="append", help="default: 1 and 8")
     parser.add_argument("--gpu_gb", type=float, help="memory of one GPU (default: this machine's GPU 0, else 80)")
+    planner = parser.add_argument_group("--plan: every layout for --gpus GPUs (or --nodes x --gpus_per_node)")
+    planner.add_argument("--plan", action="store_true", help="enumerate the layouts and recommend one")
+    planner.add_argument("--nodes", type=int, help="nodes of --gpus_per_node GPUs, instead of --gpus")
+    planner.add_argument("--gpus_per_node", type=int, default=8)
+    planner.add_argument("--global_batch", type=int, help="windows a step (default: 4M tokens' worth)")
+    planner.add_argument("--top", type=int, default=10, help="layouts printed (default 10)")
+    defaults = Assumptions()
+    for name in ("peak_tflops", "mfu", "intra_gbps", "inter_gbps"):
+        planner.add_argument(f"--{name}", type=float, default=getattr(defaults, name))
     parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. model.block_size=2048")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
         args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
     run = load_run_config(args.config, args.overrides)
     cfg = run.model
-    ds_paths = args.ds_config or sorted(glob.glob(os.path.join(REPO_ROOT, "ds_configs", "*.json")))
     print(f"{args.config}: {cfg.arch}, {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}\n")
+    if args.plan:
+        try:
+            print_plan(cfg, args)
+        except ConfigError as e:
+            exit_bad_input(e)
+        return
+    ds_paths = args.ds_config or sorted(glob.glob(os.path.join(REPO_ROOT, "ds_configs", "*.json")))
     print(f"| ds_config | GPUs | layout | ZeRO | micro | params/GPU | model states | activations | total/GPU | "
           f"fits {args.gpu_gb:.0f} GB |\n|---|---|---|---|---|---|---|---|---|---|")
     for path in ds_paths:
@@ -47,6 +66,38 @@ def main() -> None:
                   f"{p['params_per_gpu'] / 1e9:.2f}B | {p['states'] / GB:.1f} GB{cpu} | "
                   f"{p['activations'] / GB:.1f} GB | "
                   f"{p['total'] / GB:.1f} GB | {'yes' if p['total'] < 0.9 * args.gpu_gb * GB else 'no'} |")
+
+
+def print_plan(cfg, args) -> None:
+    """The --plan table: the fastest layouts that fit first, and the recommendation."""
+    gpus = args.nodes * args.gpus_per_node if args.nodes else (args.gpus or [0])[0]
+    if gpus < 1 or (args.gpus and len(args.gpus) > 1):
+        raise ConfigError("--plan needs one GPU count: --gpus N, or --nodes N (x --gpus_per_node)")
+    global_batch = args.global_batch or max(1, 4 * 2**20 // cfg.block_size)
+    assumptions = Assumptions(args.gpu_gb, args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
+    rows = plan_layouts(cfg, gpus, args.gpus_per_node, global_batch, assumptions)
+    fitting = [r for r in rows if r["fits"]]
+    print(f"{gpus} GPUs ({args.gpus_per_node} a node), {global_batch} windows a step; {assumptions.describe()}; "
+          f"{len(fitting)} of {len(rows)} layouts fit\n")
+    print("| layout | memory / GPU | fits | step s | MFU |\n|---|---|---|---|---|")
+    for r in rows[:args.top]:
+        print(f"| {r['layout'].describe()} | {r['memory'] / GB:.1f} GB | {'yes' if r['fits'] else 'no'} | "
+              f"{r['seconds']:.2f} | {r['mfu']:.1%} |")
+    if not fitting:
+        raise ConfigError(f"no layout fits {args.gpu_gb:g} GB GPUs: add GPUs or lower --global_batch")
+    best = fitting[0]["layout"]
+    print(f"\nrecommended: {best.describe()}: ds_config " + ", ".join(
+        f"{k}={v}" for k, v in flat(best.ds_config()).items()))
+
+
+def flat(ds: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in ds.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 if __name__ == "__main__":

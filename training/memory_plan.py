@@ -58,10 +58,29 @@ GB = 2**30
 def layer_params(cfg, tp_size: int = 1, ep_size: int = 1, experts: bool | None = None) -> list[int]:
     """Parameters of each layer as one tensor-parallel (and expert-parallel) rank holds them; `experts` True or
     False: only the experts' parameters, or only the others."""
-    with torch.device("meta"):
-        specs = model_layers(cfg, TensorParallel(tp_size), ExpertParallel(ep_size))
-        return [sum(p.numel() for p in spec.build().parameters() if experts is None or is_moe_param(p) == experts)
-                for spec in specs]
+    def count() -> tuple[int, ...]:
+        with torch.device("meta"):
+            specs = model_layers(cfg, TensorParallel(tp_size), ExpertParallel(ep_size))
+            return tuple(sum(p.numel() for p in spec.build().parameters()
+                             if experts is None or is_moe_param(p) == experts) for spec in specs)
+    return list(_once(("params", repr(cfg), tp_size, ep_size, experts), count))
+
+
+def stages_of(cfg, tp_size: int, stages: int, method: str) -> tuple[list, list[int]]:
+    """The layer specs at this tensor-parallel degree and PipelineModule's stage boundaries."""
+    def partition() -> tuple[list, list[int]]:
+        specs = model_layers(cfg, TensorParallel(tp_size))
+        return specs, stage_partition(specs, stages, method, architecture(cfg).block)
+    return _once(("stages", repr(cfg), tp_size, stages, method), partition)
+
+
+_COUNTED: dict = {}  # the layout planner asks for the same model's counts again and again
+
+
+def _once(key: tuple, make):
+    if key not in _COUNTED:
+        _COUNTED[key] = make()
+    return _COUNTED[key]
 
 
 def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2) -> int:
@@ -118,9 +137,8 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
     ep_size = expert_parallel_size(ds)
     layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size, sp_size, ep_size)
     counts = layer_params(cfg, tp_size, ep_size)
-    specs = model_layers(cfg, TensorParallel(tp_size))
+    specs, parts = stages_of(cfg, tp_size, pipe.stages, pipe.partition)
     block = architecture(cfg).block
-    parts = stage_partition(specs, pipe.stages, pipe.partition, block)
     zero = ds.get("zero_optimization", {})
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
     total = sum(counts) - sum(counts[i] for i in repeated_ties(specs))  # the tied head owns no weights

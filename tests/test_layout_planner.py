@@ -1,0 +1,66 @@
+"""The layout planner (training/layout_planner.py, `python -m scripts.memory_plan --plan`): the layouts it
+enumerates are those train.py accepts, each row's memory is the memory plan's of its ds_config, the step-time
+model is the one its docstring states, the Llama 3 paper's 405B layout is among the feasible ones, and the
+command recommends one or says in one line that none fits."""
+import dataclasses
+
+import pytest
+
+from model_checks import preset
+from ranks import run_tool
+from training.layout_planner import Assumptions, Candidate, candidates, plan_layouts, step_seconds
+from training.memory_plan import GB, plan
+from training.metrics import flops_per_token
+
+QUICK = dataclasses.replace(preset("llama_quickstart"), vocab_size=65)  # 4 layers, 4 heads, 2 key/value heads
+
+
+def test_the_layouts_are_those_train_py_accepts():
+    found = list(candidates(QUICK, 8, 8, 64))
+    # tensor x sequence degrees divide the 2 key/value heads; pipelines hold a block a stage (4 blocks)
+    assert {(c.tp, c.sp) for c in found} == {(1, 1), (1, 2), (2, 1)}
+    assert {c.pp for c in found} == {1, 2, 4}
+    assert all(c.dp * c.tp * c.sp * c.pp == 8 and c.micro * c.accum * c.dp == 64 for c in found)
+    assert all(c.zero == 1 for c in found if c.pp > 1)  # DeepSpeed's pipeline engine: ZeRO 0-1
+    assert all(c.accum >= c.pp for c in found)
+
+
+def test_each_row_is_the_memory_plan_of_its_ds_config():
+    rows = plan_layouts(QUICK, 8, 8, 64, Assumptions())
+    assert len(rows) == len(list(candidates(QUICK, 8, 8, 64)))
+    for row in rows:
+        assert row["memory"] == plan(QUICK, row["layout"].ds_config(), 8)["total"]
+    assert [r["seconds"] for r in rows if r["fits"]] == sorted(r["seconds"] for r in rows if r["fits"])
+
+
+def test_one_gpu_is_compute_alone_and_the_network_only_slows():
+    """On one GPU the step is the FLOPs at the assumed MFU; a slower network never makes a layout faster."""
+    one = Candidate(tp=1, sp=1, pp=1, dp=1, zero=1, micro=4, accum=2, checkpointing=False)
+    assumed = Assumptions()
+    assert step_seconds(QUICK, one, 8, assumed) == pytest.approx(
+        flops_per_token(QUICK) * 8 * QUICK.block_size / (assumed.peak_tflops * 1e12 * assumed.mfu))
+    recomputed = dataclasses.replace(one, checkpointing=True)
+    assert step_seconds(QUICK, recomputed, 8, assumed) == pytest.approx(4 / 3 * step_seconds(QUICK, one, 8, assumed))
+    slow = dataclasses.replace(assumed, inter_gbps=5.0)
+    for c in candidates(QUICK, 16, 8, 64):
+        assert step_seconds(QUICK, c, 8, slow) >= step_seconds(QUICK, c, 8, assumed)
+
+
+def test_the_llama_3_papers_405b_layout_is_feasible():
+    """TP 8 x PP 16 x DP 64 on 8,192 GPUs with 16M-token batches (Llama 3 paper, Table 4), every block recomputed."""
+    cfg = preset("llama3.1_405b")
+    paper = Candidate(tp=8, sp=1, pp=16, dp=64, zero=1, micro=1, accum=32, checkpointing=True)
+    assert paper in set(candidates(cfg, 8192, 8, 2048))
+    assert plan(cfg, paper.ds_config(), 8192)["total"] < 0.9 * Assumptions().gpu_gb * GB
+
+
+def test_the_command_recommends_a_layout_or_says_none_fits():
+    argv = ["--config", "configs/llama_quickstart.yaml", "--plan", "--gpus", "8", "--global_batch", "64",
+            "model.vocab_size=65"]
+    proc = run_tool("scripts.memory_plan", argv, {}, 120)
+    assert proc.returncode == 0, proc.stderr
+    assert "8 GPUs (8 a node), 64 windows a step; assumed: 79.1 GB a GPU, 989 TFLOP/s peak at 45% MFU" in proc.stdout
+    assert "\nrecommended: dp " in proc.stdout and "tensor_model_parallel_size=" in proc.stdout
+    proc = run_tool("scripts.memory_plan", [*argv, "--gpu_gb", "0.001"], {}, 120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: no layout fits 0.001 GB GPUs: add GPUs or lower --global_batch"]

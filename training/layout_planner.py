@@ -1,0 +1,136 @@
+"""A layout planner: the layouts this repo can run a preset on for a number of GPUs (ZeRO stage, tensor,
+sequence and pipeline degrees, micro-batch, activation checkpointing), each one's memory per GPU
+(training/memory_plan.py) and an estimated step time and MFU, the fastest that fits recommended. The command:
+`python -m scripts.memory_plan --config PRESET.yaml --gpus 64 --gpu_gb 80 --plan` (scripts/memory_plan.py).
+
+The step time is a stated model, its assumptions printed with every table and each settable:
+- compute: the step's training FLOPs (training/metrics.py flops_per_token x tokens; a third more when every
+  block's forward runs again for its backward) over the GPUs at `mfu` of `peak_tflops`;
+- DeepSpeed's 1F1B pipeline: (stages - 1) idle micro-batch slots of a stage's work besides its accumulation steps;
+- tensor parallelism: 4 ring all-reduces a layer and micro-batch of its activations (16-bit), 2 forward and 2
+  backward, over a node's links (`intra_gbps`, GB/s a GPU);
+- sequence parallelism (Ulysses): 4 all-to-alls a layer and micro-batch (q, k, v, the output) of its slice;
+- data parallelism, once a step over the data and sequence ranks: under ZeRO-1/2 an all-reduce of the fp32
+  gradients (the shipped ds_configs' communication_data_type) and an all-gather of the updated 16-bit weights,
+  under ZeRO-3 a reduce-scatter of the gradients and an all-gather of the weights for the forward and another for
+  the backward; over the network between nodes (`inter_gbps`) when the group leaves a node;
+- the pipeline's activations passed between stages, over the network;
+- nothing overlapped with compute: a bound from above on the step time.
+Not enumerated: ZeRO-0 and CPU offload (slower than ZeRO-1/2 wherever those fit), experts (expert parallelism).
+"""
+from dataclasses import dataclass
+
+from common.checks import ConfigError
+from training.memory_plan import GB, layer_params, plan
+from training.metrics import flops_per_token
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    gpu_gb: float = 79.1  # an "80 GB" H100's 79.1 GiB
+    peak_tflops: float = 989.0  # H100 SXM, dense bf16
+    mfu: float = 0.45  # of the peak, for the matmuls' share of a step
+    intra_gbps: float = 450.0  # NVLink 4, one direction, a GPU
+    inter_gbps: float = 50.0  # 400 Gb/s InfiniBand or RoCE, a GPU
+
+    def describe(self) -> str:
+        return (f"assumed: {self.gpu_gb:g} GB a GPU, {self.peak_tflops:g} TFLOP/s peak at {self.mfu:.0%} MFU in "
+                f"compute, {self.intra_gbps:g} GB/s inside a node, {self.inter_gbps:g} GB/s between nodes, no "
+                f"overlap of communication with compute")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tp: int
+    sp: int
+    pp: int
+    dp: int
+    zero: int
+    micro: int
+    accum: int
+    checkpointing: bool
+
+    def ds_config(self) -> dict:
+        return {"train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": self.accum,
+                "zero_optimization": {"stage": self.zero}, "tensor_model_parallel_size": self.tp,
+                "sequence_parallel_size": self.sp, "bf16": {"enabled": True},
+                "pipeline": {"stages": self.pp, "partition": "parameters",
+                             "activation_checkpoint_interval": int(self.checkpointing)}}
+
+    def describe(self) -> str:
+        degrees = "".join(f" x {name} {n}" for name, n in (("tp", self.tp), ("sp", self.sp), ("pp", self.pp))
+                          if n > 1)
+        return (f"dp {self.dp}{degrees}, ZeRO-{self.zero}, micro {self.micro} x {self.accum}"
+                f"{', recompute' if self.checkpointing else ''}")
+
+
+def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
+    """Every layout of `global_batch` windows a step on `gpus` GPUs that train.py accepts: tensor and
+    sequence groups inside a node, degrees that divide the heads and the context, a block for every stage."""
+    blocks = cfg.n_layer
+    for tp in divisors(gpus_per_node):
+        for sp in divisors(gpus_per_node // tp):
+            if cfg.n_head % (tp * sp) or cfg.kv_heads % (tp * sp) or cfg.block_size % sp:
+                continue
+            for pp in (p for p in divisors(gpus // (tp * sp)) if p <= blocks):
+                dp = gpus // (tp * sp * pp)
+                for zero in (1,) if pp > 1 else (1, 2, 3):
+                    for micro in MICRO_BATCHES:
+                        if global_batch % (micro * dp) or global_batch // (micro * dp) < pp:
+                            continue
+                        for checkpointing in (False, True):
+                            yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp), checkpointing)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float:
+    """The model's step time of candidate `c` (the module's docstring)."""
+    tokens = c.micro * c.accum * c.dp * cfg.block_size
+    compute = flops_per_token(cfg) * tokens * (4 / 3 if c.checkpointing else 1)
+    per_gpu = compute / (c.dp * c.tp * c.sp * c.pp) / (a.peak_tflops * 1e12 * a.mfu)
+    per_gpu *= (c.accum + c.pp - 1) / c.accum  # 1F1B's bubble
+    layers = cfg.n_layer / c.pp
+    slice_bytes = 2 * c.micro * cfg.block_size / c.sp * cfg.n_embd  # a micro-batch's activations on a rank, 16-bit
+    comm = 0.0
+    if c.tp > 1:
+        comm += c.accum * layers * 4 * 2 * (c.tp - 1) / c.tp * slice_bytes / (a.intra_gbps * 1e9)
+    if c.sp > 1:
+        inside = c.tp * c.sp <= gpus_per_node
+        comm += c.accum * layers * 4 * (c.sp - 1) / c.sp * slice_bytes / (
+            (a.intra_gbps if inside else a.inter_gbps) * 1e9)
+    params = sum(layer_params(cfg)) / (c.tp * c.pp)  # a rank's share of the weights before ZeRO
+    data_bw = (a.intra_gbps if c.dp * c.tp * c.sp <= gpus_per_node else a.inter_gbps) * 1e9
+    gather = (c.dp * c.sp - 1) / (c.dp * c.sp)  # of the bytes, what a ring's all-gather moves through a GPU
+    if c.zero == 3:
+        comm += gather * (4 * params + 2 * 2 * params) / data_bw
+    else:
+        comm += gather * (2 * 4 * params + 2 * params) / data_bw
+    if c.pp > 1:
+        comm += 2 * (c.accum * slice_bytes * c.sp) / (a.inter_gbps * 1e9)  # forward activations, backward gradients
+    return per_gpu + comm
+
+
+def plan_layouts(cfg, gpus: int, gpus_per_node: int, global_batch: int, a: Assumptions) -> list[dict]:
+    """Every candidate with its memory per GPU, fit, step time and MFU, the fastest fitting first."""
+    if gpus % gpus_per_node and gpus > gpus_per_node:
+        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of --gpus_per_node {gpus_per_node}")
+    gpus_per_node = min(gpus_per_node, gpus)
+    useful = flops_per_token(cfg) * global_batch * cfg.block_size
+    rows = []
+    for c in candidates(cfg, gpus, gpus_per_node, global_batch):
+        try:
+            memory = plan(cfg, c.ds_config(), gpus)["total"]
+        except ConfigError:  # a layout train.py refuses (stages PipelineModule would leave without a block)
+            continue
+        seconds = step_seconds(cfg, c, gpus_per_node, a)
+        rows.append({"layout": c, "memory": memory, "fits": memory < 0.9 * a.gpu_gb * GB, "seconds": seconds,
+                     "mfu": useful / (gpus * a.peak_tflops * 1e12 * seconds)})
+    if not rows:
+        raise ConfigError(f"no layout of {global_batch} windows a step runs on {gpus} GPUs for this {cfg.arch} of "
+                          f"{cfg.n_head} heads: change --global_batch or --gpus")
+    return sorted(rows, key=lambda r: (not r["fits"], r["seconds"]))
