@@ -34,13 +34,18 @@ def test_each_row_is_the_memory_plan_of_its_ds_config():
 
 
 def test_one_gpu_is_compute_alone_and_the_network_only_slows():
-    """On one GPU the step is the FLOPs at the assumed MFU; a slower network never makes a layout faster."""
+    """On one GPU the step is the FLOPs at the assumed MFU, a third more when recomputed; 2 stages add the
+    pipeline's bubble; a slower network never makes a layout faster."""
     one = Candidate(tp=1, sp=1, pp=1, dp=1, zero=1, micro=4, accum=2, checkpointing=False)
     assumed = Assumptions()
     assert step_seconds(QUICK, one, 8, assumed) == pytest.approx(
         flops_per_token(QUICK) * 8 * QUICK.block_size / (assumed.peak_tflops * 1e12 * assumed.mfu))
     recomputed = dataclasses.replace(one, checkpointing=True)
     assert step_seconds(QUICK, recomputed, 8, assumed) == pytest.approx(4 / 3 * step_seconds(QUICK, one, 8, assumed))
+    # 2 stages of 2 micro-batches: 1F1B's bubble, (accum + stages - 1) / accum, over links too fast to count
+    staged = Candidate(tp=1, sp=1, pp=2, dp=1, zero=1, micro=4, accum=2, checkpointing=False)
+    instant = dataclasses.replace(assumed, intra_gbps=1e15, inter_gbps=1e15)
+    assert step_seconds(QUICK, staged, 8, instant) == pytest.approx(step_seconds(QUICK, one, 8, assumed) / 2 * 3 / 2)
     slow = dataclasses.replace(assumed, inter_gbps=5.0)
     for c in candidates(QUICK, 16, 8, 64):
         assert step_seconds(QUICK, c, 8, slow) >= step_seconds(QUICK, c, 8, assumed)
