@@ -45,6 +45,7 @@ def main(argv=None) -> None:
                                                             "ranks, the stages and each rank's parameters")
     own.add_argument("--world", type=int, help="with --dry_run: the number of ranks (GPUs)")
     own.add_argument("--gpus_per_node", type=int, default=8, help="with --dry_run: GPUs of a node (default 8)")
+    own.add_argument("--gpu_gb", type=float, help="with --dry_run: a GPU's memory, against the memory plan")
     preflight_args, rest = own.parse_known_args(argv)
     if preflight_args.dry_run:
         return print_dry_run(preflight_args, rest)
@@ -110,7 +111,7 @@ def print_dry_run(args, rest: list[str]) -> None:
         if cfg.model.vocab_size is None:
             raise ConfigError("--dry_run counts parameters: model.vocab_size is unset (a run takes it from its "
                               "dataset); fix: pass model.vocab_size=N")
-        print(dry_run(cfg, ds, args.world, args.gpus_per_node))
+        print(dry_run(cfg, ds, args.world, args.gpus_per_node, args.gpu_gb))
     except ConfigError as e:  # no rank started: a tool's refusal, not a job's
         exit_bad_input(e)
 

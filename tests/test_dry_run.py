@@ -1,11 +1,17 @@
 """`python preflight.py --dry_run` (training/dry_run.py): a layout of 1,024 ranks checked without starting any:
 DeepSpeed's topology's groups (tensor groups inside a node, pipelines, experts'), the stage boundaries and each
-rank's parameters counted on the meta device; what cannot run is one line."""
+rank's parameters counted on the meta device; with --gpu_gb the memory plan against the GPUs, the planner's
+choice named where it does not fit; what cannot run is one line."""
+import os
 import re
 
 import pytest
 
+from harness import REPO
 from ranks import run_tool
+from training.config import load_run_config
+from training.ds_config import load_ds_config
+from training.memory_plan import GB, plan
 
 LLAMA_405B = ["--config", "configs/llama3.1_405b.yaml", "--ds_config", "ds_configs/llama3_405b_tp8_pp16.json"]
 
@@ -62,6 +68,22 @@ def test_expert_groups_are_deepspeeds():
     assert groups(proc.stdout, "expert")[3][:2] == ["[0-7]", "[8-15]"]
     assert groups(proc.stdout, "expert-data")[:3] == (8, 128, "across nodes")
     assert groups(proc.stdout, "expert-data")[3][:2] == ["[0-1016/8]", "[1-1017/8]"]
+
+
+def test_a_layout_over_the_gpus_memory_names_the_planners_choice():
+    """With --gpu_gb the memory plan's figure is checked against the GPUs: 8B at micro-batch 12 x 8,192 tokens
+    under ZeRO-1 on 8 GPUs does not fit 80 GB ones, and the refusal names a layout of the same batch that does."""
+    cfg = load_run_config(os.path.join(REPO, "configs", "llama3.1_8b.yaml"), [])
+    needed = plan(cfg.model, load_ds_config(os.path.join(REPO, "ds_configs", "zero1.json"), []), 8)["total"]
+    proc = dry_run("--config", "configs/llama3.1_8b.yaml", "--ds_config", "ds_configs/zero1.json", "--gpu_gb", "80",
+                   world=8)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: this layout needs {needed / GB:.1f} GB a GPU by the memory plan, over "
+                                  f"90% of 80 GB; the planner would choose dp ")
+    assert "(python -m scripts.memory_plan --plan --gpus 8 --global_batch 96)" in proc.stderr
+    fits = dry_run(*LLAMA_405B, "--gpu_gb", "80")
+    assert fits.returncode == 0 and re.search(r"^memory: [\d.]+ GB a GPU by the memory plan, within 90% of 80 GB$",
+                                              fits.stdout, re.M), fits.stdout
 
 
 @pytest.mark.parametrize("argv,per_node,message", [

@@ -9,7 +9,8 @@ from common.checks import ConfigError
 from model import architecture, model_layers
 from model.tensor_parallel import TensorParallel
 from training.config import RunConfig
-from training.memory_plan import layer_params, repeated_ties
+from training.layout_planner import Assumptions, plan_layouts
+from training.memory_plan import GB, layer_params, plan, repeated_ties
 from training.moe import check_experts, expert_parallel_size
 from training.topology import (
     group_lists,
@@ -23,9 +24,10 @@ from training.topology import (
 )
 
 
-def dry_run(cfg: RunConfig, ds: dict, world: int, gpus_per_node: int) -> str:
+def dry_run(cfg: RunConfig, ds: dict, world: int, gpus_per_node: int, gpu_gb: float | None = None) -> str:
     """The report of the layout of `cfg` and `ds` on `world` ranks, `gpus_per_node` to a node; ConfigError where
-    it cannot run (the checks train.py makes at start, and tensor groups that cross nodes)."""
+    it cannot run (the checks train.py makes at start, tensor groups that cross nodes, and with `gpu_gb` a
+    memory plan over the GPUs' memory)."""
     if world % gpus_per_node:
         raise ConfigError(f"--world {world} is not a whole number of nodes of --gpus_per_node {gpus_per_node}")
     pipe, tp, sp, ep = pipeline_settings(ds), tensor_parallel_size(ds), sequence_parallel_size(ds), \
@@ -50,7 +52,26 @@ def dry_run(cfg: RunConfig, ds: dict, world: int, gpus_per_node: int) -> str:
     if "sequence" in groups and any(len(node(g)) > 1 for g in groups["sequence"]):
         lines.append("note: sequence groups cross nodes; Ulysses' all-to-alls in every layer then run between nodes")
     lines += stage_lines(cfg, layout, pipe, tp, ep, zero)
+    if gpu_gb:
+        lines.append(memory_check(cfg, ds, layout, gpus_per_node, gpu_gb))
     return "\n".join(lines)
+
+
+def memory_check(cfg: RunConfig, ds: dict, layout, gpus_per_node: int, gpu_gb: float) -> str:
+    """The memory plan's figure for the layout against `gpu_gb` GPUs (at most 90% of them, as the plan's table
+    counts a fit); where it does not fit, ConfigError naming the layout the planner would choose for the same
+    batch. The plan counts what the model keeps and leaves the allocator's own out: it refuses too little, never
+    too much."""
+    needed = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles)["total"]
+    if needed < 0.9 * gpu_gb * GB:
+        return f"memory: {needed / GB:.1f} GB a GPU by the memory plan, within 90% of {gpu_gb:g} GB"
+    fitting = [r for r in plan_layouts(cfg.model, layout.world_size, gpus_per_node, layout.global_batch,
+                                       Assumptions(gpu_gb=gpu_gb)) if r["fits"]]
+    choice = (f"the planner would choose {fitting[0]['layout'].describe()} (python -m scripts.memory_plan --plan "
+              f"--gpus {layout.world_size} --global_batch {layout.global_batch})" if fitting else
+              "no layout of this batch fits them: add GPUs or lower the batch")
+    raise ConfigError(f"this layout needs {needed / GB:.1f} GB a GPU by the memory plan, over 90% of {gpu_gb:g} GB; "
+                      f"{choice}")
 
 
 def expert_group_lists(world: int, stages: int, ep: int) -> tuple[list, list]:
