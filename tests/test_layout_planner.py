@@ -25,6 +25,22 @@ def test_the_layouts_are_those_train_py_accepts():
     assert all(c.accum >= c.pp for c in found)
 
 
+def test_a_mixture_of_experts_is_planned_where_train_py_takes_it():
+    """Expert-parallel degrees that divide the 4 experts, none under ZeRO-3 (DeepSpeed refuses it), and under
+    tensor parallelism only 1 or the tensor degree: check_experts' rules, the one place they live."""
+    moe = dataclasses.replace(QUICK, n_experts=4, expert_hidden=192)
+    layouts = [r["layout"] for r in plan_layouts(moe, 8, 8, 64, Assumptions())]
+    assert {c.ep for c in layouts} == {1, 2, 4}
+    assert not any(c.zero == 3 for c in layouts)
+    assert all(c.ep in (1, c.tp) for c in layouts if c.tp > 1)
+    # ep 4 adds its all-to-alls: 4 a layer and micro-batch, of k routes of each token's 16-bit activations
+    spread = next(c for c in layouts if c.ep == 4 and c.tp == 1 and c.pp == 1 and c.sp == 1)
+    whole, a = dataclasses.replace(spread, ep=1), Assumptions()
+    routes = 2 * spread.micro * moe.block_size * moe.n_embd * moe.experts_per_token
+    assert step_seconds(moe, spread, 8, a) - step_seconds(moe, whole, 8, a) == pytest.approx(
+        spread.accum * moe.n_layer * 4 * 3 / 4 * routes / (a.intra_gbps * 1e9))
+
+
 def test_each_row_is_the_memory_plan_of_its_ds_config():
     rows = plan_layouts(QUICK, 8, 8, 64, Assumptions())
     assert len(rows) == len(list(candidates(QUICK, 8, 8, 64)))

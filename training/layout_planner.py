@@ -14,15 +14,19 @@ The step time is a stated model, its assumptions printed with every table and ea
   gradients (the shipped ds_configs' communication_data_type) and an all-gather of the updated 16-bit weights,
   under ZeRO-3 a reduce-scatter of the gradients and an all-gather of the weights for the forward and another for
   the backward; over the network between nodes (`inter_gbps`) when the group leaves a node;
+- expert parallelism: 4 all-to-alls a mixture-of-experts layer and micro-batch (dispatch and combine, forward and
+  backward) of each token's k routes, as if the routing were even, inside a node when the expert group is;
 - the pipeline's activations passed between stages, over the network;
 - nothing overlapped with compute: a bound from above on the step time.
-Not enumerated: ZeRO-0 and CPU offload (slower than ZeRO-1/2 wherever those fit), experts (expert parallelism).
+Not enumerated: ZeRO-0 and CPU offload (slower than ZeRO-1/2 wherever those fit).
 """
 from dataclasses import dataclass
 
 from common.checks import ConfigError
 from training.memory_plan import GB, layer_params, plan
 from training.metrics import flops_per_token
+from training.moe import check_experts
+from training.topology import resolve_layout
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
@@ -51,24 +55,26 @@ class Candidate:
     micro: int
     accum: int
     checkpointing: bool
+    ep: int = 1
 
     def ds_config(self) -> dict:
         return {"train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": self.accum,
                 "zero_optimization": {"stage": self.zero}, "tensor_model_parallel_size": self.tp,
-                "sequence_parallel_size": self.sp, "bf16": {"enabled": True},
+                "sequence_parallel_size": self.sp, "expert_parallel_size": self.ep, "bf16": {"enabled": True},
                 "pipeline": {"stages": self.pp, "partition": "parameters",
                              "activation_checkpoint_interval": int(self.checkpointing)}}
 
     def describe(self) -> str:
-        degrees = "".join(f" x {name} {n}" for name, n in (("tp", self.tp), ("sp", self.sp), ("pp", self.pp))
-                          if n > 1)
+        degrees = "".join(f" x {name} {n}" for name, n in (("tp", self.tp), ("sp", self.sp), ("pp", self.pp),
+                                                           ("ep", self.ep)) if n > 1)
         return (f"dp {self.dp}{degrees}, ZeRO-{self.zero}, micro {self.micro} x {self.accum}"
                 f"{', recompute' if self.checkpointing else ''}")
 
 
 def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
     """Every layout of `global_batch` windows a step on `gpus` GPUs that train.py accepts: tensor and
-    sequence groups inside a node, degrees that divide the heads and the context, a block for every stage."""
+    sequence groups inside a node, degrees that divide the heads and the context, a block for every stage, an
+    expert-parallel degree that divides the experts (plan_layouts leaves out what check_experts refuses)."""
     blocks = cfg.n_layer
     for tp in divisors(gpus_per_node):
         for sp in divisors(gpus_per_node // tp):
@@ -81,7 +87,9 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
                         if global_batch % (micro * dp) or global_batch // (micro * dp) < pp:
                             continue
                         for checkpointing in (False, True):
-                            yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp), checkpointing)
+                            for ep in divisors(cfg.n_experts) if cfg.n_experts else (1,):
+                                yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp),
+                                                checkpointing, ep)
 
 
 def divisors(n: int) -> list[int]:
@@ -110,6 +118,10 @@ def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float
         comm += gather * (4 * params + 2 * 2 * params) / data_bw
     else:
         comm += gather * (2 * 4 * params + 2 * params) / data_bw
+    if c.ep > 1:
+        moe_layers = layers / cfg.moe_every
+        bandwidth = a.intra_gbps if c.ep <= gpus_per_node else a.inter_gbps
+        comm += c.accum * moe_layers * 4 * (c.ep - 1) / c.ep * cfg.experts_per_token * slice_bytes / (bandwidth * 1e9)
     if c.pp > 1:
         comm += 2 * (c.accum * slice_bytes * c.sp) / (a.inter_gbps * 1e9)  # forward activations, backward gradients
     return per_gpu + comm
@@ -125,7 +137,8 @@ def plan_layouts(cfg, gpus: int, gpus_per_node: int, global_batch: int, a: Assum
     for c in candidates(cfg, gpus, gpus_per_node, global_batch):
         try:
             memory = plan(cfg, c.ds_config(), gpus)["total"]
-        except ConfigError:  # a layout train.py refuses (stages PipelineModule would leave without a block)
+            check_experts(cfg, resolve_layout(c.ds_config(), gpus, c.pp, c.tp, c.sp, c.ep), c.zero, False, False, 1)
+        except ConfigError:  # a layout train.py refuses (a stage without a block, experts where they cannot go)
             continue
         seconds = step_seconds(cfg, c, gpus_per_node, a)
         rows.append({"layout": c, "memory": memory, "fits": memory < 0.9 * a.gpu_gb * GB, "seconds": seconds,
