@@ -18,6 +18,7 @@ At a scale this machine does not have, check the layout without starting any ran
 import common  # noqa: F401 (first: its filter of DeepSpeed's log must be in place before DeepSpeed is imported)
 
 # isort: split
+import dataclasses
 import os
 import socket
 import time
@@ -45,7 +46,8 @@ def main(argv=None) -> None:
                                                             "ranks, the stages and each rank's parameters")
     own.add_argument("--world", type=int, help="with --dry_run: the number of ranks (GPUs)")
     own.add_argument("--gpus_per_node", type=int, default=8, help="with --dry_run: GPUs of a node (default 8)")
-    own.add_argument("--gpu_gb", type=float, help="with --dry_run: a GPU's memory, against the memory plan")
+    own.add_argument("--gpu_gb", type=float, help="a GPU's memory, against the memory plan (default: the GPU's own; "
+                                                   "none on a CPU)")
     preflight_args, rest = own.parse_known_args(argv)
     if preflight_args.dry_run:
         return print_dry_run(preflight_args, rest)
@@ -71,6 +73,7 @@ def main(argv=None) -> None:
     token = [uuid.uuid4().hex if rank == 0 else None]
     torch.distributed.broadcast_object_list(token, src=0)
     report = local_checks(cfg, token[0])
+    fit = memory_fit(cfg, ds, layout, preflight_args.gpu_gb, report) if rank == 0 else None
     if total.item() != expected:
         report["problems"].append(f"all-reduce gave {total.item():g}, expected {expected:g}")
     PHASE.now("measuring the all-reduce bandwidth")
@@ -94,6 +97,8 @@ def main(argv=None) -> None:
             os.remove(marker)
         print_reports(reports, layout.describe(), cfg.train.out_dir)
         print_bandwidth(busbw, world, preflight_args.min_busbw)
+        if fit:
+            print(fit)
     leave_process_group()
     if any(r["problems"] for r in reports):
         raise SystemExit(1)
@@ -114,6 +119,29 @@ def print_dry_run(args, rest: list[str]) -> None:
         print(dry_run(cfg, ds, args.world, args.gpus_per_node, args.gpu_gb))
     except ConfigError as e:  # no rank started: a tool's refusal, not a job's
         exit_bad_input(e)
+
+
+def memory_fit(cfg, ds: dict, layout, gpu_gb: float | None, report: dict) -> str | None:
+    """The memory plan of the layout against a GPU's memory (`gpu_gb`, else this GPU's; none on a CPU): its line,
+    or a problem in `report` naming the layout the planner would choose (training/dry_run.py memory_check)."""
+    from training.dry_run import memory_check
+    from training.launch.launcher_env import ranks_on_this_node
+    from training.memory_plan import GB
+
+    if gpu_gb is None and get_accelerator().device_name() != "cuda":
+        return None
+    gpu_gb = gpu_gb or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GB
+    if cfg.model.vocab_size is None:
+        try:
+            vocab = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources).meta
+        except (ValueError, OSError, KeyError):
+            return None  # the data's problem is reported already
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab["vocab_size"]))
+    try:
+        return memory_check(cfg, ds, layout, ranks_on_this_node(), gpu_gb)
+    except ConfigError as e:
+        report["problems"].append(str(e))
+        return None
 
 
 def local_checks(cfg, token: str) -> dict:

@@ -1,11 +1,12 @@
 """preflight.py on two nodes simulated on this machine: it passes where every rank reads the data and writes
 to one shared train.out_dir, and names each rank of a node without the data or with a disk of its own; ranks
-that share a GPU fail it."""
+that share a GPU fail it; a layout over the GPUs' memory by the memory plan fails it."""
 import re
 
 import pytest
 
 from harness import launch_nodes, two_node_hostfile
+from ranks import run_tool
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -50,3 +51,17 @@ def test_preflight_names_an_out_dir_that_is_not_shared(tmp_path, char_data):
                                                                  for node in (0, 1)])
     assert code == 1
     assert report.count(f"FAIL: train.out_dir {tmp_path / 'node1_disk'} is not shared with rank 0") == 2
+
+
+def test_preflight_checks_the_memory_plan_against_the_gpus(tmp_path, char_data):
+    """--gpu_gb (a GPU's own memory by default, none on a CPU): the memory plan's figure, and a layout over the
+    GPUs' memory failed with the planner's word on it."""
+    argv = ["--config", "configs/llama_quickstart.yaml", "--ds_config", "ds_configs/zero0.json",
+            f"data.dir={char_data}", f"train.out_dir={tmp_path}"]
+    fits = run_tool("preflight", [*argv, "--gpu_gb", "80"], {}, 120)
+    assert fits.returncode == 0 and "\nmemory: 0.0 GB a GPU by the memory plan, within 90% of 80 GB\n" in fits.stdout
+    over = run_tool("preflight", [*argv, "--gpu_gb", "0.000001"], {}, 120)
+    assert over.returncode == 1 and ("cpu: FAIL: this layout needs 0.0 GB a GPU by the memory plan, over 90% of "
+                                     "1e-06 GB; no layout of this batch fits them: add GPUs or lower the batch"
+                                     ) in over.stdout
+    assert "memory:" not in run_tool("preflight", argv, {}, 120).stdout  # a CPU's memory is not planned
