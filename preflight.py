@@ -49,6 +49,9 @@ def main(argv=None) -> None:
     own.add_argument("--gpu_gb", type=float, help="a GPU's memory, against the memory plan (default: the GPU's own; "
                                                    "none on a CPU)")
     preflight_args, rest = own.parse_known_args(argv)
+    if preflight_args.gpu_gb is not None and not preflight_args.gpu_gb > 0:  # NaN included; before any rank starts
+        exit_bad_input(f"--gpu_gb {preflight_args.gpu_gb}: must be > 0 (a GPU's memory in GB); fix: e.g. --gpu_gb 80, "
+                       f"or leave it out to take the GPU's own")
     if preflight_args.dry_run:
         return print_dry_run(preflight_args, rest)
     if not preflight_args.min_busbw >= 0:  # NaN included

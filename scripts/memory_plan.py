@@ -18,7 +18,7 @@ from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.config import REPO_ROOT, load_run_config
 from training.ds_config import load_ds_config
 from training.layout_planner import Assumptions, plan_layouts
-from training.memory_plan import GB, plan
+from training.memory_plan import GB, fits, plan
 
 
 def main(argv=None) -> None:
@@ -65,11 +65,18 @@ def main(argv=None) -> None:
             print(f"| {os.path.basename(path)} | {gpus} | {p['layout']} | {p['zero']} | {p['micro']} | "
                   f"{p['params_per_gpu'] / 1e9:.2f}B | {p['states'] / GB:.1f} GB{cpu} | "
                   f"{p['activations'] / GB:.1f} GB | "
-                  f"{p['total'] / GB:.1f} GB | {'yes' if p['total'] < 0.9 * args.gpu_gb * GB else 'no'} |")
+                  f"{p['total'] / GB:.1f} GB | {'yes' if fits(p['total'], args.gpu_gb) else 'no'} |")
 
 
 def print_plan(cfg, args) -> None:
     """The --plan table: the fastest layouts that fit first, and the recommendation."""
+    for name in ("gpu_gb", "peak_tflops", "intra_gbps", "inter_gbps", "gpus_per_node", "nodes", "global_batch"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:  # NaN included
+            raise ConfigError(f"--{name} {value}: must be > 0; fix: leave it out for its default")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu {args.mfu}: must be in (0, 1], the share of the peak the matmuls reach; fix: e.g. "
+                          f"--mfu 0.45")
     gpus = args.nodes * args.gpus_per_node if args.nodes else (args.gpus or [0])[0]
     if gpus < 1 or (args.gpus and len(args.gpus) > 1):
         raise ConfigError("--plan needs one GPU count: --gpus N, or --nodes N (x --gpus_per_node)")

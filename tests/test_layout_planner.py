@@ -75,6 +75,18 @@ def test_the_llama_3_papers_405b_layout_is_feasible():
     assert plan(cfg, paper.ds_config(), 8192)["total"] < 0.9 * Assumptions().gpu_gb * GB
 
 
+@pytest.mark.parametrize("flag,message", [
+    (["--gpus_per_node", "0"], "error: --gpus_per_node 0: must be > 0; fix: leave it out for its default"),
+    (["--inter_gbps", "nan"], "error: --inter_gbps nan: must be > 0; fix: leave it out for its default"),
+    (["--mfu", "1.5"], "error: --mfu 1.5: must be in (0, 1], the share of the peak the matmuls reach; fix: e.g. "
+                       "--mfu 0.45"),
+])
+def test_a_bad_assumption_is_one_line(flag, message):
+    proc = run_tool("scripts.memory_plan", ["--config", "configs/llama_quickstart.yaml", "--plan", "--gpus", "8",
+                                            "model.vocab_size=65", *flag], {}, 120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [message]
+
+
 def test_the_command_recommends_a_layout_or_says_none_fits():
     argv = ["--config", "configs/llama_quickstart.yaml", "--plan", "--gpus", "8", "--global_batch", "64",
             "model.vocab_size=65"]

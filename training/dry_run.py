@@ -6,18 +6,15 @@ groups, the pipelines and, with experts, DeepSpeed's expert and expert-data grou
 expert_parallel_size ranks of a stage, and the ranks at that stride). Then the stage boundaries, and each stage's
 parameters per rank, counted on the meta device."""
 from common.checks import ConfigError
-from model import architecture, model_layers
-from model.tensor_parallel import TensorParallel
 from training.config import RunConfig
 from training.layout_planner import Assumptions, plan_layouts
-from training.memory_plan import GB, layer_params, plan, repeated_ties
+from training.memory_plan import GB, fits, layer_params, plan, repeated_ties, stages_of
 from training.moe import check_experts, expert_parallel_size
 from training.topology import (
     group_lists,
     pipeline_settings,
     resolve_layout,
     sequence_parallel_size,
-    stage_partition,
     tensor_parallel_size,
     topology,
     zero_stage,
@@ -63,7 +60,7 @@ def memory_check(cfg: RunConfig, ds: dict, layout, gpus_per_node: int, gpu_gb: f
     batch. The plan counts what the model keeps and leaves the allocator's own out: it refuses too little, never
     too much."""
     needed = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles)["total"]
-    if needed < 0.9 * gpu_gb * GB:
+    if fits(needed, gpu_gb):
         return f"memory: {needed / GB:.1f} GB a GPU by the memory plan, within 90% of {gpu_gb:g} GB"
     fitting = [r for r in plan_layouts(cfg.model, layout.world_size, gpus_per_node, layout.global_batch,
                                        Assumptions(gpu_gb=gpu_gb)) if r["fits"]]
@@ -90,8 +87,7 @@ def expert_group_lists(world: int, stages: int, ep: int) -> tuple[list, list]:
 def stage_lines(cfg: RunConfig, layout, pipe, tp: int, ep: int, zero: int) -> list[str]:
     """Each stage's layers, ranks and parameters per rank (its tensor rank's slices, its expert-parallel rank's
     experts; under ZeRO-3 a data rank's partition of them)."""
-    specs = model_layers(cfg.model, TensorParallel(tp))
-    parts = stage_partition(specs, pipe.stages, pipe.partition, architecture(cfg.model).block)
+    specs, parts = stages_of(cfg.model, tp, pipe.stages, pipe.partition)
     counts = layer_params(cfg.model, tp, ep)
     for tie in repeated_ties(specs):  # the tied head owns no weights of its own
         counts[tie] = 0

@@ -23,7 +23,7 @@ Not enumerated: ZeRO-0 and CPU offload (slower than ZeRO-1/2 wherever those fit)
 from dataclasses import dataclass
 
 from common.checks import ConfigError
-from training.memory_plan import GB, layer_params, plan
+from training.memory_plan import fits, layer_params, plan
 from training.metrics import flops_per_token
 from training.moe import check_experts
 from training.topology import resolve_layout
@@ -141,7 +141,7 @@ def plan_layouts(cfg, gpus: int, gpus_per_node: int, global_batch: int, a: Assum
         except ConfigError:  # a layout train.py refuses (a stage without a block, experts where they cannot go)
             continue
         seconds = step_seconds(cfg, c, gpus_per_node, a)
-        rows.append({"layout": c, "memory": memory, "fits": memory < 0.9 * a.gpu_gb * GB, "seconds": seconds,
+        rows.append({"layout": c, "memory": memory, "fits": fits(memory, a.gpu_gb), "seconds": seconds,
                      "mfu": useful / (gpus * a.peak_tflops * 1e12 * seconds)})
     if not rows:
         raise ConfigError(f"no layout of {global_batch} windows a step runs on {gpus} GPUs for this {cfg.arch} of "

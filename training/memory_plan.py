@@ -55,6 +55,12 @@ from training.topology import (
 GB = 2**30
 
 
+def fits(total_bytes: float, gpu_gb: float) -> bool:
+    """Whether a plan's figure fits a GPU of `gpu_gb`: within 90% of it, what the plan leaves out (the allocator's
+    fragmentation, communication buffers, the CUDA context) taking the rest."""
+    return total_bytes < 0.9 * gpu_gb * GB
+
+
 def layer_params(cfg, tp_size: int = 1, ep_size: int = 1, experts: bool | None = None) -> list[int]:
     """Parameters of each layer as one tensor-parallel (and expert-parallel) rank holds them; `experts` True or
     False: only the experts' parameters, or only the others."""

@@ -368,13 +368,13 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
                               f"ZeRO-{layout['zero_stage']}: DeepSpeed loads one made from ZeRO-3 under ZeRO-3 only, "
                               f"and one made from ZeRO 0-2 under ZeRO 0-2 only; fix: resume it with {fix}")
         return
-    was, now, experts = {"ep": 1, **saved["layout"]}, {"ep": 1, **layout}, model_cfg["n_experts"]
+    was, now, moe = {"ep": 1, **saved["layout"]}, {"ep": 1, **layout}, model_cfg["n_experts"]
     # Without ZeRO every rank saves and loads the whole optimizer state: any dp (and sp) fits, experts apart
     # (their optimizer states are saved per expert-parallel rank).
-    if not experts and was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and \
+    if not moe and was["zero_stage"] == now["zero_stage"] == 0 and was["pp"] == now["pp"] == 1 and \
             was["tp"] == now["tp"]:
         return
-    if not experts and was["zero_stage"] == 0 and was["tp"] != now["tp"]:
+    if not moe and was["zero_stage"] == 0 and was["tp"] != now["tp"]:
         raise ConfigError(f"the checkpoint was saved at tensor-parallel degree {was['tp']} without ZeRO, this run has "
                           f"{now['tp']}: DeepSpeed's universal converter, which reshards, needs ZeRO optimizer shards. "
                           f"Resume it with tensor_model_parallel_size={was['tp']}, or start from its weights "

@@ -50,12 +50,11 @@ def every_tensor_rank_writes(engine):
     them: the other tensor ranks wrote nothing, so a resume found no model-states file of theirs and an export
     merged one slice. Here every rank of the first data-parallel replica writes, each its own mp_rank files (the
     experts' copies, alike on every tensor rank, once per rank)."""
-    writer = engine.checkpoint_engine
-    shared_out = groups._get_expert_parallel_world_size(groups._get_max_expert_size_name()) > 1 \
-        if engine.has_moe_layers else True
-    if shared_out or bwc_tensor_model_parallel_world_size(engine.mpu) == 1:
-        yield
+    if not engine.has_moe_layers or bwc_tensor_model_parallel_world_size(engine.mpu) == 1 or \
+            groups._get_expert_parallel_world_size(groups._get_max_expert_size_name()) > 1:
+        yield  # DeepSpeed's writers write every file
         return
+    writer = engine.checkpoint_engine
     first_replica = engine.mpu.get_data_parallel_rank() == 0
     writer.is_data_parallel_writer = lambda rank: first_replica
     try:
@@ -106,8 +105,7 @@ def convert_zero0(source: str, target: str, saved: dict, ep: int, load) -> None:
             if rank == 0:
                 torch.save({"ds_version": states["ds_version"], PARAM_GROUPS: _layout_free(adam[PARAM_GROUPS])},
                            os.path.join(target, "zero", "optimizer_state.pt"))
-        for name in states["buffer_names"]:
-            _save(target, name, FP32_WEIGHT_KEY, {PARAM: states["module"][name]})
+        _save_buffers(target, states)
         torch.save({**states, "optimizer": None}, os.path.join(target, _model_states(0)))
         for path in expert_files:
             shutil.copy2(path, target)
@@ -138,7 +136,13 @@ def _convert_stage(source: str, target: str, states: dict, shards: list, ep: int
                                  f"{shapes[local].numel()} values ({key}), so it cannot be converted")
             _save(target, name, key, {PARAM: whole.view(shapes[local]), CAT_DIM: 0})
         _save(target, name, "step", steps[name])
-    for name in states["buffer_names"]:  # not the optimizer's: DeepSpeed's loader does not read them
+    _save_buffers(target, states)
+
+
+def _save_buffers(target: str, states: dict) -> None:
+    """A model-states file's buffers (a biased router's bias), which are not the optimizer's and which DeepSpeed's
+    loader does not read: universal.load_buffers does."""
+    for name in states["buffer_names"]:
         _save(target, name, FP32_WEIGHT_KEY, {PARAM: states["module"][name]})
 
 
@@ -181,7 +185,6 @@ def _fragments(shards: list, ep: int, local_experts: int) -> tuple[dict, dict]:
                     pieces[name][key][partition] = tensor.narrow(0, address.start, address.numel).clone()
                 steps[name] = state["step"]
     return pieces, steps
-
 
 
 def _expert_index(name: str) -> int:
