@@ -32,7 +32,7 @@ from model.tensor_parallel import TensorParallel
 from training.checkpoints import checkpoint, hf, universal
 from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
-from training.device import peak_flops, peak_memory_gb
+from training.device import peak_flops, peak_memory_gb, set_matmul_precision
 from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive
 from training.evaluation.multiple_choice import ChoiceScorer
@@ -91,11 +91,7 @@ class Rank:
 def build_engine(run: Run, observers: Observers) -> Rank:
     """The process group, the topology over it, the model, DeepSpeed's engine, and the checkpoint loaded."""
     cfg, layout = run.cfg, run.layout
-    if run.device.type == "cuda":
-        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")  # TF32 or full fp32 matmuls
-        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-    else:  # on a CPU "medium" is oneDNN's bf16 mode: bf16 matmuls under fp32 weights (training/device.py)
-        torch.set_float32_matmul_precision("medium" if run.bf16_matmuls else "highest")
+    set_matmul_precision(run.device, cfg.train.tf32, run.onednn_matmuls)
     index, print0, topo = join_process_group(run)
     groups = parallel_groups(topo, layout.sp_size)
     grid, tp = groups.grid, groups.tp

@@ -30,7 +30,7 @@ from benchmarks.turns import profiled, timed_turns
 from common.checks import ToolParser
 from data.token_data import TokenData
 from model import build_model, compile_blocks
-from training.device import keep_freed_host_memory, peak_flops
+from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, set_matmul_precision
 from training.engines import train_step
 from training.launch.failure import leave_process_group
 from training.launch.launcher_env import set_single_process_env
@@ -88,6 +88,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
     ds.update(optimizer_and_schedule(cfg, ds))
     layout = resolve_layout(ds, 1, 1)
+    set_matmul_precision(device, cfg.train.tf32, onednn_matmuls(ds, device, cfg.model.n_embd))  # as train.py
     model = build_model(cfg.model, cfg.train.seed)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
                                                                                   cfg.optim.weight_decay), config=ds)

@@ -72,6 +72,7 @@ def test_bf16_auto_is_fp32_for_a_model_too_narrow_to_gain_on_a_cpu(monkeypatch):
     from training.startup import effective_ds_config
     monkeypatch.setattr(dev, "native_bf16", lambda device: True)
     monkeypatch.setattr(dev, "amx_cpu", lambda device: False)
+    monkeypatch.setattr(dev, "amd_avx512_cpu", lambda device: False)
     ds = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": 1}
     narrow = dev.CPU_BF16_MIN_WIDTH - 1
     assert dev.compute_dtype(ds, torch.device("cpu"), narrow) == (
@@ -82,7 +83,7 @@ def test_bf16_auto_is_fp32_for_a_model_too_narrow_to_gain_on_a_cpu(monkeypatch):
         torch.bfloat16, None)
     assert dev.compute_dtype({"bf16": {"enabled": True}}, torch.device("cpu"), narrow) == (torch.bfloat16, None)
     engine = effective_ds_config(ds, load_run_config(DEFAULT_CONFIG, []), 1, torch.device("cpu"))  # the quickstart
-    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32 and not engine.bf16_matmuls
+    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32 and not engine.onednn_matmuls
 
 
 def test_bf16_auto_gives_a_narrow_model_bf16_matmuls_under_fp32_weights_on_amx(monkeypatch):
@@ -102,7 +103,31 @@ def test_bf16_auto_gives_a_narrow_model_bf16_matmuls_under_fp32_weights_on_amx(m
     assert not dev.bf16_matmuls_in_fp32(auto, torch.device("cuda", 0), narrow)
     engine = effective_ds_config({**auto, "train_micro_batch_size_per_gpu": 1}, load_run_config(DEFAULT_CONFIG, []),
                                  1, cpu)  # the quickstart
-    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32 and engine.bf16_matmuls
+    assert engine.ds["bf16"]["enabled"] is False and engine.dtype == torch.float32 and engine.onednn_matmuls
+
+
+def test_an_amd_cpu_with_avx512_takes_its_fp32_matmuls_through_onednn_whatever_the_precision(monkeypatch):
+    """oneDNN's AVX-512 kernels, exact fp32 without AMX, against MKL's AVX2 ones on AMD (docs/performance.md)."""
+    from training.config import DEFAULT_CONFIG, load_run_config
+    from training.startup import effective_ds_config
+    monkeypatch.setattr(dev, "native_bf16", lambda device: True)
+    monkeypatch.setattr(dev, "amx_cpu", lambda device: False)
+    monkeypatch.setattr(dev, "amd_avx512_cpu", lambda device: device.type == "cpu")
+    auto, cpu, narrow = {"bf16": {"enabled": "auto"}}, torch.device("cpu"), dev.CPU_BF16_MIN_WIDTH - 1
+    assert dev.compute_dtype(auto, cpu, narrow)[1].startswith("bf16 auto: fp32 with oneDNN's AVX-512 matmuls, faster")
+    assert not dev.bf16_matmuls_in_fp32(auto, cpu, narrow)
+    for ds, width in ((auto, narrow), (auto, dev.CPU_BF16_MIN_WIDTH), ({"bf16": {"enabled": False}}, narrow)):
+        assert dev.onednn_matmuls(ds, cpu, width)
+    assert not dev.onednn_matmuls(auto, torch.device("cuda", 0), narrow)
+    engine = effective_ds_config({**auto, "train_micro_batch_size_per_gpu": 1}, load_run_config(DEFAULT_CONFIG, []),
+                                 1, cpu)  # the quickstart
+    assert engine.dtype == torch.float32 and engine.onednn_matmuls
+
+
+def test_the_cpu_vendor_is_read_from_proc_cpuinfo():
+    vendor = dev._cpu_vendor()
+    assert vendor in ("GenuineIntel", "AuthenticAMD", "") and dev.amd_avx512_cpu(torch.device("cpu")) == (
+        vendor == "AuthenticAMD" and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 def test_bf16_by_name_is_refused_on_a_gpu_that_emulates_it_and_warned_on_a_cpu(monkeypatch):

@@ -285,21 +285,25 @@ def test_train_tf32_sets_the_float32_matmul_precision(runs, device):
         assert (on["float32_matmul_precision"], on["cudnn_allow_tf32"]) == ("high", True)
         assert (off["float32_matmul_precision"], off["cudnn_allow_tf32"]) == ("highest", False)
         assert on["matmul_rel_error"] > 1e-4 > 1e-5 > off["matmul_rel_error"], (on, off)
-    else:
-        assert on["float32_matmul_precision"] == off["float32_matmul_precision"] == "highest"
+    else:  # "medium" where oneDNN computes exact fp32 faster than MKL (training/device.py, amd_avx512_cpu)
+        from training.device import amd_avx512_cpu
+        expected = "medium" if amd_avx512_cpu(torch.device("cpu")) else "highest"
+        assert on["float32_matmul_precision"] == off["float32_matmul_precision"] == expected
         assert on["matmul_rel_error"] < 1e-5 and off["matmul_rel_error"] < 1e-5
 
 
 @pytest.mark.launch
 def test_bf16_auto_gives_a_narrow_model_bf16_matmuls_under_fp32_weights_on_a_cpu_with_amx(runs):
     """On a CPU with AMX, bf16 "auto" keeps a model too narrow for bf16 weights in fp32 and rounds its matmuls'
-    inputs to bf16 (oneDNN's fp32 math mode); elsewhere, and whenever a precision is named, full fp32."""
+    inputs to bf16 (oneDNN's fp32 math mode); elsewhere, and whenever a precision is named, full fp32: on an AMD
+    CPU with AVX-512 through oneDNN's mode too, which there must compute in exact fp32."""
+    from training.device import amd_avx512_cpu
     auto, fp32 = (runs.train("cpu", name) for name in ("auto", "fp32"))
-    amx = torch.cpu._is_amx_tile_supported()
+    amx, amd = torch.cpu._is_amx_tile_supported(), amd_avx512_cpu(torch.device("cpu"))
     assert ("bf16 auto: fp32 with bf16 matmuls (AMX), faster on a CPU for a model 32 wide" in auto.stdout) == amx
-    assert auto.record["precision"]["mkldnn_fp32_precision"] == ("bf16" if amx else "ieee")
+    assert auto.record["precision"]["mkldnn_fp32_precision"] == ("bf16" if amx or amd else "ieee")
     assert (auto.record["precision"]["matmul_rel_error"] > 1e-4) == amx
-    assert fp32.record["precision"]["mkldnn_fp32_precision"] == "ieee"
+    assert fp32.record["precision"]["mkldnn_fp32_precision"] == ("bf16" if amd else "ieee")
     assert fp32.record["precision"]["matmul_rel_error"] < 1e-5
 
 

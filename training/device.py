@@ -8,6 +8,7 @@ that only emulates bf16 (no AVX512-BF16 or AMX: bf16 matmuls there run far below
 does fp32 arithmetic, so its fp32 peak is the denominator.
 """
 import ctypes
+import functools
 import glob
 import os
 import resource
@@ -112,6 +113,23 @@ def amx_cpu(device: torch.device) -> bool:
     return device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 
 
+def amd_avx512_cpu(device: torch.device) -> bool:
+    """Is the device an AMD CPU with AVX-512? MKL, which computes torch's fp32 matmuls on a CPU, runs its AVX2
+    kernels there, and oneDNN its AVX-512 ones: on a 2-core Zen 5 EPYC oneDNN's are 1.7-2.2x as fast at the
+    quickstart's shapes and compute in exact fp32 (docs/performance.md, "Precision on a CPU")."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and _cpu_vendor() == "AuthenticAMD")
+
+
+@functools.cache
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 def native_bf16(device: torch.device) -> bool:
     """Does the device compute in bf16 (not emulate it through fp32, many times slower)? torch, and so
     DeepSpeed, calls bf16 supported on a V100 or T4 and on any x86 CPU."""
@@ -133,9 +151,26 @@ def bf16_matmuls_in_fp32(ds: dict, device: torch.device, width: int) -> bool:
     """Does bf16 "auto" keep a model too narrow for bf16 weights in fp32, but round its matmuls' inputs to bf16?
     On a CPU with AMX: oneDNN's bf16 mode for fp32 matmuls (torch.set_float32_matmul_precision("medium")),
     accumulating in fp32 as TF32 does on a GPU; the quickstart's steps run 1.2x faster than in full fp32 and
-    reach the same loss (docs/performance.md). Without AMX the mode gains nothing."""
+    reach the same loss (docs/performance.md). oneDNN rounds to bf16 only on AMX."""
     return (ds.get("bf16", {}).get("enabled") == "auto" and width < CPU_BF16_MIN_WIDTH and native_bf16(device)
             and amx_cpu(device))
+
+
+def onednn_matmuls(ds: dict, device: torch.device, width: int) -> bool:
+    """Do the run's fp32 matmuls go through oneDNN (its bf16 mode, torch's float32 matmul precision "medium")?
+    With AMX for bf16_matmuls_in_fp32's models, rounded to bf16; on an AMD CPU with AVX-512 whatever the
+    precision, since there the mode computes in exact fp32, in kernels faster than MKL's."""
+    return bf16_matmuls_in_fp32(ds, device, width) or amd_avx512_cpu(device)
+
+
+def set_matmul_precision(device: torch.device, tf32: bool, onednn: bool) -> None:
+    """torch's float32 matmul precision for a run: on a GPU TF32 (train.tf32) or full fp32; on a CPU "medium",
+    oneDNN's bf16 mode, where onednn_matmuls says so."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+    else:
+        torch.set_float32_matmul_precision("medium" if onednn else "highest")
 
 
 def compute_dtype(ds: dict, device: torch.device, width: int) -> tuple[torch.dtype, str | None]:
@@ -154,7 +189,8 @@ def compute_dtype(ds: dict, device: torch.device, width: int) -> tuple[torch.dty
                     f"force it)")
         elif device.type == "cpu" and width < CPU_BF16_MIN_WIDTH:
             bf16 = False
-            matmuls = " with bf16 matmuls (AMX)" if bf16_matmuls_in_fp32(ds, device, width) else ""
+            matmuls = (" with bf16 matmuls (AMX)" if bf16_matmuls_in_fp32(ds, device, width) else
+                       " with oneDNN's AVX-512 matmuls" if amd_avx512_cpu(device) else "")
             note = (f"bf16 auto: fp32{matmuls}, faster on a CPU for a model {width} wide (bf16 from model.n_embd="
                     f"{CPU_BF16_MIN_WIDTH} on; set ds.bf16.enabled=true or false to force either)")
     fp16 = ds.get("fp16", {}).get("enabled", False)

@@ -26,7 +26,7 @@ from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training.checkpoints import checkpoint, hf
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
-from training.device import bf16_matmuls_in_fp32, check_op_build_locks, compute_dtype, keep_freed_host_memory
+from training.device import check_op_build_locks, compute_dtype, keep_freed_host_memory, onednn_matmuls
 from training.ds_config import load_ds_config
 from training.evaluation.multiple_choice import open_tasks
 from training.launch.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
@@ -57,7 +57,7 @@ class EngineSettings:
     pipe: Pipeline
     dtype: torch.dtype
     precision_note: str | None
-    bf16_matmuls: bool  # fp32 weights, matmuls in bf16 (training/device.py, bf16_matmuls_in_fp32)
+    onednn_matmuls: bool  # fp32 matmuls through oneDNN (training/device.py)
 
     def layout_record(self) -> dict:
         return layout_record(self.layout, zero_stage(self.ds))
@@ -89,7 +89,7 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     if load_universal:
         effective.setdefault("checkpoint", {})["load_universal"] = True
     return EngineSettings(effective, layout, pipe, dtype, precision_note,
-                          bf16_matmuls_in_fp32(ds, device, cfg.model.n_embd))
+                          onednn_matmuls(ds, device, cfg.model.n_embd))
 
 
 def with_vocabulary(cfg: RunConfig, data: TokenData) -> RunConfig:
@@ -161,7 +161,7 @@ class Run:
     layout: Layout
     pipe: Pipeline
     dtype: torch.dtype
-    bf16_matmuls: bool  # fp32 weights, matmuls in bf16 (training/device.py, bf16_matmuls_in_fp32)
+    onednn_matmuls: bool  # fp32 matmuls through oneDNN (training/device.py)
     launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launch/launcher_env.py)
     device: torch.device
     data: TokenData
@@ -221,7 +221,7 @@ def check_run(argv=None) -> Run:
     notes = [note for note in (settings.precision_note, setup.threads_note, prompt_note,
                                masking_note(cfg, data, setup.device),
                                schedule_note(cfg), objective.describe()) if note]
-    return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype, settings.bf16_matmuls, setup.launcher,
+    return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype, settings.onednn_matmuls, setup.launcher,
                setup.device, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
                newer, objective, architecture(cfg.model).training_hooks(cfg.model))
 
