@@ -34,27 +34,33 @@ def main(argv=None) -> None:
     planner.add_argument("--global_batch", type=int, help="windows a step (default: 4M tokens' worth)")
     planner.add_argument("--top", type=int, default=10, help="layouts printed (default 10)")
     defaults = Assumptions()
-    for name in ("peak_tflops", "mfu", "intra_gbps", "inter_gbps"):
+    for name in ("peak_tflops", "mfu", "intra_gbps", "inter_gbps", "pcie_gbps", "cpu_adam_gparams", "host_gb"):
         planner.add_argument(f"--{name}", type=float, default=getattr(defaults, name))
-    parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. model.block_size=2048")
+    parser.add_argument("overrides", nargs="*", help="overrides, e.g. model.block_size=2048 "
+                                                    "ds.train_micro_batch_size_per_gpu=4 (each ds_config alike)")
     args = parser.parse_args(argv)
+    try:
+        report(args)
+    except ConfigError as e:
+        exit_bad_input(e)
+
+
+def report(args) -> None:
 
     if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
         args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
-    run = load_run_config(args.config, args.overrides)
+    ds_overrides = [o[len("ds."):] for o in args.overrides if o.startswith("ds.")]
+    run = load_run_config(args.config, [o for o in args.overrides if not o.startswith("ds.")])
     cfg = run.model
     print(f"{args.config}: {cfg.arch}, {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}\n")
     if args.plan:
-        try:
-            print_plan(cfg, args)
-        except ConfigError as e:
-            exit_bad_input(e)
+        print_plan(cfg, args)
         return
     ds_paths = args.ds_config or sorted(glob.glob(os.path.join(REPO_ROOT, "ds_configs", "*.json")))
     print(f"| ds_config | GPUs | layout | ZeRO | micro | params/GPU | model states | activations | total/GPU | "
           f"fits {args.gpu_gb:.0f} GB |\n|---|---|---|---|---|---|---|---|---|---|")
     for path in ds_paths:
-        ds = load_ds_config(path, [])
+        ds = load_ds_config(path, ds_overrides)
         for gpus in args.gpus or [1, 8]:
             try:
                 p = plan(cfg, ds, gpus, run.train.mlp_tiles)
@@ -70,7 +76,8 @@ def main(argv=None) -> None:
 
 def print_plan(cfg, args) -> None:
     """The --plan table: the fastest layouts that fit first, and the recommendation."""
-    for name in ("gpu_gb", "peak_tflops", "intra_gbps", "inter_gbps", "gpus_per_node", "nodes", "global_batch"):
+    for name in ("gpu_gb", "peak_tflops", "intra_gbps", "inter_gbps", "pcie_gbps", "cpu_adam_gparams", "host_gb",
+                 "gpus_per_node", "nodes", "global_batch"):
         value = getattr(args, name)
         if value is not None and not value > 0:  # NaN included
             raise ConfigError(f"--{name} {value}: must be > 0; fix: leave it out for its default")
@@ -81,14 +88,16 @@ def print_plan(cfg, args) -> None:
     if gpus < 1 or (args.gpus and len(args.gpus) > 1):
         raise ConfigError("--plan needs one GPU count: --gpus N, or --nodes N (x --gpus_per_node)")
     global_batch = args.global_batch or max(1, 4 * 2**20 // cfg.block_size)
-    assumptions = Assumptions(args.gpu_gb, args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
+    assumptions = Assumptions(args.gpu_gb, args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps,
+                              args.pcie_gbps, args.cpu_adam_gparams, args.host_gb)
     rows = plan_layouts(cfg, gpus, args.gpus_per_node, global_batch, assumptions)
     fitting = [r for r in rows if r["fits"]]
     print(f"{gpus} GPUs ({args.gpus_per_node} a node), {global_batch} windows a step; {assumptions.describe()}; "
           f"{len(fitting)} of {len(rows)} layouts fit\n")
-    print("| layout | memory / GPU | fits | step s | MFU |\n|---|---|---|---|---|")
+    print("| layout | memory / GPU | host memory / node | fits | step s | MFU |\n|---|---|---|---|---|---|")
     for r in rows[:args.top]:
-        print(f"| {r['layout'].describe()} | {r['memory'] / GB:.1f} GB | {'yes' if r['fits'] else 'no'} | "
+        host = f"{r['host'] / GB:.0f} GB" if r["host"] else ""
+        print(f"| {r['layout'].describe()} | {r['memory'] / GB:.1f} GB | {host} | {'yes' if r['fits'] else 'no'} | "
               f"{r['seconds']:.2f} | {r['mfu']:.1%} |")
     if not fitting:
         raise ConfigError(f"no layout fits {args.gpu_gb:g} GB GPUs: add GPUs or lower --global_batch")

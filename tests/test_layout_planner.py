@@ -9,7 +9,7 @@ import pytest
 from model_checks import preset
 from ranks import run_tool
 from training.layout_planner import Assumptions, Candidate, candidates, plan_layouts, step_seconds
-from training.memory_plan import GB, plan
+from training.memory_plan import GB, layer_params, plan
 from training.metrics import flops_per_token
 
 QUICK = dataclasses.replace(preset("llama_quickstart"), vocab_size=65)  # 4 layers, 4 heads, 2 key/value heads
@@ -67,6 +67,24 @@ def test_one_gpu_is_compute_alone_and_the_network_only_slows():
         assert step_seconds(QUICK, c, 8, slow) >= step_seconds(QUICK, c, 8, assumed)
 
 
+def test_the_optimizer_goes_to_the_cpu_only_where_nothing_else_fits():
+    """8B on one 80 GB GPU: only ZeRO-2/3 with the optimizer offloaded fit, and the step pays the stated PCIe
+    traffic and CPU Adam; on 8 GPUs a layout without offload is faster and recommended. The host's memory is
+    DeepSpeed's estimate for the data group, shared out over the node's GPUs, held against --host_gb."""
+    cfg, a = preset("llama3.1_8b"), Assumptions()
+    rows = plan_layouts(cfg, 1, 8, 64, a)
+    assert {(r["layout"].zero, r["layout"].offload) for r in rows if r["fits"]} == {(2, True), (3, True)}
+    best = rows[0]["layout"]
+    assert best.offload and plan(cfg, best.ds_config(), 1)["cpu"] == rows[0]["host"] > 0
+    params = sum(layer_params(cfg))
+    on_gpu = dataclasses.replace(best, offload=False)
+    assert step_seconds(cfg, best, 1, a) - step_seconds(cfg, on_gpu, 1, a) == pytest.approx(
+        6 * params / (a.pcie_gbps * 1e9) + params / (a.cpu_adam_gparams * 1e9))
+    assert not any(r["fits"] for r in plan_layouts(cfg, 1, 8, 64, dataclasses.replace(a, host_gb=64)))
+    assert not plan_layouts(cfg, 8, 8, 64, a)[0]["layout"].offload
+    assert not any(c.offload and (c.pp > 1 or c.zero == 1) for c in candidates(cfg, 16, 8, 64))
+
+
 def test_the_llama_3_papers_405b_layout_is_feasible():
     """TP 8 x PP 16 x DP 64 on 8,192 GPUs with 16M-token batches (Llama 3 paper, Table 4), every block recomputed."""
     cfg = preset("llama3.1_405b")
@@ -97,3 +115,14 @@ def test_the_command_recommends_a_layout_or_says_none_fits():
     proc = run_tool("scripts.memory_plan", [*argv, "--gpu_gb", "0.001"], {}, 120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: no layout fits 0.001 GB GPUs: add GPUs or lower --global_batch"]
+
+
+def test_the_table_takes_ds_overrides_and_a_bad_override_is_one_line():
+    argv = ["--config", "configs/llama_quickstart.yaml", "--ds_config", "ds_configs/zero1.json", "--gpus", "1",
+            "model.vocab_size=65"]
+    proc = run_tool("scripts.memory_plan", [*argv, "ds.train_micro_batch_size_per_gpu=3"], {}, 120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| zero1.json | 1 | world 1 = dp 1 x pp 1 | 1 | 3 |" in proc.stdout
+    proc = run_tool("scripts.memory_plan", [*argv, "modle.n_layer=2"], {}, 120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("error: unknown setting 'modle' in the command line")

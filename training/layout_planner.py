@@ -1,5 +1,6 @@
 """A layout planner: the layouts this repo can run a preset on for a number of GPUs (ZeRO stage, tensor,
-sequence and pipeline degrees, micro-batch, activation checkpointing), each one's memory per GPU
+sequence and pipeline degrees, micro-batch, activation checkpointing, the optimizer offloaded to the CPU), each
+one's memory per GPU
 (training/memory_plan.py) and an estimated step time and MFU, the fastest that fits recommended. The command:
 `python -m scripts.memory_plan --config PRESET.yaml --gpus 64 --gpu_gb 80 --plan` (scripts/memory_plan.py).
 
@@ -17,8 +18,12 @@ The step time is a stated model, its assumptions printed with every table and ea
 - expert parallelism: 4 all-to-alls a mixture-of-experts layer and micro-batch (dispatch and combine, forward and
   backward) of each token's k routes, as if the routing were even, inside a node when the expert group is;
 - the pipeline's activations passed between stages, over the network;
+- the optimizer offloaded (ZeRO-2/3, DeepSpeed's CPU Adam): each step a rank's fp32 gradient partition to the host
+  and its 16-bit weights back over PCIe (`pcie_gbps`), and CPU Adam over the partition at `cpu_adam_gparams`
+  billion parameters a second for each GPU's share of the host's cores;
 - nothing overlapped with compute: a bound from above on the step time.
-Not enumerated: ZeRO-0 and CPU offload (slower than ZeRO-1/2 wherever those fit).
+A layout fits when its plan fits the GPU's memory and its offloaded states the host's (`host_gb` a node).
+Not enumerated: ZeRO-0 (ZeRO-1 holds less for the same traffic).
 """
 from dataclasses import dataclass
 
@@ -38,11 +43,15 @@ class Assumptions:
     mfu: float = 0.45  # of the peak, for the matmuls' share of a step
     intra_gbps: float = 450.0  # NVLink 4, one direction, a GPU
     inter_gbps: float = 50.0  # 400 Gb/s InfiniBand or RoCE, a GPU
+    pcie_gbps: float = 25.0  # PCIe 5 x16 as measured host-to-device copies reach, a GPU
+    cpu_adam_gparams: float = 1.0  # DeepSpeed's CPU Adam on a GPU's share of a DGX H100's cores
+    host_gb: float = 2048.0  # a DGX H100's host memory
 
     def describe(self) -> str:
         return (f"assumed: {self.gpu_gb:g} GB a GPU, {self.peak_tflops:g} TFLOP/s peak at {self.mfu:.0%} MFU in "
                 f"compute, {self.intra_gbps:g} GB/s inside a node, {self.inter_gbps:g} GB/s between nodes, no "
-                f"overlap of communication with compute")
+                f"overlap of communication with compute; offloaded: {self.pcie_gbps:g} GB/s PCIe, CPU Adam "
+                f"{self.cpu_adam_gparams:g}B parameters/s a GPU, {self.host_gb:g} GB of host memory a node")
 
 
 @dataclass(frozen=True)
@@ -56,10 +65,13 @@ class Candidate:
     accum: int
     checkpointing: bool
     ep: int = 1
+    offload: bool = False
 
     def ds_config(self) -> dict:
+        zero = {"stage": self.zero, **({"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+                                       if self.offload else {})}
         return {"train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": self.accum,
-                "zero_optimization": {"stage": self.zero}, "tensor_model_parallel_size": self.tp,
+                "zero_optimization": zero, "tensor_model_parallel_size": self.tp,
                 "sequence_parallel_size": self.sp, "expert_parallel_size": self.ep, "bf16": {"enabled": True},
                 "pipeline": {"stages": self.pp, "partition": "parameters",
                              "activation_checkpoint_interval": int(self.checkpointing)}}
@@ -67,14 +79,15 @@ class Candidate:
     def describe(self) -> str:
         degrees = "".join(f" x {name} {n}" for name, n in (("tp", self.tp), ("sp", self.sp), ("pp", self.pp),
                                                            ("ep", self.ep)) if n > 1)
-        return (f"dp {self.dp}{degrees}, ZeRO-{self.zero}, micro {self.micro} x {self.accum}"
-                f"{', recompute' if self.checkpointing else ''}")
+        return (f"dp {self.dp}{degrees}, ZeRO-{self.zero}{' + CPU offload' if self.offload else ''}, micro "
+                f"{self.micro} x {self.accum}{', recompute' if self.checkpointing else ''}")
 
 
 def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
     """Every layout of `global_batch` windows a step on `gpus` GPUs that train.py accepts: tensor and
     sequence groups inside a node, degrees that divide the heads and the context, a block for every stage, an
-    expert-parallel degree that divides the experts (plan_layouts leaves out what check_experts refuses)."""
+    expert-parallel degree that divides the experts (plan_layouts leaves out what check_experts refuses), the
+    optimizer offloaded under ZeRO-2/3 without pipeline stages (DeepSpeed's pipeline engine takes ZeRO-0/1 only)."""
     blocks = cfg.n_layer
     for tp in divisors(gpus_per_node):
         for sp in divisors(gpus_per_node // tp):
@@ -82,14 +95,15 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
                 continue
             for pp in (p for p in divisors(gpus // (tp * sp)) if p <= blocks):
                 dp = gpus // (tp * sp * pp)
-                for zero in (1,) if pp > 1 else (1, 2, 3):
+                zeros = [(1, False)] if pp > 1 else [(1, False), (2, False), (3, False), (2, True), (3, True)]
+                for zero, offload in zeros:
                     for micro in MICRO_BATCHES:
                         if global_batch % (micro * dp) or global_batch // (micro * dp) < pp:
                             continue
                         for checkpointing in (False, True):
                             for ep in divisors(cfg.n_experts) if cfg.n_experts else (1,):
                                 yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp),
-                                                checkpointing, ep)
+                                                checkpointing, ep, offload)
 
 
 def divisors(n: int) -> list[int]:
@@ -124,6 +138,9 @@ def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float
         comm += c.accum * moe_layers * 4 * (c.ep - 1) / c.ep * cfg.experts_per_token * slice_bytes / (bandwidth * 1e9)
     if c.pp > 1:
         comm += 2 * (c.accum * slice_bytes * c.sp) / (a.inter_gbps * 1e9)  # forward activations, backward gradients
+    if c.offload:
+        partition = params / (c.dp * c.sp)
+        comm += (4 + 2) * partition / (a.pcie_gbps * 1e9) + partition / (a.cpu_adam_gparams * 1e9)
     return per_gpu + comm
 
 
@@ -136,12 +153,14 @@ def plan_layouts(cfg, gpus: int, gpus_per_node: int, global_batch: int, a: Assum
     rows = []
     for c in candidates(cfg, gpus, gpus_per_node, global_batch):
         try:
-            memory = plan(cfg, c.ds_config(), gpus)["total"]
+            planned = plan(cfg, c.ds_config(), gpus)
             check_experts(cfg, resolve_layout(c.ds_config(), gpus, c.pp, c.tp, c.sp, c.ep), c.zero, False, False, 1)
         except ConfigError:  # a layout train.py refuses (a stage without a block, experts where they cannot go)
             continue
         seconds = step_seconds(cfg, c, gpus_per_node, a)
-        rows.append({"layout": c, "memory": memory, "fits": fits(memory, a.gpu_gb), "seconds": seconds,
+        host = planned["cpu"] / (c.dp * c.sp) * gpus_per_node  # DeepSpeed's figure is a data group's
+        rows.append({"layout": c, "memory": planned["total"], "host": host,
+                     "fits": fits(planned["total"], a.gpu_gb) and fits(host, a.host_gb), "seconds": seconds,
                      "mfu": useful / (gpus * a.peak_tflops * 1e12 * seconds)})
     if not rows:
         raise ConfigError(f"no layout of {global_batch} windows a step runs on {gpus} GPUs for this {cfg.arch} of "
