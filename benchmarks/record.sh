@@ -2,7 +2,9 @@
 # Everything to commit for a device, in one command: first the GPU tier of the tests (`python -m pytest -m gpu`,
 # its result line kept), then for each preset in bf16 with one ds_config on one process: throughput (DeepSpeed
 # against the plain-PyTorch loop, MFU against the datasheet peak), eager and with train.compile; the memory plan
-# beside the measured peak; per-rank memory against the ZeRO theory. As JSON under benchmarks/results/<device>/
+# beside the measured peak; per-rank memory against the ZeRO theory; for the presets of $SWEEP (default gpt2_124m;
+# empty for none) the step's levers, a train.py run each (benchmarks/sweep.py: micro-batch 16, 32, 64 at 64 windows
+# a step, then compiled and ZeRO-0 at the fastest). As JSON under benchmarks/results/<device>/
 # (device name, software versions and date are in each file), and a markdown table of it at the end.
 #
 #   bash benchmarks/record.sh [PRESET ...]      # default: gpt2_124m llama_124m, context 1024, ZeRO-1
@@ -60,6 +62,11 @@ for preset in "${presets[@]}"; do
     probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" "${overrides[@]}"
     "$python" benchmarks/memory.py --config "configs/$preset.yaml" --nprocs 1 --stages "$stage" \
         --json "$results/memory_${preset}_$stage.json" "${overrides[@]}"
+    if [[ " ${SWEEP-gpt2_124m} " == *" $preset "* ]]; then
+        "$python" benchmarks/sweep.py --config "configs/$preset.yaml" --ds_config "$ds_config" --global_batch 64 \
+            --micro 16 32 64 --steps 20 --levers train.compile=true ds_config=ds_configs/zero0.json \
+            --work_dir out/benchmarks/sweep --json "$results/sweep_${preset}_$stage.json" "${overrides[@]}" || true
+    fi
 done
 "$python" -c "from benchmarks.gpu_figures import main; main()" "$results" "${presets[@]}"
 ls -l "$results"

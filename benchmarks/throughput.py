@@ -148,8 +148,6 @@ def main() -> None:
     deepspeed.init_distributed()
     device = torch.device(get_accelerator().device_name(0))
     keep_freed_host_memory(device)  # as train.py does
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     results = [measure(p, args, cfg, ds, data, device) for p in args.precisions]
     report = {**environment(device), "config": args.config, "ds_config": args.ds_config,

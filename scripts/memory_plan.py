@@ -15,7 +15,7 @@ import os
 import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
-from training.config import REPO_ROOT, load_run_config
+from training.config import REPO_ROOT, load_run_config, split_overrides
 from training.ds_config import load_ds_config
 from training.layout_planner import Assumptions, plan_layouts
 from training.memory_plan import GB, fits, plan
@@ -49,8 +49,8 @@ def report(args) -> None:
 
     if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
         args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
-    ds_overrides = [o[len("ds."):] for o in args.overrides if o.startswith("ds.")]
-    run = load_run_config(args.config, [o for o in args.overrides if not o.startswith("ds.")])
+    run_overrides, ds_overrides = split_overrides(args.overrides)
+    run = load_run_config(args.config, run_overrides)
     cfg = run.model
     print(f"{args.config}: {cfg.arch}, {cfg.n_layer} layers x {cfg.n_embd} wide, context {cfg.block_size}\n")
     if args.plan:

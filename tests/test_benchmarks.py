@@ -19,8 +19,8 @@ from training.config import load_run_config
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
 SCRIPTS = ["checkpoint_stall.py", "cpu_attention.py", "data.py", "documents.py", "finetune.py", "generation.py",
            "llama.py", "memory.py", "moe.py", "pipeline.py", "preference.py", "quality.py", "quickstart_race.py",
-           "reward_model.py", "rl.py", "sequence_parallel.py", "serving.py", "tensor_parallel.py", "throughput.py",
-           "record.sh", "wheelhouse.sh"]
+           "reward_model.py", "rl.py", "sequence_parallel.py", "serving.py", "sweep.py", "tensor_parallel.py",
+           "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
@@ -204,6 +204,33 @@ def test_memory_measures_one_stage(char_data, tmp_path):
     assert len(zero0["ranks"]) == 1 and zero0["ranks"][0]["peak"] > 0 and zero0["theory"]["total"] > 0
 
 
+def test_the_sweep_runs_train_py_per_row_and_holds_the_plan_beside_it(char_data, tmp_path):
+    """Each micro-batch at the same global batch, then the lever at the faster one; each row's figures are its
+    run's own metrics.jsonl (the intervals after the first); a plan over --gpu_gb is marked, and a run that ended
+    out of memory is told from one that failed otherwise."""
+    report = tmp_path / "sweep.json"
+    proc = benchmark("sweep.py", "--config", "configs/quickstart.yaml", "--global_batch", "8", "--micro", "4", "8",
+                     "--steps", "4", "--log_interval", "2", "--levers", "ds_config=ds_configs/zero0.json",
+                     "--gpu_gb", "0.001", "--work_dir", str(tmp_path / "work"), "--json", str(report),
+                     f"data.dir={char_data}", *TINY)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(report.read_text())
+    rows = result["rows"]
+    assert [(r["micro"], r["lever"], r["status"]) for r in rows[:2]] == [(4, None, "ok"), (8, None, "ok")]
+    faster = max(rows[:2], key=lambda r: r["tokens_per_s"])["micro"]
+    assert (rows[2]["micro"], rows[2]["lever"], rows[2]["status"]) == (faster, "ds_config=ds_configs/zero0.json", "ok")
+    logged = [json.loads(line) for line in (tmp_path / "work" / "micro4" / "metrics.jsonl").read_text().splitlines()]
+    intervals = [r for r in logged if "tokens_per_s" in r][1:]
+    assert rows[0]["tokens_per_s"] == sum(r["tokens_per_s"] for r in intervals) / len(intervals)
+    assert not any(r["plan_fits"] for r in rows) and result["plan_largest_fitting_micro"] is None
+    assert result["largest_micro_that_ran"] == 8
+    assert "largest micro-batch the plan fits: None; largest that ran: 8" in proc.stdout
+    from benchmarks.sweep import measured
+    oom = subprocess.CompletedProcess([], 1, "", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
+    assert measured(oom, str(tmp_path))["status"] == "out of memory"
+    assert measured(subprocess.CompletedProcess([], 2, "", "error: x"), str(tmp_path))["status"] == "failed"
+
+
 def test_quality_trains_and_judges_the_val_loss(char_data, tmp_path):
     out = tmp_path / "quality"
     proc = benchmark("quality.py", "--target", "100", "--out_dir", str(out), f"data.dir={char_data}", *TINY,
@@ -304,6 +331,10 @@ BAD_INPUTS = [
     ("checkpoint_stall.py", ["--saves", "0"], "--saves=0: must be >= 1"),
     ("checkpoint_stall.py", ["--work_dir", "{file}"], "--work_dir {file} is a file, not a folder"),
     ("quickstart_race.py", ["--repeats", "0"], "--repeats=0: must be >= 1"),
+    ("sweep.py", ["--config", "configs/quickstart.yaml", "--global_batch", "12", "data.dir={data}", "--micro", "5"],
+     "--micro 5 does not divide --global_batch 12: pick divisors"),
+    ("sweep.py", ["--config", "configs/quickstart.yaml", "--global_batch", "12", "--steps", "5", "data.dir={data}"],
+     "--steps 5: needs two logged intervals of --log_interval 5; fix: raise --steps"),
     ("cpu_attention.py", ["--shapes", "12x6x256"], "--shapes 12x6x256: must be batch x heads x context x head_dim"),
     ("cpu_attention.py", ["--rounds", "0"], "--rounds=0: must be >= 1"),
     ("cpu_attention.py", ["--json", "{file}/a.json"], "--json file {file}/a.json cannot be created"),
