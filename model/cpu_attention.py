@@ -26,7 +26,8 @@ LOWEST_LOG_PROBABILITY = -80.0
 
 def has_cpu_kernel(q: torch.Tensor) -> bool:
     """Does causal attention over these queries go through one of this file's kernels: bf16 at a short context,
-    or fp32 whose matmuls run in bf16 (float32 matmul precision "medium": oneDNN's bf16 mode, training/device.py)?"""
+    or fp32 under oneDNN's bf16 mode (float32 matmul precision "medium", training/device.py onednn_matmuls), which
+    FullPrecisionCpuAttention keeps out of the flash kernel's block matmuls?"""
     if q.device.type != "cpu":
         return False
     if q.dtype == torch.bfloat16:
