@@ -62,7 +62,8 @@ def measured(proc: subprocess.CompletedProcess, out_dir: str) -> dict:
         return {"status": "failed", "error": ["fewer than two logged intervals: raise --steps"]}
     return {"status": "ok", "tokens_per_s": sum(r["tokens_per_s"] for r in intervals) / len(intervals),
             "mfu": sum(r["mfu"] for r in intervals) / len(intervals),
-            "peak_gb": max(r["peak_mem_gb"] for r in intervals), "reserved_gb": max(r["reserved_gb"] for r in intervals)}
+            "peak_gb": max(r["peak_mem_gb"] for r in intervals),
+            "reserved_gb": max(r["reserved_gb"] for r in intervals)}
 
 
 def run_row(args, row: dict, work: str) -> dict:

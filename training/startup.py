@@ -221,9 +221,9 @@ def check_run(argv=None) -> Run:
     notes = [note for note in (settings.precision_note, setup.threads_note, prompt_note,
                                masking_note(cfg, data, setup.device),
                                schedule_note(cfg), objective.describe()) if note]
-    return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype, settings.onednn_matmuls, setup.launcher,
-               setup.device, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts, resume_dir, init_from,
-               newer, objective, architecture(cfg.model).training_hooks(cfg.model))
+    return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype, settings.onednn_matmuls,
+               setup.launcher, setup.device, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts,
+               resume_dir, init_from, newer, objective, architecture(cfg.model).training_hooks(cfg.model))
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:
