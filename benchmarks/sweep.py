@@ -25,12 +25,12 @@ from benchmarks.report import at_least, load_inputs, print_table, results_file, 
 from common.checks import ConfigError, ToolParser
 from training.memory_plan import GB, fits, plan
 
-OUT_OF_MEMORY = ("CUDA out of memory", "OutOfMemoryError", "out of memory")
+OUT_OF_MEMORY = ("out of memory", "OutOfMemoryError")
 
 
-def default_micros(plan_fits: dict[int, bool], global_batch: int) -> list[int]:
-    """Powers of two dividing the global batch, up to one past the largest the plan fits."""
-    powers = [m for m in (2**i for i in range(12)) if m <= global_batch and global_batch % m == 0]
+def default_micros(plan_fits: dict[int, bool]) -> list[int]:
+    """Of the micro-batches `plan_fits` holds in ascending order, those up to one past the largest the plan fits."""
+    powers = list(plan_fits)
     fitting = [m for m in powers if plan_fits[m]]
     last = fitting[-1] if fitting else powers[0]
     return [m for m in powers if m <= last] + [m for m in powers if m > last][:1]
@@ -100,11 +100,11 @@ def main() -> int:
                           f"fix: raise --steps")
     results_file(args.json)
     cfg, ds, gpu_gb = plan_inputs(args)
-    powers = [m for m in (2**i for i in range(12)) if m <= args.global_batch]
+    powers = [m for m in (2**i for i in range(12)) if args.global_batch % m == 0]
     planned = {m: plan(cfg.model, dict(ds, train_micro_batch_size_per_gpu=m,
-                                       gradient_accumulation_steps=max(1, args.global_batch // m)), 1)["total"]
+                                       gradient_accumulation_steps=args.global_batch // m), 1)["total"]
                for m in sorted(set(powers + (args.micro or [])))}
-    micros = args.micro or default_micros({m: fits(planned[m], gpu_gb) for m in powers}, args.global_batch)
+    micros = args.micro or default_micros({m: fits(planned[m], gpu_gb) for m in powers})
     work = work_folder(args.work_dir)
     rows = [run_row(args, {"micro": m, "lever": None}, work) for m in micros]
     ran = [r for r in rows if r["status"] == "ok"]

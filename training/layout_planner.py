@@ -43,8 +43,8 @@ class Assumptions:
     mfu: float = 0.45  # of the peak, for the matmuls' share of a step
     intra_gbps: float = 450.0  # NVLink 4, one direction, a GPU
     inter_gbps: float = 50.0  # 400 Gb/s InfiniBand or RoCE, a GPU
-    pcie_gbps: float = 25.0  # PCIe 5 x16 as measured host-to-device copies reach, a GPU
-    cpu_adam_gparams: float = 1.0  # DeepSpeed's CPU Adam on a GPU's share of a DGX H100's cores
+    pcie_gbps: float = 25.0  # assumed: host-device copies a GPU, under PCIe 4 x16's 32 GB/s on paper
+    cpu_adam_gparams: float = 1.0  # assumed, not measured here: DeepSpeed's CPU Adam on a GPU's share of the cores
     host_gb: float = 2048.0  # a DGX H100's host memory
 
     def describe(self) -> str:
