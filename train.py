@@ -93,7 +93,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     cfg, layout = run.cfg, run.layout
     set_matmul_precision(run.device, cfg.train.tf32, run.onednn_matmuls)
     index, print0, topo = join_process_group(run)
-    groups = parallel_groups(topo, layout.sp_size)
+    groups = parallel_groups(topo, layout.sp_size, layout.tp_sequence)
     grid, tp = groups.grid, groups.tp
 
     PHASE.now("building the model and the DeepSpeed engine")

@@ -19,7 +19,7 @@ def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE, ep: ExpertParall
     rank's of `ep`."""
     check_tensor_parallel(cfg, tp.size)
     arch = architecture(cfg)
-    return parallelize(expert_parallel(arch.layers(cfg), ep), arch.plan, tp)
+    return parallelize(expert_parallel(arch.layers(cfg), ep), arch.plan, tp, arch.block)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, partition=None,

@@ -59,9 +59,8 @@ class SelfAttention(nn.Module):
         self.out_proj = reference.out_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
-        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # the whole sequence's (see the GPT's attention)
+        q, k, v = qkv.view(*qkv.shape[:2], 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.out_proj(merge_heads(y))
 

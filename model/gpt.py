@@ -54,8 +54,8 @@ class CausalSelfAttention(nn.Module):
         self.core = causal_attention  # model/sequence_parallel.py swaps it for the sequence-parallel one
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)  # its time is the whole sequence, also where x is a slice of it (sequence parallelism)
+        q, k, v = qkv.view(*qkv.shape[:2], 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         y = self.core(q, k, v, self.dropout if self.training else 0.0, positions)
         return self.resid_drop(self.proj(merge_heads(y)))
 

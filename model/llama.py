@@ -52,7 +52,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))
         if positions is None:
-            cos, sin = self.cos[:x.size(1)], self.sin[:x.size(1)]
+            cos, sin = self.cos[:q.size(2)], self.sin[:q.size(2)]  # q's time: the whole sequence's
         else:  # each token rotated by its position within its document; the heads share it
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

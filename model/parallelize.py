@@ -4,6 +4,10 @@ has no parallel code; the plan, declared with its Architecture, names which of i
 Each layer is built whole from its seed, as at tp = 1, and then split: the split layers of
 model/tensor_parallel.py take this rank's slice of the whole weights. So one seed gives the same full
 weights at every degree.
+
+Under Megatron's sequence parallelism the first block cuts the hidden state to this rank's slice of the sequence,
+the split maps gather and scatter it, and every layer from there on sums the gradients of its replicated weights
+over the tensor ranks, each of which saw a slice.
 """
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -20,7 +24,10 @@ from model.tensor_parallel import (
     TensorParallel,
     VocabParallelEmbedding,
     column_slice,
-    copy_to_tensor_ranks,
+    split_rule,
+    split_sequence,
+    sum_over_tensor_ranks,
+    to_split_input,
 )
 
 
@@ -42,17 +49,47 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
                               f"parallel rank holds an equal share. Choose a degree that divides it")
 
 
-def parallelize(specs: list, plan: dict, tp: TensorParallel) -> list:
+def check_sequence_split(cfg: ModelConfig, tp_size: int, sp_size: int) -> None:
+    """What Megatron's sequence parallelism (ds_config tensor_sequence_parallel) cannot run with, refused."""
+    refusals = [
+        (cfg.block_size % tp_size, f"tensor_model_parallel_size={tp_size} does not divide model.block_size="
+                                   f"{cfg.block_size}: each tensor rank holds an equal slice of the sequence"),
+        (sp_size > 1, f"Ulysses' sequence_parallel_size={sp_size} slices the sequence already"),
+        (cfg.n_experts, "DeepSpeed's MoE layer shares the tokens out over the tensor ranks itself"),
+        (cfg.dropout > 0, f"model.dropout={cfg.dropout} would draw the same mask for every tensor rank's slice"),
+        (cfg.head != "lm", "the score head is not split, and reads every position"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"tensor_sequence_parallel=true cannot run here: {why}; fix: remove "
+                              f"tensor_sequence_parallel from the ds_config")
+
+
+def parallelize(specs: list, plan: dict, tp: TensorParallel, block: type) -> list:
     """The layer list whose layers split themselves over `tp` as they are built (PipelineModule builds each
-    stage's layers itself, so the plan travels with the specs). plan: the Architecture's, per layer class."""
+    stage's layers itself, so the plan travels with the specs). plan: the Architecture's, per layer class;
+    block: its block class, where the sequence is cut under sequence parallelism."""
     if tp.size == 1:
         return specs
-    return [_split_spec(spec, plan[spec.typename], tp) if spec.typename in plan else spec for spec in specs]
+    first = next(i for i, spec in enumerate(specs) if spec.typename is block)
+    out = []
+    for i, spec in enumerate(specs):
+        sliced = tp.sequence and i >= first
+        if spec.typename in plan or sliced:
+            spec = _split_spec(spec, plan.get(spec.typename, {}), tp)
+            spec.cuts_sequence, spec.sliced = tp.sequence and i == first, sliced
+        out.append(spec)
+    return out
 
 
 class _SplitOnBuild:
     def build(self, log=False) -> nn.Module:
-        return apply_plan(super().build(log), self.plan, self.tp)
+        layer = apply_plan(super().build(log), self.plan, self.tp)
+        if self.cuts_sequence:
+            layer.register_forward_pre_hook(lambda _, args: (split_sequence(args[0], self.tp), *args[1:]))
+        if self.sliced:
+            sum_replicated_gradients(layer, self.tp)
+        return layer
 
 
 class _SplitLayerSpec(_SplitOnBuild, LayerSpec):
@@ -69,7 +106,7 @@ def _split_spec(spec: LayerSpec, plan: dict, tp: TensorParallel) -> LayerSpec:
                                     tied_weight_attr=spec.tied_weight_attr, **spec.module_kwargs)
     else:
         split = _SplitLayerSpec(spec.typename, *spec.module_args, **spec.module_kwargs)
-    split.plan, split.tp = plan, tp
+    split.plan, split.tp, split.cuts_sequence, split.sliced = plan, tp, False, False
     return split
 
 
@@ -109,7 +146,19 @@ def _split_module(module: nn.Module, rule, tp: TensorParallel) -> nn.Module:
 
 
 def _copy_input_to_tensor_ranks(module: nn.Module, tp: TensorParallel) -> None:
-    """Megatron's f in front of a module computing with bare column-split parameters, once per module."""
+    """Megatron's f (or the sequence's gather) in front of a module computing with bare column-split parameters,
+    once per module."""
     if not getattr(module, "_copies_input_to_tensor_ranks", False):
-        module.register_forward_pre_hook(lambda _, args: (copy_to_tensor_ranks(args[0], tp), *args[1:]))
+        module.register_forward_pre_hook(lambda _, args: (to_split_input(args[0], tp), *args[1:]))
         module._copies_input_to_tensor_ranks = True
+
+
+def sum_replicated_gradients(layer: nn.Module, tp: TensorParallel) -> None:
+    """Each replicated weight of a layer that sees a slice of the sequence gets the gradient of the whole: its
+    slices' gradients summed over the tensor ranks as each backward makes them, before DeepSpeed's own hooks
+    take them (so gradient accumulation, ZeRO's reduction and the norm see the sum). Marked `sequence_parallel`,
+    Megatron's name."""
+    for p in layer.parameters():
+        if split_rule(p) is None and p.requires_grad:
+            p.sequence_parallel = True
+            p.register_hook(lambda grad: sum_over_tensor_ranks(grad.clone(), tp))

@@ -10,7 +10,12 @@ its linear maps for this rank's slice. So one seed gives the same full weights a
     vocab-parallel   embedding rows, LM-head logits and the cross-entropy split over the vocabulary
 
 A column-parallel map followed by a row-parallel one costs one all-reduce forward (after the row map) and
-one backward (before the column map), Megatron's f and g. Split parameters carry DeepSpeed's
+one backward (before the column map), Megatron's f and g. Under Megatron's sequence parallelism
+(`sequence`) the all-reduce becomes a reduce-scatter along the sequence and the column map's input an
+all-gather (the same bytes moved): between the maps (norms, residual adds) each rank holds 1/size of every
+window's positions, and so of the activations kept for the backward. The blocks' input is split there, and the
+gradients of the replicated weights the slices pass through (norm gains, row-parallel biases) are summed over
+the tensor ranks as they are made (model/parallelize.py). Split parameters carry DeepSpeed's
 `tensor_model_parallel` mark (ZeRO and the bf16 optimizer count their gradient norm on every tensor rank);
 replicated ones (norms, row-parallel biases) stay bitwise equal across tensor ranks because those ranks see
 the same batches and gradients. At tp = 1 these are the plain layers, with no communication.
@@ -33,6 +38,7 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: Any = None
+    sequence: bool = False  # Megatron's sequence parallelism between the split maps
 
     def shard(self, full: int) -> tuple[int, int]:
         """[start, stop) of this rank's equal share of `full` rows, features or heads."""
@@ -79,6 +85,101 @@ class _ReduceFromTensorRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def sum_over_tensor_ranks(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _all_reduce(x, tp)
+
+
+def _along_sequence(collective, x: torch.Tensor, tp: TensorParallel, parts: float) -> torch.Tensor:
+    """`collective` (output, input) over dim 1 of (batch, time, ...) x: the collectives split dim 0, so time goes
+    first; the output's time is `parts` x the input's."""
+    first = x.transpose(0, 1).contiguous()
+    out = first.new_empty((int(first.size(0) * parts), *first.shape[1:]))
+    collective(out, first, group=tp.group)
+    return out.transpose(0, 1)
+
+
+def _gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _along_sequence(dist.all_gather_into_tensor, x, tp, tp.size)
+
+
+def _scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _along_sequence(dist.reduce_scatter_tensor, x, tp, 1 / tp.size)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Megatron-SP's g before a column map: every rank's slice of the sequence, whole; backward sums each
+    rank's gradient of the whole and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_sequence(grad, ctx.tp), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Megatron-SP's g after a row map: the partial outputs summed, this rank's slice of the sequence kept."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _scatter_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.tp), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Where the slices begin: this rank's slice of a hidden state every tensor rank holds whole."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        part = x.size(1) // tp.size
+        return x[:, tp.rank * part:(tp.rank + 1) * part].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.tp), None
+
+
+def split_sequence(inputs, tp: TensorParallel):
+    """The hidden state of `inputs` (a tensor, or (tensor, positions)) cut to this rank's slice of the sequence;
+    the positions stay whole, for the attention, which sees the whole sequence."""
+    x, positions = hidden_and_positions(inputs)
+    if x.size(1) % tp.size:
+        raise ValueError(f"a sequence of {x.size(1)} positions does not split over {tp.size} tensor ranks")
+    return with_positions(_SplitSequence.apply(x, tp), positions)
+
+
+def to_split_input(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The input of a column-split map (or of the vocabulary-split logits): the sequence gathered under
+    sequence parallelism, else Megatron's f."""
+    return _GatherSequence.apply(x, tp) if tp.sequence else copy_to_tensor_ranks(x, tp)
+
+
+def from_row_split(y: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The output of a row-split map: reduce-scattered along the sequence under sequence parallelism, else all-
+    reduced (Megatron's g)."""
+    return _ScatterSequence.apply(y, tp) if tp.sequence else reduce_from_tensor_ranks(y, tp)
+
+
+def sequence_padded(forward, tp: TensorParallel):
+    """`forward` (token ids -> logits) for generation under sequence parallelism: the ids right-padded to a
+    multiple of the degree (causal attention keeps the padding out of the logits before it), the logits cut back."""
+    if not tp.sequence:
+        return forward
+
+    def run(idx: torch.Tensor, **options) -> torch.Tensor:
+        t = idx.size(1)
+        return forward(F.pad(idx, (0, -t % tp.size)), **options)[:, :t]
+    return run
 
 
 def copy_to_tensor_ranks(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -132,7 +233,7 @@ class ColumnParallelLinear(nn.Module):
                                                                parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tensor_ranks(x, self.tp), self.weight, self.bias)
+        return F.linear(to_split_input(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -146,7 +247,7 @@ class RowParallelLinear(nn.Module):
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_ranks(F.linear(x, self.weight), self.tp)
+        y = from_row_split(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -196,7 +297,7 @@ class VocabParallelEmbedding(nn.Module):
         return with_positions(reduce_from_tensor_ranks(x, self.tp), positions)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tensor_ranks(x, self.tp), self.weight)
+        return F.linear(to_split_input(x, self.tp), self.weight)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

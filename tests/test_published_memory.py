@@ -1,8 +1,8 @@
 """The memory plan (training/memory_plan.py) against Megatron-LM's theoretical memory formula
-(megatron/training/theoretical_memory_usage.py; Korthikanti et al. 2022), for the same settings: GPT-3 175B's
-shape, 16-bit activations, no recomputation, no sequence parallelism. The activations a layer keeps are Megatron's
-to the byte; the model states per parameter differ by what DeepSpeed keeps that Megatron does not, and each
-difference is named here."""
+(megatron/training/theoretical_memory_usage.py; Korthikanti et al. 2022), for the same settings: GPT-3 175B's shape,
+16-bit activations, no recomputation, with and without Megatron's sequence parallelism. The activations a layer keeps
+are Megatron's to the byte; the model states per parameter differ by what DeepSpeed keeps that Megatron does not, and
+each difference is named here."""
 import pytest
 
 from model.config import ModelConfig
@@ -12,17 +12,18 @@ from training.memory_plan import layer_activation_bytes, plan
 GPT3 = ModelConfig(arch="gpt", n_layer=96, n_head=96, n_embd=12288, block_size=2048, vocab_size=50257, dropout=0.1)
 
 
-def megatron_activations(s: int, b: int, h: int, tp: int) -> float:
-    """A layer's activation bytes without sequence parallelism or recomputation, flash attention (no s^2 term):
-    s b h (10 + 24 / tp)."""
-    return s * b * h * (10 + 24 / tp)
+def megatron_activations(s: int, b: int, h: int, tp: int, sequence_parallel: bool) -> float:
+    """A layer's activation bytes without recomputation, flash attention (no s^2 term): s b h (10 + 24 / tp), and
+    with Megatron's sequence parallelism s b h 34 / tp."""
+    return s * b * h * (34 / tp if sequence_parallel else 10 + 24 / tp)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sequence_parallel"])
 @pytest.mark.parametrize("tp", [1, 2, 8])
-def test_a_layers_activations_are_megatrons(tp):
+def test_a_layers_activations_are_megatrons(tp, sequence_parallel):
     micro = 4
-    ours = layer_activation_bytes(GPT3, tp) * micro * GPT3.block_size
-    assert ours == megatron_activations(GPT3.block_size, micro, GPT3.n_embd, tp)
+    ours = layer_activation_bytes(GPT3, tp, sequence_split=sequence_parallel) * micro * GPT3.block_size
+    assert ours == megatron_activations(GPT3.block_size, micro, GPT3.n_embd, tp, sequence_parallel)
 
 
 # (ZeRO stage, dp, Megatron's bytes a parameter, what DeepSpeed keeps otherwise, in bytes a parameter)

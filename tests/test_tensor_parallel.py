@@ -3,6 +3,8 @@ attention, the encoder), then training through the real launcher, fp32 and dropo
 pp 2 x tp 2 give the losses and gradient norms of one process; replicated weights stay bitwise equal; a
 tp 2 checkpoint resumes exactly at tp 2 and, through the universal format, at tp 1 (from pp 2 x tp 2 too);
 export merges the slices into weights transformers loads; bad layouts stop at start."""
+import dataclasses
+import itertools
 import os
 
 import pytest
@@ -15,6 +17,7 @@ from harness import FP32, REPO, export, free_port, grad_norms, launch, metrics, 
 from hf_check import assert_export_matches_transformers
 from model import build_model, model_layers
 from model.config import ModelConfig
+from model.parallelize import check_sequence_split
 from model.tensor_parallel import TensorParallel, cross_entropy_sum, gather_vocab, merge_parameter, split_rule
 from training.ds_config import load_ds_config
 from training.steps import replicated_weights_in_sync
@@ -43,11 +46,12 @@ def merged(model: torch.nn.Module, tp: TensorParallel, grads: bool = False) -> d
 def _split_against_whole(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    tp = TensorParallel(world, rank, dist.new_group(list(range(world))))
+    group = dist.new_group(list(range(world)))
     torch.manual_seed(0)
     idx, targets = torch.randint(0, 65, (2, 16)), torch.randint(0, 65, (2, 16))
     targets[0, :3] = -100  # padding rows add no loss and no gradient
-    for arch, cfg in SMALL.items():
+    for (arch, cfg), sequence in itertools.product(SMALL.items(), (False, True)):
+        tp = TensorParallel(world, rank, group, sequence)
         whole, split = build_model(cfg, seed=3), build_model(cfg, seed=3, tp=tp)
         weights_equal = all(torch.equal(merged(split, tp)[n], p) for n, p in whole.named_parameters())
         whole_loss = cross_entropy_sum(whole(idx).flatten(0, 1), targets.flatten(), TensorParallel())
@@ -63,24 +67,25 @@ def _split_against_whole(rank: int, world: int, port: int, results) -> None:
             replicated.data[0] += rank  # tensor rank 1's copy drifts
             drifted = replicated_weights_in_sync(split, tp)
         if rank == 0:
-            results[arch] = (weights_equal, whole_loss.item(), split_loss.item(), grad_error, logit_error,
+            results[arch, sequence] = (weights_equal, whole_loss.item(), split_loss.item(), grad_error, logit_error,
                              in_sync, drifted)
     dist.destroy_process_group()
 
 
 def test_split_layers_compute_what_the_whole_model_does():
-    """Two gloo processes, no DeepSpeed: the same seed gives the same whole weights; the summed loss (with
-    padding targets), every gradient and the gathered logits equal the whole model's; the replicated-weight
+    """Two gloo processes, no DeepSpeed, with and without Megatron's sequence parallelism: the same seed gives the
+    same whole weights; the summed loss (with padding targets), every gradient (the replicated weights' summed over
+    the slices under sequence parallelism) and the gathered logits equal the whole model's; the replicated-weight
     check holds, and fails once one rank's copy of a replicated weight drifts."""
     port = free_port()
     results = mp.Manager().dict()
     mp.spawn(_split_against_whole, args=(2, port, results), nprocs=2)
-    for arch in SMALL:
-        weights_equal, whole_loss, split_loss, grad_error, logit_error, in_sync, drifted = results[arch]
-        assert weights_equal, arch
-        assert (in_sync, drifted) == (True, False), arch  # the replicated-weight check sees one rank's drift
-        assert split_loss == pytest.approx(whole_loss, rel=1e-6), arch
-        assert grad_error < 1e-5 and logit_error < 1e-5, (arch, grad_error, logit_error)
+    for arch, sequence in itertools.product(SMALL, (False, True)):
+        weights_equal, whole_loss, split_loss, grad_error, logit_error, in_sync, drifted = results[arch, sequence]
+        assert weights_equal, (arch, sequence)
+        assert (in_sync, drifted) == (True, False), (arch, sequence)  # the check sees one rank's drift
+        assert split_loss == pytest.approx(whole_loss, rel=1e-6), (arch, sequence)
+        assert grad_error < 1e-5 and logit_error < 1e-5, (arch, sequence, grad_error, logit_error)
 
 
 @pytest.mark.parametrize("arch", SMALL)
@@ -115,6 +120,26 @@ def test_bad_tensor_parallel_layouts_are_refused_with_the_fix():
         tensor_parallel_size({"tensor_model_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}})
 
 
+def test_what_the_sequence_split_cannot_run_with_is_refused():
+    micro = {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(ConfigError, match=r"tensor_sequence_parallel=true splits the sequence over the tensor ranks, "
+                                          r"and tensor_model_parallel_size is 1: set tensor_model_parallel_size > 1"):
+        resolve_layout({**micro, "tensor_sequence_parallel": True}, 2)
+    with pytest.raises(ConfigError, match=r"tensor_sequence_parallel='yes': must be true or false"):
+        resolve_layout({**micro, "tensor_sequence_parallel": "yes"}, 2, 1, 2)
+    assert resolve_layout({**micro, "tensor_sequence_parallel": True}, 2, 1, 2).tp_sequence
+    gpt = SMALL["gpt"]
+    check_sequence_split(gpt, 2, 1)  # the split layers' test model runs
+    refusals = {"model.block_size=18": ({"block_size": 18}, 4, 1), "Ulysses' sequence_parallel_size=2": ({}, 2, 2),
+                "model.dropout=0.1 would draw the same mask": ({"dropout": 0.1}, 2, 1),
+                "DeepSpeed's MoE layer": ({"arch": "llama", "n_experts": 4, "n_head": 8, "n_kv_head": 4}, 2, 1),
+                "the score head is not split": ({"head": "score"}, 2, 1)}
+    for why, (change, tp, sp) in refusals.items():
+        with pytest.raises(ConfigError, match=rf"tensor_sequence_parallel=true cannot run here: .*{why}.*; fix: "
+                                              r"remove tensor_sequence_parallel from the ds_config"):
+            check_sequence_split(dataclasses.replace(gpt, **change), tp, sp)
+
+
 def test_a_world_the_degree_does_not_divide_stops_at_start(tmp_path, char_data):
     proc = launch(1, "tp2.json", tmp_path, char_data, FP32, check=False)
     assert proc.returncode != 0
@@ -127,17 +152,21 @@ def test_a_world_the_degree_does_not_divide_stops_at_start(tmp_path, char_data):
 CONFIGS = {"gpt": "quickstart.yaml", "llama": "llama_quickstart.yaml", "encoder": "encoder_tiny.yaml"}
 FAST = ["model.n_layer=2", "train.max_steps=4", "train.save_interval=2", "optim.warmup_steps=2", "optim.lr=3e-3",
         "ds.train_micro_batch_size_per_gpu=2", "sample.max_new_tokens=8", *FP32]
-# name: (arch, processes, ds_config, overrides); ZeRO 0-3 spread over the layouts.
+# name: (arch, processes, ds_config, overrides); ZeRO 0-3 spread over the layouts; "_seq": Megatron's sequence
+# parallelism inside the tensor groups (under ZeRO-2 and dp 2, ZeRO-3, and a pipeline).
+SEQ = "ds.tensor_sequence_parallel=true"
 RUNS = {
     "gpt_tp1": ("gpt", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
     "gpt_tp2": ("gpt", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
-    "gpt_tp2_dp2": ("gpt", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=2"]),
+    "gpt_tp2_dp2_seq": ("gpt", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=2",
+                                               SEQ]),
     "gpt_pp2_tp2": ("gpt", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4"]),
     "llama_tp1": ("llama", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
-    "llama_tp2": ("llama", 2, "tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=3"]),
+    "llama_tp2_seq": ("llama", 2, "tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=3",
+                                               SEQ]),
     "llama_tp2_dp2": ("llama", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=0"]),
-    "llama_pp2_tp2": ("llama", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4",
-                                                     "ds.zero_optimization.stage=0"]),
+    "llama_pp2_tp2_seq": ("llama", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4",
+                                                         "ds.zero_optimization.stage=0", SEQ]),
     "encoder_tp1": ("encoder", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
     "encoder_tp2": ("encoder", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
 }
@@ -163,9 +192,10 @@ def sample_of(stdout: str) -> str:
 
 @pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("tp1")])
 def test_layouts_train_as_one_process_does(runs, name):
-    """Losses and gradient norms of tp 2, tp 2 x dp 2 and pp 2 x tp 2 (ZeRO 0-3, the fp32 ZeRO-0 pipeline
-    among them) equal one process's to 1e-5; the replicated weights end bitwise equal across tensor ranks,
-    the tie across stages holds, and the sample (gathered vocabulary logits) is the same text."""
+    """Losses and gradient norms of tp 2, tp 2 x dp 2 and pp 2 x tp 2 (ZeRO 0-3, the fp32 ZeRO-0 pipeline among them),
+    with and without the sequence split between the tensor ranks, equal one process's to 1e-5; the replicated weights
+    end bitwise equal across tensor ranks, the tie across stages holds, and the sample (gathered vocabulary logits) is
+    the same text."""
     arch = RUNS[name][0]
     (out, stdout), (reference, reference_stdout) = runs(name), runs(f"{arch}_tp1")
     assert len(train_losses(out)) == 4

@@ -94,10 +94,12 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
             raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}") from None
         raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}") from None
-    # Our key beside DeepSpeed's (training/topology.py TP_KEY): the tensor-parallel degree of our own layers; and
+    # Our keys beside DeepSpeed's (training/topology.py TP_KEY, TP_SEQUENCE_KEY): the tensor-parallel degree of our
+    # own layers, and whether they split the sequence between them; and
     # DeepSpeed's sequence-parallel degree, which this repo reads itself (SP_KEY); the expert-parallel degree of
     # the model's MoE layers (training/moe.py EP_KEY).
-    ours = {"train_batch_size", "tensor_model_parallel_size", "sequence_parallel_size", "expert_parallel_size"}
+    ours = {"train_batch_size", "tensor_model_parallel_size", "tensor_sequence_parallel", "sequence_parallel_size",
+            "expert_parallel_size"}
     unknown = sorted(set(ds) - probe.read - ours)
     if unknown:
         hints = [f"'{k}'" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(k, probe.read, 1))

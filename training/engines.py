@@ -12,7 +12,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from model.generate import CachedDecoder, WindowDecoder
 from model.kv_cache import attention_modules
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
-from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab
+from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab, sequence_padded
 from training.evaluation.multiple_choice import row_losses
 from training.objectives.next_token import NEXT_TOKEN
 from training.steps import data_parallel_group, replicated_weights_in_sync, token_loss_sum
@@ -92,12 +92,13 @@ class PlainDriver:
                 slots: int = 1) -> WindowDecoder:
         """A decoder of `slots` sequences for model.generate, its logits whole on every rank; `vocab`: (real,
         padded) vocabulary sizes. Through a key/value cache where the attention runs whole on each rank (tensor
-        ranks cache their heads), else a forward pass over the window for every token."""
+        ranks cache their heads), else (either sequence parallelism) a forward pass over the window a token."""
         forward = (lambda inputs, **options: gather_vocab(self.engine(inputs, **options), self.tp)) \
             if self.tp.size > 1 else self.engine
-        if self.sp.size == 1 and attention_modules(self.engine.module):
+        if self.sp.size == 1 and not self.tp.sequence and attention_modules(self.engine.module):
             return CachedDecoder(self.engine.module, block_size, vocab[0], slots, forward=forward)
-        return WindowDecoder(gathered_logits(forward, self.sp), block_size, vocab[0], self.engine.device, slots)
+        return WindowDecoder(gathered_logits(sequence_padded(forward, self.tp), self.sp), block_size, vocab[0],
+                             self.engine.device, slots)
 
     def weights_in_sync(self) -> dict:
         """The end-of-run checks of weights that nothing re-synchronizes: {name: all ranks' copies equal}."""

@@ -9,7 +9,9 @@ The step time is a stated model, its assumptions printed with every table and ea
   block's forward runs again for its backward) over the GPUs at `mfu` of `peak_tflops`;
 - DeepSpeed's 1F1B pipeline: (stages - 1) idle micro-batch slots of a stage's work besides its accumulation steps;
 - tensor parallelism: 4 ring all-reduces a layer and micro-batch of its activations (16-bit), 2 forward and 2
-  backward, over a node's links (`intra_gbps`, GB/s a GPU);
+  backward, over a node's links (`intra_gbps`, GB/s a GPU); with the sequence split between the tensor ranks
+  (Megatron's sequence parallelism, chosen wherever the model allows it) all-gathers and reduce-scatters that move
+  as much;
 - sequence parallelism (Ulysses): 4 all-to-alls a layer and micro-batch (q, k, v, the output) of its slice;
 - data parallelism, once a step over the data and sequence ranks: under ZeRO-1/2 an all-reduce of the fp32
   gradients (the shipped ds_configs' communication_data_type) and an all-gather of the updated 16-bit weights,
@@ -28,6 +30,7 @@ Not enumerated: ZeRO-0 (ZeRO-1 holds less for the same traffic).
 from dataclasses import dataclass
 
 from common.checks import ConfigError
+from model.parallelize import check_sequence_split
 from training.memory_plan import fits, layer_params, plan
 from training.metrics import flops_per_token
 from training.moe import check_experts
@@ -66,12 +69,14 @@ class Candidate:
     checkpointing: bool
     ep: int = 1
     offload: bool = False
+    tp_sequence: bool = False
 
     def ds_config(self) -> dict:
         zero = {"stage": self.zero, **({"offload_optimizer": {"device": "cpu", "pin_memory": True}}
                                        if self.offload else {})}
         return {"train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": self.accum,
                 "zero_optimization": zero, "tensor_model_parallel_size": self.tp,
+                **({"tensor_sequence_parallel": True} if self.tp_sequence else {}),
                 "sequence_parallel_size": self.sp, "expert_parallel_size": self.ep, "bf16": {"enabled": True},
                 "pipeline": {"stages": self.pp, "partition": "parameters",
                              "activation_checkpoint_interval": int(self.checkpointing)}}
@@ -79,20 +84,23 @@ class Candidate:
     def describe(self) -> str:
         degrees = "".join(f" x {name} {n}" for name, n in (("tp", self.tp), ("sp", self.sp), ("pp", self.pp),
                                                            ("ep", self.ep)) if n > 1)
+        degrees = degrees.replace(f"tp {self.tp}", f"tp {self.tp} (sequence split)") if self.tp_sequence else degrees
         return (f"dp {self.dp}{degrees}, ZeRO-{self.zero}{' + CPU offload' if self.offload else ''}, micro "
                 f"{self.micro} x {self.accum}{', recompute' if self.checkpointing else ''}")
 
 
 def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
-    """Every layout of `global_batch` windows a step on `gpus` GPUs that train.py accepts: tensor and
-    sequence groups inside a node, degrees that divide the heads and the context, a block for every stage, an
-    expert-parallel degree that divides the experts (plan_layouts leaves out what check_experts refuses), the
-    optimizer offloaded under ZeRO-2/3 without pipeline stages (DeepSpeed's pipeline engine takes ZeRO-0/1 only)."""
+    """Every layout of `global_batch` windows a step on `gpus` GPUs that train.py accepts: tensor and sequence groups
+    inside a node, the sequence split between the tensor ranks where the model allows, degrees that divide the heads and
+    the context, a block for every stage, an expert-parallel degree that divides the experts (plan_layouts leaves out
+    what check_experts refuses), the optimizer offloaded under ZeRO-2/3 without pipeline stages (DeepSpeed's pipeline
+    engine takes ZeRO-0/1 only)."""
     blocks = cfg.n_layer
     for tp in divisors(gpus_per_node):
         for sp in divisors(gpus_per_node // tp):
             if cfg.n_head % (tp * sp) or cfg.kv_heads % (tp * sp) or cfg.block_size % sp:
                 continue
+            split_sequence = tp > 1 and sequence_split_allowed(cfg, tp, sp)
             for pp in (p for p in divisors(gpus // (tp * sp)) if p <= blocks):
                 dp = gpus // (tp * sp * pp)
                 zeros = [(1, False)] if pp > 1 else [(1, False), (2, False), (3, False), (2, True), (3, True)]
@@ -103,7 +111,16 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
                         for checkpointing in (False, True):
                             for ep in divisors(cfg.n_experts) if cfg.n_experts else (1,):
                                 yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp),
-                                                checkpointing, ep, offload)
+                                                checkpointing, ep, offload, split_sequence)
+
+
+def sequence_split_allowed(cfg, tp: int, sp: int) -> bool:
+    """Megatron's sequence parallelism holds less for the same traffic: chosen wherever train.py takes it."""
+    try:
+        check_sequence_split(cfg, tp, sp)
+        return True
+    except ConfigError:
+        return False
 
 
 def divisors(n: int) -> list[int]:

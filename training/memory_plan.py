@@ -15,7 +15,9 @@ A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batc
 Under tensor parallelism (degree t, no sequence parallelism) a rank holds its slice of each split weight and
 every replicated one whole, and per layer and token 8 x d_model replicated bytes (the norms' inputs and the
 column-parallel maps' inputs) plus the masks, and the rest divided by t: Megatron's 10 d + 24 d / t for the
-GPT; the logits are split by vocabulary.
+GPT; the logits are split by vocabulary. Under Megatron's sequence parallelism inside the tensor groups
+(ds_config tensor_sequence_parallel) those replicated bytes and the masks are split by sequence instead, so a rank
+keeps all of it divided by t (Megatron's 34 d / t for the GPT), and t times fewer checkpointed block inputs.
 Under sequence parallelism (degree s, Ulysses) a rank holds 1/s of each window's tokens, so every per-token term
 divides by s (attention runs over the whole window for 1/s of the heads: as many values), and ZeRO partitions
 over the data x sequence ranks.
@@ -100,12 +102,14 @@ def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2)
     return (mask + rope) * dtype_bytes
 
 
-def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1) -> float:
+def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_split: bool = False) -> float:
     """16-bit bytes a block keeps per token for its backward on one tensor rank. Megatron's 18 d counts q, k
     and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its
     hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn);
     in tiles (train.mlp_tiles) it keeps only its input, the second norm's output, counted already.
-    The two norms' inputs and outputs (8 d) are whole on every tensor rank, the rest is split."""
+    The two norms' inputs and outputs (8 d) and the dropout masks are whole on every tensor rank, the rest is
+    split; with the sequence split (Megatron's sequence parallelism) all of it is, but the document mask and the
+    RoPE tables of the attention, which sees the whole sequence."""
     kv, arch = cfg.kv_heads * cfg.head_dim, architecture(cfg)
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     mlp = 0 if mlp_tiles > 1 else (8 if arch.mlp_matrices == 3 else 4) * arch.mlp_hidden(cfg)
@@ -114,7 +118,9 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1) -> float:
         shared = 8 * arch.shared_hidden(cfg) + (2 * cfg.n_embd + 2 if cfg.n_shared_experts else 0)
         mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts + shared)
     split = 4 * cfg.n_embd + 4 * kv + mlp
-    return 8 * cfg.n_embd + masks + document_masking_bytes(cfg) + split / tp_size
+    whole = 8 * cfg.n_embd + masks
+    return document_masking_bytes(cfg) + (whole + split) / tp_size if sequence_split else \
+        whole + document_masking_bytes(cfg) + split / tp_size
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -174,9 +180,10 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
         states += 16 * experts * (1 / (dp // ep_size) - 1 / dp)
 
     tokens = layout.micro_batch * cfg.block_size // sp_size
-    full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles)
+    full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence)
     checkpointed = pipe.checkpoint_interval > 0
-    per_layer = tokens * 2 * cfg.n_embd if checkpointed else full_layer
+    block_input = tokens * 2 * cfg.n_embd / (tp_size if layout.tp_sequence else 1)
+    per_layer = block_input if checkpointed else full_layer
     blocks = max(sum(spec.typename is block for spec in specs[parts[s]: parts[s + 1]])
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1

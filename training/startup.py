@@ -21,6 +21,7 @@ from data.tokenizers import sampling_start
 from model import architecture, build_model, model_layers
 from model.architecture import TrainingHooks
 from model.documents import KERNEL_NAMES, document_kernel
+from model.parallelize import check_sequence_split
 from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
@@ -86,6 +87,9 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
         effective["bf16"]["enabled"] = dtype == torch.bfloat16
     effective.update(deepspeed_batch(layout))
     effective.update(optimizer_and_schedule(cfg, ds))
+    if layout.tp_sequence:  # DeepSpeed's split of stage-boundary activations over the tensor ranks takes them for
+        # copies; under sequence parallelism each rank's is its own slice, already a share
+        effective["pipeline"] = {**effective.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     if load_universal:
         effective.setdefault("checkpoint", {})["load_universal"] = True
     return EngineSettings(effective, layout, pipe, dtype, precision_note,
@@ -207,6 +211,8 @@ def check_run(argv=None) -> Run:
     settings = setup.engine_settings
     specs = model_layers(cfg.model, TensorParallel(settings.layout.tp_size))  # this rank's shapes, no group needed
     check_sequence_parallel(cfg.model, settings.layout.tp_size, settings.layout.sp_size)
+    if settings.layout.tp_sequence:
+        check_sequence_split(cfg.model, settings.layout.tp_size, settings.layout.sp_size)
     parts = stage_partition(specs, settings.pipe.stages, settings.pipe.partition, architecture(cfg.model).block)
     newer = []
     if saved:

@@ -31,6 +31,7 @@ class Layout:
     tp_size: int = 1
     sp_size: int = 1
     ep_size: int = 1  # expert parallelism: groups of data-parallel ranks that share out the experts
+    tp_sequence: bool = False  # Megatron's sequence parallelism inside the tensor groups
 
     @property
     def dp(self) -> int:
@@ -47,7 +48,7 @@ class Layout:
 
     def describe(self) -> str:
         sp = f" x sp {self.sp_size}" if self.sp_size > 1 else ""
-        tp = f" x tp {self.tp_size}" if self.tp_size > 1 else ""
+        tp = f" x tp {self.tp_size}{' (sequence split)' if self.tp_sequence else ''}" if self.tp_size > 1 else ""
         ep = f" (experts over ep {self.ep_size})" if self.ep_size > 1 else ""
         return (f"world {self.world_size} = dp {self.dp}{ep}{sp} x pp {self.pipeline_stages}{tp}; global batch "
                 f"{self.global_batch} = micro {self.micro_batch} x accum {self.grad_accum} x dp {self.dp}")
@@ -65,6 +66,21 @@ def tensor_parallel_size(ds: dict) -> int:
         raise ConfigError(f"{TP_KEY}={tp_size} and DeepSpeed's AutoTP (tensor_parallel.autotp_size) are both set: the "
                           f"model's own tensor-parallel layers replace AutoTP here; remove the tensor_parallel section")
     return tp_size
+
+
+# Megatron's sequence parallelism over the tensor ranks (model/tensor_parallel.py): ours too, beside TP_KEY.
+TP_SEQUENCE_KEY = "tensor_sequence_parallel"
+
+
+def tensor_sequence_parallel(ds: dict, tp_size: int) -> bool:
+    on = ds.get(TP_SEQUENCE_KEY, False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"{TP_SEQUENCE_KEY}={on!r}: must be true or false; fix: set ds.{TP_SEQUENCE_KEY}=true "
+                          f"or false")
+    if on and tp_size == 1:
+        raise ConfigError(f"{TP_SEQUENCE_KEY}=true splits the sequence over the tensor ranks, and {TP_KEY} is 1: "
+                          f"set {TP_KEY} > 1, or remove {TP_SEQUENCE_KEY}")
+    return on
 
 
 # The ds_config's sequence-parallel degree: DeepSpeed's key, read here. DeepSpeed is given the batch of its
@@ -114,7 +130,8 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size:
             f"{GLOBAL} ({batch}) != {MICRO} ({micro}) x {ACCUM} ({accum}) x dp ({dp}, "
             f"{derived}) = {micro * accum * dp}. Fix one of them, or drop "
             f"{GLOBAL} from the ds_config and it is derived.")
-    return Layout(world_size, pipeline_stages, micro, accum, tp_size, sp_size, ep_size)
+    return Layout(world_size, pipeline_stages, micro, accum, tp_size, sp_size, ep_size,
+                  tensor_sequence_parallel(ds, tp_size))
 
 
 def zero_stage(ds: dict) -> int:
@@ -236,7 +253,7 @@ class Groups:
     dp_rank: int
 
 
-def parallel_groups(topo, sp_size: int = 1) -> Groups:
+def parallel_groups(topo, sp_size: int = 1, tp_sequence: bool = False) -> Groups:
     """The groups of this rank over the topology (a PipelineModule makes its own grid from the same topology).
     Collective: every rank creates every group, in one order."""
     import torch.distributed as dist
@@ -258,8 +275,8 @@ def parallel_groups(topo, sp_size: int = 1) -> Groups:
         return Groups(None, SINGLE, sp, dp_rank)
     grid = PipelineParallelGrid(topology=topo)
     size = grid.get_tensor_model_parallel_world_size()
-    tp = TensorParallel(size, grid.get_tensor_model_parallel_rank(), grid.get_slice_parallel_group()) if size > 1 \
-        else SINGLE
+    tp = TensorParallel(size, grid.get_tensor_model_parallel_rank(), grid.get_slice_parallel_group(), tp_sequence) \
+        if size > 1 else SINGLE
     return Groups(grid, tp, sp, dp_rank)
 
 
