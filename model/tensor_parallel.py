@@ -108,45 +108,24 @@ def _scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _along_sequence(dist.reduce_scatter_tensor, x, tp, 1 / tp.size)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Megatron-SP's g before a column map: every rank's slice of the sequence, whole; backward sums each
-    rank's gradient of the whole and keeps this rank's slice."""
+def _slice_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    part = x.size(1) // tp.size
+    return x[:, tp.rank * part:(tp.rank + 1) * part].contiguous()
+
+
+class _AlongSequence(torch.autograd.Function):
+    """`there` (x, tp) along the sequence forward, and `back`, its transpose, on the gradient. Megatron-SP's pairs:
+    gather / reduce-scatter before a column map, reduce-scatter / gather after a row map, and slice / gather where
+    the slices begin (a hidden state every tensor rank holds whole)."""
 
     @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _gather_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter_sequence(grad, ctx.tp), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Megatron-SP's g after a row map: the partial outputs summed, this rank's slice of the sequence kept."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _scatter_sequence(x, tp)
+    def forward(ctx, x, tp, there, back):
+        ctx.tp, ctx.back = tp, back
+        return there(x, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.tp), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Where the slices begin: this rank's slice of a hidden state every tensor rank holds whole."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        part = x.size(1) // tp.size
-        return x[:, tp.rank * part:(tp.rank + 1) * part].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.tp), None
+        return ctx.back(grad, ctx.tp), None, None, None
 
 
 def split_sequence(inputs, tp: TensorParallel):
@@ -155,19 +134,21 @@ def split_sequence(inputs, tp: TensorParallel):
     x, positions = hidden_and_positions(inputs)
     if x.size(1) % tp.size:
         raise ValueError(f"a sequence of {x.size(1)} positions does not split over {tp.size} tensor ranks")
-    return with_positions(_SplitSequence.apply(x, tp), positions)
+    return with_positions(_AlongSequence.apply(x, tp, _slice_sequence, _gather_sequence), positions)
 
 
 def to_split_input(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """The input of a column-split map (or of the vocabulary-split logits): the sequence gathered under
     sequence parallelism, else Megatron's f."""
-    return _GatherSequence.apply(x, tp) if tp.sequence else copy_to_tensor_ranks(x, tp)
+    return _AlongSequence.apply(x, tp, _gather_sequence, _scatter_sequence) if tp.sequence else \
+        copy_to_tensor_ranks(x, tp)
 
 
 def from_row_split(y: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """The output of a row-split map: reduce-scattered along the sequence under sequence parallelism, else all-
     reduced (Megatron's g)."""
-    return _ScatterSequence.apply(y, tp) if tp.sequence else reduce_from_tensor_ranks(y, tp)
+    return _AlongSequence.apply(y, tp, _scatter_sequence, _gather_sequence) if tp.sequence else \
+        reduce_from_tensor_ranks(y, tp)
 
 
 def sequence_padded(forward, tp: TensorParallel):
