@@ -174,6 +174,8 @@ def test_what_an_rl_run_refuses_at_start(setup, char_data, monkeypatch):
          "train.objective=grpo samples answers on every rank through a key/value cache, which pipeline stages cannot "
          "(each holds a part of the model or of the sequence); fix: a ds_config without them"),
         ([], Layout(2, 1, 8, 1, sp_size=2), None, "which sequence-parallel ranks cannot"),
+        ([], Layout(2, 1, 8, 1, tp_size=2, tp_sequence=True), None,
+         "which tensor ranks that split the sequence (tensor_sequence_parallel) cannot"),
         (["rl.group_size=3"], layout, None, "train_micro_batch_size_per_gpu=8 rows does not hold whole groups of "
                                             "rl.group_size=3 answers"),
         ([f"rl.max_new_tokens={65 - longest}"], layout, None,

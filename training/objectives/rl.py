@@ -236,8 +236,9 @@ def build(name: str, cfg, data, layout, init_from: str | None, saved: dict | Non
         raise ConfigError(f"train.objective={name} samples answers to prompts, but {cfg.data.dir} holds "
                           f"{KIND_WORDS[data.KIND]}; fix: prepare prompts with python -m data.prepare --format "
                           f"prompts and point data.dir at them")
-    if layout.pipeline_stages > 1 or layout.sp_size > 1:
-        what = "pipeline stages" if layout.pipeline_stages > 1 else "sequence-parallel ranks"
+    if layout.pipeline_stages > 1 or layout.sp_size > 1 or layout.tp_sequence:
+        what = "pipeline stages" if layout.pipeline_stages > 1 else "sequence-parallel ranks" if layout.sp_size > 1 \
+            else "tensor ranks that split the sequence (tensor_sequence_parallel)"
         raise ConfigError(f"train.objective={name} samples answers on every rank through a key/value cache, which "
                           f"{what} cannot (each holds a part of the model or of the sequence); fix: a ds_config "
                           f"without them: data parallelism, ZeRO-3 or tensor parallelism for a larger model")
