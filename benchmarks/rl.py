@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=3000, help="training prompts (conversations and prompts)")
     parser.add_argument("--test", type=int, default=200, help="held-out prompts")
     parser.add_argument("--sft_steps", type=int, default=300, help="the short fine-tuning's steps")
-    parser.add_argument("--steps", type=int, default=600, help="steps of online RL")
+    parser.add_argument("--steps", type=int, default=2000, help="steps of online RL")
     parser.add_argument("--objective", default="grpo", choices=["grpo", "rloo"])
     parser.add_argument("--work_dir", default=os.path.join("out", "rl"))
     parser.add_argument("overrides", nargs="*", help="run-config key=value (and ds.key=value) for the RL run")
