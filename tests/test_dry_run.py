@@ -36,8 +36,8 @@ def test_the_llama_3_paper_layout_of_405b_on_1024_ranks():
     proc = dry_run(*LLAMA_405B)
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
-    assert first == ("dry run: world 1024 = dp 8 x pp 16 x tp 8; global batch 128 = micro 1 x accum 16 x dp 8; "
-                     "ZeRO-1; 128 nodes of 8")
+    assert first == ("dry run: world 1024 = dp 8 x pp 16 x tp 8 (sequence split); global batch 128 = micro 1 x accum "
+                     "16 x dp 8; ZeRO-1; 128 nodes of 8")
     count, size, where, tensor = groups(proc.stdout, "tensor")
     assert (count, size, where, tensor[:2], tensor[-1]) == (128, 8, "each inside one node", ["[0-7]", "[8-15]"],
                                                            "[1016-1023]")
@@ -51,7 +51,7 @@ def test_the_llama_3_paper_layout_of_405b_on_1024_ranks():
 
 def test_the_stages_hold_every_parameter_once():
     """Without tensor parallelism a rank holds its stage's parameters whole: the stages add up to the model."""
-    held = stages(dry_run(*LLAMA_405B, "ds.tensor_model_parallel_size=1").stdout)
+    held = stages(dry_run(*LLAMA_405B, "ds.tensor_model_parallel_size=1", "ds.tensor_sequence_parallel=false").stdout)
     assert len(held) == 16 and sum(n for _, _, n in held) == 405_853_388_800
 
 
