@@ -71,13 +71,12 @@ def parallelize(specs: list, plan: dict, tp: TensorParallel, block: type) -> lis
     block: its block class, where the sequence is cut under sequence parallelism."""
     if tp.size == 1:
         return specs
-    first = next(i for i, spec in enumerate(specs) if spec.typename is block)
+    first = next(i for i, spec in enumerate(specs) if spec.typename is block) if tp.sequence else len(specs)
     out = []
     for i, spec in enumerate(specs):
-        sliced = tp.sequence and i >= first
-        if spec.typename in plan or sliced:
+        if spec.typename in plan or i >= first:
             spec = _split_spec(spec, plan.get(spec.typename, {}), tp)
-            spec.cuts_sequence, spec.sliced = tp.sequence and i == first, sliced
+            spec.cuts_sequence, spec.sliced = i == first, i >= first
         out.append(spec)
     return out
 

@@ -119,8 +119,9 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
         mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts + shared)
     split = 4 * cfg.n_embd + 4 * kv + mlp
     whole = 8 * cfg.n_embd + masks
-    return document_masking_bytes(cfg) + (whole + split) / tp_size if sequence_split else \
-        whole + document_masking_bytes(cfg) + split / tp_size
+    if sequence_split:
+        whole, split = 0, whole + split
+    return whole + document_masking_bytes(cfg) + split / tp_size
 
 
 def repeated_ties(specs: list) -> list[int]:
