@@ -111,7 +111,9 @@ class _nothing:
 
 def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]) -> dict:
     """For each ds_config, one process's engine built and stepped as train.py does, its peak memory over the
-    later steps (from before the model existed) next to training/memory_plan.py's plan for one device."""
+    later steps (from before the model existed) next to training/memory_plan.py's plan for one device: on a GPU
+    the allocator's, beside the live tensors' (benchmarks/live_tensors.py), which are the measure on a CPU."""
+    from benchmarks.live_tensors import LiveTensors
     from benchmarks.memory import MemoryProbe
     from training.ds_config import load_ds_config
     from training.engines import train_step
@@ -126,19 +128,26 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
         # the ds.* overrides of the command line apply to each ds_config alike
         ds = load_ds_config(path, [o[3:] for o in overrides if o.startswith("ds.")])
         engine_settings = effective_ds_config(ds, cfg, 1, device)
-        predicted = plan(cfg.model, ds, 1)
+        predicted = plan(cfg.model, ds, 1, device_type=device.type)
         release(device)
-        baseline = memory.current()
-        engine = build_engine(cfg, engine_settings.pipe, engine_settings.ds)
-        for step in (1, 2, 3):
-            if step == 2:  # the optimizer states exist from the first step on
-                memory.reset_peak()
-            train_step(engine, data.step_batches(cfg.train.seed, step, 0, engine_settings.layout, device))
-        measured = memory.peak_since_reset() - baseline
-        states = memory.current() - baseline  # what outlives a step: the model states and DeepSpeed's buffers
-        results[os.path.basename(path)] = {"plan": predicted["total"], "plan_states": predicted["states"],
-                                           "plan_activations": predicted["activations"], "measured": measured,
-                                           "measured_states": states, "baseline": baseline}
+        baseline = memory.current() if device.type == "cuda" else 0
+        with LiveTensors() as live:
+            engine = build_engine(cfg, engine_settings.pipe, engine_settings.ds)
+            for step in (1, 2, 3):
+                if step == 2:  # the optimizer states exist from the first step on
+                    memory.reset_peak()
+                    live.reset_peak()
+                train_step(engine, data.step_batches(cfg.train.seed, step, 0, engine_settings.layout, device))
+        if device.type == "cuda":
+            measured = memory.peak_since_reset() - baseline
+            states = memory.current() - baseline  # what outlives a step: the model states and DeepSpeed's buffers
+        else:
+            measured, states = live.peak, live.current
+        results[os.path.basename(path)] = {
+            "plan": predicted["total"], "plan_states": predicted["states"],
+            "plan_activations": predicted["activations"], "measured": measured, "measured_states": states,
+            "baseline": baseline, "live_tensors_peak": live.peak,
+            "largest_at_peak": [list(row) for row in live.largest_at_peak()]}
         engine.destroy()
         del engine
         release(device)

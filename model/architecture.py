@@ -93,6 +93,9 @@ class Architecture:
     tied_embeddings: str  # "always", "optional" (model.tie_embeddings) or "never": the LM head reuses the embedding
     # Rotary position tables: under document masking each token gathers its own cos and sin (the memory plan).
     rope: bool = False
+    # RMSNorm: on a CPU torch composes it of fp32 operators, which keep 8 bytes an element more than a GPU's fused
+    # kernel for the backward pass (the memory plan).
+    rms_norm: bool = False
     grouped_query_attention: bool = False  # model.n_kv_head key/value heads, which tensor ranks split too
     # Features it lacks ("document_masking", "sequence_parallel", "mlp_tiling", "mixture_of_experts"), each with the
     # reason told to a run that asks for it; it supports every other.

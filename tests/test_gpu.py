@@ -358,21 +358,28 @@ def test_a_second_run_reuses_the_compiled_graphs(runs, device):
     assert again["aot_autograd"].get("autograd_cache_hit", 0) >= 1
 
 
-@pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("preset, overrides", [("gpt2_124m", []), ("llama_124m", ["model.vocab_size=50000"])])
-def test_the_memory_plan_is_within_15_percent_of_the_measured_peak(tmp_path, char_data, device, preset, overrides):
-    """No CPU stand-in: a CPU has no allocator counters (its resident memory holds the libraries and the heap too,
-    12-32% off the plan in a trial on the CI machine). ZeRO-3's peak is a known gap, its states are not."""
+# The presets on a GPU; on a CPU, narrower shapes of them with the vocabulary kept, each ZeRO stage a few seconds.
+MEMORY_SHAPES = {"cuda": [], "cpu": ["model.n_layer=4", "model.n_embd=384", "model.n_head=6", "model.block_size=512",
+                                     "ds.train_micro_batch_size_per_gpu=4", *BF16]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset, overrides", [("gpt2_124m", []),
+                                               ("llama_124m", ["model.vocab_size=50000"])])
+def test_the_memory_plan_is_within_5_percent_of_the_measured_peak(tmp_path, char_data, device, preset, overrides):
+    """On a GPU the allocator's peak; on a CPU the live tensors' (benchmarks/live_tensors.py: the storages the
+    allocator would hold), with the CPU's own kernels planned (torch's RMSNorm). ZeRO-3's peak is a known gap, its
+    states are not."""
     stages = ",".join(f"ds_configs/zero{stage}.json" for stage in range(4))
     probe(device, "memory", tmp_path / "memory.json", f"configs/{preset}.yaml", stages, f"data.dir={char_data}",
-          "data.tokenizer=char", *overrides)
+          "data.tokenizer=char", *overrides, *MEMORY_SHAPES[device])
     results = json.loads((tmp_path / "memory.json").read_text())["results"]
     off = {name: r["plan"] / r["measured"] - 1 for name, r in results.items()}
     zero3 = results.pop("zero3.json")
-    assert len(results) == 3 and all(abs(off[name]) <= 0.15 for name in results), off
-    assert zero3["plan_states"] == pytest.approx(zero3["measured_states"], rel=0.15)  # its gradient bucket counted
-    if abs(off["zero3.json"]) > 0.15:
-        pytest.xfail(f"ZeRO-3's peak on a GPU runs over the plan's activations ({off}): docs/performance.md, "
+    assert len(results) == 3 and all(abs(off[name]) <= 0.05 for name in results), off
+    assert zero3["plan_states"] == pytest.approx(zero3["measured_states"], rel=0.05)  # its gradient bucket counted
+    if abs(off["zero3.json"]) > 0.05:
+        pytest.xfail(f"ZeRO-3's peak runs over the plan's activations ({off}): docs/performance.md, "
                      "'The memory plan on a GPU'")
 
 

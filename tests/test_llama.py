@@ -151,7 +151,8 @@ def test_parameter_balanced_stages_hold_blocks(tie):
 def test_memory_plan_counts_grouped_query_attention_and_swiglu():
     plan = memory_plan.plan(SMALL, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}}, 1)
     tokens, d, kv, ffn = 2 * 16, 32, 16, 64  # k and v: 2 heads x 8
-    # no dropout: no masks; logits: 16-bit and their gradient for all tokens, the fp32 log-softmax for one chunk
+    # no dropout: no masks; logits: 16-bit and their gradient for all tokens, the fp32 copy and log-softmax for one
+    # chunk
     assert SMALL.dropout == 0 and tokens < memory_plan.LOSS_CHUNK_ROWS
-    assert plan["activations"] == 2 * tokens * (12 * d + 4 * kv + 8 * ffn) + (4 + 4) * tokens * 128
-    assert plan["states"] == 20 * count_on_meta(SMALL)
+    assert plan["activations"] == 2 * tokens * (12 * d + 4 * kv + 8 * ffn) + (4 + 8) * tokens * 128
+    assert plan["states"] + plan["gradients"] == 20 * count_on_meta(SMALL)

@@ -140,15 +140,21 @@ def test_memory_plan_model_states():
         n = sum(p.numel() for p in build_model(cfg).parameters())  # the tied head counted once
 
     def zero(stage: int) -> dict:
-        return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+        return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+                "data_types": {"grad_accum_dtype": "fp32"}}
 
-    assert plan(cfg, zero(0), 1)["states"] == 20 * n  # 16-bit weights + grads, fp32 grads, master, Adam moments
-    assert plan(cfg, zero(1), 4)["states"] == 4 * n + 16 * n / 4
-    assert plan(cfg, zero(2), 4)["states"] == 2 * n + int(18 * n / 4)  # DeepSpeed's own estimator
+    def kept_and_gradients(p: dict) -> tuple:
+        return p["states"], p["gradients"]
+
+    # FP16_Optimizer: 16-bit weights, fp32 master and Adam moments kept; 16-bit gradients and their fp32 copy
+    assert kept_and_gradients(plan(cfg, zero(0), 1)) == (14 * n, 6 * n)
+    # BF16_Optimizer: 16-bit weights and fp32 gradients whole, master and moments partitioned; 16-bit gradients
+    assert kept_and_gradients(plan(cfg, zero(1), 4)) == (6 * n + 12 * n / 4, 2 * n)
+    assert kept_and_gradients(plan(cfg, zero(2), 4)) == (2 * n + 12 * n / 4, 6 * n / 4)  # the gradients partitioned
     piped = plan(cfg, {**zero(1), "gradient_accumulation_steps": 4, "pipeline": {"stages": 2}}, 4)
     assert piped["params_per_gpu"] < n and piped["layout"] == "world 4 = dp 2 x pp 2"
     # activations: 2 micro-batches in flight on the first stage, 2 blocks each (no dropout: no masks), plus the
-    # logits (the vocabulary padded to 128): 16-bit and their gradient, and the loss's fp32 log-softmax
+    # logits (the vocabulary padded to 128): 16-bit and their gradient, and the loss's fp32 copy and log-softmax
     tokens = 2 * 16
     assert cfg.dropout == 0 and cfg.padded_vocab_size == 128
-    assert piped["activations"] == 2 * 2 * tokens * (16 * 32 + 4 * 64) + (4 + 4) * tokens * 128
+    assert piped["activations"] == 2 * 2 * tokens * (16 * 32 + 4 * 64) + (4 + 8) * tokens * 128

@@ -26,18 +26,25 @@ def test_a_layers_activations_are_megatrons(tp, sequence_parallel):
     assert ours == megatron_activations(GPT3.block_size, micro, GPT3.n_embd, tp, sequence_parallel)
 
 
-# (ZeRO stage, dp, Megatron's bytes a parameter, what DeepSpeed keeps otherwise, in bytes a parameter)
+BF16 = {"bf16": {"enabled": True}}
+FP32_ACCUMULATION = {**BF16, "data_types": {"grad_accum_dtype": "fp32"}}
+# (ZeRO stage, the ds_config's precision, dp, Megatron's bytes a parameter, what DeepSpeed keeps otherwise)
 STATES = [
     # Megatron without its distributed optimizer: 18 (16-bit weight 2, fp32 gradient 4, fp32 master 4, Adam 8).
-    # DeepSpeed's 16-bit engine keeps the 16-bit gradient too.
-    (0, 8, 18, 2),
-    # Megatron's distributed optimizer: 6 + 12 / dp (the fp32 gradient whole; master and Adam sharded). ZeRO-1
-    # keeps the 16-bit gradient too, and shards the fp32 gradient with master and Adam.
-    (1, 8, 6 + 12 / 8, 2 - 4 + 4 / 8),
+    # DeepSpeed's FP16_Optimizer keeps the 16-bit gradient too, until the step has made its fp32 copy.
+    (0, BF16, 8, 18, 2),
+    # Megatron's distributed optimizer: 6 + 12 / dp (the fp32 gradient whole; master and Adam sharded). ZeRO-1 in
+    # bf16 with fp32 accumulation is DeepSpeed's BF16_Optimizer, the same layout; it keeps each 16-bit gradient too
+    # until the backward pass has added it to the fp32 one.
+    (1, FP32_ACCUMULATION, 8, 6 + 12 / 8, 2),
+    # ZeRO-1 otherwise (fp16): the 16-bit gradient whole, the fp32 one sharded with master and Adam.
+    (1, {"fp16": {"enabled": True}}, 8, 6 + 12 / 8, 2 - 4 + 4 / 8),
 ]
 
 
-@pytest.mark.parametrize("zero,dp,megatron,deepspeed_otherwise", STATES, ids=["zero0", "zero1_dp8"])
-def test_model_states_are_megatrons_and_what_deepspeed_keeps_otherwise(zero, dp, megatron, deepspeed_otherwise):
-    p = plan(GPT3, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero}}, dp)
-    assert p["states"] == pytest.approx((megatron + deepspeed_otherwise) * p["params_per_gpu"])
+@pytest.mark.parametrize("zero,precision,dp,megatron,deepspeed_otherwise", STATES,
+                         ids=["zero0", "zero1_bf16_dp8", "zero1_fp16_dp8"])
+def test_model_states_are_megatrons_and_what_deepspeed_keeps_otherwise(zero, precision, dp, megatron,
+                                                                       deepspeed_otherwise):
+    p = plan(GPT3, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero}, **precision}, dp)
+    assert p["states"] + p["gradients"] == pytest.approx((megatron + deepspeed_otherwise) * p["params_per_gpu"])

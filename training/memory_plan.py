@@ -102,14 +102,16 @@ def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2)
     return (mask + rope) * dtype_bytes
 
 
-def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_split: bool = False) -> float:
+def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_split: bool = False,
+                           device_type: str = "cuda") -> float:
     """16-bit bytes a block keeps per token for its backward on one tensor rank. Megatron's 18 d counts q, k
     and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its
     hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn);
     in tiles (train.mlp_tiles) it keeps only its input, the second norm's output, counted already.
     The two norms' inputs and outputs (8 d) and the dropout masks are whole on every tensor rank, the rest is
     split; with the sequence split (Megatron's sequence parallelism) all of it is, but the document mask and the
-    RoPE tables of the attention, which sees the whole sequence."""
+    RoPE tables of the attention, which sees the whole sequence. On a CPU torch's RMSNorm keeps an fp32 copy of its
+    input and the normalized fp32 rows too (8 bytes an element, two norms a block)."""
     kv, arch = cfg.kv_heads * cfg.head_dim, architecture(cfg)
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     mlp = 0 if mlp_tiles > 1 else (8 if arch.mlp_matrices == 3 else 4) * arch.mlp_hidden(cfg)
@@ -118,10 +120,10 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
         shared = 8 * arch.shared_hidden(cfg) + (2 * cfg.n_embd + 2 if cfg.n_shared_experts else 0)
         mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts + shared)
     split = 4 * cfg.n_embd + 4 * kv + mlp
-    whole = 8 * cfg.n_embd + masks
+    whole = (8 + (16 if arch.rms_norm and device_type == "cpu" else 0)) * cfg.n_embd + masks
     if sequence_split:
         whole, split = 0, whole + split
-    return whole + document_masking_bytes(cfg) + split / tp_size
+    return whole + document_masking_bytes(cfg, device_type) + split / tp_size
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -144,56 +146,98 @@ def zero3_gradient_bucket(ds: dict) -> int:
     return int(float(zero.get("reduce_bucket_size", 5e8))) * (4 if comm in ("fp32", "float32") else 2)
 
 
-def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1) -> dict:
-    """Bytes per GPU (the busiest one) for this model, ds_config and GPU count (and train.mlp_tiles)."""
+def bf16_optimizer(ds: dict, stage: int, offload: bool, pipelined: bool) -> bool:
+    """Does DeepSpeed wrap the optimizer in its BF16_Optimizer (engine._do_optimizer_sanity_check): bf16 weights
+    under ZeRO-1 with fp32 gradient accumulation and no offload, or under the pipeline engine? It keeps an fp32
+    gradient for every weight, and partitions the master weights and moments alone."""
+    bf16 = ds.get("bf16", {}).get("enabled", False) in (True, "auto") and not ds.get("fp16", {}).get("enabled")
+    return bf16 and ((stage == 1 and grad_accum_bytes(ds) == 4 and not offload) or (pipelined and stage <= 1))
+
+
+def grad_accum_bytes(ds: dict) -> int:
+    return 4 if ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32") else 2
+
+
+def zero12_gradient_bucket(ds: dict, stage: int) -> int:
+    """Bytes of the gradient bucket ZeRO-1/2's optimizer allocates at each backward pass with contiguous gradients
+    (DeepSpeed's setup_buckets; two with overlap_comm): reduce_bucket_size elements of the gradient accumulation
+    dtype under ZeRO-1, of the 16-bit dtype under ZeRO-2. It comes after the loss's fp32 chunk is freed."""
+    zero = ds.get("zero_optimization", {})
+    if not zero.get("contiguous_gradients", True):
+        return 0
+    dtype = grad_accum_bytes(ds) if stage == 1 else 2
+    return int(float(zero.get("reduce_bucket_size", 5e8))) * dtype * (2 if zero.get("overlap_comm") else 1)
+
+
+def model_states(params: float, stage: int, dp: int, ds: dict, offload: bool, pipelined: bool,
+                 largest_layer: int) -> tuple[float, float, float, float]:
+    """Bytes a GPU keeps between steps for `params` parameters; what the backward pass and the optimizer step add
+    to them once the activations are gone (the 16-bit gradients, the step's fp32 copy of them); what ZeRO
+    allocates for the backward pass beside the activations; and host bytes under offload."""
+    if bf16_optimizer(ds, stage, offload, pipelined):  # 16-bit weights, gradient accumulators; partitioned states
+        return (2 + grad_accum_bytes(ds)) * params + 12 * params / dp, 2 * params, 0, 0
+    if pipelined:  # fp16 under the pipeline engine: ZeRO-0/1 within each stage's data-parallel group
+        return 4 * params + 16 * params / (dp if stage == 1 else 1), 0, 0, 0
+    if stage == 0:  # DeepSpeed's FP16_Optimizer: 16-bit gradients after the backward pass, fp32 ones in the step
+        return 14 * params, 6 * params, 0, 0
+    if stage == 1:
+        return 4 * params + 16 * params / dp, 0, zero12_gradient_bucket(ds, 1), 0
+    if stage == 2 and not offload:  # the gradients' partitions exist from the backward pass to the step
+        return 2 * params + 12 * params / dp, 6 * params / dp, zero12_gradient_bucket(ds, 2), 0
+    if stage == 2:
+        cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=dp, cpu_offload=True)
+        return gpu, 0, zero12_gradient_bucket(ds, 2), cpu
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=dp,
+                                                        cpu_offload=offload, cpu_offload_params=False)
+    return gpu + zero3_gradient_bucket(ds), 0, 0, cpu if offload else 0
+
+
+def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda") -> dict:
+    """Bytes per GPU (the busiest one) for this model, ds_config and GPU count (and train.mlp_tiles; on a CPU,
+    device_type "cpu"): the model states kept, and the larger of the activations (with what runs beside them)
+    and the gradients the backward pass leaves for the step."""
     pipe, tp_size, sp_size = pipeline_settings(ds), tensor_parallel_size(ds), sequence_parallel_size(ds)
     ep_size = expert_parallel_size(ds)
     layout = resolve_layout(dict(ds), gpus, pipe.stages, tp_size, sp_size, ep_size)
     counts = layer_params(cfg, tp_size, ep_size)
     specs, parts = stages_of(cfg, tp_size, pipe.stages, pipe.partition)
-    block = architecture(cfg).block
     zero = ds.get("zero_optimization", {})
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
     total = sum(counts) - sum(counts[i] for i in repeated_ties(specs))  # the tied head owns no weights
     dp = layout.data_axis  # ZeRO partitions over the data-parallel replicas and their sequence ranks
-
-    cpu = 0  # host memory for offloaded optimizer states
-    if pipe.stages > 1:  # ZeRO-0/1 within each stage's data-parallel group
+    if pipe.stages > 1:
         local = max(sum(counts[parts[s]: parts[s + 1]]) for s in range(pipe.stages))
-        states = 4 * local + 16 * local / (dp if stage == 1 else 1)
-    elif stage == 0:
-        local, states = total, 20 * total
-    elif stage == 1:
-        local, states = total, 4 * total + 16 * total / dp
-    elif stage == 2:
-        local = total
-        cpu, states = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=dp, cpu_offload=offload)
-        cpu = cpu if offload else 0  # without offload DeepSpeed's figure is host memory to load the model
     else:
-        local = total / dp
-        cpu, states, _ = estimate_zero3_model_states_mem_needs(total, max(counts), num_gpus_per_node=dp,
-                                                               cpu_offload=offload, cpu_offload_params=False)
-        cpu = cpu if offload else 0
-        states += zero3_gradient_bucket(ds)
+        local = total / dp if stage == 3 else total
+    states, gradients, buckets, cpu = model_states(local if pipe.stages > 1 else total, stage, dp, ds, offload,
+                                                   pipe.stages > 1, max(counts))
     if cfg.n_experts and ep_size > 1 and 1 <= stage <= 2 and pipe.stages == 1:
         # The experts' fp32 states are partitioned over their dp / ep copies, not over dp.
         experts = sum(layer_params(cfg, tp_size, ep_size, experts=True))
         states += 16 * experts * (1 / (dp // ep_size) - 1 / dp)
+    activations = activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, buckets,
+                                   device_type)
+    return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
+            "params_per_gpu": local, "states": states, "gradients": gradients, "activations": activations,
+            "total": states + max(activations, gradients), "cpu": cpu, "micro": layout.micro_batch}
 
+
+def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, buckets, device_type) -> float:
+    """The forward pass's peak: each block's saved tensors for the micro-batches in flight, the logits and their
+    gradient, and the larger of the loss's fp32 chunk (torch's log-softmax converts the chunk to fp32 and writes
+    its fp32 result: 8 bytes an entry; 6 over a vocabulary split by tensor ranks, whose loss shifts and
+    exponentiates one fp32 copy in place, and returns an fp32 gradient cast to 16 bits) and ZeRO's buckets."""
     tokens = layout.micro_batch * cfg.block_size // sp_size
-    full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence)
+    full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence, device_type)
     checkpointed = pipe.checkpoint_interval > 0
     block_input = tokens * 2 * cfg.n_embd / (tp_size if layout.tp_sequence else 1)
     per_layer = block_input if checkpointed else full_layer
-    blocks = max(sum(spec.typename is block for spec in specs[parts[s]: parts[s + 1]])
+    blocks = max(sum(spec.typename is architecture(cfg).block for spec in specs[parts[s]: parts[s + 1]])
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
-    loss_chunk = (4 if tp_size == 1 else 8) * min(tokens, LOSS_CHUNK_ROWS)
-    activations += (4 * tokens + loss_chunk) * cfg.padded_vocab_size / tp_size
-    return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
-            "params_per_gpu": local, "states": states, "activations": activations, "total": states + activations,
-            "cpu": cpu, "micro": layout.micro_batch}
+    loss_chunk = (8 if tp_size == 1 else 6) * min(tokens, LOSS_CHUNK_ROWS) * cfg.padded_vocab_size / tp_size
+    return activations + 4 * tokens * cfg.padded_vocab_size / tp_size + max(loss_chunk, buckets)
 
 
 if __name__ == "__main__":

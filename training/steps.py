@@ -64,6 +64,7 @@ class CrossEntropyWithGradient(torch.autograd.Function):
             probs.sub_(torch.where(row_valid, log_divisor, float("inf")).unsqueeze(1)).exp_()
             probs.scatter_(1, row_picked, torch.where(row_valid, (target.exp() - 1) / divisor, 0.0).unsqueeze(1))
             row_grad.copy_(probs)
+            del probs  # before the next chunk's fp32 copy and log-softmax are made
         ctx.save_for_backward(grad)
         return total / divisor
 
