@@ -1,16 +1,14 @@
 """Per-GPU memory plan for a preset under each ds_config layout: model states plus activations (the command:
 scripts/memory_plan.py).
 
-Model states follow DeepSpeed's accounting for 16-bit mixed precision with AdamW, 20 bytes a parameter:
-16-bit weights (2) and gradients (2), fp32 gradients (4), fp32 master weights (4), Adam moments (8).
-ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators. Activations use Megatron-LM's count
+Model states follow the optimizer DeepSpeed picks for 16-bit mixed precision with AdamW (model_states): what
+stays between steps, and the gradients the backward pass leaves for the step, which come as the activations go, so
+the total is the states and the larger of the two. Activations use Megatron-LM's count
 (Korthikanti et al. 2022) with flash attention, so no sequence-squared term: per layer and token,
 18 x d_model + 4 x ffn bytes in 16-bit (Llama: less for grouped-query k and v, 8 x ffn for SwiGLU;
 2 x d_model when the layer is checkpointed), of which 2 x d_model are the two residual dropout masks
 (1 byte an element; none without dropout), plus the logits: 16-bit logits and their gradient (4 bytes per
-vocabulary entry and token) and the loss's fp32 log-softmax for one chunk of LOSS_CHUNK_ROWS tokens
-(training/steps.py computes the loss a chunk at a time: 4 bytes per entry and token of the chunk; 8 over a
-vocabulary split by tensor ranks, whose loss also makes an fp32 copy of the chunk's logits).
+vocabulary entry and token) and the loss's fp32 chunk of LOSS_CHUNK_ROWS tokens (activation_bytes).
 A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batches) micro-batches.
 Under tensor parallelism (degree t, no sequence parallelism) a rank holds its slice of each split weight and
 every replicated one whole, and per layer and token 8 x d_model replicated bytes (the norms' inputs and the
@@ -31,9 +29,10 @@ counted as if the routing were even, and what its shared expert keeps (8 x its w
 product with its gate's sigmoid, and that sigmoid, 2 bytes); a rank holds n_experts / expert_parallel_size
 experts, whose optimizer states ZeRO partitions over the ranks that hold the same experts (dp / ep), and the
 shared expert whole.
-ZeRO-3 adds its gradient bucket, allocated whole at start. Allocator fragmentation, the other communication
-buckets and the CUDA context (a few GB) come on top. Under ZeRO-3 a GPU's peak runs above this count of the
-activations (docs/performance.md, "The memory plan on a GPU").
+ZeRO-3 adds its gradient bucket, allocated whole at start; ZeRO-1/2 allocate theirs at each backward pass.
+Allocator fragmentation and the CUDA context come on top. At ZeRO-0 to 2 the plan is within 5% of a step's peak
+of live tensors (tests/test_gpu.py); under ZeRO-3 a GPU's peak runs above this count of the activations
+(docs/performance.md, "The memory plan on a GPU").
 """
 import torch
 from deepspeed.moe.utils import is_moe_param
