@@ -134,22 +134,11 @@ def repeated_ties(specs: list) -> list[int]:
     return repeats
 
 
-def zero3_gradient_bucket(ds: dict) -> int:
-    """Bytes of the gradient bucket ZeRO-3 allocates whole at start with contiguous gradients (DeepSpeed's
-    estimator leaves it out): reduce_bucket_size elements of the communication dtype. The shipped zero3.json's
-    500M fp32 elements are 1.86 GiB, whatever the model's size."""
-    zero = ds.get("zero_optimization", {})
-    if not zero.get("contiguous_gradients", True):
-        return 0
-    comm = ds.get("communication_data_type") or ("bf16" if ds.get("bf16", {}).get("enabled") else "fp32")
-    return int(float(zero.get("reduce_bucket_size", 5e8))) * (4 if comm in ("fp32", "float32") else 2)
-
-
 def bf16_optimizer(ds: dict, stage: int, offload: bool, pipelined: bool) -> bool:
     """Does DeepSpeed wrap the optimizer in its BF16_Optimizer (engine._do_optimizer_sanity_check): bf16 weights
     under ZeRO-1 with fp32 gradient accumulation and no offload, or under the pipeline engine? It keeps an fp32
     gradient for every weight, and partitions the master weights and moments alone."""
-    bf16 = ds.get("bf16", {}).get("enabled", False) in (True, "auto") and not ds.get("fp16", {}).get("enabled")
+    bf16 = ds.get("bf16", {}).get("enabled", False) in (True, "auto")
     return bf16 and ((stage == 1 and grad_accum_bytes(ds) == 4 and not offload) or (pipelined and stage <= 1))
 
 
@@ -157,15 +146,20 @@ def grad_accum_bytes(ds: dict) -> int:
     return 4 if ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32") else 2
 
 
-def zero12_gradient_bucket(ds: dict, stage: int) -> int:
-    """Bytes of the gradient bucket ZeRO-1/2's optimizer allocates at each backward pass with contiguous gradients
-    (DeepSpeed's setup_buckets; two with overlap_comm): reduce_bucket_size elements of the gradient accumulation
-    dtype under ZeRO-1, of the 16-bit dtype under ZeRO-2. It comes after the loss's fp32 chunk is freed."""
+def gradient_buckets(ds: dict, stage: int) -> int:
+    """Bytes of the gradient buckets ZeRO allocates with contiguous gradients, reduce_bucket_size elements each
+    (DeepSpeed's estimators leave them out). ZeRO-3: one of the communication dtype, whole from the start (the
+    shipped zero3.json's 500M fp32 elements are 1.86 GiB, whatever the model's size). ZeRO-1/2: one at each
+    backward pass (DeepSpeed's setup_buckets; two with overlap_comm), of the gradient accumulation dtype under
+    ZeRO-1 and the 16-bit dtype under ZeRO-2; it comes after the loss's fp32 chunk is freed."""
     zero = ds.get("zero_optimization", {})
-    if not zero.get("contiguous_gradients", True):
+    if stage == 0 or not zero.get("contiguous_gradients", True):
         return 0
-    dtype = grad_accum_bytes(ds) if stage == 1 else 2
-    return int(float(zero.get("reduce_bucket_size", 5e8))) * dtype * (2 if zero.get("overlap_comm") else 1)
+    elements = int(float(zero.get("reduce_bucket_size", 5e8)))
+    if stage == 3:
+        comm = ds.get("communication_data_type") or ("bf16" if ds.get("bf16", {}).get("enabled") else "fp32")
+        return elements * (4 if comm in ("fp32", "float32") else 2)
+    return elements * (grad_accum_bytes(ds) if stage == 1 else 2) * (2 if zero.get("overlap_comm") else 1)
 
 
 def model_states(params: float, stage: int, dp: int, ds: dict, offload: bool, pipelined: bool,
@@ -180,15 +174,15 @@ def model_states(params: float, stage: int, dp: int, ds: dict, offload: bool, pi
     if stage == 0:  # DeepSpeed's FP16_Optimizer: 16-bit gradients after the backward pass, fp32 ones in the step
         return 14 * params, 6 * params, 0, 0
     if stage == 1:
-        return 4 * params + 16 * params / dp, 0, zero12_gradient_bucket(ds, 1), 0
+        return 4 * params + 16 * params / dp, 0, gradient_buckets(ds, 1), 0
     if stage == 2 and not offload:  # the gradients' partitions exist from the backward pass to the step
-        return 2 * params + 12 * params / dp, 6 * params / dp, zero12_gradient_bucket(ds, 2), 0
+        return 2 * params + 12 * params / dp, 6 * params / dp, gradient_buckets(ds, 2), 0
     if stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=dp, cpu_offload=True)
-        return gpu, 0, zero12_gradient_bucket(ds, 2), cpu
+        return gpu, 0, gradient_buckets(ds, 2), cpu
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=dp,
                                                         cpu_offload=offload, cpu_offload_params=False)
-    return gpu + zero3_gradient_bucket(ds), 0, 0, cpu if offload else 0
+    return gpu + gradient_buckets(ds, 3), 0, 0, cpu if offload else 0
 
 
 def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda") -> dict:
@@ -204,12 +198,9 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda"
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
     total = sum(counts) - sum(counts[i] for i in repeated_ties(specs))  # the tied head owns no weights
     dp = layout.data_axis  # ZeRO partitions over the data-parallel replicas and their sequence ranks
-    if pipe.stages > 1:
-        local = max(sum(counts[parts[s]: parts[s + 1]]) for s in range(pipe.stages))
-    else:
-        local = total / dp if stage == 3 else total
-    states, gradients, buckets, cpu = model_states(local if pipe.stages > 1 else total, stage, dp, ds, offload,
-                                                   pipe.stages > 1, max(counts))
+    held = max(sum(counts[parts[s]: parts[s + 1]]) for s in range(pipe.stages)) if pipe.stages > 1 else total
+    local = total / dp if stage == 3 and pipe.stages == 1 else held
+    states, gradients, buckets, cpu = model_states(held, stage, dp, ds, offload, pipe.stages > 1, max(counts))
     if cfg.n_experts and ep_size > 1 and 1 <= stage <= 2 and pipe.stages == 1:
         # The experts' fp32 states are partitioned over their dp / ep copies, not over dp.
         experts = sum(layer_params(cfg, tp_size, ep_size, experts=True))
