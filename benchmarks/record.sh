@@ -45,8 +45,9 @@ mkdir -p "$results"
 # tests/conftest.py looks).
 [ -n "${TEXT:-}" ] && export SHAKESPEARE_TXT=${SHAKESPEARE_TXT:-$TEXT}
 tier=0
-"$python" -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q 2>&1 | tee "$results/gpu_tests.log" || tier=1
+"$python" -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q --durations=12 2>&1 | tee "$results/gpu_tests.log" || tier=1
 { date +%F; tail -n 1 "$results/gpu_tests.log"; } > "$results/gpu_tests.txt"
+echo "record.sh: the GPU tier ended at ${SECONDS}s"
 
 probe() { "$python" -c "from benchmarks.gpu_probes import main; main()" "$@"; }
 for preset in "${presets[@]}"; do
@@ -67,6 +68,7 @@ for preset in "${presets[@]}"; do
             --micro 16 32 64 --steps 20 --levers train.compile=true ds_config=ds_configs/zero0.json \
             --work_dir out/benchmarks/sweep --json "$results/sweep_${preset}_$stage.json" "${overrides[@]}" || true
     fi
+    echo "record.sh: $preset ended at ${SECONDS}s"
 done
 "$python" -c "from benchmarks.gpu_figures import main; main()" "$results" "${presets[@]}"
 ls -l "$results"

@@ -21,7 +21,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import at_least, load_inputs, print_table, results_file, run_main, work_folder, write_json
+from benchmarks.report import (
+    at_least,
+    environment,
+    load_inputs,
+    print_table,
+    results_file,
+    run_main,
+    work_folder,
+    write_json,
+)
 from common.checks import ConfigError, ToolParser
 from training.memory_plan import GB, fits, plan
 
@@ -113,8 +122,12 @@ def main() -> int:
         rows += [run_row(args, {"micro": best, "lever": lever}, work) for lever in args.levers]
     for r in rows:
         r["plan_gb"], r["plan_fits"] = planned[r["micro"]] / GB, fits(planned[r["micro"]], gpu_gb)
-    report = {"config": args.config, "ds_config": args.ds_config, "overrides": args.overrides,
-              "global_batch": args.global_batch, "steps": args.steps, "gpu_gb": gpu_gb, "rows": rows,
+    import torch
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    report = {**environment(device), "config": args.config, "ds_config": args.ds_config,
+              "overrides": args.overrides, "global_batch": args.global_batch, "steps": args.steps, "gpu_gb": gpu_gb,
+              "rows": rows,
               "plan_largest_fitting_micro": max((m for m in micros if fits(planned[m], gpu_gb)), default=None),
               "largest_micro_that_ran": max((r["micro"] for r in rows if r["status"] == "ok" and not r["lever"]),
                                             default=None)}
