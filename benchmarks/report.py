@@ -144,12 +144,16 @@ def device_description(device: torch.device) -> str:
     return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
-def device_slug() -> str:
-    """The first accelerator's (else the CPU's) name as a folder name: benchmarks/results/<slug>/."""
+def first_device() -> torch.device:
+    """The first accelerator, else the CPU: the device a one-process benchmark measures."""
     import torch
 
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    name = device_description(device).split(" (")[0]
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_slug() -> str:
+    """The first accelerator's (else the CPU's) name as a folder name: benchmarks/results/<slug>/."""
+    name = device_description(first_device()).split(" (")[0]
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import (
     at_least,
     environment,
+    first_device,
     load_inputs,
     print_table,
     results_file,
@@ -45,12 +46,26 @@ def default_micros(plan_fits: dict[int, bool]) -> list[int]:
     return [m for m in powers if m <= last] + [m for m in powers if m > last][:1]
 
 
-def command(args, micro: int, lever: str | None, out_dir: str) -> list[str]:
+def row_settings(args, lever: str | None) -> tuple[str, list[str]]:
+    """A row's ds_config and run-config overrides: the sweep's, with its lever applied."""
     ds_config, overrides = args.ds_config, list(args.overrides)
     if lever and lever.startswith("ds_config="):
         ds_config = lever.split("=", 1)[1]
     elif lever:
         overrides.append(lever)
+    return ds_config, overrides
+
+
+def planned_bytes(args, micro: int, lever: str | None) -> float:
+    """The memory plan's total for a row, its lever applied (train.compile's loss holds no fp32 chunk)."""
+    ds_config, overrides = row_settings(args, lever)
+    cfg, ds, _ = load_inputs(args.config, ds_config, overrides)
+    ds = dict(ds, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=args.global_batch // micro)
+    return plan(cfg.model, ds, 1, cfg.train.mlp_tiles, compiled=cfg.train.compile)["total"]
+
+
+def command(args, micro: int, lever: str | None, out_dir: str) -> list[str]:
+    ds_config, overrides = row_settings(args, lever)
     return [sys.executable, "train.py", "--config", args.config, "--ds_config", ds_config, *overrides,
             f"ds.train_micro_batch_size_per_gpu={micro}",
             f"ds.gradient_accumulation_steps={args.global_batch // micro}", f"train.out_dir={out_dir}",
@@ -108,11 +123,11 @@ def main() -> int:
         raise ConfigError(f"--steps {args.steps}: needs two logged intervals of --log_interval {args.log_interval}; "
                           f"fix: raise --steps")
     results_file(args.json)
-    cfg, ds, gpu_gb = plan_inputs(args)
+    gpu_gb = plan_budget(args)
     powers = [m for m in (2**i for i in range(12)) if args.global_batch % m == 0]
-    planned = {m: plan(cfg.model, dict(ds, train_micro_batch_size_per_gpu=m,
-                                       gradient_accumulation_steps=args.global_batch // m), 1)["total"]
-               for m in sorted(set(powers + (args.micro or [])))}
+    planned = {m: planned_bytes(args, m, None) for m in sorted(set(powers + (args.micro or [])))}
+    for lever in args.levers:  # each lever's settings checked before the first row's minutes
+        planned_bytes(args, powers[0], lever)
     micros = args.micro or default_micros({m: fits(planned[m], gpu_gb) for m in powers})
     work = work_folder(args.work_dir)
     rows = [run_row(args, {"micro": m, "lever": None}, work) for m in micros]
@@ -121,11 +136,9 @@ def main() -> int:
         best = max(ran, key=lambda r: r["tokens_per_s"])["micro"]
         rows += [run_row(args, {"micro": best, "lever": lever}, work) for lever in args.levers]
     for r in rows:
-        r["plan_gb"], r["plan_fits"] = planned[r["micro"]] / GB, fits(planned[r["micro"]], gpu_gb)
-    import torch
-
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    report = {**environment(device), "config": args.config, "ds_config": args.ds_config,
+        total = planned_bytes(args, r["micro"], r["lever"]) if r["lever"] else planned[r["micro"]]
+        r["plan_gb"], r["plan_fits"] = total / GB, fits(total, gpu_gb)
+    report = {**environment(first_device()), "config": args.config, "ds_config": args.ds_config,
               "overrides": args.overrides, "global_batch": args.global_batch, "steps": args.steps, "gpu_gb": gpu_gb,
               "rows": rows,
               "plan_largest_fitting_micro": max((m for m in micros if fits(planned[m], gpu_gb)), default=None),
@@ -136,14 +149,12 @@ def main() -> int:
     return 0 if ran else 1
 
 
-def plan_inputs(args):
-    """The run config (its vocabulary the data's), the ds_config and the plan's budget, checked at start."""
+def plan_budget(args) -> float:
+    """The plan's budget in GiB: --gpu_gb, else the GPU's memory, else an 80 GB card's."""
     import torch
 
-    cfg, ds, _ = load_inputs(args.config, args.ds_config, args.overrides)
-    gpu_gb = args.gpu_gb or (torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available()
-                             else 79.1)
-    return cfg, ds, gpu_gb
+    return args.gpu_gb or (torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available()
+                           else 79.1)
 
 
 def print_report(report: dict) -> None:

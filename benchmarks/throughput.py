@@ -35,6 +35,7 @@ from training.engines import train_step
 from training.launch.failure import leave_process_group
 from training.launch.launcher_env import set_single_process_env
 from training.metrics import flops_per_token
+from training.objectives.next_token import NextToken
 from training.optim import optimizer_and_schedule, param_groups
 from training.steps import adjust_engine, lm_loss
 from training.topology import resolve_layout
@@ -47,6 +48,7 @@ class Reference:
 
     def __init__(self, cfg, ds: dict, dtype: torch.dtype, device: torch.device):
         self.model = build_model(cfg.model, cfg.train.seed).to(device)
+        self.compiled = cfg.train.compile  # the loss as train.py's objective computes it
         self.mixed = dtype != torch.float32
         names = [name for name, _ in self.model.named_parameters()]
         if self.mixed:
@@ -63,7 +65,7 @@ class Reference:
     def step(self, micro_batches: list, lr: float) -> torch.Tensor:
         total = 0.0
         for inputs, targets in micro_batches:
-            loss = lm_loss(self.model(inputs), targets)
+            loss = lm_loss(self.model(inputs), targets, compiled=self.compiled)
             (loss / len(micro_batches)).backward()
             total += loss.detach()
         if self.mixed:
@@ -97,11 +99,12 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     if cfg.train.compile:  # as train.py does
         compile_blocks(model, cfg.model.arch)
         compile_blocks(reference.model, cfg.model.arch)
+    objective = NextToken(compiled=cfg.train.compile)
     losses, lrs = {"deepspeed": [], "reference": []}, []
 
     def deepspeed_step(step: int) -> None:
         lrs.append(engine.get_lr()[0])
-        losses["deepspeed"].append(train_step(engine, batches(step)))
+        losses["deepspeed"].append(train_step(engine, batches(step), objective))
 
     def reference_step(step: int) -> None:  # after the engine's step: it takes the engine's learning rate
         losses["reference"].append(reference.step(batches(step), lrs[step - 1]))

@@ -63,7 +63,7 @@ def report(args) -> None:
         ds = load_ds_config(path, ds_overrides)
         for gpus in args.gpus or [1, 8]:
             try:
-                p = plan(cfg, ds, gpus, run.train.mlp_tiles)
+                p = plan(cfg, ds, gpus, run.train.mlp_tiles, compiled=run.train.compile)
             except ValueError as e:  # a layout that cannot exist on this many GPUs
                 print(f"| {os.path.basename(path)} | {gpus} | impossible: {e} |")
                 continue

@@ -223,12 +223,12 @@ def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():
         torch.testing.assert_close(grads1[name], grad, rtol=0, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_training_loss_and_its_gradient_are_cross_entropys(dtype):
+@pytest.mark.parametrize("dtype, compiled", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_the_training_loss_and_its_gradient_are_cross_entropys(dtype, compiled):
     """The training loss, its gradient made in the forward pass a chunk of rows at a time, is F.cross_entropy of
     the fp32 logits and has its gradient: -100 targets add nothing, the mean is over `divisor`, and an upstream
     gradient other than 1 (DeepSpeed's division by gradient accumulation steps) scales it. Within fp32's rounding,
-    and in bf16 within one unit of the last place of each entry."""
+    and in bf16 within one unit of the last place of each entry; so too train.compile's, inductor's kernels."""
     logits = (3 * torch.randn(4, 10, 70, generator=torch.Generator().manual_seed(0))).to(dtype)
     targets = torch.randint(0, 70, (4, 10), generator=torch.Generator().manual_seed(1))
     targets[1, 3:] = -100  # a padded row
@@ -237,7 +237,7 @@ def test_the_training_loss_and_its_gradient_are_cross_entropys(dtype):
     (expected / 3).backward()
     for chunk_rows in (7, 40):  # 40 rows: one chunk
         x = logits.clone().requires_grad_(True)
-        loss = lm_loss(x, targets, chunk_rows=chunk_rows, divisor=37)
+        loss = lm_loss(x, targets, chunk_rows=chunk_rows, divisor=37, compiled=compiled)
         (loss / 3).backward()
         assert loss.dtype == torch.float32 and x.grad.dtype == dtype
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)

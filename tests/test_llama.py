@@ -156,3 +156,7 @@ def test_memory_plan_counts_grouped_query_attention_and_swiglu():
     assert SMALL.dropout == 0 and tokens < memory_plan.LOSS_CHUNK_ROWS
     assert plan["activations"] == 2 * tokens * (12 * d + 4 * kv + 8 * ffn) + (4 + 8) * tokens * 128
     assert plan["states"] + plan["gradients"] == 20 * count_on_meta(SMALL)
+    # train.compile: inductor's loss reads the 16-bit logits and writes their gradient, no fp32 chunk between
+    compiled = memory_plan.plan(SMALL, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}}, 1,
+                                compiled=True)
+    assert plan["activations"] - compiled["activations"] == 8 * tokens * 128

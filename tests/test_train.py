@@ -161,7 +161,7 @@ def test_single_process_without_launcher_trains_and_samples(tmp_path, char_data)
 
 
 def test_compiled_model_trains_like_the_eager_one(tmp_path, char_data):
-    """train.compile=true compiles each block (inductor, C++ on CPU; its cache proves a graph was built):
+    """train.compile=true compiles each block and the loss (inductor, C++ on CPU; its cache proves a graph was built):
     same fp32 losses and samples (evaluation and sampling run eager)."""
     losses, samples = {}, {}
     for compiled in (False, True):

@@ -125,8 +125,8 @@ class TrainConfig:
     # How long a rank waits in a collective for the others before the job ends with an error. Long enough
     # for a slow checkpoint save on a real cluster; tests make it seconds.
     dist_timeout_s: int = 1800
-    # torch.compile each transformer block (inductor; needs a C++ compiler on CPU); evaluation and sampling
-    # run eager.
+    # torch.compile each transformer block and the training loss's chunks (inductor; needs a C++ compiler on
+    # CPU); evaluation and sampling run eager.
     compile: bool = False
     # fp32 matmuls on a GPU's tensor cores as TF32 (10-bit mantissa, several times faster); false for
     # bit-level fp32 parity checks. No effect on CPU.

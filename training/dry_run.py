@@ -59,7 +59,7 @@ def memory_check(cfg: RunConfig, ds: dict, layout, gpus_per_node: int, gpu_gb: f
     counts a fit); where it does not fit, ConfigError naming the layout the planner would choose for the same
     batch. The plan counts what the model keeps and leaves the allocator's own out: it refuses too little, never
     too much."""
-    needed = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles)["total"]
+    needed = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles, compiled=cfg.train.compile)["total"]
     if fits(needed, gpu_gb):
         return f"memory: {needed / GB:.1f} GB a GPU by the memory plan, within 90% of {gpu_gb:g} GB"
     fitting = [r for r in plan_layouts(cfg.model, layout.world_size, gpus_per_node, layout.global_batch,

@@ -8,7 +8,8 @@ the total is the states and the larger of the two. Activations use Megatron-LM's
 18 x d_model + 4 x ffn bytes in 16-bit (Llama: less for grouped-query k and v, 8 x ffn for SwiGLU;
 2 x d_model when the layer is checkpointed), of which 2 x d_model are the two residual dropout masks
 (1 byte an element; none without dropout), plus the logits: 16-bit logits and their gradient (4 bytes per
-vocabulary entry and token) and the loss's fp32 chunk of LOSS_CHUNK_ROWS tokens (activation_bytes).
+vocabulary entry and token) and the loss's fp32 chunk of LOSS_CHUNK_ROWS tokens (activation_bytes; none under
+train.compile, whose kernels read the 16-bit logits).
 A pipeline stage in DeepSpeed's 1F1B schedule holds up to min(stages, micro-batches) micro-batches.
 Under tensor parallelism (degree t, no sequence parallelism) a rank holds its slice of each split weight and
 every replicated one whole, and per layer and token 8 x d_model replicated bytes (the norms' inputs and the
@@ -185,9 +186,9 @@ def model_states(params: float, stage: int, dp: int, ds: dict, offload: bool, pi
     return gpu + gradient_buckets(ds, 3), 0, 0, cpu if offload else 0
 
 
-def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda") -> dict:
-    """Bytes per GPU (the busiest one) for this model, ds_config and GPU count (and train.mlp_tiles; on a CPU,
-    device_type "cpu"): the model states kept, and the larger of the activations (with what runs beside them)
+def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda", compiled: bool = False) -> dict:
+    """Bytes per GPU (the busiest one) for this model, ds_config and GPU count (and train.mlp_tiles, train.compile;
+    on a CPU, device_type "cpu"): the model states kept, and the larger of the activations (with what runs beside them)
     and the gradients the backward pass leaves for the step."""
     pipe, tp_size, sp_size = pipeline_settings(ds), tensor_parallel_size(ds), sequence_parallel_size(ds)
     ep_size = expert_parallel_size(ds)
@@ -206,17 +207,19 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda"
         experts = sum(layer_params(cfg, tp_size, ep_size, experts=True))
         states += 16 * experts * (1 / (dp // ep_size) - 1 / dp)
     activations = activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, buckets,
-                                   device_type)
+                                   device_type, compiled)
     return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
             "params_per_gpu": local, "states": states, "gradients": gradients, "activations": activations,
             "total": states + max(activations, gradients), "cpu": cpu, "micro": layout.micro_batch}
 
 
-def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, buckets, device_type) -> float:
+def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, buckets, device_type,
+                     compiled) -> float:
     """The forward pass's peak: each block's saved tensors for the micro-batches in flight, the logits and their
     gradient, and the larger of the loss's fp32 chunk (torch's log-softmax converts the chunk to fp32 and writes
     its fp32 result: 8 bytes an entry; 6 over a vocabulary split by tensor ranks, whose loss shifts and
-    exponentiates one fp32 copy in place, and returns an fp32 gradient cast to 16 bits) and ZeRO's buckets."""
+    exponentiates one fp32 copy in place, and returns an fp32 gradient cast to 16 bits; none where inductor's
+    kernels make one rank's loss straight from the 16-bit logits) and ZeRO's buckets."""
     tokens = layout.micro_batch * cfg.block_size // sp_size
     full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence, device_type)
     checkpointed = pipe.checkpoint_interval > 0
@@ -226,7 +229,8 @@ def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tile
                  for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
-    loss_chunk = (8 if tp_size == 1 else 6) * min(tokens, LOSS_CHUNK_ROWS) * cfg.padded_vocab_size / tp_size
+    entry_bytes = 6 if tp_size > 1 else 0 if compiled else 8
+    loss_chunk = entry_bytes * min(tokens, LOSS_CHUNK_ROWS) * cfg.padded_vocab_size / tp_size
     return activations + 4 * tokens * cfg.padded_vocab_size / tp_size + max(loss_chunk, buckets)
 
 

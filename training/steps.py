@@ -18,18 +18,19 @@ LOSS_CHUNK_ROWS = 8192
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
-            tp: TensorParallel = SINGLE, divisor: torch.Tensor | None = None) -> torch.Tensor:
+            tp: TensorParallel = SINGLE, divisor: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32 (or the sum over `divisor`: supervised_share), over logits of the
     whole vocabulary or, under tensor parallelism, of this rank's slice of it. With gradients, a chunk of rows
     at a time, so that the fp32 log-softmax never exists for the whole batch (only the 16-bit logits do):
     CrossEntropyWithGradient on one rank; over a vocabulary split by tensor ranks, each chunk under activation
-    checkpointing (made in the forward pass, dropped, made again in the backward pass)."""
+    checkpointing (made in the forward pass, dropped, made again in the backward pass). `compiled` (train.compile)
+    makes each chunk of one rank's loss with inductor's kernels (fused_chunk)."""
     logits, targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)
     divisor = targets.numel() if divisor is None else divisor
     if not torch.is_grad_enabled():
         return cross_entropy_sum(logits, targets, tp) / divisor
     if tp.size == 1:
-        return CrossEntropyWithGradient.apply(logits, targets, chunk_rows, divisor)
+        return CrossEntropyWithGradient.apply(logits, targets, chunk_rows, divisor, compiled)
     sums = [checkpoint(cross_entropy_sum, rows, row_targets, tp, use_reentrant=False)
             for rows, row_targets in zip(logits.split(chunk_rows), targets.split(chunk_rows))]
     return torch.stack(sums).sum() / divisor
@@ -48,30 +49,55 @@ class CrossEntropyWithGradient(torch.autograd.Function):
     graph is not for a second backward pass."""
 
     @staticmethod
-    def forward(ctx, logits, targets, chunk_rows, divisor):
+    def forward(ctx, logits, targets, chunk_rows, divisor, compiled):
         grad = torch.empty_like(logits)
-        valid = targets != IGNORE
-        picked = targets.clamp(min=0).unsqueeze(1)
         # a number's logarithm on the host: a tensor made from it on a GPU would wait for the device
         log_divisor = divisor.float().log() if torch.is_tensor(divisor) else math.log(divisor)
+        chunk = compiled_chunk if compiled else eager_chunk
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for rows, row_picked, row_valid, row_grad in zip(logits.split(chunk_rows), picked.split(chunk_rows),
-                                                         valid.split(chunk_rows), grad.split(chunk_rows)):
-            probs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
-            target = torch.where(row_valid, probs.gather(1, row_picked).squeeze(1), 0.0)
-            total -= target.sum()
-            # in place, fp32: a CPU's kernels cast a result into another dtype (or scatter into bf16) slowly
-            probs.sub_(torch.where(row_valid, log_divisor, float("inf")).unsqueeze(1)).exp_()
-            probs.scatter_(1, row_picked, torch.where(row_valid, (target.exp() - 1) / divisor, 0.0).unsqueeze(1))
-            row_grad.copy_(probs)
-            del probs  # before the next chunk's fp32 copy and log-softmax are made
+        for rows, row_targets, row_grad in zip(logits.split(chunk_rows), targets.split(chunk_rows),
+                                               grad.split(chunk_rows)):
+            total -= chunk(rows, row_targets, row_grad, log_divisor, divisor)
         ctx.save_for_backward(grad)
         return total / divisor
 
     @staticmethod
     def backward(ctx, upstream):
         grad, = ctx.saved_tensors
-        return grad.mul_(upstream), None, None, None
+        return grad.mul_(upstream), None, None, None, None
+
+
+def eager_chunk(rows, targets, grad, log_divisor, divisor) -> torch.Tensor:
+    """A chunk's summed target log-probability, its loss's gradient written into `grad`, through an fp32
+    log-softmax of the chunk that the exponential and the one-hot's subtraction then update in place."""
+    valid = targets != IGNORE
+    picked = targets.clamp(min=0).unsqueeze(1)
+    probs = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+    target = torch.where(valid, probs.gather(1, picked).squeeze(1), 0.0)
+    # in place, fp32: a CPU's kernels cast a result into another dtype (or scatter into bf16) slowly
+    probs.sub_(torch.where(valid, log_divisor, float("inf")).unsqueeze(1)).exp_()
+    probs.scatter_(1, picked, torch.where(valid, (target.exp() - 1) / divisor, 0.0).unsqueeze(1))
+    grad.copy_(probs)
+    return target.sum()
+
+
+def fused_chunk(rows, targets, grad, log_divisor, divisor) -> torch.Tensor:
+    """eager_chunk's arithmetic written for inductor to fuse: reductions that read the 16-bit chunk for its
+    log-sum-exp, and one kernel that writes the gradient from it, with no fp32 copy of the chunk in memory (eager,
+    about 13 bytes of traffic an entry; fused, about 6: docs/performance.md)."""
+    valid = targets != IGNORE
+    picked = targets.clamp(min=0).unsqueeze(1)
+    x = rows.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    target = torch.where(valid, (x.gather(1, picked) - lse).squeeze(1), 0.0)
+    probs = torch.exp(x - torch.where(valid.unsqueeze(1), lse + log_divisor, float("inf")))
+    one_hot = torch.arange(x.size(1), device=x.device) == picked
+    grad.copy_(torch.where(one_hot, torch.where(valid, (target.exp() - 1) / divisor, 0.0).unsqueeze(1), probs))
+    return target.sum()
+
+
+# dynamic=False: a step's chunks come in two sizes at most (the whole ones and the rest), each compiled once
+compiled_chunk = torch.compile(fused_chunk, dynamic=False)
 
 
 def supervised_share(micro_batches: list, group, data_parallel: int) -> torch.Tensor:
