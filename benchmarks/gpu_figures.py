@@ -38,6 +38,13 @@ def tier_result(results: str) -> str:
     return lines[1].strip("= ") if len(lines) > 1 else "not run"
 
 
+def plan_beside(plan: dict | None, throughput: dict, stage: str) -> dict:
+    """The memory plan's probe of the same settings as a throughput row (train.compile aside), else nothing: a probe
+    left from a run at other settings (record.sh's MEMORY=0) is not that row's."""
+    settings = [o for o in throughput["overrides"] if not o.startswith("train.compile=")]
+    return plan["results"].get(f"{stage}.json", {}) if plan and plan["overrides"] == settings else {}
+
+
 def main(argv: list[str] | None = None) -> None:
     results, *presets = sys.argv[1:] if argv is None else argv
     tier, rows = tier_result(results), []
@@ -47,16 +54,15 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             report = read(os.path.join(results, name))
             stage = name[len(f"throughput_{preset}_"):-len(".json")].removesuffix("_compiled")
-            plan = (read(os.path.join(results, f"memory_plan_{preset}_{stage}.json")) or {}).get("results", {})
-            memory = plan.get(f"{stage}.json", {})
+            memory = plan_beside(read(os.path.join(results, f"memory_plan_{preset}_{stage}.json")), report, stage)
             for r in report["results"]:
-                rows.append([report["date"], report["device"], preset, stage, r["precision"],
-                             "yes" if name.endswith("_compiled.json") else "no",
+                rows.append([report["date"], report["device"], preset, stage, f"{r['tokens_per_step']:,}",
+                             r["precision"], "yes" if name.endswith("_compiled.json") else "no",
                              f"{r['deepspeed']['tokens_per_s']:,.0f}", f"{r['reference']['tokens_per_s']:,.0f}",
                              f"{r['ratio']:.3f}", f"{100 * r['deepspeed']['mfu']:.1f}%",
                              f"{r['peak_tflops']:.4g} TFLOP/s ({r['peak_source']})",
                              f"{memory['measured'] / 2**30:.2f} GiB" if memory else "",
                              f"{memory['plan'] / 2**30:.2f} GiB" if memory else "", tier])
-    print_table(["date", "device", "preset", "ds_config", "precision", "train.compile", "DeepSpeed tokens/s",
-                 "reference tokens/s", "DeepSpeed / reference", "MFU", "peak", "peak memory", "memory plan",
-                 "GPU tier"], rows)
+    print_table(["date", "device", "preset", "ds_config", "tokens a step", "precision", "train.compile",
+                 "DeepSpeed tokens/s", "reference tokens/s", "DeepSpeed / reference", "MFU", "peak", "peak memory",
+                 "memory plan", "GPU tier"], rows)

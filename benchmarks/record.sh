@@ -2,13 +2,16 @@
 # Everything to commit for a device, in one command: first the GPU tier of the tests (`python -m pytest -m gpu`,
 # its result line kept), then for each preset in bf16 with one ds_config on one process: throughput (DeepSpeed
 # against the plain-PyTorch loop, MFU against the datasheet peak), eager and with train.compile; the memory plan
-# beside the measured peak; per-rank memory against the ZeRO theory; for the presets of $SWEEP (default gpt2_124m;
-# empty for none) the step's levers, a train.py run each (benchmarks/sweep.py: micro-batch 16, 32, 64 at 64 windows
-# a step, then compiled and ZeRO-0 at the fastest). As JSON under benchmarks/results/<device>/
-# (device name, software versions and date are in each file), and a markdown table of it at the end.
+# beside the measured peak and per-rank memory against the ZeRO theory (MEMORY=0 leaves both out: the tier checks
+# the plan at ZeRO 0-3); for the presets of $SWEEP (default gpt2_124m; empty for none) the step's levers, a train.py
+# run each (benchmarks/sweep.py: micro-batch 16, 32, 64 at 64 windows a step, then compiled and ZeRO-0 at the
+# fastest). $SETTINGS adds run-config overrides to the throughput rows and the memory plan (ds.* for the ds_config).
+# As JSON under benchmarks/results/<device>/ (device name, software versions and date are in each file), and a
+# markdown table of it at the end. On one H200 the tier takes about 5.5 minutes, a throughput row 30 to 40 s.
 #
 #   bash benchmarks/record.sh [PRESET ...]      # default: gpt2_124m llama_124m, context 1024, ZeRO-1
 #   DS_CONFIG=ds_configs/zero2.json TEXT=path/to/tinyshakespeare.txt bash benchmarks/record.sh gpt2_350m encoder_1b
+#   SWEEP= MEMORY=0 SETTINGS="ds.train_micro_batch_size_per_gpu=64" bash benchmarks/record.sh   # in 8 minutes
 #
 # The character-level Shakespeare data stands in for the BPE data (the BPE needs a download; the presets keep
 # their vocabulary, a bpe:N tokenizer's as N ids, so parameter counts and FLOPs are the real ones). It is prepared
@@ -20,6 +23,7 @@ cd "$(dirname "$0")/.."
 presets=("$@")
 [ ${#presets[@]} -eq 0 ] && presets=(gpt2_124m llama_124m)
 ds_config=${DS_CONFIG:-ds_configs/zero1.json}
+read -r -a settings <<< "${SETTINGS:-}"
 data=data/shakespeare_char
 python=${PYTHON:-python3}
 
@@ -54,19 +58,22 @@ for preset in "${presets[@]}"; do
     # the last line: DeepSpeed's accelerator warning may come first on stdout
     vocab=$("$python" -c "from benchmarks.gpu_figures import preset_vocab; print(preset_vocab('configs/$preset.yaml'))" \
             | tail -n 1)
-    overrides=(data.dir="$data" data.tokenizer=char model.vocab_size="$vocab")
+    data_overrides=(data.dir="$data" data.tokenizer=char model.vocab_size="$vocab")
+    overrides=("${data_overrides[@]}" "${settings[@]}")
     for compiled in false true; do
         name=throughput_${preset}_$stage$([ "$compiled" = true ] && echo _compiled || true)
         "$python" benchmarks/throughput.py --config "configs/$preset.yaml" --ds_config "$ds_config" \
             --precisions bf16 --steps 20 --json "$results/$name.json" "${overrides[@]}" train.compile=$compiled
     done
-    probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" "${overrides[@]}"
-    "$python" benchmarks/memory.py --config "configs/$preset.yaml" --nprocs 1 --stages "$stage" \
-        --json "$results/memory_${preset}_$stage.json" "${overrides[@]}"
+    if [ "${MEMORY:-1}" != 0 ]; then
+        probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" "${overrides[@]}"
+        "$python" benchmarks/memory.py --config "configs/$preset.yaml" --nprocs 1 --stages "$stage" \
+            --json "$results/memory_${preset}_$stage.json" "${overrides[@]}"
+    fi
     if [[ " ${SWEEP-gpt2_124m} " == *" $preset "* ]]; then
         "$python" benchmarks/sweep.py --config "configs/$preset.yaml" --ds_config "$ds_config" --global_batch 64 \
             --micro 16 32 64 --steps 20 --levers train.compile=true ds_config=ds_configs/zero0.json \
-            --work_dir out/benchmarks/sweep --json "$results/sweep_${preset}_$stage.json" "${overrides[@]}" || true
+            --work_dir out/benchmarks/sweep --json "$results/sweep_${preset}_$stage.json" "${data_overrides[@]}" || true
     fi
     echo "record.sh: $preset ended at ${SECONDS}s"
 done
