@@ -379,8 +379,11 @@ def test_the_memory_plan_is_within_5_percent_of_the_measured_peak(tmp_path, char
     assert len(results) == 3 and all(abs(off[name]) <= 0.05 for name in results), off
     assert zero3["plan_states"] == pytest.approx(zero3["measured_states"], rel=0.05)  # its gradient bucket counted
     if abs(off["zero3.json"]) > 0.05:
-        pytest.xfail(f"ZeRO-3's peak runs over the plan's activations ({off}): docs/performance.md, "
-                     "'The memory plan on a GPU'")
+        # what the next look at the gap starts from: whether the live tensors see it too, and the largest of them
+        seen = {"allocator": zero3["measured"], "live tensors": zero3["live_tensors_peak"],
+                "largest at the peak": zero3["largest_at_peak"][:6]}
+        pytest.xfail(f"ZeRO-3's peak runs over the plan's activations ({off}; ZeRO-3's peak: {seen}): "
+                     "docs/performance.md, 'The memory plan on a GPU'")
 
 
 @pytest.mark.parametrize("device", DEVICES)
