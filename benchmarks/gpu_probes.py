@@ -16,6 +16,7 @@ so each probe runs where DS_ACCELERATOR and CUDA_VISIBLE_DEVICES say (cuda, or c
 A probe records what it saw as JSON (or tensors); the tests judge it, so the same probe serves the GPU and the
 CPU stand-in of a check.
 """
+import dataclasses
 import gc
 import json
 import os
@@ -123,12 +124,14 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
 
     run = start_one_process(["--config", config, "--ds_config", ds_configs[0], *overrides])
     cfg, data, device, memory = run.cfg, run.data, run.device, MemoryProbe(run.device)
+    # the model as this data trains it: document masking finds no documents in data without a delimiter
+    planned_model = dataclasses.replace(cfg.model, document_masking=getattr(data, "documents", None) is not None)
     results = {}
     for path in ds_configs:
         # the ds.* overrides of the command line apply to each ds_config alike
         ds = load_ds_config(path, [o[3:] for o in overrides if o.startswith("ds.")])
         engine_settings = effective_ds_config(ds, cfg, 1, device)
-        predicted = plan(cfg.model, ds, 1, device_type=device.type)
+        predicted = plan(planned_model, ds, 1, device_type=device.type)
         release(device)
         baseline = memory.current() if device.type == "cuda" else 0
         with LiveTensors() as live:

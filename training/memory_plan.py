@@ -113,7 +113,8 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
     The two norms' inputs and outputs (8 d) and the dropout masks are whole on every tensor rank, the rest is
     split; with the sequence split (Megatron's sequence parallelism) all of it is, but the document mask and the
     RoPE tables of the attention, which sees the whole sequence. On a CPU torch's RMSNorm keeps an fp32 copy of its
-    input and the normalized fp32 rows too (8 bytes an element, two norms a block)."""
+    input in place of the 16-bit one and the normalized fp32 rows beside the 16-bit ones: 6 bytes an element more,
+    two norms a block (the live tensors of a CPU step, 2 and 12 layers of Llama-124M)."""
     kv, arch = cfg.kv_heads * cfg.head_dim, architecture(cfg)
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     swiglu = 6 if compiled else 8
@@ -123,7 +124,7 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
         shared = 8 * arch.shared_hidden(cfg) + (2 * cfg.n_embd + 2 if cfg.n_shared_experts else 0)
         mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts + shared)
     split = 4 * cfg.n_embd + 4 * kv + mlp
-    whole = (8 + (16 if arch.rms_norm and device_type == "cpu" else 0)) * cfg.n_embd + masks
+    whole = (8 + (12 if arch.rms_norm and device_type == "cpu" else 0)) * cfg.n_embd + masks
     if sequence_split:
         whole, split = 0, whole + split
     return whole + document_masking_bytes(cfg, device_type) + split / tp_size
