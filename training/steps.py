@@ -37,16 +37,16 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_
 
 
 class CrossEntropyWithGradient(torch.autograd.Function):
-    """Mean (summed over `divisor`) cross-entropy of (rows, vocab) logits whose gradient is made in the forward
-    pass, a chunk of rows at a time, in the logits' dtype: (softmax - the target's one-hot) / divisor, from an
-    fp32 log-softmax read straight from the 16-bit logits, shifted by log(divisor) before the exponential (and
-    by infinity for rows whose target is -100, which add nothing). Against F.cross_entropy of the fp32 logits
-    under checkpointing, it makes no fp32 copy of the logits and no second log-softmax (on a GPU the loss was a
-    quarter of a GPT-2 124M step: docs/performance.md), and keeps the logits' gradient in place of the logits
-    (the same bytes) from the forward pass to the backward pass, which scales it in place by the upstream
+    """Mean (summed over `divisor`) cross-entropy of (rows, vocab) logits whose gradient is made in the forward pass, a
+    chunk of rows at a time, in the logits' dtype: (softmax - the target's one-hot) / divisor, from an fp32 log-
+    softmax read straight from the 16-bit logits, shifted by log(divisor) before the exponential (and by infinity
+    for rows whose target is -100, which add nothing); eager_chunk, or fused_chunk compiled. Against F.cross_entropy
+    of the fp32 logits under checkpointing, it makes no fp32 copy of the logits and no second log-softmax (on a GPU
+    the loss was a quarter of a GPT-2 124M step: docs/performance.md), and keeps the logits' gradient in place of
+    the logits (the same bytes) from the forward pass to the backward pass, which scales it in place by the upstream
     gradient: 1 unless DeepSpeed divides the loss by gradient accumulation steps (or scales it for fp16). That
-    product is exact on a CPU; a GPU's kernel rounds the factor to 16 bits first, exact for powers of two. The
-    graph is not for a second backward pass."""
+    product is exact on a CPU; a GPU's kernel rounds the factor to 16 bits first, exact for powers of two. The graph
+    is not for a second backward pass."""
 
     @staticmethod
     def forward(ctx, logits, targets, chunk_rows, divisor, compiled):
@@ -83,8 +83,8 @@ def eager_chunk(rows, targets, grad, log_divisor, divisor) -> torch.Tensor:
 
 def fused_chunk(rows, targets, grad, log_divisor, divisor) -> torch.Tensor:
     """eager_chunk's arithmetic written for inductor to fuse: reductions that read the 16-bit chunk for its
-    log-sum-exp, and one kernel that writes the gradient from it, with no fp32 copy of the chunk in memory (eager,
-    about 13 bytes of traffic an entry; fused, about 6: docs/performance.md)."""
+    log-sum-exp, and one kernel that writes the gradient from it, with no fp32 copy of the chunk in memory: about
+    8 bytes of memory traffic an entry, where eager_chunk's fp32 passes move about 30 (docs/performance.md)."""
     valid = targets != IGNORE
     picked = targets.clamp(min=0).unsqueeze(1)
     x = rows.float()
