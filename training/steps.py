@@ -38,15 +38,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int = LOSS_
 
 class CrossEntropyWithGradient(torch.autograd.Function):
     """Mean (summed over `divisor`) cross-entropy of (rows, vocab) logits whose gradient is made in the forward pass, a
-    chunk of rows at a time, in the logits' dtype: (softmax - the target's one-hot) / divisor, from an fp32 log-
-    softmax read straight from the 16-bit logits, shifted by log(divisor) before the exponential (and by infinity
-    for rows whose target is -100, which add nothing); eager_chunk, or fused_chunk compiled. Against F.cross_entropy
-    of the fp32 logits under checkpointing, it makes no fp32 copy of the logits and no second log-softmax (on a GPU
-    the loss was a quarter of a GPT-2 124M step: docs/performance.md), and keeps the logits' gradient in place of
-    the logits (the same bytes) from the forward pass to the backward pass, which scales it in place by the upstream
-    gradient: 1 unless DeepSpeed divides the loss by gradient accumulation steps (or scales it for fp16). That
-    product is exact on a CPU; a GPU's kernel rounds the factor to 16 bits first, exact for powers of two. The graph
-    is not for a second backward pass."""
+    chunk of rows at a time, in the logits' dtype: (softmax - the target's one-hot) / divisor, from an fp32
+    log-softmax read straight from the 16-bit logits, shifted by log(divisor) before the exponential (and by
+    infinity for rows whose target is -100, which add nothing); eager_chunk, or fused_chunk compiled. Against
+    F.cross_entropy of the fp32 logits under checkpointing, it makes no fp32 copy of the logits and no second
+    log-softmax (on a GPU the loss was a quarter of a GPT-2 124M step: docs/performance.md), and keeps the logits'
+    gradient in place of the logits (the same bytes) from the forward pass to the backward pass, which scales it in
+    place by the upstream gradient: 1 unless DeepSpeed divides the loss by gradient accumulation steps (or scales it
+    for fp16). That product is exact on a CPU; a GPU's kernel rounds the factor to 16 bits first, exact for powers
+    of two. The graph is not for a second backward pass."""
 
     @staticmethod
     def forward(ctx, logits, targets, chunk_rows, divisor, compiled):
