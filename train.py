@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import prefetched
+from model import eager
 from model.cpu_attention import float32_matmul_precision
 from model.generate import Sampling, generate
 from model.sequence_parallel import SequenceParallel
@@ -280,7 +281,7 @@ def log_progress(run: Run, rank: Rank, step: int, loss: torch.Tensor, lr: float,
     return verdict
 
 
-@torch.compiler.set_stance("force_eager")  # padded, variable batches: never worth a recompilation
+@eager  # padded, variable batches: never worth a recompilation
 def evaluate(run: Run, rank: Rank, step: int, log_losses: bool = True) -> None:
     """The mean loss of each split's fixed validation windows and the eval.tasks accuracies, logged (the losses
     unless log_losses is false) and printed."""
@@ -349,7 +350,7 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
 
 
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # a growing sequence: every length would be a new graph
+@eager  # a growing sequence: every length would be a new graph
 def sample(engine, decoder, cfg: RunConfig, tokenizer, prompt_ids: list[int]) -> str:
     """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part. The
     window is one document, as in every layout (a pipeline's stages and sequence ranks see no delimiters)."""

@@ -1,4 +1,9 @@
-"""Models as layer lists, and the two builds of a list: a plain module or a pipeline."""
+"""Models as layer lists, and the two builds of a list: a plain module or a pipeline; their blocks compiled, and
+what runs beside them eager."""
+import functools
+import sys
+
+import torch
 import torch.nn as nn
 
 from model.architecture import Architecture
@@ -11,7 +16,7 @@ from model.stack import LayerStack, layer_names, pipeline_module
 from model.tensor_parallel import SINGLE, TensorParallel
 
 __all__ = ["ARCHITECTURES", "Architecture", "ExpertParallel", "architecture", "build_model", "build_pipeline",
-           "compile_blocks", "layer_names", "model_layers"]
+           "compile_blocks", "eager", "layer_names", "model_layers"]
 
 
 def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> list:
@@ -48,3 +53,18 @@ def compile_blocks(model: nn.Module, arch: str | Architecture) -> int:
     for block in blocks:
         block.compile()
     return len(blocks)
+
+
+def eager(fn):
+    """fn with torch.compile's graphs set aside (torch.compiler.set_stance("force_eager")): what sees batches of
+    changing shapes, where a graph per shape would never pay. Entered at each call, not as set_stance's own
+    decorator, which imports dynamo with the module (2 seconds of every process's start); where dynamo was never
+    imported, nothing was compiled."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        with torch.compiler.set_stance("force_eager"):
+            return fn(*args, **kwargs)
+    return run
+

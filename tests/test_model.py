@@ -2,6 +2,8 @@
 attention under bf16 matmuls."""
 import dataclasses
 import math
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -227,3 +229,31 @@ def test_attention_stays_full_fp32_when_the_cpus_matmuls_run_in_bf16(kv_heads):
     else:  # the flash kernel over repeated keys and values, where "highest" takes the math path: fp32's rounding
         for a, b in zip(full, medium):  # (the flash kernel's matmuls in bf16 are 1e-3 off)
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_the_entry_points_import_without_dynamo():
+    """Importing train.py, the commands and the objectives leaves torch's compiler unloaded: dynamo is a second of
+    the start of every process that never compiles (a training run loads it with torch.optim's first parameter
+    group)."""
+    from harness import REPO
+
+    code = ("import sys, train, sample, preflight, scripts.export, scripts.serve, scripts.memory_plan, "
+            "training.objectives.rl, training.steps\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_eager_sets_compiled_graphs_aside():
+    from model import eager
+
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    plus_one = torch.compile(lambda x: x + 1, backend=backend)
+    assert eager(plus_one)(torch.ones(2)).tolist() == [2.0, 2.0] and graphs == []
+    assert plus_one(torch.ones(2)).tolist() == [2.0, 2.0] and len(graphs) == 1

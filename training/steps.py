@@ -2,6 +2,7 @@
 share of a batch, the gradient norm as ZeRO counts it, the check of weights nothing re-synchronizes, and what
 the repo changes in a built engine.
 training/engines.py drives the engines with them."""
+import functools
 import math
 
 import torch
@@ -53,7 +54,7 @@ class CrossEntropyWithGradient(torch.autograd.Function):
         grad = torch.empty_like(logits)
         # a number's logarithm on the host: a tensor made from it on a GPU would wait for the device
         log_divisor = divisor.float().log() if torch.is_tensor(divisor) else math.log(divisor)
-        chunk = compiled_chunk if compiled else eager_chunk
+        chunk = compiled_chunk() if compiled else eager_chunk
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for rows, row_targets, row_grad in zip(logits.split(chunk_rows), targets.split(chunk_rows),
                                                grad.split(chunk_rows)):
@@ -96,8 +97,12 @@ def fused_chunk(rows, targets, grad, log_divisor, divisor) -> torch.Tensor:
     return target.sum()
 
 
-# dynamic=False: a step's chunks come in two sizes at most (the whole ones and the rest), each compiled once
-compiled_chunk = torch.compile(fused_chunk, dynamic=False)
+@functools.cache
+def compiled_chunk():
+    """fused_chunk compiled, made at its first use: torch.compile imports dynamo, seconds that a process which never
+    compiles should not pay. dynamic=False: a step's chunks come in two sizes at most (the whole ones and the rest),
+    each compiled once."""
+    return torch.compile(fused_chunk, dynamic=False)
 
 
 def supervised_share(micro_batches: list, group, data_parallel: int) -> torch.Tensor:

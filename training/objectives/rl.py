@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from common.checks import ConfigError
 from data.token_data import IGNORE, KIND_WORDS
-from model import build_model
+from model import build_model, eager
 from model.cpu_attention import float32_matmul_precision
 from model.generate import Sampling
 from training.objectives.base import Objective
@@ -98,7 +98,7 @@ class OnlineRL(Objective):
         return self.rows
 
     @torch.no_grad()
-    @torch.compiler.set_stance("force_eager")  # growing sequences: every length would be a new graph
+    @eager  # growing sequences: every length would be a new graph
     def _sample(self, driver, prompts: list[list[int]], sampling: Sampling, group_size: int, generators) -> list:
         engine = driver.engine
         lockstep = driver.data_parallel_group if engine.zero_optimization_stage() == 3 or engine.has_moe_layers \
