@@ -93,7 +93,7 @@ class Architecture:
     tied_embeddings: str  # "always", "optional" (model.tie_embeddings) or "never": the LM head reuses the embedding
     # Rotary position tables: under document masking each token gathers its own cos and sin (the memory plan).
     rope: bool = False
-    # RMSNorm: on a CPU torch composes it of fp32 operators, which keep 8 bytes an element more than a GPU's fused
+    # RMSNorm: on a CPU torch composes it of fp32 operators, which keep 6 bytes an element more than a GPU's fused
     # kernel for the backward pass (the memory plan).
     rms_norm: bool = False
     grouped_query_attention: bool = False  # model.n_kv_head key/value heads, which tensor ranks split too

@@ -229,8 +229,8 @@ def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tile
     checkpointed = pipe.checkpoint_interval > 0
     block_input = tokens * 2 * cfg.n_embd / (tp_size if layout.tp_sequence else 1)
     per_layer = block_input if checkpointed else full_layer
-    blocks = max(sum(spec.typename is architecture(cfg).block for spec in specs[parts[s]: parts[s + 1]])
-                 for s in range(pipe.stages))
+    block = architecture(cfg).block
+    blocks = max(sum(spec.typename is block for spec in specs[parts[s]: parts[s + 1]]) for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
     activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
     entry_bytes = 6 if tp_size > 1 else 0 if compiled else 8
