@@ -165,6 +165,30 @@ def test_compiled_swiglu_keeps_one_hidden_tensor_less_as_the_plan_counts():
     assert kept == tokens * planned == tokens * 2 * SMALL.ffn_hidden
 
 
+def test_a_cpus_rmsnorm_keeps_what_the_plan_counts_beyond_a_gpus():
+    """Each of a block's two norms on a CPU keeps its fp32 input and fp32 normalized rows for the backward pass, and
+    the next matmul its 16-bit output: 10 bytes an element, where the plan counts a GPU's 16-bit input and output (4)
+    plus the CPU's difference."""
+    def saved_bytes(module, x) -> int:
+        storages = {}
+
+        def pack(t):
+            if t.shape == x.shape:  # the rows, not the weights or the per-row scale
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x)
+        return sum(storages.values())
+
+    d = SMALL.n_embd
+    norm_then_matmul = torch.nn.Sequential(torch.nn.RMSNorm(d), torch.nn.Linear(d, d, bias=False)).to(torch.bfloat16)
+    x = torch.randn(48, d, dtype=torch.bfloat16, requires_grad=True)
+    cpu_extra = (memory_plan.layer_activation_bytes(SMALL, device_type="cpu")
+                 - memory_plan.layer_activation_bytes(SMALL, device_type="cuda"))
+    assert not SMALL.document_masking and saved_bytes(norm_then_matmul, x) == x.numel() * (4 + cpu_extra / (2 * d))
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_parameter_balanced_stages_hold_blocks(tie):
     specs = model_layers(dataclasses.replace(SMALL, n_layer=6, tie_embeddings=tie))
