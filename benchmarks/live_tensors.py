@@ -27,6 +27,11 @@ class LiveTensors(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak, self._at_peak = self.current, []
 
+    def bytes_of(self, data_ptr: int) -> int:
+        """The bytes of the live storage at this address that the mode counts, 0 if none."""
+        held = self._live.get(data_ptr)
+        return held[1] if held is not None else 0
+
     def largest_at_peak(self, n: int = 12) -> list[tuple[int, str, tuple]]:
         """The storages live at the peak, summed by the operator and shape that made them, largest first."""
         summed = collections.Counter()

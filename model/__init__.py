@@ -29,17 +29,19 @@ def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE, ep: ExpertParall
 
 def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, partition=None,
                 tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL,
-                ep: ExpertParallel = NO_EXPERT_PARALLEL) -> nn.Module:
-    stack = LayerStack(model_layers(cfg, tp, ep), seed, checkpoint_interval, (architecture(cfg).block,), partition)
+                ep: ExpertParallel = NO_EXPERT_PARALLEL, recompute: str = "full") -> nn.Module:
+    """recompute: how the blocks checkpointed every `checkpoint_interval` recompute (model/recompute.py)."""
+    stack = LayerStack(model_layers(cfg, tp, ep), seed, checkpoint_interval, (architecture(cfg).block,), partition,
+                       recompute)
     return sequence_parallel(stack, sp, cfg.document_masking)
 
 
 def build_pipeline(cfg: ModelConfig, seed: int, topology, partition: str, loss_fn, checkpoint_interval: int = 0,
                    tp: TensorParallel = SINGLE, sp: SequenceParallel = NO_SEQUENCE_PARALLEL,
-                   ep: ExpertParallel = NO_EXPERT_PARALLEL) -> nn.Module:
+                   ep: ExpertParallel = NO_EXPERT_PARALLEL, recompute: str = "full") -> nn.Module:
     """topology: DeepSpeed's PipeModelDataParallelTopology of the run (stages x data x tensor)."""
     module = pipeline_module(model_layers(cfg, tp, ep), seed, topology, partition, loss_fn, checkpoint_interval,
-                             (architecture(cfg).block,))
+                             (architecture(cfg).block,), recompute)
     return sequence_parallel(module, sp, cfg.document_masking)
 
 

@@ -2,14 +2,15 @@
 DeepSpeed PipelineModule (pipeline stages x data parallel, ZeRO 0-1).
 
 Both builds seed torch with `seed + layer index` before building each layer and checkpoint
-activations the same way (every `interval` layers, transformer blocks only), so a seed gives the same
-weights and the same losses whatever the layout.
+activations the same way (every `interval` layers, transformer blocks only, recomputed in full or selectively:
+model/recompute.py), so a seed gives the same weights and the same losses whatever the layout.
 """
 import torch
 import torch.nn as nn
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
-from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
 from deepspeed.runtime.zero import register_external_parameter
+
+from model.recompute import checkpoint_function
 
 
 def seed_layer(seed) -> None:
@@ -29,11 +30,12 @@ class LayerStack(nn.Module):
     one build can be resumed or exported under the other."""
 
     def __init__(self, specs: list, seed: int, checkpoint_interval: int = 0, checkpointable: tuple = (),
-                 partition=None):
+                 partition=None, recompute: str = "full"):
         """checkpointable: the layer classes activation checkpointing may wrap. partition(layer), if given, is
         called on each new layer as soon as it is built (ZeRO-3's)."""
         super().__init__()
         self.checkpoint_interval = checkpoint_interval
+        self.checkpoint = checkpoint_function(recompute)
         self.checkpointable = set(checkpointable)
         self.tied_modules = nn.ModuleDict()
         self._calls = []  # (layer, forward_fn or None), one per spec, in order
@@ -79,19 +81,20 @@ class LayerStack(nn.Module):
         for start in range(0, len(self._calls), self.checkpoint_interval):
             calls = self._calls[start: start + self.checkpoint_interval]
             if self._is_checkpointable(calls):
-                # DeepSpeed's checkpoint, as PipelineModule uses: recomputes the chunk in backward. It takes
-                # tensors as arguments, so a (hidden, positions) tuple goes in spread and comes back whole.
+                # As PipelineModule calls its checkpoint: tensors as arguments, so a (hidden, positions) tuple
+                # goes in spread and comes back whole.
                 def chunk(*h, calls=calls):
                     return self._run(calls, h if len(h) > 1 else h[0])
-                x = checkpoint(chunk, *(x if isinstance(x, tuple) else (x,)))
+                x = self.checkpoint(chunk, *(x if isinstance(x, tuple) else (x,)))
             else:
                 x = self._run(calls, x)
         return x
 
 
 def pipeline_module(specs: list, seed: int, topology, partition: str, loss_fn, checkpoint_interval: int = 0,
-                    checkpointable: tuple = ()) -> PipelineModule:
+                    checkpointable: tuple = (), recompute: str = "full") -> PipelineModule:
     return PipelineModule(layers=specs, topology=topology, loss_fn=loss_fn, partition_method=partition,
                           activation_checkpoint_interval=checkpoint_interval,
+                          activation_checkpoint_func=checkpoint_function(recompute),
                           checkpointable_layers=[c.__name__ for c in checkpointable], seed_layers=True, base_seed=seed,
                           seed_fn=seed_layer)

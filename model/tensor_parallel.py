@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.documents import hidden_and_positions, with_positions
+from model.recompute import recomputed
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,10 @@ class RowParallelLinear(nn.Module):
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = from_row_split(F.linear(x, self.weight), self.tp)
+        # Its matmul's output is a partial sum of the whole sequence's width, the reduction's is its sum (whole, or
+        # a slice of the sequence): selective recomputation keeps neither and runs both again.
+        with recomputed():
+            y = from_row_split(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
 

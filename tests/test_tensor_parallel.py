@@ -153,14 +153,16 @@ CONFIGS = {"gpt": "quickstart.yaml", "llama": "llama_quickstart.yaml", "encoder"
 FAST = ["model.n_layer=2", "train.max_steps=4", "train.save_interval=2", "optim.warmup_steps=2", "optim.lr=3e-3",
         "ds.train_micro_batch_size_per_gpu=2", "sample.max_new_tokens=8", *FP32]
 # name: (arch, processes, ds_config, overrides); ZeRO 0-3 spread over the layouts; "_seq": Megatron's sequence
-# parallelism inside the tensor groups (under ZeRO-2 and dp 2, ZeRO-3, and a pipeline).
+# parallelism inside the tensor groups (under ZeRO-2 and dp 2, ZeRO-3, and a pipeline); two recompute every block
+# selectively (model/recompute.py): in a pipeline, with the row-parallel maps' sums, and with the sequence split.
 SEQ = "ds.tensor_sequence_parallel=true"
+SELECTIVE = ["ds.pipeline.activation_checkpoint_interval=1", "ds.pipeline.recompute=selective"]
 RUNS = {
     "gpt_tp1": ("gpt", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
     "gpt_tp2": ("gpt", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
     "gpt_tp2_dp2_seq": ("gpt", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=2",
-                                               SEQ]),
-    "gpt_pp2_tp2": ("gpt", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4"]),
+                                               SEQ, *SELECTIVE]),
+    "gpt_pp2_tp2": ("gpt", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4", *SELECTIVE]),
     "llama_tp1": ("llama", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
     "llama_tp2_seq": ("llama", 2, "tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=3",
                                                SEQ]),
@@ -193,7 +195,8 @@ def sample_of(stdout: str) -> str:
 @pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("tp1")])
 def test_layouts_train_as_one_process_does(runs, name):
     """Losses and gradient norms of tp 2, tp 2 x dp 2 and pp 2 x tp 2 (ZeRO 0-3, the fp32 ZeRO-0 pipeline among them),
-    with and without the sequence split between the tensor ranks, equal one process's to 1e-5; the replicated weights
+    with and without the sequence split between the tensor ranks, with and without selective recomputation, equal one
+    process's to 1e-5; the replicated weights
     end bitwise equal across tensor ranks, the tie across stages holds, and the sample (gathered vocabulary logits) is
     the same text."""
     arch = RUNS[name][0]

@@ -1,17 +1,19 @@
 """A layout planner: the layouts this repo can run a preset on for a number of GPUs (ZeRO stage, tensor,
-sequence and pipeline degrees, micro-batch, activation checkpointing, the optimizer offloaded to the CPU), each
-one's memory per GPU
-(training/memory_plan.py) and an estimated step time and MFU, the fastest that fits recommended. The command:
+sequence and pipeline degrees, micro-batch, recomputation of the blocks: none, selective or full, the optimizer
+offloaded to the CPU), each one's memory per GPU (training/memory_plan.py) and an estimated step time and MFU, the
+fastest that fits recommended. The command:
 `python -m scripts.memory_plan --config PRESET.yaml --gpus 64 --gpu_gb 80 --plan` (scripts/memory_plan.py).
 
 The step time is a stated model, its assumptions printed with every table and each settable:
 - compute: the step's training FLOPs (training/metrics.py flops_per_token x tokens; a third more when every
-  block's forward runs again for its backward) over the GPUs at `mfu` of `peak_tflops`;
+  block's forward runs again for its backward; under selective recomputation with tensor parallelism, the
+  attention's projection once more; the norms and activation functions it runs again move memory and are not
+  counted) over the GPUs at `mfu` of `peak_tflops`;
 - DeepSpeed's 1F1B pipeline: (stages - 1) idle micro-batch slots of a stage's work besides its accumulation steps;
 - tensor parallelism: 4 ring all-reduces a layer and micro-batch of its activations (16-bit), 2 forward and 2
-  backward, over a node's links (`intra_gbps`, GB/s a GPU); with the sequence split between the tensor ranks
-  (Megatron's sequence parallelism, chosen wherever the model allows it) all-gathers and reduce-scatters that move
-  as much;
+  backward (and the forward's again in a recomputed block: 2, or the attention's 1 under selective recomputation),
+  over a node's links (`intra_gbps`, GB/s a GPU); with the sequence split between the tensor ranks (Megatron's
+  sequence parallelism, chosen wherever the model allows it) all-gathers and reduce-scatters that move as much;
 - sequence parallelism (Ulysses): 4 all-to-alls a layer and micro-batch (q, k, v, the output) of its slice;
 - data parallelism, once a step over the data and sequence ranks: under ZeRO-1/2 an all-reduce of the fp32
   gradients (the shipped ds_configs' communication_data_type) and an all-gather of the updated 16-bit weights,
@@ -37,6 +39,7 @@ from training.moe import check_experts
 from training.topology import resolve_layout
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+RECOMPUTE = ("none", "selective", "full")  # train.py takes selective recomputation under ZeRO-1/2 only
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Candidate:
     zero: int
     micro: int
     accum: int
-    checkpointing: bool
+    recompute: str  # "none", or what a checkpointed block runs again: "full", "selective"
     ep: int = 1
     offload: bool = False
     tp_sequence: bool = False
@@ -79,14 +82,15 @@ class Candidate:
                 **({"tensor_sequence_parallel": True} if self.tp_sequence else {}),
                 "sequence_parallel_size": self.sp, "expert_parallel_size": self.ep, "bf16": {"enabled": True},
                 "pipeline": {"stages": self.pp, "partition": "parameters",
-                             "activation_checkpoint_interval": int(self.checkpointing)}}
+                             "activation_checkpoint_interval": int(self.recompute != "none"),
+                             **({"recompute": self.recompute} if self.recompute != "none" else {})}}
 
     def describe(self) -> str:
         degrees = "".join(f" x {name} {n}" for name, n in (("tp", self.tp), ("sp", self.sp), ("pp", self.pp),
                                                            ("ep", self.ep)) if n > 1)
         degrees = degrees.replace(f"tp {self.tp}", f"tp {self.tp} (sequence split)") if self.tp_sequence else degrees
         return (f"dp {self.dp}{degrees}, ZeRO-{self.zero}{' + CPU offload' if self.offload else ''}, micro "
-                f"{self.micro} x {self.accum}{', recompute' if self.checkpointing else ''}")
+                f"{self.micro} x {self.accum}{'' if self.recompute == 'none' else f', {self.recompute} recompute'}")
 
 
 def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
@@ -108,10 +112,10 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
                     for micro in MICRO_BATCHES:
                         if global_batch % (micro * dp) or global_batch // (micro * dp) < pp:
                             continue
-                        for checkpointing in (False, True):
+                        for recompute in RECOMPUTE if zero < 3 else ("none", "full"):
                             for ep in divisors(cfg.n_experts) if cfg.n_experts else (1,):
                                 yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp),
-                                                checkpointing, ep, offload, split_sequence)
+                                                recompute, ep, offload, split_sequence)
 
 
 def sequence_split_allowed(cfg, tp: int, sp: int) -> bool:
@@ -130,14 +134,17 @@ def divisors(n: int) -> list[int]:
 def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float:
     """The model's step time of candidate `c` (the module's docstring)."""
     tokens = c.micro * c.accum * c.dp * cfg.block_size
-    compute = flops_per_token(cfg) * tokens * (4 / 3 if c.checkpointing else 1)
+    compute = flops_per_token(cfg) * tokens * (4 / 3 if c.recompute == "full" else 1)
+    if c.recompute == "selective" and c.tp > 1:  # the attention's row-parallel projection, run again
+        compute += 2 * cfg.n_embd * cfg.n_embd * cfg.n_layer * tokens
     per_gpu = compute / (c.dp * c.tp * c.sp * c.pp) / (a.peak_tflops * 1e12 * a.mfu)
     per_gpu *= (c.accum + c.pp - 1) / c.accum  # 1F1B's bubble
     layers = cfg.n_layer / c.pp
     slice_bytes = 2 * c.micro * cfg.block_size / c.sp * cfg.n_embd  # a micro-batch's activations on a rank, 16-bit
     comm = 0.0
-    if c.tp > 1:
-        comm += c.accum * layers * 4 * 2 * (c.tp - 1) / c.tp * slice_bytes / (a.intra_gbps * 1e9)
+    if c.tp > 1:  # a recomputed block runs its forward's collectives again: both, or selectively the attention's
+        collectives = {"none": 4, "selective": 5, "full": 6}[c.recompute]
+        comm += c.accum * layers * collectives * 2 * (c.tp - 1) / c.tp * slice_bytes / (a.intra_gbps * 1e9)
     if c.sp > 1:
         inside = c.tp * c.sp <= gpus_per_node
         comm += c.accum * layers * 4 * (c.sp - 1) / c.sp * slice_bytes / (

@@ -6,7 +6,8 @@ stays between steps, and the gradients the backward pass leaves for the step, wh
 the total is the states and the larger of the two. Activations use Megatron-LM's count
 (Korthikanti et al. 2022) with flash attention, so no sequence-squared term: per layer and token,
 18 x d_model + 4 x ffn bytes in 16-bit (Llama: less for grouped-query k and v, 8 x ffn for SwiGLU;
-2 x d_model when the layer is checkpointed), of which 2 x d_model are the two residual dropout masks
+2 x d_model when the layer is checkpointed, and its matmuls' and attention's outputs under selective
+recomputation: selective_layer_bytes), of which 2 x d_model are the two residual dropout masks
 (1 byte an element; none without dropout), plus the logits: 16-bit logits and their gradient (4 bytes per
 vocabulary entry and token) and the loss's fp32 chunk of LOSS_CHUNK_ROWS tokens (activation_bytes; none under
 train.compile, whose kernels read the 16-bit logits).
@@ -130,6 +131,21 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
     return whole + document_masking_bytes(cfg, device_type) + split / tp_size
 
 
+def selective_layer_bytes(cfg, tp_size: int = 1, sequence_split: bool = False) -> float:
+    """Bytes a block keeps per token under selective recomputation (model/recompute.py) besides its input: the
+    outputs of its matmuls and attention, on every device alike (what it recomputes, the norms, RoPE, dropout and
+    the document mask among them, it does not keep). q, k and v; attention's output and each head's fp32 log-sum-exp;
+    the MLP's hidden matmul outputs (SwiGLU: two); split by the tensor ranks. The outputs of the attention's and the
+    MLP's projections (2 d each) on one rank; under tensor parallelism they are not kept.
+    A mixture-of-experts block is counted as it is unchecked (layer_activation_bytes), a bound from above."""
+    arch = architecture(cfg)
+    if cfg.n_experts:
+        return layer_activation_bytes(cfg, tp_size, 1, sequence_split) - 2 * cfg.n_embd
+    hidden = 2 * (arch.mlp_matrices - 1) * arch.mlp_hidden(cfg)
+    split = 2 * cfg.n_embd + 4 * cfg.kv_heads * cfg.head_dim + 2 * cfg.n_embd + 4 * cfg.n_head + hidden
+    return split / tp_size + (4 * cfg.n_embd if tp_size == 1 else 0)
+
+
 def repeated_ties(specs: list) -> list[int]:
     """Indexes of TiedLayerSpecs that reuse an earlier layer's weights (the GPT's LM head)."""
     seen, repeats = set(), []
@@ -226,13 +242,15 @@ def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tile
     kernels make one rank's loss straight from the 16-bit logits) and ZeRO's buckets."""
     tokens = layout.micro_batch * cfg.block_size // sp_size
     full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence, device_type, compiled)
-    checkpointed = pipe.checkpoint_interval > 0
+    kept = 0  # what a checkpointed block keeps beside its input; in the backward pass, it makes the rest again
+    if pipe.checkpoint_interval and pipe.recompute == "selective":
+        kept = tokens * selective_layer_bytes(cfg, tp_size, layout.tp_sequence)
     block_input = tokens * 2 * cfg.n_embd / (tp_size if layout.tp_sequence else 1)
-    per_layer = block_input if checkpointed else full_layer
+    per_layer = block_input + kept if pipe.checkpoint_interval else full_layer
     block = architecture(cfg).block
     blocks = max(sum(spec.typename is block for spec in specs[parts[s]: parts[s + 1]]) for s in range(pipe.stages))
     in_flight = min(pipe.stages, layout.grad_accum) if pipe.stages > 1 else 1
-    activations = in_flight * blocks * per_layer + (full_layer if checkpointed else 0)
+    activations = in_flight * blocks * per_layer + (full_layer - kept if pipe.checkpoint_interval else 0)
     entry_bytes = 6 if tp_size > 1 else 0 if compiled else 8
     loss_chunk = entry_bytes * min(tokens, LOSS_CHUNK_ROWS) * cfg.padded_vocab_size / tp_size
     return activations + 4 * tokens * cfg.padded_vocab_size / tp_size + max(loss_chunk, buckets)

@@ -151,8 +151,9 @@ def deepspeed_batch(layout: Layout) -> dict:
 
 # The ds_config's "pipeline" section. DeepSpeed parses it (any keys, no checks) but builds nothing from
 # it; train.py passes these to PipelineModule. Keys outside this set are typos.
-PIPELINE_KEYS = {"stages", "partition", "activation_checkpoint_interval", "seed_layers", "pipe_partitioned",
-                 "grad_partitioned"}
+RECOMPUTE = ("full", "selective")  # pipeline.recompute: model/recompute.py
+PIPELINE_KEYS = {"stages", "partition", "activation_checkpoint_interval", "recompute", "seed_layers",
+                 "pipe_partitioned", "grad_partitioned"}
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class Pipeline:
     stages: int = 1
     partition: str = "parameters"  # PipelineModule's partition_method: parameters, uniform or type:<regex>
     checkpoint_interval: int = 0  # activation checkpointing every N layers (blocks only); 0 = off
+    recompute: str = "full"  # what a checkpointed block runs again: all of it, or all but its matmuls (selective)
 
 
 def pipeline_settings(ds: dict) -> Pipeline:
@@ -170,6 +172,13 @@ def pipeline_settings(ds: dict) -> Pipeline:
                           f"{sorted(PIPELINE_KEYS)}")
     stages = section.get("stages", 1)  # numbers checked with the ds_config's others (training/ds_config.py DS_NUMBERS)
     interval = section.get("activation_checkpoint_interval", 0)
+    recompute = section.get("recompute", "full")
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"pipeline.recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)} (what a "
+                          f"checkpointed block runs again in the backward pass); fix: set ds.pipeline.recompute to one")
+    if recompute == "selective" and not interval:
+        raise ConfigError("pipeline.recompute=selective recomputes checkpointed blocks, and none is: fix: set "
+                          "ds.pipeline.activation_checkpoint_interval=1 (every block) beside it")
     partition = section.get("partition", "parameters")
     if partition == "best":  # DeepSpeed's placeholder default; not a PipelineModule method
         partition = "parameters"
@@ -178,7 +187,7 @@ def pipeline_settings(ds: dict) -> Pipeline:
         raise ConfigError(f"ZeRO stage {zero} cannot be combined with pipeline parallelism (pipeline.stages="
                           f"{stages}): DeepSpeed shards gradients across the pipeline engine's micro-batches only "
                           f"with ZeRO 0/1. Use ds_configs/pipe2.json or pipe4.json (ZeRO-1), or set pipeline.stages=1")
-    return Pipeline(stages, partition, interval)
+    return Pipeline(stages, partition, interval, recompute)
 
 
 def stage_partition(specs: list, stages: int, method: str, block_class: type) -> list[int]:

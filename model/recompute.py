@@ -1,0 +1,62 @@
+"""Activation recomputation of the checkpointed blocks (the ds_config's pipeline.activation_checkpoint_interval and
+pipeline.recompute), one function for both builds: LayerStack calls it on its chunks of blocks, PipelineModule takes
+it as its activation_checkpoint_func.
+
+- "full": the block keeps only its input and runs its whole forward again in the backward pass (DeepSpeed's
+  checkpoint: about a third more FLOPs a step).
+- "selective": the block also keeps the outputs of its matmuls and its attention, and runs again only the cheap ops
+  between them (norms, RoPE, activation functions, dropout with its RNG state replayed, residual adds): torch's
+  selective checkpoint with torchtitan's op-level policy, every matmul kept (torchtitan recomputes every second
+  one). No matmul runs twice; the block keeps about half of what it keeps unchecked (training/memory_plan.py
+  counts it). Under tensor parallelism the row-parallel maps' partial sums are not kept (`recomputed`): the
+  attention's projection and its reduction run again; the MLP's does not, as the recomputation stops once it has
+  made what the block's backward pass needs.
+"""
+import contextlib
+import functools
+import threading
+
+import torch
+from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint as full_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
+
+import model.cpu_attention  # noqa: F401  registers torch.ops.megalite
+
+# The operators whose FLOPs torch's flop counter counts (matmuls, convolutions, the fused attention kernels), and
+# those it does not know: a CPU's flash attention and this repo's CPU kernel (model/cpu_attention.py).
+KEPT = frozenset(flop_registry) | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                                   torch.ops.megalite.causal_attention}
+
+
+_unkept = threading.local()  # a forward pass on another thread keeps its own
+
+
+@contextlib.contextmanager
+def recomputed():
+    """Under selective recomputation, what runs inside is run again in the backward pass, matmuls too: where
+    keeping an output would cost more memory than the block's other outputs together (a row-parallel map's partial
+    sums, whole on every tensor rank)."""
+    depth = getattr(_unkept, "depth", 0)
+    _unkept.depth = depth + 1
+    try:
+        yield
+    finally:
+        _unkept.depth = depth
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op.overloadpacket in KEPT and not getattr(_unkept, "depth", 0):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint(function, *args):
+    """function(*args) keeping its matmuls' and attention's outputs for the backward pass, recomputing the rest."""
+    return checkpoint(function, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls))
+
+
+def checkpoint_function(recompute: str):
+    """The checkpoint a chunk of blocks runs under: function(chunk_forward, *tensors) -> outputs."""
+    return selective_checkpoint if recompute == "selective" else full_checkpoint

@@ -1,0 +1,132 @@
+"""Selective recomputation (model/recompute.py, ds_config pipeline.recompute): the same losses and gradients as no
+checkpointing, no matmul run twice, the bytes the memory plan counts kept, and the settings it cannot run with
+refused at start. Under tensor parallelism and ZeRO-3 and in a pipeline: tests/test_tensor_parallel.py's runs."""
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.live_tensors import LiveTensors
+from common.checks import ConfigError
+from model import build_model
+from model.config import ModelConfig
+from model.tensor_parallel import SINGLE, TensorParallel
+from training import memory_plan
+from training.config import RunConfig
+from training.startup import check_recompute
+from training.steps import lm_loss
+from training.topology import pipeline_settings
+
+SHAPES = {"gpt": ModelConfig(n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=65),
+          "llama": ModelConfig(arch="llama", n_layer=3, n_head=4, n_kv_head=2, n_embd=64, block_size=32,
+                               vocab_size=65),
+          "encoder": ModelConfig(arch="encoder", n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=65)}
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+RECOMPUTE = {"none": (0, "full"), "full": (1, "full"), "selective": (1, "selective")}  # (interval, recompute)
+
+
+class MatmulCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def step(cfg: ModelConfig, mode: str, tp: TensorParallel = SINGLE) -> tuple[float, dict, int]:
+    """One forward and backward pass: the loss, the gradients, and how many matmuls ran."""
+    interval, recompute = RECOMPUTE[mode]
+    model = build_model(cfg, seed=1, checkpoint_interval=interval, recompute=recompute, tp=tp)
+    idx = torch.randint(0, 65, (2, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(5)  # the dropout masks
+    with MatmulCount() as count:
+        loss = lm_loss(model(idx[:, :-1]), idx[:, 1:], tp=tp)
+        loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, count.calls
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_selective_recomputation_trains_the_same_bits_and_runs_no_matmul_twice(arch):
+    """With dropout (the recomputed masks are the forward's), in fp32: the loss and every gradient equal to the bit
+    those of no checkpointing; full recomputation runs each block's forward matmuls again, selective none."""
+    cfg = dataclasses.replace(SHAPES[arch], dropout=0.1)
+    (loss, grads, matmuls), (full_loss, _, full_matmuls), (selective_loss, selective_grads, selective_matmuls) = (
+        step(cfg, mode) for mode in ("none", "full", "selective"))
+    assert selective_loss == full_loss == loss
+    assert all(torch.equal(selective_grads[name], grad) for name, grad in grads.items())
+    assert selective_matmuls == matmuls < full_matmuls
+
+
+def test_under_tensor_parallelism_the_attentions_projection_runs_again():
+    """The row-parallel maps' outputs are partial sums of the whole width, not kept: the attention's projection runs
+    again, the MLP's not (no backward in the block needs what it makes, and torch's recomputation stops before it),
+    the others not (the shapes of tensor rank 0 of 2, with no group: the sums are left out)."""
+    cfg, half = SHAPES["llama"], TensorParallel(2, 0, None)
+    matmuls = {mode: step(cfg, mode, half)[2] for mode in RECOMPUTE}
+    assert matmuls["selective"] == matmuls["none"] + cfg.n_layer < matmuls["full"]
+
+
+def kept_per_block(cfg: ModelConfig, mode: str, tp: TensorParallel = SINGLE) -> float:
+    """Bytes per token that one more block keeps from the forward pass to the backward pass (its output, the next
+    block's input, among them): the storages live after the forward pass, but the weights', at 3 and at 2 blocks."""
+    kept = []
+    for n_layer in (2, 3):
+        interval, recompute = RECOMPUTE[mode]
+        model = build_model(dataclasses.replace(cfg, n_layer=n_layer), seed=1, checkpoint_interval=interval,
+                            recompute=recompute, tp=tp).to(torch.bfloat16)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        with LiveTensors() as live:
+            out = model(torch.zeros(2, cfg.block_size, dtype=torch.long))
+            kept.append(live.current - sum(live.bytes_of(ptr) for ptr in weights) - out.untyped_storage().nbytes())
+    return (kept[1] - kept[0]) / (2 * cfg.block_size)
+
+
+@pytest.mark.parametrize("arch,tp_size", [("gpt", 1), ("llama", 1), ("encoder", 1), ("gpt", 2), ("llama", 2)])
+def test_a_selectively_recomputed_block_keeps_what_the_plan_counts(arch, tp_size):
+    """Beside its input, its matmuls' and attention's outputs (and the attention's log-sum-exp), at tp 2 those of
+    tensor rank 0 but the row-parallel maps': in bf16 on the CPU, the plan's count to the byte; at most 3/4 of what
+    the block keeps unchecked."""
+    cfg, tp = SHAPES[arch], TensorParallel(tp_size, 0, None)
+    selective = kept_per_block(cfg, "selective", tp) - kept_per_block(cfg, "full", tp)
+    assert selective == memory_plan.selective_layer_bytes(cfg, tp_size)
+    assert selective < 0.75 * memory_plan.layer_activation_bytes(cfg, tp_size)
+
+
+def test_the_plan_counts_selective_recomputation_between_none_and_full():
+    """A ZeRO-1 Llama at micro-batch 2: checkpointed blocks keep their inputs (full) and their kept outputs
+    (selective); the block the backward pass recomputes holds what its recomputation makes."""
+    cfg, tokens = SHAPES["llama"], 2 * 32
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    planned = {mode: memory_plan.plan(cfg, {**ds, "pipeline": {"activation_checkpoint_interval": interval,
+                                                               "recompute": recompute}}, 1)["activations"]
+               for mode, (interval, recompute) in RECOMPUTE.items()}
+    layer, kept, block_input = (tokens * memory_plan.layer_activation_bytes(cfg),
+                                tokens * memory_plan.selective_layer_bytes(cfg), tokens * 2 * cfg.n_embd)
+    assert planned["none"] - planned["full"] == 3 * layer - (3 * block_input + layer)
+    assert planned["selective"] - planned["full"] == 3 * kept - kept
+
+
+@pytest.mark.parametrize("section, run, zero, message", [
+    ({"recompute": "some"}, {}, 1, "pipeline.recompute='some': must be one of full, selective (what a checkpointed block "
+                                "runs again in the backward pass); fix: set ds.pipeline.recompute to one"),
+    ({"recompute": "selective"}, {}, 1, "pipeline.recompute=selective recomputes checkpointed blocks, and none is: fix: "
+                                     "set ds.pipeline.activation_checkpoint_interval=1 (every block) beside it"),
+    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"compile": True}, 1,
+     "pipeline.recompute=selective cannot wrap compiled blocks (train.compile=true): set train.compile=false, or "
+     "ds.pipeline.recompute=full"),
+    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"mlp_tiles": 2}, 1,
+     "pipeline.recompute=selective would keep the MLP's matmul outputs that train.mlp_tiles=2 exists to drop: set "
+     "train.mlp_tiles=1, or ds.pipeline.recompute=full"),
+    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {}, 3,
+     "pipeline.recompute=selective cannot run under ZeRO-3, whose weight gathers differ in the recomputation: set "
+     "ds.zero_optimization.stage to 1 or 2, or ds.pipeline.recompute=full"),
+])
+def test_what_selective_recomputation_cannot_run_with_is_refused(section, run, zero, message):
+    cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **run))
+    with pytest.raises(ConfigError) as refused:
+        check_recompute(pipeline_settings({"pipeline": section}), cfg, zero)
+    assert str(refused.value) == message
