@@ -386,6 +386,19 @@ def test_the_memory_plan_is_within_5_percent_of_the_measured_peak(tmp_path, char
                      "docs/performance.md, 'The memory plan on a GPU'")
 
 
+@pytest.mark.parametrize("device", [CUDA])
+def test_selective_recomputation_is_planned_within_5_percent_of_the_measured_peak(tmp_path, char_data, device):
+    """Llama-124M with every block recomputed selectively, under ZeRO-1 and 2 (on a CPU the block's count is checked
+    to the byte: tests/test_recompute.py)."""
+    stages = "ds_configs/zero1.json,ds_configs/zero2.json"
+    probe(device, "memory", tmp_path / "memory.json", "configs/llama_124m.yaml", stages, f"data.dir={char_data}",
+          "data.tokenizer=char", "model.vocab_size=50000", "ds.pipeline.activation_checkpoint_interval=1",
+          "ds.pipeline.recompute=selective")
+    results = json.loads((tmp_path / "memory.json").read_text())["results"]
+    off = {name: r["plan"] / r["measured"] - 1 for name, r in results.items()}
+    assert len(off) == 2 and all(abs(x) <= 0.05 for x in off.values()), off
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_metrics_hold_reserved_memory_and_each_intervals_peak(runs, device):
     """On a GPU each log interval's peak is its own (the peaks are reset): the spike of the second is gone from the
