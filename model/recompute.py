@@ -13,12 +13,16 @@ it as its activation_checkpoint_func.
   made what the block's backward pass needs.
 """
 import contextlib
-import functools
 import threading
 
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint as full_checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from torch.utils.flop_counter import flop_registry
 
 import model.cpu_attention  # noqa: F401  registers torch.ops.megalite
@@ -45,16 +49,38 @@ def recomputed():
         _unkept.depth = depth
 
 
+def _kept_kind(op) -> bool:
+    return getattr(op, "overloadpacket", op) in KEPT  # a higher-order operator (FlexAttention) is its own packet
+
+
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op.overloadpacket in KEPT and not getattr(_unkept, "depth", 0):
+    if _kept_kind(op) and not getattr(_unkept, "depth", 0):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _MatchKeptOperators(_CachedTorchDispatchMode):
+    """torch's mode for the recomputation, which hands each operator the policy kept its output from the forward
+    pass, in order, but matching only the kinds the policy keeps. torch's own matches every operator, and stops where
+    the recomputation runs one the forward pass did not: ZeRO-3's gathers and releases of the weights run others in
+    the backward pass ("aten.empty.memory_format encountered during backward but not found in storage"). The policy
+    recomputes every other operator anyway. (A subclass of torch's private class: where torch changes it,
+    tests/test_recompute.py and the ZeRO-3 run of tests/test_tensor_parallel.py fail.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _kept_kind(func):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def _contexts():
+    caching, cached = create_selective_checkpoint_contexts(_keep_matmuls)
+    return caching, _MatchKeptOperators(None, cached.storage)
+
+
 def selective_checkpoint(function, *args):
     """function(*args) keeping its matmuls' and attention's outputs for the backward pass, recomputing the rest."""
-    return checkpoint(function, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls))
+    return checkpoint(function, *args, use_reentrant=False, context_fn=_contexts)
 
 
 def checkpoint_function(recompute: str):

@@ -1,6 +1,6 @@
 """Selective recomputation (model/recompute.py, ds_config pipeline.recompute): the same losses and gradients as no
 checkpointing, no matmul run twice, the bytes the memory plan counts kept, and the settings it cannot run with
-refused at start. Under tensor parallelism and ZeRO-3 and in a pipeline: tests/test_tensor_parallel.py's runs."""
+refused at start. Under tensor parallelism, ZeRO-2 and 3 and in a pipeline: tests/test_tensor_parallel.py's runs."""
 import dataclasses
 
 import pytest
@@ -109,24 +109,21 @@ def test_the_plan_counts_selective_recomputation_between_none_and_full():
     assert planned["selective"] - planned["full"] == 3 * kept - kept
 
 
-@pytest.mark.parametrize("section, run, zero, message", [
-    ({"recompute": "some"}, {}, 1, "pipeline.recompute='some': must be one of full, selective (what a checkpointed block "
+@pytest.mark.parametrize("section, run, message", [
+    ({"recompute": "some"}, {}, "pipeline.recompute='some': must be one of full, selective (what a checkpointed block "
                                 "runs again in the backward pass); fix: set ds.pipeline.recompute to one"),
-    ({"recompute": "selective"}, {}, 1, "pipeline.recompute=selective recomputes checkpointed blocks, and none is: fix: "
+    ({"recompute": "selective"}, {}, "pipeline.recompute=selective recomputes checkpointed blocks, and none is: fix: "
                                      "set ds.pipeline.activation_checkpoint_interval=1 (every block) beside it"),
-    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"compile": True}, 1,
+    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"compile": True},
      "pipeline.recompute=selective cannot wrap compiled blocks (train.compile=true): set train.compile=false, or "
      "ds.pipeline.recompute=full"),
-    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"mlp_tiles": 2}, 1,
+    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"mlp_tiles": 2},
      "pipeline.recompute=selective would keep the MLP's matmul outputs that train.mlp_tiles=2 exists to drop: set "
      "train.mlp_tiles=1, or ds.pipeline.recompute=full"),
-    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {}, 3,
-     "pipeline.recompute=selective cannot run under ZeRO-3, whose weight gathers differ in the recomputation: set "
-     "ds.zero_optimization.stage to 1 or 2, or ds.pipeline.recompute=full"),
 ])
-def test_what_selective_recomputation_cannot_run_with_is_refused(section, run, zero, message):
+def test_what_selective_recomputation_cannot_run_with_is_refused(section, run, message):
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **run))
     with pytest.raises(ConfigError) as refused:
-        check_recompute(pipeline_settings({"pipeline": section}), cfg, zero)
+        check_recompute(pipeline_settings({"pipeline": section}), cfg)
     assert str(refused.value) == message

@@ -153,8 +153,9 @@ CONFIGS = {"gpt": "quickstart.yaml", "llama": "llama_quickstart.yaml", "encoder"
 FAST = ["model.n_layer=2", "train.max_steps=4", "train.save_interval=2", "optim.warmup_steps=2", "optim.lr=3e-3",
         "ds.train_micro_batch_size_per_gpu=2", "sample.max_new_tokens=8", *FP32]
 # name: (arch, processes, ds_config, overrides); ZeRO 0-3 spread over the layouts; "_seq": Megatron's sequence
-# parallelism inside the tensor groups (under ZeRO-2 and dp 2, ZeRO-3, and a pipeline); two recompute every block
-# selectively (model/recompute.py): in a pipeline, with the row-parallel maps' sums, and with the sequence split.
+# parallelism inside the tensor groups (under ZeRO-2 and dp 2, ZeRO-3, and a pipeline); three recompute every block
+# selectively (model/recompute.py): in a pipeline with the row-parallel maps' sums, with the sequence split, and
+# under ZeRO-3's weight gathers.
 SEQ = "ds.tensor_sequence_parallel=true"
 SELECTIVE = ["ds.pipeline.activation_checkpoint_interval=1", "ds.pipeline.recompute=selective"]
 RUNS = {
@@ -165,7 +166,7 @@ RUNS = {
     "gpt_pp2_tp2": ("gpt", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4", *SELECTIVE]),
     "llama_tp1": ("llama", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
     "llama_tp2_seq": ("llama", 2, "tp2.json", ["ds.gradient_accumulation_steps=4", "ds.zero_optimization.stage=3",
-                                               SEQ]),
+                                               SEQ, *SELECTIVE]),
     "llama_tp2_dp2": ("llama", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=0"]),
     "llama_pp2_tp2_seq": ("llama", 4, "pipe2_tp2.json", ["ds.gradient_accumulation_steps=4",
                                                          "ds.zero_optimization.stage=0", SEQ]),

@@ -39,7 +39,7 @@ from training.moe import check_experts
 from training.topology import resolve_layout
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
-RECOMPUTE = ("none", "selective", "full")  # train.py takes selective recomputation under ZeRO-1/2 only
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
                     for micro in MICRO_BATCHES:
                         if global_batch % (micro * dp) or global_batch // (micro * dp) < pp:
                             continue
-                        for recompute in RECOMPUTE if zero < 3 else ("none", "full"):
+                        for recompute in RECOMPUTE:
                             for ep in divisors(cfg.n_experts) if cfg.n_experts else (1,):
                                 yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp),
                                                 recompute, ep, offload, split_sequence)

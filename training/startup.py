@@ -78,7 +78,7 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     if cfg.train.compile and (pipe.stages > 1 or sp_size > 1):
         raise ConfigError("train.compile=true works on the plain module without sequence parallelism only: use a "
                           "ds_config without pipeline stages or sequence_parallel_size, or set train.compile=false")
-    check_recompute(pipe, cfg, zero_stage(ds))
+    check_recompute(pipe, cfg)
     layout = resolve_layout(ds, world_size, pipe.stages, tp_size, sp_size, expert_parallel_size(ds))
     check_experts(cfg.model, layout, zero_stage(ds), dtype == torch.float16,
                   cfg.train.compile, cfg.train.mlp_tiles)
@@ -97,17 +97,12 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
                           onednn_matmuls(ds, device, cfg.model.n_embd))
 
 
-def check_recompute(pipe: Pipeline, cfg: RunConfig, zero: int) -> None:
-    """Selective recomputation keeps the matmuls' outputs (model/recompute.py), and torch's selective checkpoint
-    needs the recomputation to run the forward's operators again in their order: ZeRO-3's gathers and releases of
-    the weights do not ("aten.empty.memory_format encountered during backward but not found in storage"), nor does
-    a compiled block ("Tensor cached during selective activation checkpoint has been mutated"). In MLP tiles it
-    would keep what tiling drops."""
+def check_recompute(pipe: Pipeline, cfg: RunConfig) -> None:
+    """Selective recomputation keeps the matmuls' outputs (model/recompute.py): torch's selective checkpoint
+    around a compiled block stops in the backward pass ("Tensor cached during selective activation checkpoint has
+    been mutated"), and in MLP tiles it would keep what tiling drops."""
     if pipe.recompute != "selective":
         return
-    if zero == 3:
-        raise ConfigError("pipeline.recompute=selective cannot run under ZeRO-3, whose weight gathers differ in the "
-                          "recomputation: set ds.zero_optimization.stage to 1 or 2, or ds.pipeline.recompute=full")
     if cfg.train.compile:
         raise ConfigError("pipeline.recompute=selective cannot wrap compiled blocks (train.compile=true): set "
                           "train.compile=false, or ds.pipeline.recompute=full")
