@@ -18,7 +18,7 @@ from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.config import REPO_ROOT, load_run_config, split_overrides
 from training.ds_config import load_ds_config
 from training.layout_planner import Assumptions, plan_layouts
-from training.memory_plan import GB, fits, plan
+from training.memory_plan import ALLOWANCE, GB, fits, plan
 
 
 def main(argv=None) -> None:
@@ -93,17 +93,25 @@ def print_plan(cfg, args) -> None:
     rows = plan_layouts(cfg, gpus, args.gpus_per_node, global_batch, assumptions)
     fitting = [r for r in rows if r["fits"]]
     print(f"{gpus} GPUs ({args.gpus_per_node} a node), {global_batch} windows a step; {assumptions.describe()}; "
-          f"{len(fitting)} of {len(rows)} layouts fit\n")
-    print("| layout | memory / GPU | host memory / node | fits | step s | MFU |\n|---|---|---|---|---|---|")
+          f"{len(fitting)} of {len(rows)} layouts fit, each GPU's plan within {1 - ALLOWANCE:.0%} of it "
+          f"({ALLOWANCE * args.gpu_gb:.1f} GB left to the allocator's fragmentation, communication buffers and the "
+          f"CUDA context)\n")
+    print(f"| layout | {' | '.join(PARTS)} | memory / GPU | host memory / node | fits | step s | MFU |\n"
+          f"|---|{'---|' * len(PARTS)}---|---|---|---|---|")
     for r in rows[:args.top]:
         host = f"{r['host'] / GB:.0f} GB" if r["host"] else ""
-        print(f"| {r['layout'].describe()} | {r['memory'] / GB:.1f} GB | {host} | {'yes' if r['fits'] else 'no'} | "
-              f"{r['seconds']:.2f} | {r['mfu']:.1%} |")
+        parts = " | ".join(f"{r['parts'][part] / GB:.1f} GB" for part in PARTS)
+        print(f"| {r['layout'].describe()} | {parts} | {r['memory'] / GB:.1f} GB | {host} | "
+              f"{'yes' if r['fits'] else 'no'} | {r['seconds']:.2f} | {r['mfu']:.1%} |")
     if not fitting:
         raise ConfigError(f"no layout fits {args.gpu_gb:g} GB GPUs: add GPUs or lower --global_batch")
     best = fitting[0]["layout"]
     print(f"\nrecommended: {best.describe()}: ds_config " + ", ".join(
         f"{k}={v}" for k, v in flat(best.ds_config()).items()))
+
+
+# The plan's parts (training/memory_plan.py parts_of): they add up to the memory per GPU.
+PARTS = ("weights", "gradients", "optimizer", "buffers", "activations")
 
 
 def flat(ds: dict, prefix: str = "") -> dict:

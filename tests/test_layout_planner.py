@@ -49,6 +49,8 @@ def test_each_row_is_the_memory_plan_of_its_ds_config():
     assert len(rows) == len(list(candidates(QUICK, 8, 8, 64)))
     for row in rows:
         assert row["memory"] == plan(QUICK, row["layout"].ds_config(), 8)["total"]
+        assert sum(row["parts"].values()) == pytest.approx(row["memory"], rel=1e-12)
+        assert min(row["parts"].values()) >= 0
     assert [r["seconds"] for r in rows if r["fits"]] == sorted(r["seconds"] for r in rows if r["fits"])
 
 
@@ -124,6 +126,10 @@ def test_the_command_recommends_a_layout_or_says_none_fits():
     proc = run_tool("scripts.memory_plan", argv, {}, 120)
     assert proc.returncode == 0, proc.stderr
     assert "8 GPUs (8 a node), 64 windows a step; assumed: 79.1 GB a GPU, 989 TFLOP/s peak at 45% MFU" in proc.stdout
+    assert ("each GPU's plan within 90% of it (7.9 GB left to the allocator's fragmentation, communication buffers "
+            "and the CUDA context)") in proc.stdout
+    assert ("| layout | weights | gradients | optimizer | buffers | activations | memory / GPU | host memory / node | "
+            "fits | step s | MFU |") in proc.stdout
     assert "\nrecommended: dp " in proc.stdout and "tensor_model_parallel_size=" in proc.stdout
     proc = run_tool("scripts.memory_plan", [*argv, "--gpu_gb", "0.001"], {}, 120)
     assert proc.returncode == 2

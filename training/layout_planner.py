@@ -183,7 +183,7 @@ def plan_layouts(cfg, gpus: int, gpus_per_node: int, global_batch: int, a: Assum
             continue
         seconds = step_seconds(cfg, c, gpus_per_node, a)
         host = planned["cpu"] / (c.dp * c.sp) * gpus_per_node  # DeepSpeed's figure is a data group's
-        rows.append({"layout": c, "memory": planned["total"], "host": host,
+        rows.append({"layout": c, "memory": planned["total"], "parts": planned["parts"], "host": host,
                      "fits": fits(planned["total"], a.gpu_gb) and fits(host, a.host_gb), "seconds": seconds,
                      "mfu": useful / (gpus * a.peak_tflops * 1e12 * seconds)})
     if not rows:

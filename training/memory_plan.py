@@ -36,6 +36,9 @@ Allocator fragmentation and the CUDA context come on top. At ZeRO-0 to 2 the pla
 of live tensors (tests/test_gpu.py); under ZeRO-3 a GPU's peak runs above this count of the activations
 (docs/performance.md, "The memory plan on a GPU").
 """
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.pipe import TiedLayerSpec
@@ -58,10 +61,14 @@ from training.topology import (
 GB = 2**30
 
 
+# Of a GPU's memory, what the plan leaves to what it does not count: the allocator's fragmentation, the
+# communication library's buffers, the CUDA context.
+ALLOWANCE = 0.10
+
+
 def fits(total_bytes: float, gpu_gb: float) -> bool:
-    """Whether a plan's figure fits a GPU of `gpu_gb`: within 90% of it, what the plan leaves out (the allocator's
-    fragmentation, communication buffers, the CUDA context) taking the rest."""
-    return total_bytes < 0.9 * gpu_gb * GB
+    """Whether a plan's figure fits a GPU of `gpu_gb` beside the ALLOWANCE."""
+    return total_bytes < (1 - ALLOWANCE) * gpu_gb * GB
 
 
 def layer_params(cfg, tp_size: int = 1, ep_size: int = 1, experts: bool | None = None) -> list[int]:
@@ -183,27 +190,51 @@ def gradient_buckets(ds: dict, stage: int) -> int:
     return elements * (grad_accum_bytes(ds) if stage == 1 else 2) * (2 if zero.get("overlap_comm") else 1)
 
 
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes a GPU keeps between steps (weights, gradients, optimizer: master weights and moments, and ZeRO-3's
+    gradient bucket, allocated whole at start); what the backward pass and the optimizer step add once the
+    activations are gone (`step`: the 16-bit gradients, the step's fp32 copy of them); the gradient bucket ZeRO-1/2
+    allocate for each backward pass beside the activations; and host bytes under offload."""
+    weights: float
+    gradients: float = 0
+    optimizer: float = 0
+    bucket: float = 0
+    step: float = 0
+    backward_bucket: float = 0
+    cpu: float = 0
+
+    @property
+    def kept(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.bucket
+
+
 def model_states(params: float, stage: int, dp: int, ds: dict, offload: bool, pipelined: bool,
-                 largest_layer: int) -> tuple[float, float, float, float]:
-    """Bytes a GPU keeps between steps for `params` parameters; what the backward pass and the optimizer step add
-    to them once the activations are gone (the 16-bit gradients, the step's fp32 copy of them); what ZeRO
-    allocates for the backward pass beside the activations; and host bytes under offload."""
+                 largest_layer: int) -> ModelStates:
+    """The states of `params` parameters on one GPU, ZeRO partitioning over `dp` ranks."""
     if bf16_optimizer(ds, stage, offload, pipelined):  # 16-bit weights, gradient accumulators; partitioned states
-        return (2 + grad_accum_bytes(ds)) * params + 12 * params / dp, 2 * params, 0, 0
+        return ModelStates(2 * params, grad_accum_bytes(ds) * params, 12 * params / dp, step=2 * params)
     if pipelined:  # fp16 under the pipeline engine: ZeRO-0/1 within each stage's data-parallel group
-        return 4 * params + 16 * params / (dp if stage == 1 else 1), 0, 0, 0
+        shards = dp if stage == 1 else 1
+        return ModelStates(2 * params, 2 * params + 4 * params / shards, 12 * params / shards)
     if stage == 0:  # DeepSpeed's FP16_Optimizer: 16-bit gradients after the backward pass, fp32 ones in the step
-        return 14 * params, 6 * params, 0, 0
+        return ModelStates(2 * params, 0, 12 * params, step=6 * params)
     if stage == 1:
-        return 4 * params + 16 * params / dp, 0, gradient_buckets(ds, 1), 0
+        return ModelStates(2 * params, 2 * params + 4 * params / dp, 12 * params / dp,
+                           backward_bucket=gradient_buckets(ds, 1))
     if stage == 2 and not offload:  # the gradients' partitions exist from the backward pass to the step
-        return 2 * params + 12 * params / dp, 6 * params / dp, gradient_buckets(ds, 2), 0
+        return ModelStates(2 * params, 0, 12 * params / dp, step=6 * params / dp,
+                           backward_bucket=gradient_buckets(ds, 2))
     if stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=dp, cpu_offload=True)
-        return gpu, 0, gradient_buckets(ds, 2), cpu
-    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=dp,
-                                                        cpu_offload=offload, cpu_offload_params=False)
-    return gpu + gradient_buckets(ds, 3), 0, 0, cpu if offload else 0
+        return ModelStates(gpu, backward_bucket=gradient_buckets(ds, 2), cpu=cpu)
+    cpu, gpu, gathered = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=dp,
+                                                               cpu_offload=offload, cpu_offload_params=False)
+    if offload:  # a partition of the 16-bit weights and the largest layer gathered
+        return ModelStates(gpu, bucket=gradient_buckets(ds, 3), cpu=cpu)
+    # DeepSpeed's 18 bytes a parameter over the ranks: 16-bit weights, fp32 gradients, master weights and moments
+    return ModelStates(2 * params / dp + gathered, (gpu - gathered) - 14 * params / dp, 12 * params / dp,
+                       bucket=gradient_buckets(ds, 3))
 
 
 def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda", compiled: bool = False) -> dict:
@@ -221,25 +252,38 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda"
     dp = layout.data_axis  # ZeRO partitions over the data-parallel replicas and their sequence ranks
     held = max(sum(counts[parts[s]: parts[s + 1]]) for s in range(pipe.stages)) if pipe.stages > 1 else total
     local = total / dp if stage == 3 and pipe.stages == 1 else held
-    states, gradients, buckets, cpu = model_states(held, stage, dp, ds, offload, pipe.stages > 1, max(counts))
+    states = model_states(held, stage, dp, ds, offload, pipe.stages > 1, max(counts))
     if cfg.n_experts and ep_size > 1 and 1 <= stage <= 2 and pipe.stages == 1:
-        # The experts' fp32 states are partitioned over their dp / ep copies, not over dp.
-        experts = sum(layer_params(cfg, tp_size, ep_size, experts=True))
-        states += 16 * experts * (1 / (dp // ep_size) - 1 / dp)
-    activations = activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, buckets,
-                                   device_type, compiled)
+        # The experts' fp32 gradients and optimizer states are partitioned over their dp / ep copies, not over dp.
+        more = sum(layer_params(cfg, tp_size, ep_size, experts=True)) * (1 / (dp // ep_size) - 1 / dp)
+        states = dataclasses.replace(states, gradients=states.gradients + 4 * more,
+                                     optimizer=states.optimizer + 12 * more)
+    activations, loss_chunk = activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles,
+                                               device_type, compiled)
+    backward = activations + max(loss_chunk, states.backward_bucket)
     return {"layout": layout.describe().split(";")[0], "zero": f"{stage}{' + CPU offload' if offload else ''}",
-            "params_per_gpu": local, "states": states, "gradients": gradients, "activations": activations,
-            "total": states + max(activations, gradients), "cpu": cpu, "micro": layout.micro_batch}
+            "params_per_gpu": local, "states": states.kept, "gradients": states.step, "activations": backward,
+            "total": states.kept + max(backward, states.step), "cpu": states.cpu, "micro": layout.micro_batch,
+            "parts": parts_of(states, activations + loss_chunk, backward)}
 
 
-def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, buckets, device_type,
-                     compiled) -> float:
+def parts_of(states: ModelStates, activations: float, backward: float) -> dict:
+    """The plan's total in parts that add up to it: weights, gradients and optimizer states kept between steps;
+    the gradient buckets (ZeRO-3's, and ZeRO-1/2's as far as it outgrows the loss's chunk it comes after); and the
+    activations with the loss, or where larger the gradients the optimizer step makes."""
+    peak_in_backward = backward >= states.step
+    return {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
+            "buffers": states.bucket + (backward - activations if peak_in_backward else 0),
+            "activations": activations if peak_in_backward else states.step}
+
+
+def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, device_type,
+                     compiled) -> tuple[float, float]:
     """The forward pass's peak: each block's saved tensors for the micro-batches in flight, the logits and their
-    gradient, and the larger of the loss's fp32 chunk (torch's log-softmax converts the chunk to fp32 and writes
-    its fp32 result: 8 bytes an entry; 6 over a vocabulary split by tensor ranks, whose loss shifts and
-    exponentiates one fp32 copy in place, and returns an fp32 gradient cast to 16 bits; none where inductor's
-    kernels make one rank's loss straight from the 16-bit logits) and ZeRO's buckets."""
+    gradient; and apart, the loss's fp32 chunk (torch's log-softmax converts the chunk to fp32 and writes its fp32
+    result: 8 bytes an entry; 6 over a vocabulary split by tensor ranks, whose loss shifts and exponentiates one
+    fp32 copy in place, and returns an fp32 gradient cast to 16 bits; none where inductor's kernels make one rank's
+    loss straight from the 16-bit logits), which ZeRO-1/2's bucket comes after."""
     tokens = layout.micro_batch * cfg.block_size // sp_size
     full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence, device_type, compiled)
     kept = 0  # what a checkpointed block keeps beside its input; in the backward pass, it makes the rest again
@@ -253,7 +297,7 @@ def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tile
     activations = in_flight * blocks * per_layer + (full_layer - kept if pipe.checkpoint_interval else 0)
     entry_bytes = 6 if tp_size > 1 else 0 if compiled else 8
     loss_chunk = entry_bytes * min(tokens, LOSS_CHUNK_ROWS) * cfg.padded_vocab_size / tp_size
-    return activations + 4 * tokens * cfg.padded_vocab_size / tp_size + max(loss_chunk, buckets)
+    return activations + 4 * tokens * cfg.padded_vocab_size / tp_size, loss_chunk
 
 
 if __name__ == "__main__":
