@@ -8,7 +8,7 @@ parameters per rank, counted on the meta device."""
 from common.checks import ConfigError
 from training.config import RunConfig
 from training.layout_planner import Assumptions, plan_layouts
-from training.memory_plan import GB, fits, layer_params, plan, repeated_ties, stages_of
+from training.memory_plan import ALLOWANCE, GB, fits, layer_params, plan, repeated_ties, stages_of
 from training.moe import check_experts, expert_parallel_size
 from training.topology import (
     group_lists,
@@ -55,20 +55,19 @@ def dry_run(cfg: RunConfig, ds: dict, world: int, gpus_per_node: int, gpu_gb: fl
 
 
 def memory_check(cfg: RunConfig, ds: dict, layout, gpus_per_node: int, gpu_gb: float) -> str:
-    """The memory plan's figure for the layout against `gpu_gb` GPUs (at most 90% of them, as the plan's table
-    counts a fit); where it does not fit, ConfigError naming the layout the planner would choose for the same
-    batch. The plan counts what the model keeps and leaves the allocator's own out: it refuses too little, never
+    """The memory plan's figure for the layout against `gpu_gb` GPUs (training/memory_plan.py fits); where it does
+    not fit, ConfigError naming the layout the planner would choose for the same batch. The plan counts what the model keeps and leaves the allocator's own out: it refuses too little, never
     too much."""
     needed = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles, compiled=cfg.train.compile)["total"]
     if fits(needed, gpu_gb):
-        return f"memory: {needed / GB:.1f} GB a GPU by the memory plan, within 90% of {gpu_gb:g} GB"
+        return f"memory: {needed / GB:.1f} GB a GPU by the memory plan, within {1 - ALLOWANCE:.0%} of {gpu_gb:g} GB"
     fitting = [r for r in plan_layouts(cfg.model, layout.world_size, gpus_per_node, layout.global_batch,
                                        Assumptions(gpu_gb=gpu_gb)) if r["fits"]]
     choice = (f"the planner would choose {fitting[0]['layout'].describe()} (python -m scripts.memory_plan --plan "
               f"--gpus {layout.world_size} --global_batch {layout.global_batch})" if fitting else
               "no layout of this batch fits them: add GPUs or lower the batch")
-    raise ConfigError(f"this layout needs {needed / GB:.1f} GB a GPU by the memory plan, over 90% of {gpu_gb:g} GB; "
-                      f"{choice}")
+    raise ConfigError(f"this layout needs {needed / GB:.1f} GB a GPU by the memory plan, over {1 - ALLOWANCE:.0%} of "
+                      f"{gpu_gb:g} GB; {choice}")
 
 
 def expert_group_lists(world: int, stages: int, ep: int) -> tuple[list, list]:
