@@ -131,7 +131,7 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
         # the ds.* overrides of the command line apply to each ds_config alike
         ds = load_ds_config(path, [o[3:] for o in overrides if o.startswith("ds.")])
         engine_settings = effective_ds_config(ds, cfg, 1, device)
-        predicted = plan(planned_model, ds, 1, device_type=device.type)
+        predicted = plan(planned_model, ds, 1, cfg.train.mlp_tiles, device.type, cfg.train.compile)
         release(device)
         baseline = memory.current() if device.type == "cuda" else 0
         with LiveTensors() as live:

@@ -10,6 +10,7 @@ from model.architecture import Architecture
 from model.config import ModelConfig
 from model.moe import NO_EXPERT_PARALLEL, ExpertParallel, expert_parallel
 from model.parallelize import check_tensor_parallel, parallelize
+from model.recompute import recompute_selectively
 from model.registry import ARCHITECTURES, architecture
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, sequence_parallel
 from model.stack import LayerStack, layer_names, pipeline_module
@@ -45,14 +46,17 @@ def build_pipeline(cfg: ModelConfig, seed: int, topology, partition: str, loss_f
     return sequence_parallel(module, sp, cfg.document_masking)
 
 
-def compile_blocks(model: nn.Module, arch: str | Architecture) -> int:
+def compile_blocks(model: nn.Module, arch: str | Architecture, selective: bool = False) -> int:
     """torch.compile each transformer block in place (torchtitan's way): the blocks share their code, so
     one graph is compiled and reused by all, in far less time than the whole model as one graph, and what
-    wraps the blocks (DeepSpeed's engine, activation checkpointing) stays eager. Returns the blocks compiled.
+    wraps the blocks (DeepSpeed's engine, full activation checkpointing) stays eager. `selective`: each block
+    recomputed selectively inside its graph (model/recompute.py). Returns the blocks compiled.
     arch: the Architecture, or its model.arch name."""
     block = (ARCHITECTURES[arch] if isinstance(arch, str) else arch).block
     blocks = [m for m in model.modules() if type(m) is block]
     for block in blocks:
+        if selective:
+            recompute_selectively(block)
         block.compile()
     return len(blocks)
 

@@ -83,6 +83,17 @@ def selective_checkpoint(function, *args):
     return checkpoint(function, *args, use_reentrant=False, context_fn=_contexts)
 
 
+def recompute_selectively(block: torch.nn.Module) -> None:
+    """Swap in a forward that checkpoints the block's own, selectively: compiled, the checkpoint is inside the
+    block's graph (torchtitan's order), whose partitioner keeps what the policy keeps; torch's selective checkpoint
+    cannot wrap a compiled block from outside (it finds the outputs it kept changed)."""
+    forward = block.forward
+
+    def checkpointed(inputs):
+        return selective_checkpoint(forward, inputs)
+    block.forward = checkpointed
+
+
 def checkpoint_function(recompute: str):
     """The checkpoint a chunk of blocks runs under: function(chunk_forward, *tensors) -> outputs."""
     return selective_checkpoint if recompute == "selective" else full_checkpoint

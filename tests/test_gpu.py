@@ -388,8 +388,9 @@ def test_the_memory_plan_is_within_5_percent_of_the_measured_peak(tmp_path, char
 
 @pytest.mark.parametrize("device", [CUDA])
 def test_selective_recomputation_is_planned_within_5_percent_of_the_measured_peak(tmp_path, char_data, device):
-    """Llama-124M with every block recomputed selectively, under ZeRO-1 and 2 (on a CPU the block's count is checked
-    to the byte: tests/test_recompute.py)."""
+    """Llama-124M with every block recomputed selectively, under ZeRO-1 and 2 (on a CPU the block's count is
+    checked to the byte, eager and compiled: tests/test_recompute.py). Eager: under the probe's live-tensor count (a
+    dispatch mode) a CPU step ran train.compile's loss eagerly."""
     stages = "ds_configs/zero1.json,ds_configs/zero2.json"
     probe(device, "memory", tmp_path / "memory.json", "configs/llama_124m.yaml", stages, f"data.dir={char_data}",
           "data.tokenizer=char", "model.vocab_size=50000", "ds.pipeline.activation_checkpoint_interval=1",

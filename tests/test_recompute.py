@@ -11,6 +11,8 @@ from benchmarks.live_tensors import LiveTensors
 from common.checks import ConfigError
 from model import build_model
 from model.config import ModelConfig
+from model.llama import LlamaBlock
+from model.recompute import recompute_selectively
 from model.tensor_parallel import SINGLE, TensorParallel
 from training import memory_plan
 from training.config import RunConfig
@@ -114,9 +116,6 @@ def test_the_plan_counts_selective_recomputation_between_none_and_full():
                                 "runs again in the backward pass); fix: set ds.pipeline.recompute to one"),
     ({"recompute": "selective"}, {}, "pipeline.recompute=selective recomputes checkpointed blocks, and none is: fix: "
                                      "set ds.pipeline.activation_checkpoint_interval=1 (every block) beside it"),
-    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"compile": True},
-     "pipeline.recompute=selective cannot wrap compiled blocks (train.compile=true): set train.compile=false, or "
-     "ds.pipeline.recompute=full"),
     ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"mlp_tiles": 2},
      "pipeline.recompute=selective would keep the MLP's matmul outputs that train.mlp_tiles=2 exists to drop: set "
      "train.mlp_tiles=1, or ds.pipeline.recompute=full"),
@@ -127,3 +126,36 @@ def test_what_selective_recomputation_cannot_run_with_is_refused(section, run, m
     with pytest.raises(ConfigError) as refused:
         check_recompute(pipeline_settings({"pipeline": section}), cfg)
     assert str(refused.value) == message
+
+
+def test_a_compiled_block_recomputes_selectively_inside_its_graph():
+    """train.compile with selective recomputation: the checkpoint inside the block's compiled graph (torch's own
+    cannot wrap a compiled block from outside). In bf16 its output and gradients are eager's within bf16's rounding,
+    and it keeps its input and what the plan counts for a compiled block recomputed selectively, to the byte, and
+    the RoPE tables (a window's, whatever the batch)."""
+    cfg = dataclasses.replace(SHAPES["llama"], n_layer=1)
+    x = torch.randn(2, cfg.block_size, cfg.n_embd, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x.requires_grad_(True)
+    eager = LlamaBlock(cfg).to(torch.bfloat16)
+    compiled = LlamaBlock(cfg).to(torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    recompute_selectively(compiled)
+    compiled.compile()
+    saved = {}
+    weights = {p.untyped_storage().data_ptr() for p in compiled.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    tokens, rope = x.shape[0] * x.shape[1], 2 * cfg.block_size * cfg.head_dim * 2
+    planned = memory_plan.selective_layer_bytes(cfg, compiled=True)
+    assert sum(saved.values()) == tokens * (2 * cfg.n_embd + planned) + rope
+    assert planned == memory_plan.selective_layer_bytes(cfg) - 2 * cfg.n_embd
+    expected = eager(x)
+    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.02)
+    grads = torch.autograd.grad(out.float().square().sum(), [x, *compiled.parameters()])
+    for got, want in zip(grads, torch.autograd.grad(expected.float().square().sum(), [x, *eager.parameters()])):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)

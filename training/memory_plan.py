@@ -138,19 +138,20 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
     return whole + document_masking_bytes(cfg, device_type) + split / tp_size
 
 
-def selective_layer_bytes(cfg, tp_size: int = 1, sequence_split: bool = False) -> float:
+def selective_layer_bytes(cfg, tp_size: int = 1, sequence_split: bool = False, compiled: bool = False) -> float:
     """Bytes a block keeps per token under selective recomputation (model/recompute.py) besides its input: the
     outputs of its matmuls and attention, on every device alike (what it recomputes, the norms, RoPE, dropout and
     the document mask among them, it does not keep). q, k and v; attention's output and each head's fp32 log-sum-exp;
     the MLP's hidden matmul outputs (SwiGLU: two); split by the tensor ranks. The outputs of the attention's and the
-    MLP's projections (2 d each) on one rank; under tensor parallelism they are not kept.
+    MLP's projections (2 d each) on one rank, compiled (train.compile) the attention's alone: inductor's partitioner
+    leaves out the MLP's, which no backward needs; under tensor parallelism neither is kept.
     A mixture-of-experts block is counted as it is unchecked (layer_activation_bytes), a bound from above."""
     arch = architecture(cfg)
     if cfg.n_experts:
         return layer_activation_bytes(cfg, tp_size, 1, sequence_split) - 2 * cfg.n_embd
     hidden = 2 * (arch.mlp_matrices - 1) * arch.mlp_hidden(cfg)
     split = 2 * cfg.n_embd + 4 * cfg.kv_heads * cfg.head_dim + 2 * cfg.n_embd + 4 * cfg.n_head + hidden
-    return split / tp_size + (4 * cfg.n_embd if tp_size == 1 else 0)
+    return split / tp_size + ((2 if compiled else 4) * cfg.n_embd if tp_size == 1 else 0)
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -288,7 +289,7 @@ def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tile
     full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence, device_type, compiled)
     kept = 0  # what a checkpointed block keeps beside its input; in the backward pass, it makes the rest again
     if pipe.checkpoint_interval and pipe.recompute == "selective":
-        kept = tokens * selective_layer_bytes(cfg, tp_size, layout.tp_sequence)
+        kept = tokens * selective_layer_bytes(cfg, tp_size, layout.tp_sequence, compiled)
     block_input = tokens * 2 * cfg.n_embd / (tp_size if layout.tp_sequence else 1)
     per_layer = block_input + kept if pipe.checkpoint_interval else full_layer
     block = architecture(cfg).block

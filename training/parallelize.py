@@ -4,7 +4,7 @@
    plan, model/parallelize.py), and a mixture-of-experts block builds this rank's experts only (model/moe.py),
    in DeepSpeed's expert groups, its router losses weighed for the accumulation steps (training/moe.py);
 2. activation checkpointing of every `checkpoint_interval` blocks, recomputed in full or selectively
-   (model/recompute.py; model/stack.py, or DeepSpeed's PipelineModule);
+   (model/recompute.py; model/stack.py, or DeepSpeed's PipelineModule; compiled, inside each block's graph);
 3. the ZeRO-3 partition: each layer partitioned as soon as it is built, so no rank ever holds the whole model;
 4. the pipeline: the layer list as a PipelineModule of the run's stages, the plain module otherwise;
 5. sequence parallelism: attention over the sequence ranks (DeepSpeed's Ulysses layer);
@@ -36,18 +36,20 @@ def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorP
     partitions ZeRO-3 within each slice; `sp`: its sequence ranks; `ds`: the ds_config as DeepSpeed is given
     it, whose expert-parallel degree shares out a model's experts in DeepSpeed's expert groups."""
     ep = expert_groups(expert_parallel_size(ds), pipe.stages) if cfg.model.n_experts else NO_EXPERT_PARALLEL
+    # compiled, each block recomputes selectively inside its own graph (compile_blocks), not in the stack's checkpoint
+    inside = cfg.train.compile and pipe.recompute == "selective"
+    interval = 0 if inside else pipe.checkpoint_interval
     if pipe.stages > 1:
         model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
-                               pipe.checkpoint_interval, tp, sp, ep, pipe.recompute)
+                               interval, tp, sp, ep, pipe.recompute)
     elif zero_stage(ds) == 3:
-        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval,
-                            partition=zero3_partition(ds, tp, grid), tp=tp, sp=sp, recompute=pipe.recompute)
+        model = build_model(cfg.model, cfg.train.seed, interval, partition=zero3_partition(ds, tp, grid), tp=tp,
+                            sp=sp, recompute=pipe.recompute)
     else:
-        model = build_model(cfg.model, cfg.train.seed, pipe.checkpoint_interval, tp=tp, sp=sp, ep=ep,
-                            recompute=pipe.recompute)
+        model = build_model(cfg.model, cfg.train.seed, interval, tp=tp, sp=sp, ep=ep, recompute=pipe.recompute)
     weigh_router_losses(model, cfg.model, ds.get(ACCUM, 1), sp)
     model = tile_mlps(model, cfg.train.mlp_tiles)
-    return model, compile_blocks(model, cfg.model.arch) if cfg.train.compile else 0
+    return model, compile_blocks(model, cfg.model.arch, selective=inside) if cfg.train.compile else 0
 
 
 def zero3_partition(ds: dict, tp: TensorParallel, grid):

@@ -98,14 +98,9 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
 
 
 def check_recompute(pipe: Pipeline, cfg: RunConfig) -> None:
-    """Selective recomputation keeps the matmuls' outputs (model/recompute.py): torch's selective checkpoint
-    around a compiled block stops in the backward pass ("Tensor cached during selective activation checkpoint has
-    been mutated"), and in MLP tiles it would keep what tiling drops."""
+    """Selective recomputation keeps the matmuls' outputs (model/recompute.py), which MLP tiles exist to drop."""
     if pipe.recompute != "selective":
         return
-    if cfg.train.compile:
-        raise ConfigError("pipeline.recompute=selective cannot wrap compiled blocks (train.compile=true): set "
-                          "train.compile=false, or ds.pipeline.recompute=full")
     if cfg.train.mlp_tiles > 1:
         raise ConfigError(f"pipeline.recompute=selective would keep the MLP's matmul outputs that "
                           f"train.mlp_tiles={cfg.train.mlp_tiles} exists to drop: set train.mlp_tiles=1, or "
