@@ -1,6 +1,7 @@
 """Activation recomputation of the checkpointed blocks (the ds_config's pipeline.activation_checkpoint_interval and
 pipeline.recompute), one function for both builds: LayerStack calls it on its chunks of blocks, PipelineModule takes
-it as its activation_checkpoint_func.
+it as its activation_checkpoint_func; a compiled block (train.compile) runs it inside its own graph
+(recompute_selectively).
 
 - "full": the block keeps only its input and runs its whole forward again in the backward pass (DeepSpeed's
   checkpoint: about a third more FLOPs a step).
