@@ -388,16 +388,14 @@ def test_the_memory_plan_is_within_5_percent_of_the_measured_peak(tmp_path, char
 
 @pytest.mark.parametrize("device", [CUDA])
 def test_selective_recomputation_is_planned_within_5_percent_of_the_measured_peak(tmp_path, char_data, device):
-    """Llama-124M with every block recomputed selectively, under ZeRO-1 and 2 (on a CPU the block's count is
-    checked to the byte, eager and compiled: tests/test_recompute.py). Eager: under the probe's live-tensor count (a
-    dispatch mode) a CPU step ran train.compile's loss eagerly."""
-    stages = "ds_configs/zero1.json,ds_configs/zero2.json"
-    probe(device, "memory", tmp_path / "memory.json", "configs/llama_124m.yaml", stages, f"data.dir={char_data}",
-          "data.tokenizer=char", "model.vocab_size=50000", "ds.pipeline.activation_checkpoint_interval=1",
-          "ds.pipeline.recompute=selective")
-    results = json.loads((tmp_path / "memory.json").read_text())["results"]
-    off = {name: r["plan"] / r["measured"] - 1 for name, r in results.items()}
-    assert len(off) == 2 and all(abs(x) <= 0.05 for x in off.values()), off
+    """Llama-124M with every block recomputed selectively, under ZeRO-1 (on a CPU the block's count is checked to
+    the byte, eager and compiled: tests/test_recompute.py). Eager: under the probe's live-tensor count (a dispatch
+    mode) a CPU step ran train.compile's loss eagerly."""
+    probe(device, "memory", tmp_path / "memory.json", "configs/llama_124m.yaml", "ds_configs/zero1.json",
+          f"data.dir={char_data}", "data.tokenizer=char", "model.vocab_size=50000",
+          "ds.pipeline.activation_checkpoint_interval=1", "ds.pipeline.recompute=selective")
+    result = json.loads((tmp_path / "memory.json").read_text())["results"]["zero1.json"]
+    assert abs(result["plan"] / result["measured"] - 1) <= 0.05, result
 
 
 @pytest.mark.parametrize("device", DEVICES)
