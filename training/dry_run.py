@@ -56,8 +56,8 @@ def dry_run(cfg: RunConfig, ds: dict, world: int, gpus_per_node: int, gpu_gb: fl
 
 def memory_check(cfg: RunConfig, ds: dict, layout, gpus_per_node: int, gpu_gb: float) -> str:
     """The memory plan's figure for the layout against `gpu_gb` GPUs (training/memory_plan.py fits); where it does
-    not fit, ConfigError naming the layout the planner would choose for the same batch. The plan counts what the model keeps and leaves the allocator's own out: it refuses too little, never
-    too much."""
+    not fit, ConfigError naming the layout the planner would choose for the same batch. The plan counts what the
+    model keeps and leaves the allocator's own out: it refuses too little, never too much."""
     needed = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles, compiled=cfg.train.compile)["total"]
     if fits(needed, gpu_gb):
         return f"memory: {needed / GB:.1f} GB a GPU by the memory plan, within {1 - ALLOWANCE:.0%} of {gpu_gb:g} GB"
