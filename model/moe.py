@@ -30,6 +30,7 @@ from deepspeed.moe.sharded_moe import TopKGate, top2gating, topkgating
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from model.layers import SwiGLU, init_weights
+from model.recompute import recomputed
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class BalancingGate(TopKGate):
                              gate.use_rts, None, gate.top2_2nd_expert_sampling)
         self.wg, self.balance_group = gate.wg, getattr(gate, "balance_group", None)
 
+    @recomputed()  # as DeepSpeed's own gate (MoEFeedForward)
     def forward(self, input: torch.Tensor, used_token=None, sparse_routes: bool = False, use_tutel: bool = False):
         logits = F.linear(input.float(), self.wg.weight.float())
         probs = F.softmax(logits, dim=-1)
@@ -156,6 +158,9 @@ class MoEFeedForward(nn.Module):
                        drop_tokens=not dropless, use_rts=False, top2_2nd_expert_sampling=False)
         if balancing_bias:
             self.moe.deepspeed_moe.gate = BiasedGate(self.moe.deepspeed_moe.gate)
+        else:  # under selective recomputation the routing runs again (it is small): DeepSpeed's gating divides its
+            # einsums' outputs in place, which a kept output may not be
+            self.moe.deepspeed_moe.gate.forward = recomputed()(self.moe.deepspeed_moe.gate.forward)
         self.load = torch.zeros(n_experts)  # routes per expert since the last bias update (training/moe.py)
         # One seed per global expert, drawn alike on every rank (init_experts uses them): expert e starts the
         # same at any degree.

@@ -159,3 +159,26 @@ def test_a_compiled_block_recomputes_selectively_inside_its_graph():
     grads = torch.autograd.grad(out.float().square().sum(), [x, *compiled.parameters()])
     for got, want in zip(grads, torch.autograd.grad(expected.float().square().sum(), [x, *eager.parameters()])):
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("routing", [{"experts_per_token": 2}, {"experts_per_token": 3},
+                                     {"experts_per_token": 2, "router_bias_rate": 0.01},
+                                     {"experts_per_token": 1, "n_shared_experts": 1, "capacity_factor": 1.0}],
+                         ids=["top2", "top3", "biased", "shared"])
+def test_a_mixture_of_experts_recomputed_selectively_trains_the_same_bits(routing):
+    """DeepSpeed's gating divides its einsums' outputs in place: the routing runs again rather than keep them (under
+    document masking, with dropless, capacity-limited, biased and shared-expert routing)."""
+    cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=65, n_experts=4,
+                      expert_hidden=64, document_masking=True, **routing)
+    idx = torch.randint(0, 65, (2, 33), generator=torch.Generator().manual_seed(0))
+    positions = (torch.arange(32) % 11).repeat(2, 1)
+    results = {}
+    for mode in ("none", "selective"):
+        interval, recompute = RECOMPUTE[mode]
+        model = build_model(cfg, seed=1, checkpoint_interval=interval, recompute=recompute)
+        loss = lm_loss(model((idx[:, :-1], positions)), idx[:, 1:])
+        loss.backward()
+        results[mode] = loss, [p.grad for p in model.parameters()]
+    (loss, grads), (selective_loss, selective_grads) = results["none"], results["selective"]
+    assert torch.equal(selective_loss, loss)
+    assert all(torch.equal(a, b) for a, b in zip(selective_grads, grads) if b is not None)
