@@ -10,8 +10,9 @@ it as its activation_checkpoint_func; a compiled block (train.compile) runs it i
   selective checkpoint with torchtitan's op-level policy, every matmul kept (torchtitan recomputes every second
   one). No matmul runs twice; the block keeps about half of what it keeps unchecked (training/memory_plan.py
   counts it). Under tensor parallelism the row-parallel maps' partial sums are not kept (`recomputed`): the
-  attention's projection and its reduction run again; the MLP's does not, as the recomputation stops once it has
-  made what the block's backward pass needs.
+  attention's projection and its reduction run again, and the MLP's unless torch's recomputation stops before it
+  (it stops once the block's backward pass has what it needs; where that falls depends on how the linear maps save
+  their inputs, which ZeRO-3 changes).
 """
 import contextlib
 import threading

@@ -211,7 +211,7 @@ def test_the_sweep_runs_train_py_per_row_and_holds_the_plan_beside_it(char_data,
     report = tmp_path / "sweep.json"
     proc = benchmark("sweep.py", "--config", "configs/quickstart.yaml", "--global_batch", "8", "--micro", "4", "8",
                      "--steps", "4", "--log_interval", "2", "--levers", "ds_config=ds_configs/zero0.json",
-                     "--gpu_gb", "0.001", "--work_dir", str(tmp_path / "work"), "--json", str(report),
+                     "--gpu_gb", "0.0001", "--work_dir", str(tmp_path / "work"), "--json", str(report),
                      f"data.dir={char_data}", *TINY)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(report.read_text())

@@ -62,13 +62,15 @@ def test_selective_recomputation_trains_the_same_bits_and_runs_no_matmul_twice(a
     assert selective_matmuls == matmuls < full_matmuls
 
 
-def test_under_tensor_parallelism_the_attentions_projection_runs_again():
+def test_under_tensor_parallelism_the_row_parallel_projections_run_again():
     """The row-parallel maps' outputs are partial sums of the whole width, not kept: the attention's projection runs
-    again, the MLP's not (no backward in the block needs what it makes, and torch's recomputation stops before it),
-    the others not (the shapes of tensor rank 0 of 2, with no group: the sums are left out)."""
+    again, the MLP's too unless torch's recomputation stops before it (no backward in the block needs what it makes;
+    after a ZeRO-3 engine in the same process, which swaps in its own linear function, it does not stop there); no
+    other matmul (the shapes of tensor rank 0 of 2, with no group: the sums are left out)."""
     cfg, half = SHAPES["llama"], TensorParallel(2, 0, None)
     matmuls = {mode: step(cfg, mode, half)[2] for mode in RECOMPUTE}
-    assert matmuls["selective"] == matmuls["none"] + cfg.n_layer < matmuls["full"]
+    assert matmuls["none"] + cfg.n_layer <= matmuls["selective"] <= matmuls["none"] + 2 * cfg.n_layer
+    assert matmuls["selective"] < matmuls["full"]
 
 
 def kept_per_block(cfg: ModelConfig, mode: str, tp: TensorParallel = SINGLE) -> float:

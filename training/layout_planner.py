@@ -7,13 +7,13 @@ fastest that fits recommended. The command:
 The step time is a stated model, its assumptions printed with every table and each settable:
 - compute: the step's training FLOPs (training/metrics.py flops_per_token x tokens; a third more when every
   block's forward runs again for its backward; under selective recomputation with tensor parallelism, the
-  attention's projection once more; the norms and activation functions it runs again move memory and are not
+  row-parallel projections once more; the norms and activation functions it runs again move memory and are not
   counted) over the GPUs at `mfu` of `peak_tflops`;
 - DeepSpeed's 1F1B pipeline: (stages - 1) idle micro-batch slots of a stage's work besides its accumulation steps;
 - tensor parallelism: 4 ring all-reduces a layer and micro-batch of its activations (16-bit), 2 forward and 2
-  backward (and the forward's again in a recomputed block: 2, or the attention's 1 under selective recomputation),
-  over a node's links (`intra_gbps`, GB/s a GPU); with the sequence split between the tensor ranks (Megatron's
-  sequence parallelism, chosen wherever the model allows it) all-gathers and reduce-scatters that move as much;
+  backward (and the forward's 2 again in a recomputed block), over a node's links (`intra_gbps`, GB/s a GPU);
+  with the sequence split between the tensor ranks (Megatron's sequence parallelism, chosen wherever the model
+  allows it) all-gathers and reduce-scatters that move as much;
 - sequence parallelism (Ulysses): 4 all-to-alls a layer and micro-batch (q, k, v, the output) of its slice;
 - data parallelism, once a step over the data and sequence ranks: under ZeRO-1/2 an all-reduce of the fp32
   gradients (the shipped ds_configs' communication_data_type) and an all-gather of the updated 16-bit weights,
@@ -32,6 +32,7 @@ Not enumerated: ZeRO-0 (ZeRO-1 holds less for the same traffic).
 from dataclasses import dataclass
 
 from common.checks import ConfigError
+from model import architecture
 from model.parallelize import check_sequence_split
 from training.memory_plan import fits, layer_params, plan
 from training.metrics import flops_per_token
@@ -135,15 +136,15 @@ def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float
     """The model's step time of candidate `c` (the module's docstring)."""
     tokens = c.micro * c.accum * c.dp * cfg.block_size
     compute = flops_per_token(cfg) * tokens * (4 / 3 if c.recompute == "full" else 1)
-    if c.recompute == "selective" and c.tp > 1:  # the attention's row-parallel projection, run again
-        compute += 2 * cfg.n_embd * cfg.n_embd * cfg.n_layer * tokens
+    if c.recompute == "selective" and c.tp > 1:  # the row-parallel projections, run again
+        compute += 2 * cfg.n_embd * (cfg.n_embd + architecture(cfg).mlp_hidden(cfg)) * cfg.n_layer * tokens
     per_gpu = compute / (c.dp * c.tp * c.sp * c.pp) / (a.peak_tflops * 1e12 * a.mfu)
     per_gpu *= (c.accum + c.pp - 1) / c.accum  # 1F1B's bubble
     layers = cfg.n_layer / c.pp
     slice_bytes = 2 * c.micro * cfg.block_size / c.sp * cfg.n_embd  # a micro-batch's activations on a rank, 16-bit
     comm = 0.0
-    if c.tp > 1:  # a recomputed block runs its forward's collectives again: both, or selectively the attention's
-        collectives = {"none": 4, "selective": 5, "full": 6}[c.recompute]
+    if c.tp > 1:  # a recomputed block runs its forward's two collectives again
+        collectives = 4 if c.recompute == "none" else 6
         comm += c.accum * layers * collectives * 2 * (c.tp - 1) / c.tp * slice_bytes / (a.intra_gbps * 1e9)
     if c.sp > 1:
         inside = c.tp * c.sp <= gpus_per_node
