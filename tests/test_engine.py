@@ -30,13 +30,17 @@ from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_r
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    """A one-rank gloo world, with the launcher's variables set only while this module runs."""
+    """A one-rank gloo world, with the launcher's variables set only while this module runs; and torch's own
+    F.linear back after it, which ZeRO-3's zero.Init replaces for the rest of the process (its memory-efficient
+    linear)."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
+    linear = F.linear
     with mock.patch.dict(os.environ, env):
         deepspeed.init_distributed(dist_backend="gloo")
         yield
         torch.distributed.destroy_process_group()
+    F.linear = linear
 
 
 def run_config(**sections) -> RunConfig:

@@ -121,12 +121,19 @@ def test_the_plan_counts_selective_recomputation_between_none_and_full():
     ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"mlp_tiles": 2},
      "pipeline.recompute=selective would keep the MLP's matmul outputs that train.mlp_tiles=2 exists to drop: set "
      "train.mlp_tiles=1, or ds.pipeline.recompute=full"),
+    ({"recompute": "selective", "activation_checkpoint_interval": 1}, {"linear": True},
+     "pipeline.recompute=selective cannot keep the outputs of ZeRO-3's memory-efficient linear, which adds the bias "
+     "to them in place: leave zero_optimization.memory_efficient_linear out (selective recomputation turns it off), "
+     "or set ds.pipeline.recompute=full"),
 ])
 def test_what_selective_recomputation_cannot_run_with_is_refused(section, run, message):
+    """run: train.* settings, and "linear": the ds_config's zero_optimization.memory_efficient_linear (ZeRO-3)."""
     cfg = RunConfig()
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **run))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{k: v for k, v in run.items()
+                                                                          if k != "linear"}))
+    ds = {"pipeline": section, "zero_optimization": {"stage": 3, "memory_efficient_linear": run.get("linear")}}
     with pytest.raises(ConfigError) as refused:
-        check_recompute(pipeline_settings({"pipeline": section}), cfg)
+        check_recompute(pipeline_settings(ds), cfg, ds)
     assert str(refused.value) == message
 
 

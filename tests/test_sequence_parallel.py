@@ -35,7 +35,9 @@ LAYOUTS = {  # name: (processes, ds_config, overrides)
     "one_zero1": (1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),  # DeepSpeed loads universal into ZeRO 1-3
     "sp2": (2, "zero0.json", [SP2, "ds.gradient_accumulation_steps=4"]),
     "sp2_zero1": (2, "zero1.json", [SP2, "ds.gradient_accumulation_steps=4"]),
-    "sp2_zero3": (2, "zero3.json", [SP2, "ds.gradient_accumulation_steps=4"]),
+    # with every block recomputed selectively (model/recompute.py): around Ulysses' all-to-alls and ZeRO-3's gathers
+    "sp2_zero3": (2, "zero3.json", [SP2, "ds.gradient_accumulation_steps=4",
+                                    "ds.pipeline.activation_checkpoint_interval=1", "ds.pipeline.recompute=selective"]),
     "dp2": (2, "zero1.json", ["ds.gradient_accumulation_steps=2"]),
     "sp2_dp2": (4, "zero1.json", [SP2, "ds.gradient_accumulation_steps=2"]),
     "tp2_sp2": (4, "tp2.json", [SP2, "ds.gradient_accumulation_steps=4"]),

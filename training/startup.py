@@ -78,7 +78,7 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     if cfg.train.compile and (pipe.stages > 1 or sp_size > 1):
         raise ConfigError("train.compile=true works on the plain module without sequence parallelism only: use a "
                           "ds_config without pipeline stages or sequence_parallel_size, or set train.compile=false")
-    check_recompute(pipe, cfg)
+    check_recompute(pipe, cfg, ds)
     layout = resolve_layout(ds, world_size, pipe.stages, tp_size, sp_size, expert_parallel_size(ds))
     check_experts(cfg.model, layout, zero_stage(ds), dtype == torch.float16,
                   cfg.train.compile, cfg.train.mlp_tiles)
@@ -93,14 +93,23 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
         effective["pipeline"] = {**effective.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
     if load_universal:
         effective.setdefault("checkpoint", {})["load_universal"] = True
+    if pipe.recompute == "selective" and zero_stage(ds) == 3:
+        effective["zero_optimization"]["memory_efficient_linear"] = False  # check_recompute says why
     return EngineSettings(effective, layout, pipe, dtype, precision_note,
                           onednn_matmuls(ds, device, cfg.model.n_embd))
 
 
-def check_recompute(pipe: Pipeline, cfg: RunConfig) -> None:
-    """Selective recomputation keeps the matmuls' outputs (model/recompute.py), which MLP tiles exist to drop."""
+def check_recompute(pipe: Pipeline, cfg: RunConfig, ds: dict) -> None:
+    """Selective recomputation keeps the matmuls' outputs (model/recompute.py): which MLP tiles exist to drop, and
+    to which ZeRO-3's memory-efficient linear (DeepSpeed's F.linear under ZeRO-3 by default) adds the bias in place
+    through a view torch's checkpoint does not see, so that the kept output would carry the bias twice; under
+    selective recomputation the effective ds_config turns it off."""
     if pipe.recompute != "selective":
         return
+    if zero_stage(ds) == 3 and ds["zero_optimization"].get("memory_efficient_linear") is True:
+        raise ConfigError("pipeline.recompute=selective cannot keep the outputs of ZeRO-3's memory-efficient linear, "
+                          "which adds the bias to them in place: leave zero_optimization.memory_efficient_linear "
+                          "out (selective recomputation turns it off), or set ds.pipeline.recompute=full")
     if cfg.train.mlp_tiles > 1:
         raise ConfigError(f"pipeline.recompute=selective would keep the MLP's matmul outputs that "
                           f"train.mlp_tiles={cfg.train.mlp_tiles} exists to drop: set train.mlp_tiles=1, or "
