@@ -18,7 +18,7 @@ from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.config import REPO_ROOT, load_run_config, split_overrides
 from training.ds_config import load_ds_config
 from training.layout_planner import Assumptions, plan_layouts
-from training.memory_plan import ALLOWANCE, GB, fits, plan
+from training.memory_plan import ALLOWANCE, GB, PARTS, fits, plan
 
 
 def main(argv=None) -> None:
@@ -108,10 +108,6 @@ def print_plan(cfg, args) -> None:
     best = fitting[0]["layout"]
     print(f"\nrecommended: {best.describe()}: ds_config " + ", ".join(
         f"{k}={v}" for k, v in flat(best.ds_config()).items()))
-
-
-# The plan's parts (training/memory_plan.py parts_of): they add up to the memory per GPU.
-PARTS = ("weights", "gradients", "optimizer", "buffers", "activations")
 
 
 def flat(ds: dict, prefix: str = "") -> dict:

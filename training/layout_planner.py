@@ -37,10 +37,9 @@ from model.parallelize import check_sequence_split
 from training.memory_plan import fits, layer_params, plan
 from training.metrics import flops_per_token
 from training.moe import check_experts
-from training.topology import resolve_layout
+from training.topology import RECOMPUTE, resolve_layout
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_batch: int):
                     for micro in MICRO_BATCHES:
                         if global_batch % (micro * dp) or global_batch // (micro * dp) < pp:
                             continue
-                        for recompute in RECOMPUTE:
+                        for recompute in ("none", *RECOMPUTE):
                             for ep in divisors(cfg.n_experts) if cfg.n_experts else (1,):
                                 yield Candidate(tp, sp, pp, dp, zero, micro, global_batch // (micro * dp),
                                                 recompute, ep, offload, split_sequence)

@@ -268,14 +268,17 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda"
             "parts": parts_of(states, activations + loss_chunk, backward)}
 
 
+PARTS = ("weights", "gradients", "optimizer", "buffers", "activations")  # the plan's parts, as the planner prints them
+
+
 def parts_of(states: ModelStates, activations: float, backward: float) -> dict:
     """The plan's total in parts that add up to it: weights, gradients and optimizer states kept between steps;
     the gradient buckets (ZeRO-3's, and ZeRO-1/2's as far as it outgrows the loss's chunk it comes after); and the
     activations with the loss, or where larger the gradients the optimizer step makes."""
     peak_in_backward = backward >= states.step
-    return {"weights": states.weights, "gradients": states.gradients, "optimizer": states.optimizer,
-            "buffers": states.bucket + (backward - activations if peak_in_backward else 0),
-            "activations": activations if peak_in_backward else states.step}
+    return dict(zip(PARTS, (states.weights, states.gradients, states.optimizer,
+                            states.bucket + (backward - activations if peak_in_backward else 0),
+                            activations if peak_in_backward else states.step)))
 
 
 def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tiles, device_type,
