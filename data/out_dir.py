@@ -1,5 +1,6 @@
-"""The out_dir a preparation writes, of text (data/prepare.py) or conversations (data/prepare_chat.py): the dataset
-already there, the workspace of the job's shards, each document's split, and the finished dataset, meta.json last."""
+"""The out_dir a preparation writes, of text (data/prepare.py) or JSONL records (data/jsonl_job.py): the dataset
+already there and whether it may be replaced, the workspace of the job's shards, each document's split (and its
+setting's check), and the finished dataset, meta.json last."""
 import hashlib
 import json
 import os
@@ -22,6 +23,29 @@ def earlier_dataset(out_dir: str) -> dict | None:
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def done_job(out_dir: str, job: str, force: bool, what: str) -> dict | None:
+    """The meta of out_dir's dataset when it is already this job's (`what` it holds, for the message); None where
+    the job is to run. Another job's dataset is replaced only with --force."""
+    meta = earlier_dataset(out_dir)
+    if meta is not None and meta.get("job") == job and all(os.path.exists(os.path.join(out_dir, f"{s}.bin"))
+                                                           for s in SPLITS):
+        print(f"{out_dir} already holds {what}; nothing to do")
+        return meta
+    if meta is not None and not force:
+        raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
+                         f"would replace; fix: pass --force to replace it, or another --out_dir")
+    return None
+
+
+def check_val_fraction(val_fraction: float, empty_val: bool = False) -> None:
+    """--val_fraction, before anything is read: below 1, and above 0 unless the val split may be empty (as
+    finish_dataset's `empty_val`)."""
+    if not (0 <= val_fraction < 1 if empty_val else 0 < val_fraction < 1):  # NaN included
+        least = "at least 0" if empty_val else "above 0"
+        raise InputError(f"--val_fraction {val_fraction}: must be {least} and below 1; fix: pass the share of the "
+                         f"documents held out, e.g. --val_fraction 0.01")
 
 
 def job_workspace(out_dir: str, job: str) -> str:

@@ -28,7 +28,7 @@ import urllib.request
 if __package__ in (None, ""):  # `python data/prepare.py`: import from the repo root, as `python -m` does
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from common.checks import ConfigError, ToolParser, exit_bad_input, writable_dir
-from data.out_dir import FORMAT, earlier_dataset, finish_dataset, in_val, job_workspace
+from data.out_dir import FORMAT, check_val_fraction, done_job, finish_dataset, in_val, job_workspace
 from data.readers import InputError, Piece, documents, expand_inputs, kind_of, plan_pieces
 from data.tokenizers import (
     CharTokenizer,
@@ -38,7 +38,7 @@ from data.tokenizers import (
     tokenizer_from_meta,
     train_bpe,
 )
-from data.writer import SPLITS, ShardWriter, read_done, token_dtype, write_atomic
+from data.writer import ShardWriter, read_done, token_dtype, write_atomic
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TRAIN_FRACTION = 0.9  # the single-document split
@@ -70,8 +70,7 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: 
             chunk_mb: float = 16, force: bool = False) -> dict:
     """Write the dataset of `inputs` to out_dir unless it is already there; returns its meta. A dataset of other
     inputs or options in out_dir is replaced only with `force`."""
-    if not 0 < val_fraction < 1:
-        raise InputError(f"--val_fraction {val_fraction} must be between 0 and 1 (e.g. 0.01)")
+    check_val_fraction(val_fraction)
     if workers < 1:
         raise InputError(f"--workers {workers}: must be >= 1; fix: pass the number of processes that tokenize "
                          f"(default: all cores)")
@@ -80,14 +79,9 @@ def prepare(inputs: list[str], out_dir: str, tokenizer: str = "char", text_key: 
                          f"(default: 16)")
     files = expand_inputs(inputs)
     job = _job(files, tokenizer, text_key, split_blank_lines, val_fraction, chunk_mb)
-    meta = earlier_dataset(out_dir)
-    if meta is not None and meta.get("job") == job and all(os.path.exists(os.path.join(out_dir, f"{s}.bin"))
-                                                           for s in SPLITS):
-        print(f"{out_dir} already holds these inputs with the {meta['tokenizer']} tokenizer; nothing to do")
+    meta = done_job(out_dir, job, force, "these inputs")
+    if meta is not None:
         return meta
-    if meta is not None and not force:
-        raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
-                         f"would replace; fix: pass --force to replace it, or another --out_dir")
     single = len(files) == 1 and kind_of(files[0]) == "txt" and not split_blank_lines
     kind, ready = parse_spec(tokenizer)  # an unreadable tokenizer fails here, before anything is written
     if kind == "ready" and not single and ready.delimiter is None:

@@ -14,7 +14,6 @@ in meta.json and printed. A bad record, a template that is not Jinja or fails on
 tokenizer_config.json that holds no template string end the preparation in one line (the file, the line, the fix).
 Conversations are rendered and tokenized in this one process: fine-tuning sets are small next to corpora.
 """
-import hashlib
 import json
 import os
 
@@ -28,9 +27,10 @@ from data.chat import (
     supervised_mask,
     tokenize,
 )
-from data.out_dir import earlier_dataset, finish_dataset, in_val, job_workspace
-from data.readers import InputError, expand_inputs
-from data.tokenizers import EOT, CharTokenizer, HFTokenizer, parse_spec, train_bpe
+from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
+from data.out_dir import check_val_fraction, done_job, finish_dataset, in_val, job_workspace
+from data.readers import InputError
+from data.tokenizers import EOT, CharTokenizer, HFTokenizer, parse_spec
 from data.writer import SPLITS, ShardWriter, token_dtype
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -116,43 +116,59 @@ def template_failure(e: ChatTemplateError, name: str, what: str) -> InputError:
     return InputError(f"{e.describe(template_label(name), what)}; fix: {fix}")
 
 
-def done_job(out_dir: str, job: str, force: bool, what: str) -> dict | None:
-    """The meta of out_dir's dataset when it is already this job's (`what` it holds, for the message); None where
-    the job is to run. Another job's dataset is replaced only with --force."""
-    meta = earlier_dataset(out_dir)
-    if meta is not None and meta.get("job") == job:
-        print(f"{out_dir} already holds {what}; nothing to do")
-        return meta
-    if meta is not None and not force:
-        raise InputError(f"--out_dir {out_dir} already holds a dataset, of other inputs or options, that this one "
-                         f"would replace; fix: pass --force to replace it, or another --out_dir")
-    return None
-
-
 def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", template_spec: str | None = None,
                  train_on: str = "all", context: int = 1024, overlong: str = "truncate", val_fraction: float = 0.01,
                  force: bool = False) -> dict:
     """Write the conversation dataset of `inputs` to out_dir unless it is already there; returns its meta."""
     if context < 1:
         raise InputError(f"--context {context}: must be >= 1; fix: pass the model's block_size")
-    files = expand_inputs(inputs)
-    not_jsonl = [f for f in files if not f.endswith(".jsonl")]
-    if not_jsonl:
-        raise InputError(f"input {not_jsonl[0]} is not a .jsonl file: conversations are read from JSONL records")
+    check_val_fraction(val_fraction)
+    files = jsonl_files(inputs, "conversations")
     tokenizer_kind = parse_spec(tokenizer_spec)  # a tokenizer.json that is not one ends here, before any rendering
     ready = tokenizer_kind[1] if tokenizer_kind[0] == "ready" else None
     name, source, template = load_template(template_spec, tokenizer_spec, ready)
     if not template.marks_generation:
         raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... "
                          f"{{% endgeneration %}}): add the marks around each assistant turn's content and end-of-turn")
-    stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in files]
-    fingerprint = ready.fingerprint() if ready is not None else None  # a folder's tokenizer may change in place
-    job = hashlib.sha256(json.dumps(["chat", stats, str(tokenizer_spec), fingerprint, source, train_on, context,
-                                     overlong, val_fraction]).encode()).hexdigest()
+    job = jsonl_job("chat", files, tokenizer_spec, ready, source, train_on, context, overlong, val_fraction)
     meta = done_job(out_dir, job, force, "these conversations")
     if meta is not None:
         return meta
 
+    conversations, formats, texts, lines = _read(files, template, name)
+    tok = built_tokenizer(tokenizer_kind, texts)
+    try:
+        end_of_turn = marked_end_of_turn(template, tok, conversations[0])
+    except ChatTemplateError:
+        raise
+    except ValueError as e:  # a character outside a given character vocabulary
+        raise _untokenizable(e, lines[0], tokenizer_spec) from None
+    if end_of_turn is None:
+        raise InputError(f"{template_label(name)} marks no token of the first assistant turn of {files[0]} (its "
+                         f"{{% generation %}} blocks render nothing there); fix: put the marks around each assistant "
+                         f"turn's content and end-of-turn")
+    workspace = job_workspace(out_dir, job)
+    prefix = os.path.join(workspace, "shards", "chat")
+    encoded = (_tokenized(turns, template, tok, train_on, where, tokenizer_spec)
+               for turns, where in zip(conversations, lines))
+    counts, supervised = _write(prefix, token_dtype(tok.vocab_size), encoded, texts, context, overlong, val_fraction)
+    if not any(supervised.values()):
+        raise InputError(f"none of the {len(conversations):,} conversations keeps an assistant token within "
+                         f"--context {context}; fix: pass the model's block_size as --context")
+    print(f"{len(conversations):,} conversations: {counts['truncated']:,} cut to {context + 1:,} tokens, "
+          f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
+          f"{counts['dropped_unsupervised']:,} left out with no assistant token within the context")
+    record = {"chat": {"formats": formats, "template": name, "chat_template": source, "train_on": train_on,
+                       "end_of_turn_id": end_of_turn, "end_of_turn": tok.decode([end_of_turn]),
+                       "context": context, "overlong": overlong, "conversations": len(conversations), **counts,
+                       **{f"{s}_supervised_tokens": supervised[s] for s in SPLITS}}}
+    return finish_dataset(out_dir, workspace, [prefix], tok, job, files,
+                          f"conversations by hash, val_fraction {val_fraction}", None, record)
+
+
+def _read(files: list[str], template: ChatTemplate, name: str) -> tuple[list, dict, list[str], list[str]]:
+    """Every file's conversations, each file's format (one a file), each conversation's rendered text and where it
+    was read ("file:line")."""
     conversations, formats, texts, lines = [], {}, [], []
     for path in files:
         try:
@@ -169,30 +185,26 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
             raise template_failure(e, name, f"the conversation {path}:{line}") from None
     if not conversations:
         raise InputError(f"no conversation in {', '.join(files)}: the inputs are empty")
-    tok = built_tokenizer(tokenizer_kind, texts)
+    return conversations, formats, texts, lines
+
+
+def _tokenized(turns: list[dict], template: ChatTemplate, tok, train_on: str, where: str, tokenizer_spec):
     try:
-        end_of_turn = marked_end_of_turn(template, tok, conversations[0])
+        return tokenize(turns, template, tok, train_on)
     except ChatTemplateError:
         raise
-    except ValueError as e:  # a character outside a given character vocabulary
-        raise _untokenizable(e, lines[0], tokenizer_spec) from None
-    if end_of_turn is None:
-        raise InputError(f"{template_label(name)} marks no token of the first assistant turn of {files[0]} (its "
-                         f"{{% generation %}} blocks render nothing there); fix: put the marks around each assistant "
-                         f"turn's content and end-of-turn")
+    except ValueError as e:
+        raise _untokenizable(e, where, tokenizer_spec) from None
 
-    workspace = job_workspace(out_dir, job)
-    prefix = os.path.join(workspace, "shards", "chat")
-    writer = ShardWriter(prefix, token_dtype(tok.vocab_size), masks=True)
+
+def _write(prefix: str, dtype, encoded, texts: list[str], context: int, overlong: str,
+           val_fraction: float) -> tuple[dict, dict]:
+    """Each conversation (`encoded`: its ids and loss mask), fitted to the context, into the shards at `prefix`;
+    the counts of meta.json's chat record and each split's supervised tokens."""
+    writer = ShardWriter(prefix, dtype, masks=True)
     counts = {"truncated": 0, "dropped_overlong": 0, "dropped_unsupervised": 0}
     supervised = dict.fromkeys(SPLITS, 0)
-    for turns, text, where in zip(conversations, texts, lines):
-        try:
-            ids, mask = tokenize(turns, template, tok, train_on)
-        except ChatTemplateError:
-            raise
-        except ValueError as e:
-            raise _untokenizable(e, where, tokenizer_spec) from None
+    for (ids, mask), text in zip(encoded, texts):
         if len(ids) > context + 1:
             if overlong == "drop":
                 counts["dropped_overlong"] += 1
@@ -206,18 +218,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
         writer.write(split, [ids], [mask])
         supervised[split] += sum(mask[1:])
     writer.close()
-    if not any(supervised.values()):
-        raise InputError(f"none of the {len(conversations):,} conversations keeps an assistant token within "
-                         f"--context {context}; fix: pass the model's block_size as --context")
-    print(f"{len(conversations):,} conversations: {counts['truncated']:,} cut to {context + 1:,} tokens, "
-          f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
-          f"{counts['dropped_unsupervised']:,} left out with no assistant token within the context")
-    record = {"chat": {"formats": formats, "template": name, "chat_template": source, "train_on": train_on,
-                       "end_of_turn_id": end_of_turn, "end_of_turn": tok.decode([end_of_turn]),
-                       "context": context, "overlong": overlong, "conversations": len(conversations), **counts,
-                       **{f"{s}_supervised_tokens": supervised[s] for s in SPLITS}}}
-    return finish_dataset(out_dir, workspace, [prefix], tok, job, files,
-                          f"conversations by hash, val_fraction {val_fraction}", None, record)
+    return counts, supervised
 
 
 def _untokenizable(e: ValueError, where: str, tokenizer_spec) -> InputError:
@@ -232,14 +233,3 @@ def marked_end_of_turn(template: ChatTemplate, tok, turns: list[dict], part: int
     ids, offsets = tok.encode_with_offsets(text)
     marked = [i for i, m in enumerate(supervised_mask(offsets, spans[part:][:1])) if m]
     return ids[marked[-1]] if marked else None
-
-
-def built_tokenizer(parsed: tuple, texts: list[str]):
-    """The tokenizer of --tokenizer (parse_spec's reading); char and bpe:SIZE are built from the rendered
-    conversations."""
-    kind, ready = parsed
-    if kind == "ready":
-        return ready
-    if kind == "char":
-        return CharTokenizer(sorted(set("".join(t.replace(EOT, "") for t in texts))), eot=True)
-    return train_bpe(texts, ready)

@@ -22,22 +22,20 @@ prompt loses tokens from its start, the same in both, down to one; then the answ
 --overlong drop the pair is left out. A pair left with no answer token in a sequence is left out. A pair goes to
 val when the hash of its prompt does, so all pairs of one prompt share a split; val may be empty, train may not.
 """
-import hashlib
 import json
 import os
 
 from data.chat import ChatError, ChatTemplateError
-from data.out_dir import finish_dataset, in_val, job_workspace
+from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
+from data.out_dir import check_val_fraction, done_job, finish_dataset, in_val, job_workspace
 from data.preference import read_pairs
 from data.prepare_chat import (
-    built_tokenizer,
-    done_job,
     load_template,
     marked_end_of_turn,
     template_failure,
     template_label,
 )
-from data.readers import InputError, expand_inputs
+from data.readers import InputError
 from data.tokenizers import HFTokenizer, parse_spec
 from data.writer import ShardWriter, token_dtype
 
@@ -50,12 +48,8 @@ def prepare_preference(inputs: list[str], out_dir: str, tokenizer_spec="char", t
     """Write the preference dataset of `inputs` to out_dir unless it is already there; returns its meta."""
     if context < 1:
         raise InputError(f"--context {context}: must be >= 1; fix: pass the model's block_size")
-    if not 0 <= val_fraction < 1:
-        raise InputError(f"--val_fraction {val_fraction} must be at least 0 and below 1 (e.g. 0.01)")
-    files = expand_inputs(inputs)
-    not_jsonl = [f for f in files if not f.endswith(".jsonl")]
-    if not_jsonl:
-        raise InputError(f"input {not_jsonl[0]} is not a .jsonl file: preference pairs are read from JSONL records")
+    check_val_fraction(val_fraction, empty_val=True)
+    files = jsonl_files(inputs, "preference pairs")
     tokenizer_kind = parse_spec(tokenizer_spec)
     ready = tokenizer_kind[1] if tokenizer_kind[0] == "ready" else None
     pairs, lines, formats = _read(files)
@@ -66,10 +60,7 @@ def prepare_preference(inputs: list[str], out_dir: str, tokenizer_spec="char", t
     elif template_spec is not None:
         raise InputError(f"--chat_template {template_spec}: {files[0]} holds standard text pairs, which are "
                          f"tokenized as they are, with no template; fix: leave --chat_template out")
-    stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in files]
-    fingerprint = ready.fingerprint() if ready is not None else None  # a folder's tokenizer may change in place
-    job = hashlib.sha256(json.dumps(["preference", stats, str(tokenizer_spec), fingerprint, source, context,
-                                     overlong, val_fraction]).encode()).hexdigest()
+    job = jsonl_job("preference", files, tokenizer_spec, ready, source, context, overlong, val_fraction)
     meta = done_job(out_dir, job, force, "these preference pairs")
     if meta is not None:
         return meta

@@ -12,15 +12,13 @@ holds the longest prompt, which with rl.max_new_tokens must fit the model's bloc
 the hash of its text does. For messages, meta.json's "chat" record (the template and the end-of-turn id where
 sampling stops) is what conversations carry, so the trained model exports and serves with it.
 """
-import hashlib
 import json
 import os
 
 from data.chat import ChatError, ChatTemplateError
-from data.out_dir import finish_dataset, in_val, job_workspace
+from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
+from data.out_dir import check_val_fraction, done_job, finish_dataset, in_val, job_workspace
 from data.prepare_chat import (
-    built_tokenizer,
-    done_job,
     load_template,
     marked_end_of_turn,
     template_failure,
@@ -28,7 +26,7 @@ from data.prepare_chat import (
 )
 from data.prepare_preference import text_encoder
 from data.prompts import TEXT, read_prompts
-from data.readers import InputError, expand_inputs
+from data.readers import InputError
 from data.tokenizers import parse_spec
 from data.writer import SPLITS, ShardWriter, token_dtype, write_atomic
 
@@ -41,12 +39,8 @@ def prepare_prompts(inputs: list[str], out_dir: str, tokenizer_spec="char", temp
     if context < 2:
         raise InputError(f"--context {context}: must be >= 2 (a prompt and an answer); fix: pass the model's "
                          f"block_size")
-    if not 0 <= val_fraction < 1:
-        raise InputError(f"--val_fraction {val_fraction} must be at least 0 and below 1 (e.g. 0.05)")
-    files = expand_inputs(inputs)
-    not_jsonl = [f for f in files if not f.endswith(".jsonl")]
-    if not_jsonl:
-        raise InputError(f"input {not_jsonl[0]} is not a .jsonl file: prompts are read from JSONL records")
+    check_val_fraction(val_fraction, empty_val=True)
+    files = jsonl_files(inputs, "prompts")
     tokenizer_kind = parse_spec(tokenizer_spec)
     ready = tokenizer_kind[1] if tokenizer_kind[0] == "ready" else None
     prompts, records, lines, kinds = _read(files)
@@ -57,10 +51,7 @@ def prepare_prompts(inputs: list[str], out_dir: str, tokenizer_spec="char", temp
     elif template_spec is not None:
         raise InputError(f"--chat_template {template_spec}: {files[0]} holds text prompts, which are tokenized as "
                          f"they are, with no template; fix: leave --chat_template out")
-    stats = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) for p in files]
-    fingerprint = ready.fingerprint() if ready is not None else None
-    job = hashlib.sha256(json.dumps(["prompts", stats, str(tokenizer_spec), fingerprint, source, context,
-                                     val_fraction]).encode()).hexdigest()
+    job = jsonl_job("prompts", files, tokenizer_spec, ready, source, context, val_fraction)
     meta = done_job(out_dir, job, force, "these prompts")
     if meta is not None:
         return meta

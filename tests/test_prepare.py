@@ -229,7 +229,7 @@ PREPARE_ROWS = [
     ({"--workers": "0"}, "--workers 0: must be >= 1; fix: pass the number of processes that tokenize"),
     ({"--chunk_mb": "0"}, "--chunk_mb 0.0: must be > 0"),
     ({"--chunk_mb": "-1"}, "--chunk_mb -1.0: must be > 0"),
-    ({"--val_fraction": "0"}, "--val_fraction 0.0 must be between 0 and 1"),
+    ({"--val_fraction": "0"}, "--val_fraction 0.0: must be above 0 and below 1; fix: pass the share"),
 ]
 
 

@@ -214,6 +214,9 @@ CHAT_ROWS = [
     ({"--tokenizer": "{inputs}/bad_tokenizer/tokenizer.json"}, "could not read the tokenizer file "
      "{inputs}/bad_tokenizer/tokenizer.json (Exception: EOF while parsing a value at line 1 column 28): pass a Hugging "
      "Face tokenizer.json, e.g. --tokenizer path/to/Meta-Llama-3-8B/tokenizer.json$"),
+    ({"--val_fraction": "1.5"}, "--val_fraction 1.5: must be above 0 and below 1; fix: pass the share of the "
+     "documents held out, e.g. --val_fraction 0.01$"),
+    ({"--val_fraction": "0"}, "--val_fraction 0.0: must be above 0 and below 1"),
     ({"--context": "1"}, "none of the 12 conversations keeps an assistant token within --context 1; fix: pass the "
      "model's block_size as --context$"),
     ({"--chat_template": "plain", "--tokenizer": "{inputs}/one_document"}, "the built-in template plain ends each "

@@ -223,6 +223,8 @@ ROWS = [
     ({"--input": "{inputs}/conversational.jsonl", "extra": "--input", "more": "{inputs}/standard.jsonl"},
      "{inputs}/standard.jsonl holds standard pairs, {inputs}/conversational.jsonl conversational pairs: one dataset "
      "holds text pairs or conversations, not both; fix: prepare them as two datasets$"),
+    ({"--val_fraction": "1"}, "--val_fraction 1.0: must be at least 0 and below 1; fix: pass the share of the "
+     "documents held out, e.g. --val_fraction 0.01$"),
     ({"--chat_template": "plain"}, "--chat_template plain: {inputs}/standard.jsonl holds standard text pairs, which "
      "are tokenized as they are, with no template; fix: leave --chat_template out$"),
     ({"--context": "2", "--overlong": "drop"}, "none of the 3 preference pairs keeps an answer token within --context "
