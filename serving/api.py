@@ -7,16 +7,16 @@ for its supervisor to restart)."""
 import asyncio
 import os
 import secrets
-import threading
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from common.checks import ConfigError
 from data.tokenizers import TokenizerError, delimiter_id
 from serving.errors import APIError, worker_failed
+from serving.events import Events, Mailbox
 from serving.metrics import Metrics
 from serving.replies import Reply
 from serving.requests import Asked, completion_prompts, conversation_prompt, json_body, read_request, token_ids
@@ -42,196 +42,180 @@ class Served:
 
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="megalite", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(APIError)
-    async def refused(request: Request, e: APIError):
-        served.metrics.refused.labels(status=str(e.status)).inc()
-        return e.response()
-
-    @app.exception_handler(HTTPException)
-    async def unrouted(request: Request, e: HTTPException):  # an unknown path or method: OpenAI's body, not FastAPI's
-        what = "no such path" if e.status_code == 404 else e.detail
-        return await refused(request, APIError(e.status_code, f"{request.method} {request.url.path}: {what} (the API "
-                                                              f"is under /v1)", code="not_found"))
-
-    @app.middleware("http")
-    async def key(request: Request, call_next):
-        if served.api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {served.api_key}".encode()):
-                return await refused(request, APIError(401, "a missing or wrong API key: send it as "
-                                                            "'Authorization: Bearer KEY'", code="invalid_api_key"))
-        return await call_next(request)
-
-    @app.get("/")
-    async def page():
-        return FileResponse(PAGE, media_type="text/html")
-
-    @app.get("/health")
-    async def health():
-        failure = served.scheduler.failure
-        return JSONResponse({"status": "failed", "error": failure} if failure else {"status": "ok"},
-                            status_code=503 if failure else 200)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(served.metrics.text(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                            "owned_by": "megalite", "max_model_len": served.block_size}]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = json_body(await request.body())
-        prompts, stop_ids = completion_prompts(body, served.tokenizer)
-        return await respond(request, body, prompts, stop_ids, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = json_body(await request.body())
-        ids, stop_ids = conversation_prompt(body, served.meta, served.tokenizer)
-        return await respond(request, body, [ids], stop_ids, chat=True)
-
-    @app.post("/v1/load_weights")
-    async def load_weights(request: Request):
-        """New weights of the same architecture and shape, from an export or a run's checkpoint: the requests
-        running now finish on the old ones, every later one starts on the new ones."""
-        body = json_body(await request.body())
-        scheduler = served.scheduler
-        try:  # read on the model's thread too: a second thread doing torch work slows every step (scheduler.py)
-            state, source, step = await asyncio.wrap_future(scheduler.between_steps(
-                lambda: served.weights.read(body.get("path"), body.get("tag"))))
-            await asyncio.wrap_future(scheduler.pause_for(lambda: served.weights.swap(state)))
-        except (ConfigError, TokenizerError) as e:
-            raise APIError(400, str(e), "path") from None
-        except SchedulerFailed as e:
-            raise worker_failed(str(e)) from None
-        return {"status": "ok", "path": source, "step": step}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        """vLLM's: the ids of a prompt or of a conversation's prompt, which a client fits to the context (the chat
-        page keeps a conversation's newest turns that leave room for an answer)."""
-        body = json_body(await request.body())
-        check_model(body)
-        if "messages" in body:
-            ids, _ = conversation_prompt(body, served.meta, served.tokenizer)
-        else:
-            ids = completion_prompts(body, served.tokenizer)[0][0]
-        return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        """vLLM's: the text of token ids."""
-        body = json_body(await request.body())
-        check_model(body)
-        ids = token_ids(body.get("tokens"), served.tokenizer, "tokens")
-        return {"prompt": served.tokenizer.decode(ids)}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        """vLLM's: what a client that tokenizes through this server needs (lm-evaluation-harness's remote
-        tokenizer, which its local-completions model picks when this answers)."""
-        eos = delimiter_id(served.tokenizer)
-        text = None if eos is None else served.tokenizer.decode([eos])
-        try:
-            if text is not None and served.tokenizer.encode(text) != [eos]:
-                text = None  # a text that does not encode back to the id would name other tokens
-        except ValueError:  # a char tokenizer's end of text has no text of its own
-            text = None
-        return {"tokenizer_class": type(served.tokenizer).__name__, "eos_token": text, "bos_token": None,
-                "pad_token": None, "chat_template": served.meta.get("chat", {}).get("chat_template"),
-                "model_max_length": served.block_size}
-
-    def check_model(body: dict) -> None:
-        if body.get("model", served.name) != served.name:
-            raise APIError(404, f"the model {body['model']!r} is not served here: {served.name!r} is (GET /v1/models)",
-                           "model", code="model_not_found")
-
-    async def respond(request: Request, body: dict, prompts: list[list[int]], stop_ids: tuple, chat: bool):
-        check_model(body)
-        asked = read_request(body, prompts, stop_ids, served.tokenizer, served.block_size, chat)
-        sequences = submit(asked)
-        reply = Reply(served, chat, asked, sequences, body.get("stream_options") or {})
-        if body.get("stream"):
-            # The status goes out with the first byte: a request still waiting for a slot when the worker fails is
-            # answered 500, one already streaming gets OpenAI's error event.
-            kind, value = await sequences[0].events.peek()
-            if kind == "failed":
-                raise worker_failed(value)
-            return StreamingResponse(reply.stream(), media_type="text/event-stream")
-        try:
-            return JSONResponse(await reply.whole(request))
-        finally:
-            for sequence in sequences:
-                served.scheduler.cancel(sequence)
-
-    def submit(asked: Asked) -> list[Sequence]:
-        """A sequence for each of the request's choices, all queued or none."""
-        sequences = []
-        if served.mailbox is None or served.mailbox.loop is not asyncio.get_running_loop():
-            served.mailbox = Mailbox(asyncio.get_running_loop())
-        scored = asked.logprobs if asked.echo and asked.logprobs is not None else None
-        try:
-            for ids in asked.prompts:
-                for i in range(asked.n):
-                    sequence = Sequence(ids, asked.sampling, None if asked.seed is None else asked.seed + i,
-                                        asked.logprobs, scored)
-                    sequence.events = Events(served.mailbox)
-                    sequences.append(served.scheduler.submit(sequence))
-        except (QueueFull, SchedulerFailed) as e:
-            for sequence in sequences:
-                served.scheduler.cancel(sequence)
-            if isinstance(e, SchedulerFailed):
-                raise worker_failed(str(e)) from None
-            raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
-                           kind="rate_limit_error") from None
-        return sequences
-
+    app.state.served = served
+    app.add_exception_handler(APIError, refused)
+    app.add_exception_handler(HTTPException, unrouted)
+    app.middleware("http")(require_key)
+    app.include_router(routes)
     return app
 
 
-class Mailbox:
-    """Events put on the scheduler's thread, handed to the event loop in one wake-up for all those put before it
-    runs, not one a token: each wake-up of the loop's thread takes a core from the model's OpenMP threads (16 bf16
-    streams at the Llama-124M shape on 2 cores: 169.5 tokens/s with a wake-up an event, 219 with this; 233-238 with
-    no HTTP at all)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.lock, self.pending, self.scheduled = loop, threading.Lock(), [], False
-
-    def put(self, queue: asyncio.Queue, event) -> None:
-        with self.lock:
-            self.pending.append((queue, event))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self.lock:
-            pending, self.pending, self.scheduled = self.pending, [], False
-        for queue, event in pending:
-            queue.put_nowait(event)
+def served_by(request: Request) -> Served:
+    return request.app.state.served
 
 
-class Events:
-    """A sequence's events, put by the scheduler's thread through the loop's mailbox, awaited on the loop."""
+async def refused(request: Request, e: APIError):
+    served_by(request).metrics.refused.labels(status=str(e.status)).inc()
+    return e.response()
 
-    def __init__(self, mailbox: Mailbox):
-        self.mailbox, self.queue, self.next = mailbox, asyncio.Queue(), None
 
-    def put(self, event) -> None:
-        self.mailbox.put(self.queue, event)
+async def unrouted(request: Request, e: HTTPException):
+    """An unknown path or method: OpenAI's body, not FastAPI's."""
+    what = "no such path" if e.status_code == 404 else e.detail
+    return await refused(request, APIError(e.status_code, f"{request.method} {request.url.path}: {what} (the API is "
+                                                          f"under /v1)", code="not_found"))
 
-    async def peek(self):
-        """The next event, left for get()."""
-        if self.next is None:
-            self.next = await self.queue.get()
-        return self.next
 
-    async def get(self):
-        event, self.next = self.next or await self.queue.get(), None
-        return event
+async def require_key(request: Request, call_next):
+    api_key = served_by(request).api_key
+    if api_key and request.url.path not in OPEN_PATHS:
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return await refused(request, APIError(401, "a missing or wrong API key: send it as 'Authorization: "
+                                                        "Bearer KEY'", code="invalid_api_key"))
+    return await call_next(request)
+
+
+routes = APIRouter()
+
+
+@routes.get("/")
+async def page():
+    return FileResponse(PAGE, media_type="text/html")
+
+
+@routes.get("/health")
+async def health(request: Request):
+    failure = served_by(request).scheduler.failure
+    return JSONResponse({"status": "failed", "error": failure} if failure else {"status": "ok"},
+                        status_code=503 if failure else 200)
+
+
+@routes.get("/metrics")
+async def metrics(request: Request):
+    return Response(served_by(request).metrics.text(), media_type="text/plain; version=0.0.4")
+
+
+@routes.get("/v1/models")
+async def models(request: Request):
+    served = served_by(request)
+    return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "megalite",
+                                        "max_model_len": served.block_size}]}
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request):
+    served, body = served_by(request), json_body(await request.body())
+    prompts, stop_ids = completion_prompts(body, served.tokenizer)
+    return await respond(served, request, body, prompts, stop_ids, chat=False)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    served, body = served_by(request), json_body(await request.body())
+    ids, stop_ids = conversation_prompt(body, served.meta, served.tokenizer)
+    return await respond(served, request, body, [ids], stop_ids, chat=True)
+
+
+@routes.post("/v1/load_weights")
+async def load_weights(request: Request):
+    """New weights of the same architecture and shape, from an export or a run's checkpoint: the requests running
+    now finish on the old ones, every later one starts on the new ones."""
+    served, body = served_by(request), json_body(await request.body())
+    scheduler = served.scheduler
+    try:  # read on the model's thread too: a second thread doing torch work slows every step (scheduler.py)
+        state, source, step = await asyncio.wrap_future(scheduler.between_steps(
+            lambda: served.weights.read(body.get("path"), body.get("tag"))))
+        await asyncio.wrap_future(scheduler.pause_for(lambda: served.weights.swap(state)))
+    except (ConfigError, TokenizerError) as e:
+        raise APIError(400, str(e), "path") from None
+    except SchedulerFailed as e:
+        raise worker_failed(str(e)) from None
+    return {"status": "ok", "path": source, "step": step}
+
+
+@routes.post("/tokenize")
+async def tokenize(request: Request):
+    """vLLM's: the ids of a prompt or of a conversation's prompt, which a client fits to the context (the chat page
+    keeps a conversation's newest turns that leave room for an answer)."""
+    served, body = served_by(request), json_body(await request.body())
+    check_model(served, body)
+    if "messages" in body:
+        ids, _ = conversation_prompt(body, served.meta, served.tokenizer)
+    else:
+        ids = completion_prompts(body, served.tokenizer)[0][0]
+    return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
+
+
+@routes.post("/detokenize")
+async def detokenize(request: Request):
+    """vLLM's: the text of token ids."""
+    served, body = served_by(request), json_body(await request.body())
+    check_model(served, body)
+    return {"prompt": served.tokenizer.decode(token_ids(body.get("tokens"), served.tokenizer, "tokens"))}
+
+
+@routes.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """vLLM's: what a client that tokenizes through this server needs (lm-evaluation-harness's remote tokenizer,
+    which its local-completions model picks when this answers)."""
+    served = served_by(request)
+    eos = delimiter_id(served.tokenizer)
+    text = None if eos is None else served.tokenizer.decode([eos])
+    try:
+        if text is not None and served.tokenizer.encode(text) != [eos]:
+            text = None  # a text that does not encode back to the id would name other tokens
+    except ValueError:  # a char tokenizer's end of text has no text of its own
+        text = None
+    return {"tokenizer_class": type(served.tokenizer).__name__, "eos_token": text, "bos_token": None,
+            "pad_token": None, "chat_template": served.meta.get("chat", {}).get("chat_template"),
+            "model_max_length": served.block_size}
+
+
+def check_model(served: Served, body: dict) -> None:
+    if body.get("model", served.name) != served.name:
+        raise APIError(404, f"the model {body['model']!r} is not served here: {served.name!r} is (GET /v1/models)",
+                       "model", code="model_not_found")
+
+
+async def respond(served: Served, request: Request, body: dict, prompts: list[list[int]], stop_ids: tuple,
+                  chat: bool):
+    check_model(served, body)
+    asked = read_request(body, prompts, stop_ids, served.tokenizer, served.block_size, chat)
+    sequences = submit(served, asked)
+    reply = Reply(served, chat, asked, sequences, body.get("stream_options") or {})
+    if body.get("stream"):
+        # The status goes out with the first byte: a request still waiting for a slot when the worker fails is
+        # answered 500, one already streaming gets OpenAI's error event.
+        kind, value = await sequences[0].events.peek()
+        if kind == "failed":
+            raise worker_failed(value)
+        return StreamingResponse(reply.stream(), media_type="text/event-stream")
+    try:
+        return JSONResponse(await reply.whole(request))
+    finally:
+        for sequence in sequences:
+            served.scheduler.cancel(sequence)
+
+
+def submit(served: Served, asked: Asked) -> list[Sequence]:
+    """A sequence for each of the request's choices, all queued or none."""
+    sequences = []
+    if served.mailbox is None or served.mailbox.loop is not asyncio.get_running_loop():
+        served.mailbox = Mailbox(asyncio.get_running_loop())
+    scored = asked.logprobs if asked.echo and asked.logprobs is not None else None
+    try:
+        for ids in asked.prompts:
+            for i in range(asked.n):
+                sequence = Sequence(ids, asked.sampling, None if asked.seed is None else asked.seed + i,
+                                    asked.logprobs, scored)
+                sequence.events = Events(served.mailbox)
+                sequences.append(served.scheduler.submit(sequence))
+    except (QueueFull, SchedulerFailed) as e:
+        for sequence in sequences:
+            served.scheduler.cancel(sequence)
+        if isinstance(e, SchedulerFailed):
+            raise worker_failed(str(e)) from None
+        raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
+                       kind="rate_limit_error") from None
+    return sequences
