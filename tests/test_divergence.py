@@ -63,6 +63,7 @@ def test_stop_ends_the_job_naming_the_step_and_keeps_the_finite_checkpoint(tmp_p
 
 @pytest.mark.parametrize("nprocs,ds_config,precision", [
     pytest.param(1, "zero0.json", FP32, id="one-process-fp32"),
+    pytest.param(1, "zero1.json", BF16, id="one-process-bf16"),  # the bf16 optimizer's step on the device
     pytest.param(2, "zero2.json", BF16, id="dp2-bf16", marks=pytest.mark.launch),
 ])
 def test_skip_leaves_the_weights_of_a_nonfinite_step_untouched(tmp_path, char_data, nprocs, ds_config, precision):

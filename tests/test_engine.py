@@ -151,15 +151,15 @@ def test_shipped_configs_reduce_bf16_gradients_in_fp32(name):
     assert train_steps(engine, 2)[1] > 0
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_one_rank_without_zero_skips_the_all_reduce_and_trains_the_same_bits(bf16):
-    """adjust_engine switches off DeepSpeed's all-reduce over a lone data-parallel rank without ZeRO: not
-    called once, and the weights after three clipped steps are bit for bit those of the engine that reduces
-    (with the rest of adjust_engine, its fp32 clipping).
-    ZeRO-1's reduction copies the gradients into its fp32 partition: it keeps it."""
+@pytest.mark.parametrize("stage, bf16", [(0, False), (0, True), (1, True)])
+def test_one_rank_skips_the_all_reduce_and_trains_the_same_bits(stage, bf16):
+    """adjust_engine switches off DeepSpeed's all-reduce over a lone data-parallel rank without ZeRO, or under its
+    bf16 optimizer (ZeRO-1 in bf16): not called once, and the weights after three clipped steps are bit for bit
+    those of the engine that reduces (with the rest of adjust_engine: fp32 clipping, the bf16 step on the device).
+    ZeRO-1's reduction in fp32 (and ZeRO-2's) copies the gradients into its partition: it keeps it."""
     cfg = run_config()
-    ds = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": bf16}, "gradient_clipping": 0.5,
-          "communication_data_type": "fp32"}
+    ds = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "gradient_clipping": 0.5,
+          "communication_data_type": "fp32", **({"data_types": {"grad_accum_dtype": "fp32"}} if stage else {})}
     weights = {}
     for adjusted in (False, True):
         engine = engine_for(cfg, ds)
@@ -170,9 +170,56 @@ def test_one_rank_without_zero_skips_the_all_reduce_and_trains_the_same_bits(bf1
         weights[adjusted] = [p.detach().clone() for p in engine.module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(weights[False], weights[True]))
     assert not all(torch.equal(a, b) for a, b in zip(weights[True], build_model(SMALL_GPT, seed=1).parameters()))
-    zero1 = engine_for(cfg, {**ds, "zero_optimization": {"stage": 1}})
-    no_all_reduce_over_one_rank(zero1)
-    assert zero1.enable_backward_allreduce
+    for kept in ({**ds, "zero_optimization": {"stage": 1}, "bf16": {"enabled": False}},
+                 {**ds, "zero_optimization": {"stage": 2}}):
+        engine = engine_for(cfg, kept)
+        no_all_reduce_over_one_rank(engine)
+        assert engine.enable_backward_allreduce
+
+
+def test_the_bf16_optimizers_step_on_the_device_clips_and_skips_as_deepspeeds():
+    """ZeRO-1 in bf16 (DeepSpeed's BF16_Optimizer, the GPU default): adjust_engine's step never asks the host
+    whether the norm is finite or whether to clip, and trains the bits of DeepSpeed's own step, norms included,
+    clipping (0.05) or not (100); a NaN in one gradient skips the update on the device, weights and AdamW's
+    state as they were, its flag the divergence guard's, and the next step trains."""
+    from deepspeed.runtime import bf16_optimizer
+
+    from training.divergence import skip_nonfinite_updates
+
+    cfg = run_config()
+    for clip in (0.05, 100.0):
+        ds = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "gradient_clipping": clip,
+              "data_types": {"grad_accum_dtype": "fp32"}}
+        runs = {}
+        for adjusted in (False, True):
+            engine = engine_for(cfg, ds)
+            if adjusted:
+                adjust_engine(engine)
+            with mock.patch.object(bf16_optimizer, "is_invalid_grad_norm",
+                                   wraps=bf16_optimizer.is_invalid_grad_norm) as asked:
+                norms = []
+                for step in range(3):
+                    train_steps(engine, 1)
+                    norms.append(float(engine.get_global_grad_norm()))
+            assert asked.call_count == (0 if adjusted else 3)
+            runs[adjusted] = engine, norms, [p.detach().clone() for p in engine.module.parameters()]
+        assert runs[True][1] == runs[False][1] and (min(runs[True][1]) > clip) == (clip < 1), (clip, runs[True][1])
+        assert all(torch.equal(a, b) for a, b in zip(runs[False][2], runs[True][2]))
+
+    engine, _, weights = runs[True]
+    adam = engine.optimizer.optimizer
+    state = [v.clone() for s in adam.state.values() for v in s.values()]
+    assert skip_nonfinite_updates(engine) is engine.optimizer.found_inf
+    idx = torch.randint(0, 65, (2, 17), generator=torch.Generator().manual_seed(9))
+    engine.backward(lm_loss(engine(idx[:, :-1]), idx[:, 1:]))
+    engine.optimizer.fp32_groups_gradients_flat[0][0] = float("nan")  # the fp32 gradients, made in backward
+    engine.step()
+    assert engine.optimizer.found_inf.item() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(weights, engine.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(state, [v for s in adam.state.values() for v in s.values()]))
+    train_steps(engine, 1)
+    assert engine.optimizer.found_inf.item() == 0.0
+    assert not all(torch.equal(a, b) for a, b in zip(weights, engine.module.parameters()))
 
 
 def test_bf16_without_zero_skips_a_non_finite_step_without_the_overflow_scan():

@@ -6,8 +6,9 @@ already reads the loss, at each log interval, and before each save, so a non-fin
 (`Watch.read`: one all-reduce over the ranks). What the run does then is `train.on_nonfinite`:
 
     stop     end the job on every rank with one line naming the first bad step and the checkpoint to resume
-    skip     go on: a non-finite step's update is never applied (DeepSpeed's ZeRO and bf16 optimizers skip it
-             themselves; ZeRO-0 in fp32, torch's fused AdamW, is given found_inf here); stop after
+    skip     go on: a non-finite step's update is never applied (DeepSpeed's ZeRO and 16-bit optimizers skip it
+             themselves; torch's fused AdamW skips it on the device through found_inf, given here under ZeRO-0
+             in fp32 and by training/steps.py under ZeRO-1 in bf16); stop after
              train.max_skipped_steps such steps in a row
     rewind   reload the newest checkpoint and go on from it with the batches after those already trained on,
              so the data order moves on past the ones that diverged; stop after train.max_rewinds rewinds
@@ -98,9 +99,12 @@ class Watch:
 
 def skip_nonfinite_updates(engine) -> torch.Tensor | None:
     """Give torch's fused AdamW, which ZeRO-0 in fp32 steps through unwrapped, the found_inf flag that makes it
-    skip an update on the device (as torch's GradScaler does), from the gradient norm: every other optimizer
-    of DeepSpeed's checks the norm itself. Returns the flag (1.0: this step's update was skipped), or None
-    where DeepSpeed checks; read it after the step."""
+    skip an update on the device (as torch's GradScaler does), from the gradient norm; the bf16 optimizer's step
+    made on the device has its own (training/steps.py); every other optimizer of DeepSpeed's checks the norm
+    itself. Returns the flag (1.0: this step's update was skipped), or None where DeepSpeed checks; read it after
+    the step."""
+    if getattr(engine.optimizer, "found_inf", None) is not None:  # a step made on the device (training/steps.py)
+        return engine.optimizer.found_inf
     if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
         return None
     optimizer = engine.optimizer

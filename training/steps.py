@@ -7,6 +7,7 @@ import math
 
 import torch
 from deepspeed.moe.utils import is_moe_param
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from torch.utils.checkpoint import checkpoint
 
@@ -124,6 +125,49 @@ def adjust_engine(engine) -> None:
     keep_fp32_grad_norm(engine)
     no_all_reduce_over_one_rank(engine)
     no_overflow_scan_in_bf16(engine)
+    bf16_step_on_the_device(engine)
+
+
+def bf16_step_on_the_device(engine) -> None:
+    """Work around DeepSpeed's bf16 optimizer (BF16_Optimizer: ZeRO-1 in bf16, the GPU default), whose step makes
+    the host wait for the device: the gradient norm checked finite, the clipping test `clip_coef < 1`, and on a
+    GPU the norm's non-finite entries masked twice with a -1 made on the host (docs/performance.md); a GPU then
+    idles while the host launches the rest of the step. The same arithmetic on the device: the norm of the same
+    fp32 gradients (the fp32 sum of their squared norms), the clipping factor clamped at 1, and a step whose norm
+    is not finite skipped by torch's fused AdamW through found_inf, as torch's GradScaler skips one (its update
+    and its step count). Such a step is the found_inf flag's (training/divergence.py), not DeepSpeed's
+    skipped_steps, and the schedule moves on past it. A mixture of experts (a norm per expert group) and Muon keep
+    DeepSpeed's step."""
+    bf16 = engine.optimizer
+    if (not isinstance(bf16, BF16_Optimizer) or bf16.has_moe_layers or bf16._uses_muon
+            or not bf16.optimizer.defaults.get("fused")):
+        return
+    adam = bf16.optimizer
+    bf16.found_inf = adam.found_inf = torch.zeros((), dtype=torch.float32, device=engine.device)
+
+    @torch.no_grad()
+    def step(closure=None) -> None:
+        bf16.overflow = False
+        norms = torch._foreach_norm(bf16.get_grads_for_norm()[0], 2)
+        total = torch.stack(norms).pow(2).sum()
+        if bf16.mpu is not None:
+            torch.distributed.all_reduce(total, group=bf16.mpu.get_model_parallel_group())
+        norm = bf16._global_grad_norm = total.pow(0.5)
+        adam.found_inf.copy_(~torch.isfinite(norm))
+        if bf16.clip_grad > 0:
+            torch._foreach_mul_(bf16.get_grads_for_norm(for_clipping=True),
+                                (bf16.clip_grad / (norm + 1e-6)).clamp(max=1.0))
+        for param, grad in zip(bf16.fp32_groups_flat_partition, bf16.fp32_groups_gradient_flat_partition):
+            param.grad = grad.to(param.dtype)
+        adam.step()
+        if bf16.grad_acc_dtype is not torch.float32:
+            for param in bf16.fp32_groups_flat_partition:
+                param.grad = None
+        bf16._lazy_init_hp_params_optimizer_state()
+        bf16.update_lp_params()
+        bf16.clear_hp_grads()
+
+    bf16.step = step
 
 
 def no_overflow_scan_in_bf16(engine) -> None:
@@ -138,13 +182,14 @@ def no_overflow_scan_in_bf16(engine) -> None:
 
 
 def no_all_reduce_over_one_rank(engine) -> None:
-    """Work around DeepSpeed without ZeRO on one data-parallel (and sequence-parallel) rank: it still
-    all-reduces the gradients over that one rank after each step, copying them into flat buckets of
-    communication_data_type and back (5% of a bf16 baby GPT's step on a CPU). A mean over one rank is the
-    identity, bit for bit, so the reduction is switched off as DeepSpeed's pipeline engine switches off its
-    own. ZeRO's optimizers copy the gradients into their partitions in that reduction: they keep it."""
-    if (engine.zero_optimization_stage() == 0 and engine.seq_dp_world_size == 1
-            and engine.gradient_predivide_factor() == 1.0):
+    """Work around DeepSpeed without ZeRO, or with its bf16 optimizer (ZeRO-1 in bf16), on one data-parallel (and
+    sequence-parallel) rank: it still all-reduces the gradients over that one rank after each step, copying them
+    into flat buckets of communication_data_type and back (5% of a bf16 baby GPT's step on a CPU). A mean over one
+    rank is the identity, bit for bit, so the reduction is switched off as DeepSpeed's pipeline engine switches
+    off its own. ZeRO's other optimizers copy the gradients into their partitions in that reduction: they keep
+    it."""
+    if ((engine.zero_optimization_stage() == 0 or isinstance(engine.optimizer, BF16_Optimizer))
+            and engine.seq_dp_world_size == 1 and engine.gradient_predivide_factor() == 1.0):
         engine.enable_backward_allreduce = False
 
 
