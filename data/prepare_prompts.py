@@ -64,7 +64,30 @@ def prepare_prompts(inputs: list[str], out_dir: str, tokenizer_spec="char", temp
         extra["chat"] = _chat_record(template, name, tok, prompts[0], lines[0], context)
     workspace = job_workspace(out_dir, job)
     prefix = os.path.join(workspace, "shards", "prompts")
-    writer = ShardWriter(prefix, token_dtype(tok.vocab_size))
+    kept, longest, dropped = _write(prefix, token_dtype(tok.vocab_size), encode, texts, records, lines, context,
+                                    val_fraction, tokenizer_spec)
+    if not kept["train"]:
+        why = (f"every one is longer than --context {context} - 1 tokens" if dropped == len(prompts) else
+               f"none fell in the train split (by prompt hash, val_fraction {val_fraction})")
+        raise InputError(f"no prompt of the {len(prompts):,} to train on: {why}; fix: pass the model's block_size as "
+                         f"--context, or a smaller --val_fraction")
+    for split in SPLITS:
+        write_atomic(os.path.join(workspace, RECORDS.format(split=split)), "".join(kept[split]).encode())
+    print(f"{len(prompts):,} prompts: {dropped:,} left out as longer than --context {context} - 1 tokens; "
+          f"{len(kept['train']):,} train and {len(kept['val']):,} val prompts, the longest {longest} tokens")
+    extra["prompts"] = {"format": TEXT if text else "messages", "template": name, "context": context,
+                        "longest": longest, "dropped_overlong": dropped,
+                        **{f"{s}_prompts": len(kept[s]) for s in SPLITS}}
+    return finish_dataset(out_dir, workspace, [prefix], tok, job, files, f"prompts by hash, val_fraction "
+                          f"{val_fraction}", None, extra, empty_val=True,
+                          beside=[RECORDS.format(split=s) for s in SPLITS])
+
+
+def _write(prefix: str, dtype, encode, texts: list[str], records: list[dict], lines: list[str], context: int,
+           val_fraction: float, tokenizer_spec) -> tuple[dict, int, int]:
+    """Each prompt that leaves room for an answer into the shards at `prefix`; each split's records (JSONL lines,
+    in the shards' order), the longest prompt's tokens and how many were left out as longer."""
+    writer = ShardWriter(prefix, dtype)
     kept = {split: [] for split in SPLITS}
     longest, dropped = 0, 0
     for prompt_text, record, where in zip(texts, records, lines):
@@ -81,21 +104,7 @@ def prepare_prompts(inputs: list[str], out_dir: str, tokenizer_spec="char", temp
         kept[split].append(json.dumps({"where": where, "record": record}, ensure_ascii=False) + "\n")
         longest = max(longest, len(ids))
     writer.close()
-    if not kept["train"]:
-        why = (f"every one is longer than --context {context} - 1 tokens" if dropped == len(prompts) else
-               f"none fell in the train split (by prompt hash, val_fraction {val_fraction})")
-        raise InputError(f"no prompt of the {len(prompts):,} to train on: {why}; fix: pass the model's block_size as "
-                         f"--context, or a smaller --val_fraction")
-    for split in SPLITS:
-        write_atomic(os.path.join(workspace, RECORDS.format(split=split)), "".join(kept[split]).encode())
-    print(f"{len(prompts):,} prompts: {dropped:,} left out as longer than --context {context} - 1 tokens; "
-          f"{len(kept['train']):,} train and {len(kept['val']):,} val prompts, the longest {longest} tokens")
-    extra["prompts"] = {"format": TEXT if text else "messages", "template": name, "context": context,
-                        "longest": longest, "dropped_overlong": dropped,
-                        **{f"{s}_prompts": len(kept[s]) for s in SPLITS}}
-    return finish_dataset(out_dir, workspace, [prefix], tok, job, files, f"prompts by hash, val_fraction "
-                          f"{val_fraction}", None, extra, empty_val=True,
-                          beside=[RECORDS.format(split=s) for s in SPLITS])
+    return kept, longest, dropped
 
 
 def _read(files: list[str]) -> tuple[list, list[dict], list[str], set]:
