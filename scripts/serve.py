@@ -40,7 +40,7 @@ def check_port(host: str, port: int) -> None:
                               f"port (--port) or stop the server that holds it") from None
 
 
-def main(argv=None) -> None:
+def arguments(argv=None) -> argparse.Namespace:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trained_arguments(parser, "serve")
     parser.add_argument("--host", default="127.0.0.1")
@@ -55,7 +55,11 @@ def main(argv=None) -> None:
     parser.add_argument("--name", help="the model's id in the API (default: the folder's name)")
     parser.add_argument("--api_key", default=os.environ.get(KEY_VARIABLE),
                         help=f"require 'Authorization: Bearer KEY' (default: ${KEY_VARIABLE})")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = arguments(argv)
     try:
         import uvicorn
 
