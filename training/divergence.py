@@ -7,8 +7,8 @@ already reads the loss, at each log interval, and before each save, so a non-fin
 
     stop     end the job on every rank with one line naming the first bad step and the checkpoint to resume
     skip     go on: a non-finite step's update is never applied (DeepSpeed's ZeRO and 16-bit optimizers skip it
-             themselves; torch's fused AdamW skips it on the device through found_inf, given here under ZeRO-0
-             in fp32 and by training/steps.py under ZeRO-1 in bf16); stop after
+             themselves; torch's fused AdamW skips it on the device through found_inf, which training/steps.py
+             gives it under ZeRO-0 in fp32 and ZeRO-1 in bf16); stop after
              train.max_skipped_steps such steps in a row
     rewind   reload the newest checkpoint and go on from it with the batches after those already trained on,
              so the data order moves on past the ones that diverged; stop after train.max_rewinds rewinds
@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 
 from training.checkpoints import checkpoint
-from training.steps import grad_norm
 
 NONE = 2**62  # "no such step" in the MIN-reduced step slots
 
@@ -98,31 +97,10 @@ class Watch:
 
 
 def skip_nonfinite_updates(engine) -> torch.Tensor | None:
-    """Give torch's fused AdamW, which ZeRO-0 in fp32 steps through unwrapped, the found_inf flag that makes it
-    skip an update on the device (as torch's GradScaler does), from the gradient norm; the bf16 optimizer's step
-    made on the device has its own (training/steps.py); every other optimizer of DeepSpeed's checks the norm
-    itself. Returns the flag (1.0: this step's update was skipped), or None where DeepSpeed checks; read it after
-    the step."""
-    if getattr(engine.optimizer, "found_inf", None) is not None:  # a step made on the device (training/steps.py)
-        return engine.optimizer.found_inf
-    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
-        return None
-    optimizer = engine.optimizer
-    assert optimizer.defaults.get("fused"), "ZeRO-0 in fp32 steps through torch's fused AdamW (training/optim.py)"
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    step = optimizer.step
-
-    def step_unless_nonfinite(*args, **kwargs):
-        if engine.gradient_clipping():  # clipping has just computed the norm (training/steps.py)
-            norm = engine._global_grad_norm
-        else:  # over every stage and tensor rank of the replica, kept for the log as clipping keeps it
-            norm = engine._global_grad_norm = grad_norm([p for p in params if p.grad is not None], engine.mpu)
-        optimizer.found_inf.copy_(~torch.isfinite(norm))
-        return step(*args, **kwargs)
-
-    optimizer.step = step_unless_nonfinite
-    return optimizer.found_inf
+    """The found_inf flag (1.0: this step's update was skipped) of an engine whose step torch's fused AdamW skips
+    on the device (adjust_engine gives it one: training/steps.py), read after the step; None where DeepSpeed's
+    optimizer checks the norm itself and counts its skipped steps."""
+    return getattr(engine.optimizer, "found_inf", None)
 
 
 class Guard:

@@ -123,9 +123,33 @@ def data_parallel_group(engine):
 def adjust_engine(engine) -> None:
     """What the repo changes in a built DeepSpeed engine, for train.py and the benchmarks alike."""
     keep_fp32_grad_norm(engine)
+    fp32_step_skips_nonfinite(engine)
     no_all_reduce_over_one_rank(engine)
     no_overflow_scan_in_bf16(engine)
     bf16_step_on_the_device(engine)
+
+
+def fp32_step_skips_nonfinite(engine) -> None:
+    """Give torch's fused AdamW, which ZeRO-0 in fp32 steps through unwrapped and unchecked, the found_inf flag that
+    makes it skip an update on the device (as torch's GradScaler does), from the gradient norm: the divergence
+    guard reads it (training/divergence.py)."""
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return
+    optimizer = engine.optimizer
+    assert optimizer.defaults.get("fused"), "ZeRO-0 in fp32 steps through torch's fused AdamW (training/optim.py)"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    step = optimizer.step
+
+    def step_unless_nonfinite(*args, **kwargs):
+        if engine.gradient_clipping():  # clipping has just computed the norm (keep_fp32_grad_norm)
+            norm = engine._global_grad_norm
+        else:  # over every stage and tensor rank of the replica, kept for the log as clipping keeps it
+            norm = engine._global_grad_norm = grad_norm([p for p in params if p.grad is not None], engine.mpu)
+        optimizer.found_inf.copy_(~torch.isfinite(norm))
+        return step(*args, **kwargs)
+
+    optimizer.step = step_unless_nonfinite
 
 
 def bf16_step_on_the_device(engine) -> None:
@@ -134,7 +158,7 @@ def bf16_step_on_the_device(engine) -> None:
     GPU the norm's non-finite entries masked twice with a -1 made on the host (docs/performance.md); a GPU then
     idles while the host launches the rest of the step. The same arithmetic on the device: the norm of the same
     fp32 gradients (the fp32 sum of their squared norms), the clipping factor clamped at 1, and a step whose norm
-    is not finite skipped by torch's fused AdamW through found_inf, as torch's GradScaler skips one (its update
+    is not finite skipped by torch's fused AdamW through found_inf, as fp32_step_skips_nonfinite does (its update
     and its step count). Such a step is the found_inf flag's (training/divergence.py), not DeepSpeed's
     skipped_steps, and the schedule moves on past it. A mixture of experts (a norm per expert group) and Muon keep
     DeepSpeed's step."""
