@@ -3,9 +3,10 @@ clone: read from the ```bash blocks of a markdown file, made offline and short w
 or train for minutes, each run with its own output checked against how the docs say it ends.
 
 Shortened only by overrides: a train.py run trains 2 steps (TRAINS_FOR_MINUTES), an evaluation scores the first
-examples of each task (`--limit`); tinyshakespeare is read from the shared copy, not downloaded. A server line is
-started, asked for its model and stopped with Ctrl-C. Run as a newcomer's shell runs them: DeepSpeed left to find
-its accelerator itself (no DS_ACCELERATOR), so what it prints on a machine without a GPU is seen."""
+examples of each task (`--limit`; `eval.limit` in a train.py run that scores tasks); tinyshakespeare is read from the
+shared copy, not downloaded. A server line is started, asked for its model and stopped with Ctrl-C. Run as a
+newcomer's shell runs them: DeepSpeed left to find its accelerator itself (no DS_ACCELERATOR), so what it prints on a
+machine without a GPU is seen."""
 import os
 import re
 import shlex
@@ -22,6 +23,7 @@ SHAKESPEARE = os.environ.get("SHAKESPEARE_TXT") or os.path.join(REPO, "..", "sha
 TRAINS_FOR_MINUTES = ["train.max_steps=2", "train.epochs=null", "train.save_interval=1", "train.eval_interval=1",
                       "train.eval_windows=8", "train.log_interval=1", "sample.max_new_tokens=16"]
 EVALUATES_FOR_MINUTES = ["--limit", "40"]
+SCORES_FOR_MINUTES = ["eval.limit=40"]
 # (how a command starts, what its output holds when it ends as the docs say)
 # A command whose output is already there (a doc that follows another in one clone) ends saying so.
 DONE = ("wrote ", "nothing to do")
@@ -81,6 +83,7 @@ def as_typed_here(command: str) -> list[tuple[dict, list[str]]]:
             argv += ["--input", SHAKESPEARE]
         if "train.py" in argv:
             argv += TRAINS_FOR_MINUTES
+            argv += SCORES_FOR_MINUTES if any(a.startswith("eval.tasks=") for a in argv) else []
         if argv[:3] == ["python", "-m", "scripts.evaluate"]:
             argv += EVALUATES_FOR_MINUTES
         if argv[:3] == ["python", "-m", "scripts.serve"]:
