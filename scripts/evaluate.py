@@ -26,6 +26,7 @@ from training.evaluation.evaluate import (
     earlier_results,
     go_offline,
     hub_unreachable,
+    local_task_file,
     task_spec,
     where,
     write_results,
@@ -35,6 +36,11 @@ from training.evaluation.evaluate import (
 def main(argv=None) -> None:
     args = parse_args(argv)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:  # a mistyped path is refused in a second, before the harness and the model load
+        for name in names:
+            local_task_file(name)
+    except ConfigError as e:
+        exit_bad_input(e)
     if all(name.endswith(".jsonl") for name in names):
         go_offline()
     elif os.environ.get("HF_HUB_OFFLINE") != "1" and (unreachable := hub_unreachable()):

@@ -33,6 +33,8 @@ ROWS = [
                                      "in HellaSwag's format"),
     ({"--tasks": "{tmp}/none.jsonl"}, "--tasks file {tmp}/none.jsonl does not exist"),
     ({"--tasks": "{tmp}/none.yaml"}, "--tasks file {tmp}/none.yaml does not exist"),
+    # a mistyped task file is named before the checkpoint is looked for and the harness imported
+    ({"--out_dir": "{tmp}/no_run", "--tasks": "{tmp}/none.jsonl"}, "--tasks file {tmp}/none.jsonl does not exist"),
     ({"--output": "{tmp}/other.json"}, "--output {tmp}/other.json lacks tasks (written by another version of this "
                                        "repo, or another tool); fix: pass another --output"),
     ({"--tasks": "{tmp}/long.jsonl"}, "the continuation ' xxxxxxxx ... ': a choice of 41 tokens is longer than the "
@@ -42,7 +44,7 @@ ROWS = [
 
 
 @pytest.mark.parametrize("flags,message", ROWS, ids=["unknown-task", "tag", "format", "jsonl-missing", "yaml-missing",
-                                                     "output", "too-long", "limit"])
+                                                     "task-before-run", "output", "too-long", "limit"])
 def test_evaluate_refuses(paths, capsys, flags, message):
     write_tasks(paths["tmp"])
     assert_refused(scripts.evaluate.main, command(BASE, flags, paths), message, paths, capsys,
@@ -54,8 +56,9 @@ def test_without_the_eval_extra_it_says_how_to_install_it(tmp_path, paths):
     shim = tmp_path / "shim" / "lm_eval"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError(\"No module named 'lm_eval'\")\n")
-    proc = run([sys.executable, "-m", "scripts.evaluate", "--out_dir", str(paths["run"]), "--tasks", "x.jsonl"],
-               check=False, env={"PYTHONPATH": str(tmp_path / "shim")})
+    write_tasks(tmp_path)
+    proc = run([sys.executable, "-m", "scripts.evaluate", "--out_dir", str(paths["run"]), "--tasks",
+                str(tmp_path / "task.jsonl")], check=False, env={"PYTHONPATH": str(tmp_path / "shim")})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("error: python -m scripts.evaluate needs lm-evaluation-harness "
                                                     "(No module named 'lm_eval'); fix: pip install '.[eval]'")

@@ -48,13 +48,24 @@ def where(out_dir: str | None, tag: str | None, export: str | None, output: str 
     return tag_dir, checkpoint.read_run_state(tag_dir)["step"], output
 
 
-def task_spec(name: str, tokenizer, manager, limit: int | None):
-    """What simple_evaluate is given for one --tasks entry, checked: a JSONL file's examples are read here."""
+def local_task_file(name: str) -> str | None:
+    """A --tasks entry that names a file (JSONL in HellaSwag's format, or a task YAML of the harness), checked to
+    exist; None for a task the harness names."""
     if name.endswith(".jsonl"):
-        read_task(existing_file(name, "--tasks file", "pass a JSONL file in HellaSwag's format"), tokenizer, limit)
-        return harness_task(name)
+        return existing_file(name, "--tasks file", "pass a JSONL file in HellaSwag's format")
     if name.endswith((".yaml", ".yml")):
         return existing_file(name, "--tasks file", "pass a task YAML of lm-evaluation-harness")
+    return None
+
+
+def task_spec(name: str, tokenizer, manager, limit: int | None):
+    """What simple_evaluate is given for one --tasks entry, checked: a JSONL file's examples are read here."""
+    path = local_task_file(name)
+    if path and path.endswith(".jsonl"):
+        read_task(path, tokenizer, limit)
+        return harness_task(name)
+    if path:
+        return path
     if name not in manager.all_tasks:
         close = difflib.get_close_matches(name, manager.all_tasks, n=3)
         raise ConfigError(f"unknown task {name!r}: not a task, group or tag of lm-evaluation-harness, nor a .jsonl "
