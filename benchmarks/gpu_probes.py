@@ -114,6 +114,7 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
     """For each ds_config, one process's engine built and stepped as train.py does, its peak memory over the
     later steps (from before the model existed) next to training/memory_plan.py's plan for one device: on a GPU
     the allocator's, beside the live tensors' (benchmarks/live_tensors.py), which are the measure on a CPU."""
+    from benchmarks import allocator_trace
     from benchmarks.live_tensors import LiveTensors
     from benchmarks.memory import MemoryProbe
     from training.ds_config import load_ds_config
@@ -134,23 +135,30 @@ def memory_against_plan(config: str, ds_configs: list[str], overrides: list[str]
         predicted = plan(planned_model, ds, 1, cfg.train.mlp_tiles, device.type, cfg.train.compile)
         release(device)
         baseline = memory.current() if device.type == "cuda" else 0
+        traced = None
         with LiveTensors() as live:
             engine = build_engine(cfg, engine_settings.pipe, engine_settings.ds)
             for step in (1, 2, 3):
                 if step == 2:  # the optimizer states exist from the first step on
                     memory.reset_peak()
                     live.reset_peak()
+                    if device.type == "cuda":
+                        allocator_trace.start()
                 train_step(engine, data.step_batches(cfg.train.seed, step, 0, engine_settings.layout, device))
         if device.type == "cuda":
             measured = memory.peak_since_reset() - baseline
             states = memory.current() - baseline  # what outlives a step: the model states and DeepSpeed's buffers
+            try:  # what explains a peak over the live tensors'; the figures above stand without it
+                traced = allocator_trace.at_peak(allocator_trace.stop())
+            except Exception as e:  # torch's private trace API may change under a new torch
+                traced = {"error": f"{type(e).__name__}: {e}"}
         else:
             measured, states = live.peak, live.current
         results[os.path.basename(path)] = {
             "plan": predicted["total"], "plan_states": predicted["states"],
             "plan_activations": predicted["activations"], "measured": measured, "measured_states": states,
             "baseline": baseline, "live_tensors_peak": live.peak,
-            "largest_at_peak": [list(row) for row in live.largest_at_peak()]}
+            "largest_at_peak": [list(row) for row in live.largest_at_peak()], "allocator_at_peak": traced}
         engine.destroy()
         del engine
         release(device)

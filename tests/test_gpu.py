@@ -380,7 +380,8 @@ def test_the_memory_plan_is_within_5_percent_of_the_measured_peak(tmp_path, char
     if abs(off["zero3.json"]) > 0.05:
         # what the next look at the gap starts from: whether the live tensors see it too, and the largest of them
         seen = {"allocator": zero3["measured"], "live tensors": zero3["live_tensors_peak"],
-                "largest at the peak": zero3["largest_at_peak"][:6]}
+                "largest at the peak": zero3["largest_at_peak"][:6],
+                "the allocator at its peak (benchmarks/allocator_trace.py)": zero3["allocator_at_peak"]}
         pytest.xfail(f"ZeRO-3's peak runs over the plan's activations ({off}; ZeRO-3's peak: {seen}): "
                      "docs/performance.md, 'The memory plan on a GPU'")
 
