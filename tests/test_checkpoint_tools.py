@@ -123,6 +123,8 @@ CHECKPOINT_CASES = [(f"{tool}-{name}", tool, damage, message) for name, damage, 
                          ids=[case[0] for case in CHECKPOINT_CASES])
 def test_a_damaged_checkpoint_is_refused_by_each_tool(paths, capsys, tool, damage, message):
     damage(paths["run"])
+    # scripts.evaluate checks its task files before the checkpoint: a good one, so that the checkpoint is reached
+    (paths["tmp"] / "task.jsonl").write_text('{"ctx": "ROMEO:", "endings": ["sir", "lord"], "label": 0}\n')
     main, base = READERS[tool]
     assert_refused(main, command(base, {}, paths), message, paths, capsys, [paths["tmp"]])
 
