@@ -31,7 +31,7 @@ DS_BUILD_OPS=0 "$python" -m pip wheel -q --no-deps --no-build-isolation -w "$dir
 
 # pytest and what it needs: the GPU tier of the tests (`python -m pytest -m gpu`), which record.sh runs first.
 pure_python=(hjson einops py-cpuinfo packaging tqdm pydantic annotated-types typing-inspection typing-extensions omegaconf
-             pytest pluggy iniconfig pygments)
+             pytest pluggy iniconfig pygments pytest-xdist execnet)
 pins=()
 for name in "${pure_python[@]}"; do pins+=("$name==$(version "$name")"); done
 "$python" -m pip download -q --no-deps --only-binary=:all: -d "$dir" "${pins[@]}"

@@ -9,16 +9,42 @@ from pathlib import Path
 
 import pytest
 
-from harness import FP32, REPO, TINY, run, train_py
+from harness import FP32, REPO, STARTED_DEVICES, TINY, run, train_py
 from moe_runs import moe_runs  # noqa: F401 (a fixture, shared by two modules)
 from refusals import EXPORT, TAG
 
 
 def pytest_configure(config):
     # The suite pins itself to the CPU, on a GPU machine too (its subprocesses inherit this): its equalities
-    # (1e-5, bitwise) are those of CPU kernels over gloo. GPU checks are benchmarks/record.sh's.
+    # (1e-5, bitwise) are those of CPU kernels over gloo. GPU checks are benchmarks/record.sh's. What it was started
+    # with is kept for the GPU tier's children, in the environment that xdist's workers inherit from this process.
+    os.environ.setdefault(STARTED_DEVICES, json.dumps(os.environ.get("CUDA_VISIBLE_DEVICES")))
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["DS_ACCELERATOR"] = "cpu"
+    # An xdist worker's share of the cores, for torch here and in what it starts: workers that each take every
+    # core spin against each other's threads.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+
+def pytest_collection_modifyitems(config, items):
+    # The files that start processes first: xdist hands out files in this order (pyproject.toml), and one of them
+    # handed out last, minutes long, would leave the other workers idle until it ends.
+    starts = {item.path for item in items if item.get_closest_marker("launch")}
+    items.sort(key=lambda item: item.path not in starts)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """The workers of `-n auto` (pyproject.toml): one a core, at most one per 4 GiB of memory (the heaviest test
+    file held 1.6 GiB at its peak); none for a run of one file, whose tests one worker would run anyway
+    (`--dist loadfile` keeps a module's tests, and its fixtures, in one process)."""
+    files = {arg.split("::")[0] for arg in config.args}
+    if len(files) == 1 and os.path.isfile(files.pop()):
+        return 0
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    workers = min(len(os.sched_getaffinity(0)), memory // (4 << 30))
+    return workers if workers > 1 else 0
 
 
 @pytest.fixture(scope="session")

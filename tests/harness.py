@@ -23,6 +23,8 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_siz
 FP32 = ["ds.bf16.enabled=false"]
 BF16 = ["ds.bf16.enabled=true"]  # the shipped configs say "auto": fp32 on a machine without bf16 arithmetic
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # N ranks share this machine's cores
+# The CUDA_VISIBLE_DEVICES the suite was started with (JSON: null when unset), before conftest.py hid the GPUs.
+STARTED_DEVICES = "TESTS_STARTED_CUDA_VISIBLE_DEVICES"
 
 
 def free_port() -> int:

@@ -15,31 +15,32 @@ import sys
 import pytest
 import torch
 
-from harness import BF16, FP32, REPO, TINY, metrics, train_losses
+from harness import BF16, FP32, REPO, STARTED_DEVICES, TINY, metrics, train_losses
 
 PROBE = "from benchmarks.gpu_probes import main; main()"
-
-
-def started_environment() -> dict:
-    """This process's environment as it was started (Linux keeps it in /proc), before conftest.py hid the GPUs."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
-        return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-    except OSError:
-        return {}
 
 
 def child_environment(device: str) -> dict:
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     if device == "cuda":
         env["DS_ACCELERATOR"] = "cuda"
-        started = started_environment().get("CUDA_VISIBLE_DEVICES")
+        started = json.loads(os.environ[STARTED_DEVICES])
         if started is None:
             env.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             env["CUDA_VISIBLE_DEVICES"] = started
     return env
+
+
+def test_a_child_on_the_device_gets_back_the_gpus_the_suite_was_started_with(monkeypatch):
+    """In every worker of the suite, as the conftest saved them before hiding them: a whole-suite run on a GPU
+    machine measures its GPU tier."""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and STARTED_DEVICES in os.environ
+    monkeypatch.setenv(STARTED_DEVICES, json.dumps("1,3"))
+    assert child_environment("cuda")["CUDA_VISIBLE_DEVICES"] == "1,3"
+    monkeypatch.setenv(STARTED_DEVICES, "null")
+    assert "CUDA_VISIBLE_DEVICES" not in child_environment("cuda")
+    assert child_environment("cpu")["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def cuda_available() -> bool:
