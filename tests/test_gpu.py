@@ -200,14 +200,16 @@ def test_a_step_does_not_wait_for_a_loader_that_sleeps_most_of_a_step(runs, devi
     """The loader sleeps 0.7 of the last step's time before each batch of the third interval: made on its thread
     while the step before computes, the batch is there when the loop asks for it. A wait is counted from one step's
     end to the next one's start, the loop's own work between them included, which a busy 2-core CPU stretches to
-    milliseconds, a tiny model's whole step: what the sleeping adds to the second interval's waits is the loader's."""
+    milliseconds, a tiny model's whole step: what the sleeping adds to the second interval's waits is the loader's.
+    A batch made on the loop's thread adds a whole sleep; half of one is the line, since on a CPU that other tests
+    load the loader's thread waits for a core too (a quarter failed once, at 0.30 of a sleep)."""
     record = runs.train(device, "zero1").record
     sleeps = {int(step): seconds for step, seconds in record["loader_sleeps"].items()}
     assert sorted(sleeps) == list(range(2 * INTERVAL + 2, 3 * INTERVAL + 1))
     waits = [record["batch_waits"][str(step)] for step in sleeps]
     before = [record["batch_waits"][str(step)] for step in range(INTERVAL + 2, 2 * INTERVAL + 1)]
     added = statistics.median(waits) - statistics.median(before)
-    assert added < 0.25 * statistics.median(sleeps.values()), (waits, before, sleeps)
+    assert added < 0.5 * statistics.median(sleeps.values()), (waits, before, sleeps)
 
 
 MFU_LINE = re.compile(r"MFU against ([0-9.e+]+) TFLOP/s per device \((.*)\)\n")
