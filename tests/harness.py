@@ -2,6 +2,7 @@
 the rank server (launch), as one process without a launcher (train_py), through the real `deepspeed` launcher
 (deepspeed_launch) or one launcher per simulated node (launch_nodes); any command (run); and what a run
 leaves behind: metrics.jsonl, exports, universal checkpoints."""
+import fcntl
 import glob
 import json
 import math
@@ -11,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,6 +59,23 @@ def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     return _checked(proc, " ".join(cmd), check)
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder that `make(folder)` fills once in the whole run, for a session fixture that several test files use:
+    xdist's workers, each of which builds its own session fixtures, share it. The first to ask makes it under a
+    lock; the others wait for it."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, above the workers'
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed making it
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
 
 
 def job_env(extra: dict | None = None) -> dict:

@@ -1,8 +1,9 @@
 """The runs of a tiny mixture of experts at each layout, which tests/test_moe.py compares and
-tests/test_moe_universal.py converts and resumes: one session fixture, so each run happens once."""
+tests/test_moe_universal.py converts and resumes: one session fixture that the workers share, so each run happens
+once."""
 import pytest
 
-from harness import FP32, TINY, launch, train_py
+from harness import FP32, TINY, launch, made_once, train_py
 
 # TINY's 2 layers x 32 wide; 4 experts of width 48, 2 per token; global batch 8.
 MOE = ["model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.n_experts=4", "model.expert_hidden=48",
@@ -10,16 +11,24 @@ MOE = ["model.arch=llama", "model.n_kv_head=2", "model.ffn_hidden=64", "model.n_
        "model.router_z_loss_coef=0.01", *FP32]
 
 
+RUNS = ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "sp2", "sp2_ep2", "bias_ep2", "bias_one", "ep2_dp4",
+        "z0_ep2", "dp2_held", "ep2_held", "ep2_dp4_held", "pp2_held", "z0_ep2_held")
+
+
 @pytest.fixture(scope="session")
 def moe_runs(tmp_path_factory, char_data):
     """ep=1 x dp=2 for 4 steps; ep=2 (ZeRO-2) and pp=2 (ZeRO-1, 2 micro-batches) each stopped at step 2 and
     resumed to 4; one process with 2 accumulation steps; ep=2 x dp=4 and ep=2 under ZeRO-0 for 2 steps. Those
     that a test converts write what their engines hold of each parameter at the step they save
-    (tests/optimizer_dump.py) into "<name>_held"."""
-    out = {name: tmp_path_factory.mktemp(f"moe_{name}")
-           for name in ("dp2", "ep2", "one", "pp2", "pp2_ep2", "tp2", "tp2_ep2", "sp2", "sp2_ep2", "bias_ep2",
-                        "bias_one", "ep2_dp4", "z0_ep2", "dp2_held", "ep2_held", "ep2_dp4_held", "pp2_held",
-                        "z0_ep2_held")}
+    (tests/optimizer_dump.py) into "<name>_held". Trained once, whichever worker asks first."""
+    root = made_once(tmp_path_factory, "moe_runs", lambda folder: train({name: folder / name for name in RUNS},
+                                                                         char_data))
+    return {name: root / name for name in RUNS}
+
+
+def train(out: dict, char_data: str) -> None:
+    for folder in out.values():
+        folder.mkdir()
     proc = launch(2, "zero1.json", out["dp2"], char_data, [*MOE, "ds.train_micro_batch_size_per_gpu=4"],
                   env={"MEGALITE_OPTIMIZER_DUMP": f"4:{out['dp2_held']}"})
     (out["dp2"] / "stdout.txt").write_text(proc.stdout)
@@ -65,4 +74,3 @@ def moe_runs(tmp_path_factory, char_data):
     launch(2, "zero2.json", out["bias_ep2"], char_data, [*bias_ep2, "train.stop_at_step=2"])  # the bias resumes too
     launch(2, "zero2.json", out["bias_ep2"], char_data, bias_ep2)
     train_py([*one, *bias, f"train.out_dir={out['bias_one']}"])
-    return out
