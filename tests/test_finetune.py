@@ -183,11 +183,10 @@ def test_the_export_answers_in_transformers_as_sample_chat_does(chatml_export):
 
 # The README's fine-tuning example at a small size: a Llama of the quickstart's kind (its block_size, its characters),
 # narrower and pretrained for 100 steps; the fine-tuning at a higher learning rate for as many steps as it takes such
-# a model to answer the README's prompt (tried with six seeds).
+# a model to answer the README's prompt (the default seed answers it, on one thread or two; of seeds 1-4, all but 3).
 EXAMPLE_LLAMA = ["model.n_layer=2", "model.n_embd=64", "model.ffn_hidden=192", "train.eval_interval=0",
                  "train.eval_windows=8", "optim.warmup_steps=10", *FP32]
 EXAMPLE_PROMPT = "Reverse: king crown night"
-TWO_THREADS = {"OMP_NUM_THREADS": "2"}
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +207,7 @@ def example_export(tmp_path_factory, char_data) -> Path:
 
     out = tmp_path_factory.mktemp("out")
     train_py(["--config", "configs/llama_quickstart.yaml", f"data.dir={char_data}", f"train.out_dir={out / 'llama'}",
-              "train.max_steps=100", "optim.lr=3e-3", *EXAMPLE_LLAMA], env=TWO_THREADS)
+              "train.max_steps=100", "optim.lr=3e-3", *EXAMPLE_LLAMA])
     scripts.export.main(["--out_dir", str(out / "llama"), "--output", str(out / "llama_export")])
     return out / "llama_export"
 
@@ -227,7 +226,7 @@ def example_sft(tmp_path_factory, char_data, example_task, example_export) -> di
     sft = folder / "llama_quickstart_sft"
     proc = train_py(["--config", "configs/llama_quickstart_sft.yaml", f"train.init_from={example_export}",
                      f"data.dir={data}", f"train.out_dir={sft}", "train.epochs=null", "train.max_steps=600",
-                     "optim.lr=3e-3", *EXAMPLE_LLAMA], env=TWO_THREADS)
+                     "optim.lr=3e-3", *EXAMPLE_LLAMA])
     return {"data": data, "run": sft, "stdout": proc.stdout}
 
 
@@ -269,7 +268,7 @@ def test_the_documented_dpo_path_goes_on_from_the_fine_tuned_model(tmp_path, exa
     dpo = tmp_path / "llama_quickstart_dpo"
     proc = train_py(["--config", "configs/llama_quickstart_dpo.yaml", f"train.init_from={sft_export}",
                      f"data.dir={pairs}", f"train.out_dir={dpo}", "train.epochs=null", "train.max_steps=30",
-                     "train.eval_interval=30", *EXAMPLE_LLAMA], env=TWO_THREADS)
+                     "train.eval_interval=30", *EXAMPLE_LLAMA])
     assert "reference log-probabilities of" in proc.stdout and "scored and written to" in proc.stdout
     evaluations = [m for m in metrics(dpo) if "val_rewards_accuracy" in m]
     assert evaluations[0]["val_rewards_margin"] == 0 and evaluations[0]["step"] == 0  # the policy is its reference

@@ -365,7 +365,7 @@ def test_a_second_run_reuses_the_compiled_graphs(runs, device):
 
 
 # The presets on a GPU; on a CPU, narrower shapes of them with the vocabulary kept, each ZeRO stage a few seconds.
-MEMORY_SHAPES = {"cuda": [], "cpu": ["model.n_layer=4", "model.n_embd=384", "model.n_head=6", "model.block_size=256",
+MEMORY_SHAPES = {"cuda": [], "cpu": ["model.n_layer=2", "model.n_embd=192", "model.n_head=6", "model.block_size=128",
                                      "ds.train_micro_batch_size_per_gpu=4", *BF16]}
 
 
