@@ -25,7 +25,8 @@ INIT_RANGE = 0.1  # the tutorial's uniform init for the embedding and decoder
 
 
 def uniform_init(weight: torch.Tensor) -> None:
-    nn.init.uniform_(weight, -INIT_RANGE, INIT_RANGE)
+    if not weight.is_meta:  # nothing to draw there (model/layers.py, init_weights)
+        nn.init.uniform_(weight, -INIT_RANGE, INIT_RANGE)
 
 
 class EncoderEmbedding(nn.Module):
@@ -35,11 +36,12 @@ class EncoderEmbedding(nn.Module):
         super().__init__()
         self.embedding = TokenEmbedding(padded_vocab_size, d_model, uniform_init)
         self.scale = math.sqrt(d_model)
-        position = torch.arange(block_size).unsqueeze(1)
-        frequency = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
         table = torch.zeros(block_size, d_model)
-        table[:, 0::2] = torch.sin(position * frequency)
-        table[:, 1::2] = torch.cos(position * frequency)
+        if not table.is_meta:  # its shape alone there (model/layers.py, init_weights)
+            position = torch.arange(block_size).unsqueeze(1)
+            frequency = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
+            table[:, 0::2] = torch.sin(position * frequency)
+            table[:, 1::2] = torch.cos(position * frequency)
         self.register_buffer("positions", table, persistent=False)  # derived, never checkpointed
         self.drop = nn.Dropout(dropout)
 

@@ -17,14 +17,19 @@ INIT_STD = 0.02
 
 
 def normal_init(weight: torch.Tensor) -> None:
-    nn.init.normal_(weight, mean=0.0, std=INIT_STD)
+    if not weight.is_meta:
+        nn.init.normal_(weight, mean=0.0, std=INIT_STD)
 
 
 def init_weights(module: nn.Module, n_layer: int, residual: tuple) -> None:
     """GPT-2 init, shared by the GPT and Llama blocks: matrices N(0, 0.02), the residual projections
     (names ending in `residual`) scaled by 1/sqrt(2 x n_layer), one per residual add; biases zero; norm
-    weights keep their ones."""
+    weights keep their ones. A model built on the meta device (to count or lay out its parameters) has no values
+    to draw: torch's meta normal_ is a Python reference whose first call imports torch's compiler, 1.6 s of the
+    start of every command that counts."""
     for name, p in module.named_parameters():
+        if p.is_meta:
+            continue
         if name.endswith("bias"):
             nn.init.zeros_(p)
         elif name.endswith(residual):
@@ -125,6 +130,15 @@ def rope_frequencies(cfg) -> torch.Tensor:
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
     return torch.where((wavelen >= context / high) & (wavelen <= context / low), blended, scaled)
+
+
+def rope_buffers(cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the window's positions, (block_size, head_dim). On the meta device their shapes alone, as
+    init_weights draws nothing there: torch's meta arithmetic runs Python references that import its compiler."""
+    positions = torch.arange(cfg.block_size)
+    if positions.is_meta:
+        return torch.empty(cfg.block_size, cfg.head_dim), torch.empty(cfg.block_size, cfg.head_dim)
+    return rope_tables(rope_frequencies(cfg), positions)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,7 @@ from model.layers import (
     init_weights,
     lm_head,
     merge_heads,
-    rope_frequencies,
-    rope_tables,
+    rope_buffers,
     split_heads,
 )
 from model.moe import NO_EXPERT_PARALLEL, ExpertParallel, MoEFeedForward
@@ -43,7 +42,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
         self.v = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
         self.o = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
-        cos, sin = rope_tables(rope_frequencies(cfg), torch.arange(cfg.block_size))
+        cos, sin = rope_buffers(cfg)
         # Derived from the config, never checkpointed. DeepSpeed's bf16 casts them as Hugging Face does.
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

@@ -10,7 +10,8 @@ from common.checks import ConfigError
 from harness import train_py
 from model import build_model, model_layers
 from model.config import ModelConfig
-from model.llama import LLAMA, Attention, LlamaBlock, apply_rope, rope_frequencies, rope_tables
+from model.layers import apply_rope, rope_frequencies, rope_tables
+from model.llama import LLAMA, Attention, LlamaBlock
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
 from training import memory_plan
 from training.config import REPO_ROOT, load_run_config
