@@ -21,8 +21,10 @@ def moe_runs(tmp_path_factory, char_data):
     resumed to 4; one process with 2 accumulation steps; ep=2 x dp=4 and ep=2 under ZeRO-0 for 2 steps. Those
     that a test converts write what their engines hold of each parameter at the step they save
     (tests/optimizer_dump.py) into "<name>_held". Trained once, whichever worker asks first."""
-    root = made_once(tmp_path_factory, "moe_runs", lambda folder: train({name: folder / name for name in RUNS},
-                                                                         char_data))
+    return runs_in(made_once(tmp_path_factory, "moe_runs", lambda folder: train(runs_in(folder), char_data)))
+
+
+def runs_in(root) -> dict:
     return {name: root / name for name in RUNS}
 
 
