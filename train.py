@@ -35,7 +35,7 @@ from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb, set_matmul_precision
 from training.divergence import Guard, Verdict
-from training.engines import PlainDriver, drive
+from training.engines import PlainDriver, drive, initialize
 from training.evaluation.multiple_choice import ChoiceScorer
 from training.launch.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
@@ -109,7 +109,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
     weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=weights, config=ds, mpu=mpu)
+    engine = initialize(model, weights, ds, mpu)
     adjust_engine(engine)
     if cfg.train.background_save:
         # DeepSpeed's plug point for its writers

@@ -41,7 +41,7 @@ from common.checks import ConfigError, ToolParser
 from model import build_model
 from training.checkpoints import checkpoint
 from training.checkpoints.background_save import BackgroundWriter
-from training.engines import train_step
+from training.engines import initialize, train_step
 from training.launch.failure import leave_process_group
 from training.launch.launcher_env import set_single_process_env
 from training.optim import optimizer_and_schedule, param_groups
@@ -59,8 +59,7 @@ def measure(preset: str, args, device: torch.device) -> dict:
     ds.update(optimizer_and_schedule(cfg, ds))
     layout = resolve_layout(ds, 1, 1)
     model = build_model(cfg.model, cfg.train.seed)
-    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=param_groups(
-        model.named_parameters(), cfg.optim.weight_decay))
+    engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
     writers = {"synchronous": engine.checkpoint_engine,
                "background": BackgroundWriter(engine._config)}
     out_dir = os.path.join(args.work_dir, preset)

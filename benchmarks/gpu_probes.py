@@ -229,14 +229,13 @@ def storage_locations(data: bytes) -> list[str]:
 
 
 def build_engine(cfg, pipe, ds):
-    import deepspeed
-
+    from training.engines import initialize
     from training.optim import param_groups, start_schedule
     from training.parallelize import parallelize
 
     model, _ = parallelize(cfg, pipe, ds)
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds)
+    engine = initialize(model, groups, ds)
     start_schedule(engine)
     return engine
 

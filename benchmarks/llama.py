@@ -70,7 +70,7 @@ def throughput(args, inputs: dict) -> dict:
     from benchmarks.turns import timed_turns
     from model import build_model
     from training.device import peak_flops
-    from training.engines import train_step
+    from training.engines import initialize, train_step
     from training.launch.failure import leave_process_group
     from training.launch.launcher_env import set_single_process_env
     from training.metrics import flops_per_token
@@ -85,7 +85,7 @@ def throughput(args, inputs: dict) -> dict:
         ds.update(optimizer_and_schedule(cfg, ds))
         model = build_model(cfg.model, cfg.train.seed)
         groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-        engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=groups)
+        engine = initialize(model, groups, ds)
         runners[arch] = (cfg, engine, data, resolve_layout(ds, 1, 1), sum(p.numel() for p in model.parameters()))
 
     def runner(cfg, engine, data, layout, _):

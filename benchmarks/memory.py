@@ -134,10 +134,10 @@ def engine_runtime(ds: dict, device) -> None:
     """Pay the engine's fixed cost before the baseline is read: deepspeed.initialize and the first step import
     some 65 MB of modules (torch._dynamo among them) and load the communication and optimizer ops. That is
     runtime, the same for any model, so a one-parameter model takes it and is thrown away."""
-    import deepspeed
+    from training.engines import initialize
 
     tiny = torch.nn.Linear(1, 1, bias=False)
-    engine, *_ = deepspeed.initialize(model=tiny, model_parameters=tiny.parameters(), config=ds)
+    engine = initialize(tiny, tiny.parameters(), ds)
     engine.backward(engine(torch.ones(1, 1, device=device, dtype=tiny.weight.dtype)).float().sum())
     engine.step()
     engine.destroy()
@@ -153,6 +153,7 @@ def worker(args) -> None:
     from data.token_data import TokenData
     from training.config import load_run_config, split_overrides
     from training.ds_config import load_ds_config
+    from training.engines import initialize
     from training.launch.failure import leave_process_group
     from training.optim import param_groups
     from training.parallelize import parallelize
@@ -177,8 +178,7 @@ def worker(args) -> None:
 
     model, _ = parallelize(cfg, engine_config.pipe, ds)
     built = probe.current() - baseline
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
-                                                                                  cfg.optim.weight_decay), config=ds)
+    engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
     initialized = probe.current() - baseline
 
     def step(n: int) -> tuple[int, int, int]:

@@ -31,7 +31,7 @@ from common.checks import ToolParser
 from data.token_data import TokenData
 from model import build_model, compile_blocks
 from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, set_matmul_precision
-from training.engines import train_step
+from training.engines import initialize, train_step
 from training.launch.failure import leave_process_group
 from training.launch.launcher_env import set_single_process_env
 from training.metrics import flops_per_token
@@ -92,8 +92,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     layout = resolve_layout(ds, 1, 1)
     set_matmul_precision(device, cfg.train.tf32, onednn_matmuls(ds, device, cfg.model.n_embd))  # as train.py
     model = build_model(cfg.model, cfg.train.seed)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model.named_parameters(),
-                                                                                  cfg.optim.weight_decay), config=ds)
+    engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
     adjust_engine(engine)
     reference = Reference(cfg, ds, DTYPES[precision], device)
     if cfg.train.compile:  # as train.py does

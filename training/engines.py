@@ -3,9 +3,13 @@ loop, the evaluation, the scorer and the sampler ask of it: a training step, eva
 (or any other value per row), next-token logits, and the end-of-run weight checks. The plain engine runs
 micro-batches one by one; the pipeline engine takes all of a step's micro-batches at once and returns the loss
 averaged over them and over the data-parallel ranks. `drive(engine)` picks the driver; nothing else asks which
-engine it holds."""
+engine it holds. `initialize` builds the engine."""
+import contextlib
 import functools
+import importlib
+import sys
 
+import deepspeed
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -16,6 +20,46 @@ from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab, sequence
 from training.evaluation.multiple_choice import row_losses
 from training.objectives.next_token import NEXT_TOKEN
 from training.steps import data_parallel_group, replicated_weights_in_sync, token_loss_sum
+
+
+def initialize(model: torch.nn.Module, model_parameters, ds: dict, mpu=None) -> deepspeed.DeepSpeedEngine:
+    """deepspeed.initialize, less one import it makes for an optimizer this repo never builds: its ZeRO and bf16
+    optimizers import DeepSpeed's Muon while the engine is built, whatever the optimizer, to ask whether it is
+    Muon, and Muon's module torch.compiles three functions as it is imported, which imports inductor: 1.5 s of
+    every such rank's start on a 2-core Xeon. Imported first here, with its functions compiled at their first
+    call instead, it costs nothing (a run with train.compile=true imports inductor for its own model)."""
+    muon = "deepspeed.runtime.zero.muon.original_muon"
+    if muon not in sys.modules:
+        with _compile_at_first_call():
+            importlib.import_module(muon)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=ds, mpu=mpu)
+    return engine
+
+
+@contextlib.contextmanager
+def _compile_at_first_call():
+    """torch.compile, for the code imported meanwhile, as a decorator that compiles at the function's first call:
+    DeepSpeed decorates with its own compiler.compile(), which returns torch.compile, and offers no lazy mode
+    to ask for."""
+    compile_now = torch.compile
+
+    def compile_later(fn=None, **options):
+        if fn is None:  # @torch.compile(mode=...)
+            return lambda f: compile_later(f, **options)
+
+        @functools.wraps(fn)
+        def first_call_compiles(*args, **kwargs):
+            if first_call_compiles.compiled is None:
+                first_call_compiles.compiled = compile_now(fn, **options)
+            return first_call_compiles.compiled(*args, **kwargs)
+        first_call_compiles.compiled = None
+        return first_call_compiles
+
+    torch.compile = compile_later
+    try:
+        yield
+    finally:
+        torch.compile = compile_now
 
 
 class PlainDriver:
