@@ -39,24 +39,9 @@ BANDWIDTH_MB = {True: 256, False: 16}  # the all-reduce measured on GPUs (NCCL-t
 
 
 def main(argv=None) -> None:
-    own = ToolParser(add_help=False)
-    # 10 GB/s: far below NVLink (hundreds) and InfiniBand NDR (about 45), above TCP over 25-100 GbE.
-    own.add_argument("--min_busbw", type=float, default=10.0, help="GB/s below which the all-reduce warns (GPUs)")
-    own.add_argument("--dry_run", action="store_true", help="start no rank: print and check the groups of --world "
-                                                            "ranks, the stages and each rank's parameters")
-    own.add_argument("--world", type=int, help="with --dry_run: the number of ranks (GPUs)")
-    own.add_argument("--gpus_per_node", type=int, default=8, help="with --dry_run: GPUs of a node (default 8)")
-    own.add_argument("--gpu_gb", type=float, help="a GPU's memory, against the memory plan (default: the GPU's own; "
-                                                   "none on a CPU)")
-    preflight_args, rest = own.parse_known_args(argv)
-    if preflight_args.gpu_gb is not None and not preflight_args.gpu_gb > 0:  # NaN included; before any rank starts
-        exit_bad_input(f"--gpu_gb {preflight_args.gpu_gb}: must be > 0 (a GPU's memory in GB); fix: e.g. --gpu_gb 80, "
-                       f"or leave it out to take the GPU's own")
+    preflight_args, rest = parse_args(argv)
     if preflight_args.dry_run:
         return print_dry_run(preflight_args, rest)
-    if not preflight_args.min_busbw >= 0:  # NaN included
-        raise ConfigError(f"--min_busbw {preflight_args.min_busbw}: must be >= 0 (GB/s; 0 never warns); fix: pass the "
-                          f"bus bandwidth below which to warn, e.g. --min_busbw 10")
     # train.py's start-up, up to what needs the dataset (every rank reports on it below) or a checkpoint
     cfg, ds = load_configs(rest)
     layout = configure(cfg, ds)[1].engine_settings.layout
@@ -81,23 +66,13 @@ def main(argv=None) -> None:
         report["problems"].append(f"all-reduce gave {total.item():g}, expected {expected:g}")
     PHASE.now("measuring the all-reduce bandwidth")
     busbw = all_reduce_busbw(world)
-    # Shared storage: rank 0 leaves a file in out_dir; every rank looks for it.
-    marker = os.path.join(cfg.train.out_dir, PROBE_DIR, f"shared-{token[0]}")
-    if rank == 0 and report["writable"]:
-        with open(marker, "w") as f:
-            f.write(token[0])
-    torch.distributed.barrier()
-    if report["writable"] and not os.path.exists(marker):
-        report["problems"].append(f"train.out_dir {cfg.train.out_dir} is not shared with rank 0 (its files are not "
-                                  f"visible here): checkpoints need a directory every node mounts at the same path")
+    check_out_dir_shared(cfg.train.out_dir, report, token[0], rank)
     reports = [None] * world
     torch.distributed.all_gather_object(reports, report)
     for problem, ranks in shared_devices(reports):
         for r in ranks:
             reports[r]["problems"].append(problem)
     if rank == 0:
-        if os.path.exists(marker):
-            os.remove(marker)
         print_reports(reports, layout.describe(), cfg.train.out_dir)
         print_bandwidth(busbw, world, preflight_args.min_busbw)
         if fit:
@@ -105,6 +80,42 @@ def main(argv=None) -> None:
     leave_process_group()
     if any(r["problems"] for r in reports):
         raise SystemExit(1)
+
+
+def parse_args(argv) -> tuple:
+    """preflight's own arguments, checked, and the rest: train.py's."""
+    own = ToolParser(add_help=False)
+    # 10 GB/s: far below NVLink (hundreds) and InfiniBand NDR (about 45), above TCP over 25-100 GbE.
+    own.add_argument("--min_busbw", type=float, default=10.0, help="GB/s below which the all-reduce warns (GPUs)")
+    own.add_argument("--dry_run", action="store_true", help="start no rank: print and check the groups of --world "
+                                                            "ranks, the stages and each rank's parameters")
+    own.add_argument("--world", type=int, help="with --dry_run: the number of ranks (GPUs)")
+    own.add_argument("--gpus_per_node", type=int, default=8, help="with --dry_run: GPUs of a node (default 8)")
+    own.add_argument("--gpu_gb", type=float, help="a GPU's memory, against the memory plan (default: the GPU's own; "
+                                                   "none on a CPU)")
+    args, rest = own.parse_known_args(argv)
+    if args.gpu_gb is not None and not args.gpu_gb > 0:  # NaN included; before any rank starts
+        exit_bad_input(f"--gpu_gb {args.gpu_gb}: must be > 0 (a GPU's memory in GB); fix: e.g. --gpu_gb 80, "
+                       f"or leave it out to take the GPU's own")
+    if not args.dry_run and not args.min_busbw >= 0:  # NaN included
+        raise ConfigError(f"--min_busbw {args.min_busbw}: must be >= 0 (GB/s; 0 never warns); fix: pass the "
+                          f"bus bandwidth below which to warn, e.g. --min_busbw 10")
+    return args, rest
+
+
+def check_out_dir_shared(out_dir: str, report: dict, token: str, rank: int) -> None:
+    """Shared storage: rank 0 leaves a file in out_dir, every rank looks for it, and rank 0 removes it."""
+    marker = os.path.join(out_dir, PROBE_DIR, f"shared-{token}")
+    if rank == 0 and report["writable"]:
+        with open(marker, "w") as f:
+            f.write(token)
+    torch.distributed.barrier()
+    if report["writable"] and not os.path.exists(marker):
+        report["problems"].append(f"train.out_dir {out_dir} is not shared with rank 0 (its files are not "
+                                  f"visible here): checkpoints need a directory every node mounts at the same path")
+    torch.distributed.barrier()  # every rank has looked before rank 0 removes it
+    if rank == 0 and os.path.exists(marker):
+        os.remove(marker)
 
 
 def print_dry_run(args, rest: list[str]) -> None:

@@ -220,35 +220,7 @@ class _Call:
 
 
 def main(argv=None) -> None:
-    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", action="append", help="a file, folder, glob or hf:NAME[:CONFIG[:SPLIT]]; "
-                        "repeat for several (default: download tinyshakespeare)")
-    parser.add_argument("--tokenizer", default="char", help="char, gpt2, tiktoken:NAME, PATH/tokenizer.json, "
-                        "bpe:SIZE, or a folder: a dataset's or an export's tokenizer (default: char)")
-    parser.add_argument("--out_dir", help="default: data/shakespeare_<tokenizer>")
-    parser.add_argument("--text_key", default="text", help="the text field of JSONL, Parquet and HF records")
-    parser.add_argument("--split_blank_lines", action="store_true", help="a .txt holds documents separated by "
-                                                                         "blank lines (default: a file is one)")
-    parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents held out (by hash)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (default: all cores)")
-    parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
-    parser.add_argument("--force", action="store_true", help="replace a dataset of other inputs or options in "
-                                                             "--out_dir")
-    chat = parser.add_argument_group("conversations, preference pairs and prompts (--format chat: "
-                                     "data/prepare_chat.py; preference: data/prepare_preference.py; prompts: "
-                                     "data/prepare_prompts.py)")
-    chat.add_argument("--format", choices=["text", "chat", "preference", "prompts"], default="text", help="documents "
-                      "of text, conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning, preference pairs "
-                      "(prompt, chosen, rejected JSONL) for DPO, or prompts (and what the reward reads) for online RL")
-    chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain, lines); "
-                      "default: the tokenizer's tokenizer_config.json, else plain (lines for a tokenizer without an "
-                      "end-of-text token)")
-    chat.add_argument("--train_on", choices=["all", "last", "everything"], help="chat only: the loss trains on "
-                      "every assistant turn (default: all), on the last, or on every token (prompts too)")
-    chat.add_argument("--context", type=int, default=1024, help="the model's block_size: longer conversations are "
-                      "cut or left out")
-    chat.add_argument("--overlong", choices=["truncate", "drop"], default="truncate")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     out_dir = args.out_dir or default_out_dir(args.tokenizer)
     try:
         writable_dir(out_dir, "--out_dir", "pass a folder for the dataset (it is made if missing)")
@@ -283,6 +255,38 @@ def main(argv=None) -> None:
                 args.workers, args.chunk_mb, args.force)
     except (InputError, TokenizerError, OverflowError, ConfigError) as e:
         exit_bad_input(e)
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", action="append", help="a file, folder, glob or hf:NAME[:CONFIG[:SPLIT]]; "
+                        "repeat for several (default: download tinyshakespeare)")
+    parser.add_argument("--tokenizer", default="char", help="char, gpt2, tiktoken:NAME, PATH/tokenizer.json, "
+                        "bpe:SIZE, or a folder: a dataset's or an export's tokenizer (default: char)")
+    parser.add_argument("--out_dir", help="default: data/shakespeare_<tokenizer>")
+    parser.add_argument("--text_key", default="text", help="the text field of JSONL, Parquet and HF records")
+    parser.add_argument("--split_blank_lines", action="store_true", help="a .txt holds documents separated by "
+                                                                         "blank lines (default: a file is one)")
+    parser.add_argument("--val_fraction", type=float, default=0.01, help="share of documents held out (by hash)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="processes (default: all cores)")
+    parser.add_argument("--chunk_mb", type=float, default=16, help="JSONL is cut into pieces of this size (MB)")
+    parser.add_argument("--force", action="store_true", help="replace a dataset of other inputs or options in "
+                                                             "--out_dir")
+    chat = parser.add_argument_group("conversations, preference pairs and prompts (--format chat: "
+                                     "data/prepare_chat.py; preference: data/prepare_preference.py; prompts: "
+                                     "data/prepare_prompts.py)")
+    chat.add_argument("--format", choices=["text", "chat", "preference", "prompts"], default="text", help="documents "
+                      "of text, conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning, preference pairs "
+                      "(prompt, chosen, rejected JSONL) for DPO, or prompts (and what the reward reads) for online RL")
+    chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain, lines); "
+                      "default: the tokenizer's tokenizer_config.json, else plain (lines for a tokenizer without an "
+                      "end-of-text token)")
+    chat.add_argument("--train_on", choices=["all", "last", "everything"], help="chat only: the loss trains on "
+                      "every assistant turn (default: all), on the last, or on every token (prompts too)")
+    chat.add_argument("--context", type=int, default=1024, help="the model's block_size: longer conversations are "
+                      "cut or left out")
+    chat.add_argument("--overlong", choices=["truncate", "drop"], default="truncate")
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":

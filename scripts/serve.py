@@ -67,14 +67,7 @@ def main(argv=None) -> None:
         from serving.metrics import Metrics
     except ImportError as e:
         exit_bad_input(f"python -m scripts.serve needs its ASGI stack ({e}); fix: pip install '.[serve]'")
-    try:
-        for name, low in (("slots", 1), ("max_queue", 0), ("prefix_cache_mb", 0)):
-            if getattr(args, name) < low:
-                raise ConfigError(f"--{name} {getattr(args, name)}: must be at least {low}")
-        check_port(args.host, args.port)
-        cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
-    except (ConfigError, TokenizerError) as e:
-        exit_bad_input(e)
+    cfg, model, tokenizer, meta = checked_model(args)
     from serving.engine import start_engine
     from serving.weights import Weights
 
@@ -91,29 +84,44 @@ def main(argv=None) -> None:
           + ("; API key required" if args.api_key else ""), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=FAILURE_LINGER_S))
+    return serve(server, scheduler)
 
+
+def checked_model(args) -> tuple:
+    """The settings checked, the port free and the model loaded; a bad one ends here in one line (exit 2)."""
+    try:
+        for name, low in (("slots", 1), ("max_queue", 0), ("prefix_cache_mb", 0)):
+            if getattr(args, name) < low:
+                raise ConfigError(f"--{name} {getattr(args, name)}: must be at least {low}")
+        check_port(args.host, args.port)
+        return load_trained(args.out_dir, args.tag, args.export)
+    except (ConfigError, TokenizerError) as e:
+        exit_bad_input(e)
+
+
+def serve(server, scheduler) -> int:
+    """HTTP until Ctrl-C, SIGTERM or a failed model worker; the exit code (1 after a failure). The model's loop
+    keeps the main thread, which loaded the model (serving/scheduler.py says why); HTTP runs on a thread of its
+    own, where uvicorn installs no signal handlers: Ctrl-C and SIGTERM are handled here."""
     def failed(error: BaseException) -> None:
         traceback.print_exception(error)
         print(f"error: {scheduler.failure}; answering 500 for {FAILURE_LINGER_S} s, then exiting 1", file=sys.stderr,
               flush=True)
         threading.Timer(FAILURE_LINGER_S, lambda: setattr(server, "should_exit", True)).start()
 
-    scheduler.on_failure = failed
-
     def stop(*_) -> None:
         server.should_exit = True
         scheduler.close()
 
-    # The model's loop keeps the main thread, which loaded the model (serving/scheduler.py says why); HTTP runs on
-    # a thread of its own, where uvicorn installs no signal handlers: Ctrl-C and SIGTERM are handled here.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop)
     def serve_http() -> None:
         try:
             server.run()
         finally:  # the server ended (stopped, or it failed): the model's loop ends with it
             scheduler.close()
 
+    scheduler.on_failure = failed
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
     http = threading.Thread(target=serve_http, name="http")
     http.start()
     scheduler.run()  # until stopped, or the model's worker fails
