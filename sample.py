@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.chat import chat_prompt
 from data.documents import documents_seen
@@ -66,4 +67,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())

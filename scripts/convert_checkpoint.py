@@ -7,6 +7,7 @@ import argparse
 import os
 import shutil
 
+from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.checkpoints import checkpoint, experts, universal
 
@@ -68,4 +69,5 @@ def to_universal(out_dir: str, tag: str | None) -> str:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     main()

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.documents import documents_seen
 from data.tokenizers import TokenizerError
@@ -100,4 +101,5 @@ def parse_args(argv):
 
 
 if __name__ == "__main__":
+    freeze_imports()
     main()

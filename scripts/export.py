@@ -14,6 +14,7 @@ the export of this very checkpoint (nothing to do).
 import argparse
 import os
 
+from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.checkpoints import checkpoint
 from training.checkpoints.export import export
@@ -34,4 +35,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     main()

@@ -22,6 +22,7 @@ import traceback
 
 import torch
 
+from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.tokenizers import TokenizerError
 from serving.engine import DTYPES
@@ -130,4 +131,5 @@ def serve(server, scheduler) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())

@@ -30,6 +30,7 @@ import traceback
 
 import torch
 
+from common import freeze_imports
 from common.checks import ConfigError
 from training.divergence import Diverged
 from training.launch.launcher_env import launcher_rank
@@ -249,6 +250,7 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
 def run_rank(main, argv=None) -> None:
     """main(argv) with this repo's exit codes: 2 for bad input (before any training), 3 for a run that diverged
     (training/divergence.py), 1 for a failed rank."""
+    freeze_imports()
     faulthandler.enable(all_threads=True)  # a C++ abort (NCCL's watchdog) still shows where Python was
     stop_on_signals()
     try:
