@@ -128,7 +128,6 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     return result
 
 
-
 def main() -> None:
     parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/baby_gpt.yaml")
