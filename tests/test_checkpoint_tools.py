@@ -6,7 +6,6 @@ two checkpoints, an export), damaged afresh for each row."""
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -191,12 +190,12 @@ def test_a_failed_conversion_is_one_line_and_leaves_no_half_checkpoint(paths, mo
     target = paths["tmp"] / "step_000002_universal"
     (paths["tag"] / "zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()  # what the converter is run on
 
-    def converter_fails(cmd, **kwargs):
+    def converter_fails(args):
         target.mkdir()
-        return subprocess.CompletedProcess(cmd, 1, "", "Traceback (most recent call last):\n  ...\nValueError: shard 3 "
-                                                       "is short\n")
+        print("*** 1. Extracting ZeRO fragments")
+        raise ValueError("shard 3 is short")
 
-    monkeypatch.setattr(training.checkpoints.universal.subprocess, "run", converter_fails)
+    monkeypatch.setattr(training.checkpoints.universal.ds_to_universal, "main", converter_fails)
     with pytest.raises(training.checkpoints.universal.ConfigError) as error:
         training.checkpoints.universal.convert(str(paths["tag"]), str(target))
     assert "\n" not in str(error.value) and "Traceback" not in str(error.value)

@@ -3,15 +3,17 @@ needs to know of the model (`universal_info`, saved in each checkpoint), which c
 (DeepSpeed's converter for ZeRO shards, this module for ZeRO-0's whole optimizer state), and a universal
 checkpoint loaded into a ZeRO-0 engine, which DeepSpeed's loader does not do. The command is
 `python -m scripts.convert_checkpoint universal`, which checks the checkpoint first."""
+import argparse
+import contextlib
 import glob
+import io
 import os
 import re
 import shutil
-import subprocess
-import sys
 import types
 
 import torch
+from deepspeed.checkpoint import ds_to_universal
 from deepspeed.checkpoint.constants import (
     CAT_DIM,
     FP32_WEIGHT_KEY,
@@ -172,16 +174,19 @@ def _unconvertible_experts(tag_dir: str, layout: dict) -> str | None:
 
 
 def convert(source: str, target: str) -> None:
-    """DeepSpeed's universal-checkpoint converter, as a separate process: it parses its own command line."""
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", source,
-                           "--output_folder", target, "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True)
-    if proc.returncode:
+    """DeepSpeed's universal-checkpoint converter, run in this process with one worker (its pools would fork this
+    process) and its progress output kept: shown only in the one line of a failure."""
+    args = argparse.Namespace(input_folder=source, output_folder=target, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            ds_to_universal.main(args)
+    except Exception as error:
         shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
-        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-        raise ConfigError(f"DeepSpeed's universal converter failed on {source} ({last}); fix: see its whole output "
-                          f"with python -m deepspeed.checkpoint.ds_to_universal --input_folder {source} "
-                          f"--output_folder {target}, or convert another tag")
+        raise ConfigError(f"DeepSpeed's universal converter failed on {source} ({type(error).__name__}: {error}); "
+                          f"fix: see its whole output with python -m deepspeed.checkpoint.ds_to_universal "
+                          f"--input_folder {source} --output_folder {target}, or convert another tag") from None
 
 
 def convert_zero0(source: str, target: str, saved: dict, states: dict) -> None:
