@@ -145,6 +145,21 @@ def engine_runtime(ds: dict, device) -> None:
     gc.collect()
 
 
+def measured_step(engine, inputs, targets, probe, device) -> tuple[int, int, int]:
+    """One optimizer step; returns what its forward pass added (activations kept for the backward pass) and what
+    remained after the backward pass (gradients: those a stage frees after the step count too), in memory and in
+    live tensors."""
+    from training.steps import lm_loss
+
+    before, tensors_before = probe.current(), live_tensor_bytes(device)
+    loss = lm_loss(engine(inputs), targets)
+    activations = probe.current() - before
+    engine.backward(loss)
+    gradients, gradient_tensors = probe.current() - before, live_tensor_bytes(device) - tensors_before
+    engine.step()
+    return activations, max(gradients, 0), max(gradient_tensors, 0)
+
+
 def worker(args) -> None:
     """One rank under the launcher: build as train.py does, take steps, record memory."""
     import deepspeed
@@ -158,8 +173,6 @@ def worker(args) -> None:
     from training.optim import param_groups
     from training.parallelize import parallelize
     from training.startup import effective_ds_config
-    from training.steps import lm_loss
-
     run_overrides, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(args.config, run_overrides)
     ds = load_ds_config(os.path.join(REPO, "ds_configs", args.worker + ".json"), ds_overrides)
@@ -182,17 +195,8 @@ def worker(args) -> None:
     initialized = probe.current() - baseline
 
     def step(n: int) -> tuple[int, int, int]:
-        """One optimizer step; returns what its forward pass added (activations kept for the backward pass)
-        and what remained after the backward pass (gradients: those a stage frees after the step count too),
-        in memory and in live tensors."""
-        (inputs, targets), = [data.train_batch(cfg.train.seed, n, 0, rank, layout, device)]
-        before, tensors_before = probe.current(), live_tensor_bytes(device)
-        loss = lm_loss(engine(inputs), targets)
-        activations = probe.current() - before
-        engine.backward(loss)
-        gradients, gradient_tensors = probe.current() - before, live_tensor_bytes(device) - tensors_before
-        engine.step()
-        return activations, max(gradients, 0), max(gradient_tensors, 0)
+        inputs, targets = data.train_batch(cfg.train.seed, n, 0, rank, layout, device)
+        return measured_step(engine, inputs, targets, probe, device)
 
     step(1)  # allocates the optimizer state
     gc.collect()  # tensors held only by reference cycles are garbage, not state
@@ -231,7 +235,7 @@ def check(args) -> None:
                               f"ds.gradient_accumulation_steps=1")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/gpt2_124m.yaml")
     parser.add_argument("--stages", nargs="+", default=DEFAULT_STAGES, choices=list(STAGES))
@@ -242,44 +246,45 @@ def main() -> None:
     parser.add_argument("--record", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the launcher
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. model.block_size=256 (ds.* for the ds_config)")
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args)
-    check(args)
+    return parser.parse_args()
 
-    from deepspeed.accelerator import get_accelerator
 
-    rows, results = [], {}
-    for name in args.stages:
-        fd, record = tempfile.mkstemp(prefix=f"memory_{name}_", suffix=".json")  # rank 0 hands the ranks' figures
-        os.close(fd)  # back through it; they all go into --json
-        cmd = [*DEEPSPEED, "--num_gpus", str(args.nprocs),
-               os.path.abspath(__file__), "--worker", name, "--record", record, "--config", args.config,
-               "--steps", str(args.steps), *args.overrides]
-        print(" ".join(cmd), flush=True)
-        # A fixed mmap threshold makes glibc hand freed tensors back at once: otherwise the resident set of a CPU
-        # rank keeps memory that torch already freed, and the CPU figures would not be comparable to a GPU's.
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nprocs)),
-               "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
-               "MALLOC_TRIM_THRESHOLD_": "0"}
-        run_tool(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
-        with open(record) as f:
-            ranks = json.load(f)
-        os.remove(record)
-        worst = max(ranks, key=lambda r: r["peak"])
-        theory = theory_bytes(worst["params"], name, args.nprocs, worst["mixed"], worst["sub_group_size"])
-        expected_peak = worst["baseline"] + theory["total"] + worst["activations"]
-        results[name] = {"ranks": ranks, "theory": theory, "states_vs_theory": worst["states"] / theory["total"] - 1,
-                         "tensors_vs_theory": worst["states_in_tensors"] / theory["total"] - 1,
-                         "peak_vs_baseline_theory_activations": worst["peak"] / expected_peak - 1,
-                         "peak_vs_with_step_fp32_grads":
-                             worst["peak"] / (expected_peak + theory["step_fp32_grads"]) - 1}
+def measure_stage(name: str, args) -> dict:
+    """One ds_config's ranks under the launcher: their records, and the worst rank's against the theory."""
+    fd, record = tempfile.mkstemp(prefix=f"memory_{name}_", suffix=".json")  # rank 0 hands the ranks' figures
+    os.close(fd)  # back through it; they all go into --json
+    cmd = [*DEEPSPEED, "--num_gpus", str(args.nprocs),
+           os.path.abspath(__file__), "--worker", name, "--record", record, "--config", args.config,
+           "--steps", str(args.steps), *args.overrides]
+    print(" ".join(cmd), flush=True)
+    # A fixed mmap threshold makes glibc hand freed tensors back at once: otherwise the resident set of a CPU
+    # rank keeps memory that torch already freed, and the CPU figures would not be comparable to a GPU's.
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nprocs)),
+           "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
+           "MALLOC_TRIM_THRESHOLD_": "0"}
+    run_tool(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    with open(record) as f:
+        ranks = json.load(f)
+    os.remove(record)
+    worst = max(ranks, key=lambda r: r["peak"])
+    theory = theory_bytes(worst["params"], name, args.nprocs, worst["mixed"], worst["sub_group_size"])
+    expected_peak = worst["baseline"] + theory["total"] + worst["activations"]
+    return {"ranks": ranks, "theory": theory, "states_vs_theory": worst["states"] / theory["total"] - 1,
+            "tensors_vs_theory": worst["states_in_tensors"] / theory["total"] - 1,
+            "peak_vs_baseline_theory_activations": worst["peak"] / expected_peak - 1,
+            "peak_vs_with_step_fp32_grads": worst["peak"] / (expected_peak + theory["step_fp32_grads"]) - 1}
+
+
+def print_results(args, results: dict) -> None:
+    rows = []
+    for name, result in results.items():
+        worst, theory = max(result["ranks"], key=lambda r: r["peak"]), result["theory"]
         rows.append([name, *(f"{worst[k] / GB:.2f}" for k in ("peak", "baseline", "activations", "states",
                                                              "states_in_tensors")),
                      *(f"{theory[k] / GB:.2f}" for k in ("total", "step_fp32_grads")),
-                     *(f"{100 * results[name][k]:+.1f}%" for k in ("states_vs_theory", "tensors_vs_theory",
-                                                                   "peak_vs_baseline_theory_activations",
-                                                                   "peak_vs_with_step_fp32_grads"))])
+                     *(f"{100 * result[k]:+.1f}%" for k in ("states_vs_theory", "tensors_vs_theory",
+                                                            "peak_vs_baseline_theory_activations",
+                                                            "peak_vs_with_step_fp32_grads"))])
     print(f"\n{args.config} {' '.join(args.overrides)}, dp={args.nprocs}: GiB per rank "
           f"(the rank with the highest peak)")
     print_table(["ds_config", "peak", "baseline", "activations", "model states: memory", "model states: live tensors",
@@ -293,6 +298,18 @@ def main() -> None:
             print(f"ZeRO-3 ({zero3}) / ZeRO-0 model states per rank, {measure.replace('_', ' ')}: {ratio:.1%}")
         print(f"ZeRO-3 / ZeRO-0 model states per rank, theory: "
               f"{results[zero3]['theory']['total'] / results['zero0']['theory']['total']:.1%}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    check(args)
+
+    from deepspeed.accelerator import get_accelerator
+
+    results = {name: measure_stage(name, args) for name in args.stages}
+    print_results(args, results)
     device = torch.device(get_accelerator().device_name(0))
     write_json(args.json, {**environment(device), "config": args.config, "overrides": args.overrides,
                            "nprocs": args.nprocs, "results": results})
