@@ -133,6 +133,7 @@ class Watch(Observer):
         self.steps = {}  # step: (start, end) of its forward, backward and update, on the loop's clock
         self.step_started = None
         self.sleep_from, self.slept, self.last_step_seconds = None, {}, 0.0
+        self.made = {}  # step: (the thread that made its batches, when it began), for the sleeping ones
         self.copies = collections.Counter()
         self.syncs = None
 
@@ -148,6 +149,7 @@ class Watch(Observer):
         def sleepy_step_batches(data, seed, step, *args, **kwargs):
             if self.sleep_from is not None and step >= self.sleep_from:
                 # made while the step before `step` runs: the last one done is the one before that
+                self.made[step] = (threading.current_thread().name, time.perf_counter())
                 self.slept[step] = SLEEP_FRACTION * self.last_step_seconds
                 time.sleep(self.slept[step])
             return step_batches(data, seed, step, *args, **kwargs)
@@ -208,6 +210,9 @@ class Watch(Observer):
                            batch_waits={s: start - self.steps[s - 1][1] for s, (start, _) in self.steps.items()
                                         if s - 1 in self.steps},
                            loader_sleeps=self.slept, copies=dict(self.copies),
+                           # how long before the end of the step before it a sleeping batch began to be made
+                           batches_made={s: {"thread": thread, "ahead": self.steps[s - 1][1] - began}
+                                         for s, (thread, began) in self.made.items() if s - 1 in self.steps},
                            compiled={k: dict(counters[k]) for k in ("stats", "aot_autograd", "inductor")})
         if self.syncs:
             self.record["syncs"] = {bucket: dict(c) for bucket, c in self.syncs.counts.items()}
