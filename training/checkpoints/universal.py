@@ -175,12 +175,11 @@ def _unconvertible_experts(tag_dir: str, layout: dict) -> str | None:
 
 def convert(source: str, target: str) -> None:
     """DeepSpeed's universal-checkpoint converter, run in this process with one worker (its pools would fork this
-    process) and its progress output kept: shown only in the one line of a failure."""
+    process) and its progress output silenced: a failure is one line, whose fix says how to see that output."""
     args = argparse.Namespace(input_folder=source, output_folder=target, num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
-    output = io.StringIO()
     try:
-        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             ds_to_universal.main(args)
     except Exception as error:
         shutil.rmtree(target, ignore_errors=True)  # half a conversion is no checkpoint
