@@ -33,7 +33,7 @@ from model.tensor_parallel import TensorParallel
 from training.checkpoints import checkpoint, hf, universal
 from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
-from training.device import peak_flops, peak_memory_gb, set_matmul_precision
+from training.device import peak_flops, peak_memory_gb, seed_step, set_matmul_precision
 from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, initialize
 from training.evaluation.multiple_choice import ChoiceScorer
@@ -207,7 +207,7 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
         # draws what an uninterrupted one would. PipelineModule reseeds per micro-batch from its own count.
         # The tensor ranks of a replica draw alike: their replicated activations must stay equal. (Megatron
         # draws attention dropout per head slice from a second generator; here the slices' masks repeat.)
-        torch.manual_seed(hash((cfg.train.seed, rank.index // layout.tp_size, step)) % 2**63)
+        seed_step(hash((cfg.train.seed, rank.index // layout.tp_size, step)) % 2**63, run.device)
         rank.driver.start_step(step, layout.grad_accum)
         PHASE.now(f"training step {step}")
         lr = engine.get_lr()[0]

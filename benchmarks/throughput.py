@@ -30,7 +30,7 @@ from benchmarks.turns import profiled, timed_turns
 from common.checks import ToolParser
 from data.token_data import TokenData
 from model import build_model, compile_blocks
-from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, set_matmul_precision
+from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, seed_step, set_matmul_precision
 from training.engines import initialize, train_step
 from training.launch.failure import leave_process_group
 from training.launch.launcher_env import set_single_process_env
@@ -109,7 +109,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
         losses["reference"].append(reference.step(batches(step), lrs[step - 1]))
 
     def batches(step: int) -> list:
-        torch.manual_seed(hash((cfg.train.seed, 0, step)) % 2**63)  # the same dropout masks for both
+        seed_step(hash((cfg.train.seed, 0, step)) % 2**63, device)  # the same dropout masks for both
         return data.step_batches(cfg.train.seed, step, 0, layout, device)
 
     runners = {"deepspeed": deepspeed_step, "reference": reference_step}
