@@ -90,6 +90,8 @@ def as_typed_here(command: str) -> list[tuple[dict, list[str]]]:
             argv += ["--port", str(free_port())]
         if argv[0] in ("deepspeed", "torchrun"):  # a free port: other jobs of this machine may hold the default
             argv[1:1] = ["--master_port", str(free_port())]
+        if argv[0] == "torchrun":  # its logs in the clone, not a folder of /tmp's a run
+            argv[1:1] = ["--log-dir", "out/torchrun_logs"]
         argv[0] = sys.executable if argv[0] == "python" else os.path.join(BIN, argv[0])
         runs.append((env, argv))
     return runs

@@ -102,16 +102,21 @@ def test_the_deepspeed_launcher_gives_each_rank_its_share_of_the_cores(tmp_path,
 
 # --- torchrun ---------------------------------------------------------------------------------------------
 
+def torchrun_logs(tmp_path) -> list[str]:
+    """torchrun's log folder in the test's, where by default it makes one in /tmp a run and leaves it there."""
+    return ["--log-dir", str(tmp_path / "torchrun")]
+
+
 def test_torchrun_trains_like_the_deepspeed_launcher(tmp_path, char_data, deepspeed_losses):
     port = free_port()
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(port), *torchrun_logs(tmp_path),
            *script_args("train.py", "pipe2.json", tmp_path, char_data, STEPS)]
     assert_trained(run_job(cmd, port), tmp_path, deepspeed_losses["pp2"], "torchrun")
 
 
 def test_torchrun_ends_fast_when_a_rank_raises(tmp_path, char_data):
     port = free_port()
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(port), *torchrun_logs(tmp_path),
            *script_args("tests/fault_train.py", "zero1.json", tmp_path, char_data, FAULT)]
     assert_fails_fast(cmd, port)
 
