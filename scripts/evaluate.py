@@ -14,6 +14,7 @@ once. The results are printed as a table and written to
 """
 import argparse
 import os
+from unittest import mock
 
 import torch
 
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
         print(f"the Hugging Face hub cannot be reached ({unreachable}): the datasets are read from the cache only")
         go_offline()
     try:
-        import lm_eval
+        from lm_eval import evaluator
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import make_table
 
@@ -67,8 +68,11 @@ def main(argv=None) -> None:
     lm = CheckpointLM(model, cfg.block_size, cfg.vocab_size, tokenizer, args.device, args.batch_size,
                       documents_seen(cfg.document_masking, meta))
     try:
-        results = lm_eval.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=args.limit,
-                                          num_fewshot=args.num_fewshot, log_samples=False, bootstrap_iters=1000)
+        # Work around simple_evaluate's environment report (torch's collect_env, which runs pip and nvidia-smi: a
+        # second or more a run): it always makes one, lm_eval has no switch for it, and write_results keeps none.
+        with mock.patch.object(evaluator, "add_env_info", lambda results: None):
+            results = evaluator.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=args.limit,
+                                                  num_fewshot=args.num_fewshot, log_samples=False, bootstrap_iters=1000)
     except RequestError as e:
         exit_bad_input(e)
     except ConnectionError as e:  # a task's dataset is on the hub, which cannot be reached
