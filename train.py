@@ -120,21 +120,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     assert getattr(model, "parts", run.parts) == run.parts, \
         f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"
 
-    start_step, batches_skipped = 0, 0
-    if run.resume_dir:
-        PHASE.now(f"loading {run.resume_dir}")
-        state = checkpoint.load(engine, run.resume_dir)
-        start_step, batches_skipped = state["step"], state.get("batches_skipped", 0)
-        moved = None
-        if index == 0:  # what steps after start_step left behind: this run writes them anew
-            if run.discard:
-                checkpoint.discard(cfg.train.out_dir, run.discard)
-                print0(f"deleted the newer checkpoints {', '.join(run.discard)} (train.discard_newer=true)")
-            moved = checkpoint.set_aside_metrics(cfg.train.out_dir, start_step)
-        torch.distributed.barrier()  # before any rank saves
-        print0(f"resumed from {run.resume_dir} at step {start_step}" + (f"; {moved}" if moved else ""))
-    else:
-        print0(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(cfg.train.out_dir)}")
+    start_step, batches_skipped = resume(run, engine, index, print0)
     # Against the engine's own count of samples, the x of its monitor events (sequence ranks counted in).
     log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=index == 0, append=bool(run.resume_dir),
                      samples_per_step=ds[GLOBAL])
@@ -147,6 +133,26 @@ def build_engine(run: Run, observers: Observers) -> Rank:
         print0(f"multiple-choice tasks scored at each evaluation: {scorer.describe()}")
     return Rank(index, groups.dp_rank, tp, groups.sp, print0, model, engine, driver, start_step, batches_skipped, log,
                 scorer, universal_info, observers)
+
+
+def resume(run: Run, engine, index: int, print0: Callable[[str], None]) -> tuple[int, int]:
+    """The checkpoint loaded, if the run resumes one: the step it starts after and the batches rewinds skipped."""
+    out_dir = run.cfg.train.out_dir
+    if not run.resume_dir:
+        print0(f"starting fresh: no checkpoint to resume in {checkpoint.checkpoint_root(out_dir)}")
+        return 0, 0
+    PHASE.now(f"loading {run.resume_dir}")
+    state = checkpoint.load(engine, run.resume_dir)
+    start_step = state["step"]
+    moved = None
+    if index == 0:  # what steps after start_step left behind: this run writes them anew
+        if run.discard:
+            checkpoint.discard(out_dir, run.discard)
+            print0(f"deleted the newer checkpoints {', '.join(run.discard)} (train.discard_newer=true)")
+        moved = checkpoint.set_aside_metrics(out_dir, start_step)
+    torch.distributed.barrier()  # before any rank saves
+    print0(f"resumed from {run.resume_dir} at step {start_step}" + (f"; {moved}" if moved else ""))
+    return start_step, state.get("batches_skipped", 0)
 
 
 def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
