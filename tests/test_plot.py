@@ -22,6 +22,20 @@ def tiny_run(tmp_path_factory, char_data):
     return out
 
 
+@pytest.fixture
+def drawn(monkeypatch) -> dict:
+    """Each panel's lines as (label, y values) by the panel's title, filled as plot() draws them (before it sets the
+    title)."""
+    import matplotlib.axes
+    panels, set_title = {}, matplotlib.axes.Axes.set_title
+
+    def titled(ax, title, *args, **kwargs):
+        panels[title] = [(line.get_label(), list(line.get_ydata())) for line in ax.get_lines()]
+        return set_title(ax, title, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", titled)
+    return panels
+
+
 def test_read_run_holds_every_logged_point(tiny_run):
     records = metrics(tiny_run)
     runs = read_run(str(tiny_run))
@@ -42,7 +56,7 @@ def test_plot_writes_a_png_of_several_runs(tiny_run, tmp_path):
     assert (tiny_run / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_run_that_scores_tasks_gets_an_accuracy_panel(tiny_run, tmp_path):
+def test_a_run_that_scores_tasks_gets_an_accuracy_panel(tiny_run, tmp_path, drawn):
     """eval.tasks' accuracies (<task>_acc, <task>_acc_norm) make a fifth panel: the figure grows a column."""
     import shutil
     scored = tmp_path / "scored"
@@ -57,9 +71,11 @@ def test_a_run_that_scores_tasks_gets_an_accuracy_panel(tiny_run, tmp_path):
         training.plot.plot([read_run(str(run_dir))], str(tmp_path / "out.png"))
         return int.from_bytes((tmp_path / "out.png").read_bytes()[16:20], "big")
     assert (width(tiny_run), width(scored)) == (880, 1280)
+    assert drawn["multiple-choice accuracy"] == [("scored: shake acc 0.350", [0.25, 0.3, 0.35]),
+                                                 ("scored: shake acc_norm 0.360", [0.26, 0.31, 0.36])]
 
 
-def test_a_preference_run_gets_a_reward_accuracy_panel(tiny_run, tmp_path, monkeypatch):
+def test_a_preference_run_gets_a_reward_accuracy_panel(tiny_run, tmp_path, drawn):
     """Preference tuning's rewards_accuracy (each logged step) and val_rewards_accuracy (each evaluation) are drawn
     in a panel of their own, training and evaluation overlaid."""
     import shutil
@@ -70,19 +86,12 @@ def test_a_preference_run_gets_a_reward_accuracy_panel(tiny_run, tmp_path, monke
             f.write(json.dumps({"step": step, "rewards_accuracy": acc}) + "\n")
         for step in (0, 2, 4):
             f.write(json.dumps({"step": step, "val_rewards_accuracy": step / 4}) + "\n")
-    import matplotlib.axes
-    drawn, set_title = {}, matplotlib.axes.Axes.set_title
-
-    def titled(ax, title, *args, **kwargs):  # the panel's lines, as drawn before its title is set
-        drawn[title] = [(line.get_label(), list(line.get_ydata())) for line in ax.get_lines()]
-        return set_title(ax, title, *args, **kwargs)
-    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", titled)
     training.plot.plot([read_run(str(tuned))], str(tmp_path / "tuned.png"))
     assert drawn["reward accuracy (preference pairs)"] == [("tuned: train", [0.5, 0.75, 0.75, 1.0]),
                                                            ("tuned: val 1.0000", [0.0, 0.5, 1.0])]
 
 
-def test_a_mixture_of_experts_gets_a_load_panel(tiny_run, tmp_path, monkeypatch):
+def test_a_mixture_of_experts_gets_a_load_panel(tiny_run, tmp_path, drawn):
     """A run with experts logs expert_load_max each step: a panel of its own, beside preference tuning's."""
     import shutil
     moe = tmp_path / "moe"
@@ -90,15 +99,8 @@ def test_a_mixture_of_experts_gets_a_load_panel(tiny_run, tmp_path, monkeypatch)
     with open(moe / "metrics.jsonl", "a") as f:
         for step, load in ((1, 1.9), (2, 1.5), (3, 1.2)):
             f.write(json.dumps({"step": step, "expert_load_max": load, "rewards_accuracy": 0.5}) + "\n")
-    import matplotlib.axes
-    drawn, set_title = {}, matplotlib.axes.Axes.set_title
-
-    def titled(ax, title, *args, **kwargs):
-        drawn[title] = [list(line.get_ydata()) for line in ax.get_lines()]
-        return set_title(ax, title, *args, **kwargs)
-    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", titled)
     training.plot.plot([read_run(str(moe))], str(tmp_path / "moe.png"))
-    assert drawn["expert load (busiest expert / mean, worst layer)"] == [[1.9, 1.5, 1.2]]
+    assert drawn["expert load (busiest expert / mean, worst layer)"] == [("moe", [1.9, 1.5, 1.2])]
     assert "reward accuracy (preference pairs)" in drawn
 
 

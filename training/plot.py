@@ -60,6 +60,33 @@ def accuracy_series(run: dict) -> dict[str, tuple[str, str, str]]:
     return found
 
 
+def panels_of(runs: list[dict]) -> list[tuple[str, str]]:
+    """The four panels of every run, then those that some run's metrics call for."""
+    extra = [ACCURACY] if any(accuracy_series(run) for run in runs) else []
+    extra += [panel for panel in (REWARDS, RL, EXPERTS) if any(panel[0] in run["series"] for run in runs)]
+    return PANELS + extra
+
+
+def draw_run(panels: list, run: dict, color: str, scale: int) -> None:
+    """One run's series on each (axes, (key, title)) of `panels`, its steps times `scale` (tokens a step, or 1)."""
+    label = run["name"]
+    for ax, (key, _) in panels:
+        if key == "accuracy":
+            for series, (task, style, what) in accuracy_series(run).items():
+                steps, values = run["series"][series]
+                ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
+                        label=f"{label}: {task} {what} {values[-1]:.3f}")
+        elif key in OVERLAID:
+            for series, style, what in zip(OVERLAID[key], ("-", "o--"), ("train", "val")):
+                if series in run["series"]:
+                    steps, values = run["series"][series]
+                    ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
+                            label=f"{label}: {what}" + (f" {values[-1]:.4f}" if what == "val" else ""))
+        elif key in run["series"]:
+            steps, values = run["series"][key]
+            ax.plot([s * scale for s in steps], values, "-", color=color, label=label)
+
+
 def plot(runs: list[dict], output: str, x: str = "step") -> None:
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
@@ -68,10 +95,7 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
     if x == "tokens" and any(run["tokens_per_step"] is None for run in runs):
         raise PlotError("--x tokens needs each run's tokens_seen in its metrics.jsonl (train.py writes it at each "
                         "progress line); fix: plot by step")
-    panels = PANELS + ([ACCURACY] if any(accuracy_series(run) for run in runs) else []) + \
-        ([REWARDS] if any(REWARDS[0] in run["series"] for run in runs) else []) + \
-        ([RL] if any(RL[0] in run["series"] for run in runs) else []) + \
-        ([EXPERTS] if any(EXPERTS[0] in run["series"] for run in runs) else [])
+    panels = panels_of(runs)
     columns = 2 if len(panels) == 4 else 3
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(11 if columns == 2 else 16, 3.5 * rows), constrained_layout=True)
@@ -84,23 +108,8 @@ def plot(runs: list[dict], output: str, x: str = "step") -> None:
                         f".svg)")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
-        scale = run["tokens_per_step"] if x == "tokens" else 1
-        color, label = colors[i % len(colors)], run["name"]
-        for ax, (key, title) in zip(axes.flat, panels):
-            if key == "accuracy":
-                for series, (task, style, what) in accuracy_series(run).items():
-                    steps, values = run["series"][series]
-                    ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
-                            label=f"{label}: {task} {what} {values[-1]:.3f}")
-            elif key in OVERLAID:
-                for series, style, what in zip(OVERLAID[key], ("-", "o--"), ("train", "val")):
-                    if series in run["series"]:
-                        steps, values = run["series"][series]
-                        ax.plot([s * scale for s in steps], values, style, color=color, markersize=4,
-                                label=f"{label}: {what}" + (f" {values[-1]:.4f}" if what == "val" else ""))
-            elif key in run["series"]:
-                steps, values = run["series"][key]
-                ax.plot([s * scale for s in steps], values, "-", color=color, label=label)
+        draw_run(list(zip(axes.flat, panels)), run, colors[i % len(colors)],
+                 run["tokens_per_step"] if x == "tokens" else 1)
     for ax, (key, title) in zip(axes.flat, panels):
         ax.set_title(title)
         ax.set_xlabel("tokens" if x == "tokens" else "step")
