@@ -46,9 +46,13 @@ def main(argv=None) -> None:
 
 
 def report(args) -> None:
-
     if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
         args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
+    if not args.gpu_gb > 0:  # NaN included
+        raise ConfigError(f"--gpu_gb {args.gpu_gb}: must be > 0; fix: leave it out for this machine's GPU (else 80 GB)")
+    for gpus in args.gpus or []:
+        if gpus < 1:
+            raise ConfigError(f"--gpus {gpus}: must be 1 or more; fix: e.g. --gpus 8")
     run_overrides, ds_overrides = split_overrides(args.overrides)
     run = load_run_config(args.config, run_overrides)
     cfg = run.model
@@ -76,7 +80,7 @@ def report(args) -> None:
 
 def print_plan(cfg, args) -> None:
     """The --plan table: the fastest layouts that fit first, and the recommendation."""
-    for name in ("gpu_gb", "peak_tflops", "intra_gbps", "inter_gbps", "pcie_gbps", "cpu_adam_gparams", "host_gb",
+    for name in ("peak_tflops", "intra_gbps", "inter_gbps", "pcie_gbps", "cpu_adam_gparams", "host_gb",
                  "gpus_per_node", "nodes", "global_batch"):
         value = getattr(args, name)
         if value is not None and not value > 0:  # NaN included

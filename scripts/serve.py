@@ -94,6 +94,8 @@ def checked_model(args) -> tuple:
         for name, low in (("slots", 1), ("max_queue", 0), ("prefix_cache_mb", 0)):
             if getattr(args, name) < low:
                 raise ConfigError(f"--{name} {getattr(args, name)}: must be at least {low}")
+        if not 1 <= args.port <= 65535:
+            raise ConfigError(f"--port {args.port}: must be a TCP port, 1 to 65535; fix: e.g. --port 8000")
         check_port(args.host, args.port)
         return load_trained(args.out_dir, args.tag, args.export)
     except (ConfigError, TokenizerError) as e:

@@ -120,6 +120,17 @@ def test_a_bad_assumption_is_one_line(flag, message):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [message]
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--gpus", "8", "--gpus", "0"], "error: --gpus 0: must be 1 or more; fix: e.g. --gpus 8"),
+    (["--gpu_gb", "0"], "error: --gpu_gb 0.0: must be > 0; fix: leave it out for this machine's GPU (else 80 GB)"),
+])
+def test_the_tables_gpu_count_and_size_are_checked_as_the_plans_are(flags, message, capsys):
+    import scripts.memory_plan
+    with pytest.raises(SystemExit) as ended:
+        scripts.memory_plan.main(["--config", "configs/llama_quickstart.yaml", *flags, "model.vocab_size=65"])
+    assert ended.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [message]
+
+
 def test_the_command_recommends_a_layout_or_says_none_fits():
     argv = ["--config", "configs/llama_quickstart.yaml", "--plan", "--gpus", "8", "--global_batch", "64",
             "model.vocab_size=65"]

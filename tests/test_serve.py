@@ -138,7 +138,9 @@ def test_start_refuses_a_missing_export_one_without_its_tokenizer_and_a_port_in_
                           (["--export", chat_export, "--port", str(server.port)], f"--port {server.port}: cannot "
                                                                                    f"listen there"),
                           (["--export", chat_export, "--prefix_cache_mb", "-1"], "--prefix_cache_mb -1: must be at "
-                                                                                  "least 0")]:
+                                                                                  "least 0"),
+                          (["--export", chat_export, "--port", "70000"], "--port 70000: must be a TCP port, 1 to "
+                                                                         "65535")]:
         proc = run([sys.executable, "-m", "scripts.serve", *args], check=False, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert message in proc.stderr, proc.stderr
