@@ -221,15 +221,16 @@ def test_eval_interval_zero_evaluates_at_start_and_end_only(char_data, tmp_path)
 
 
 def test_unknown_run_key_suggests_the_right_one():
-    with pytest.raises(ConfigError, match=r"unknown setting 'train.max_step' in the command line; "
-                                          r"did you mean 'train.max_steps'\?"):
+    with pytest.raises(ConfigError, match=r"unknown setting 'train.max_step' in the command line \(did you mean "
+                                          r"'train.max_steps'\?\); fix: use one of the known keys in train: "):
         load_run_config(os.path.join(REPO, "configs", "quickstart.yaml"), ["train.max_step=5"])
 
 
 def test_unknown_key_in_yaml_names_the_file(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("model:\n  n_layers: 3\n")
-    with pytest.raises(ConfigError, match=rf"unknown setting 'model.n_layers' in {path}; did you mean 'model.n_layer'"):
+    with pytest.raises(ConfigError, match=rf"unknown setting 'model.n_layers' in {path} \(did you mean "
+                                          rf"'model.n_layer'"):
         load_run_config(str(path), [])
 
 
@@ -272,7 +273,8 @@ BAD_RUN_CONFIG_FILES = [
     ("- 1\n- 2\n", "{path} holds a YAML list, not a mapping: a run config maps data, eval, model, optim, preference, "
                    "rl, sample, train to their settings"),
     ("model: 3\n", "{path}: 'model' holds 3, not a mapping of settings; fix: write its settings under it"),
-    ("modle:\n  n_layer: 2\n", "unknown setting 'modle' in {path}; did you mean 'model'?"),
+    ("modle:\n  n_layer: 2\n", "unknown setting 'modle' in {path} (did you mean 'model'?); fix: use one of the "
+                               "known keys: data, eval,"),
     ("base: gpt9\n", "{path}: base: gpt9 is neither a preset of configs/ nor a file ({dir}/gpt9); fix: name one of "
                      "baby_gpt, encoder_1b"),
     ("base: 3\n", "{path}: base: 3 is not a preset; fix: name one of configs/ (e.g. base: quickstart) or a YAML file"),

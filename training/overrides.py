@@ -38,9 +38,9 @@ def explain_omegaconf_error(e: OmegaConfBaseException, source: str, schema: type
     known = _known_keys(schema, section)
     if name and known and name not in known:
         hint = difflib.get_close_matches(name, known, n=1)
-        suggestion = f"; did you mean '{section + '.' if section else ''}{hint[0]}'?" if hint else ""
-        return (f"unknown setting '{key}' in {source}{suggestion} "
-                f"Known keys{' in ' + section if section else ''}: {', '.join(sorted(known))}")
+        suggestion = f" (did you mean '{section + '.' if section else ''}{hint[0]}'?)" if hint else ""
+        return (f"unknown setting '{key}' in {source}{suggestion}; fix: use one of the known keys"
+                f"{' in ' + section if section else ''}: {', '.join(sorted(known))}")
     expected = _expected_type(schema, key)
     if expected:
         kind, example = expected
