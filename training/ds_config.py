@@ -77,6 +77,9 @@ def check_numbers(ds: dict, path: str) -> None:
                               f"ds_config or on the command line")
 
 
+REJECTED_FIX = "fix: correct it in the ds_config, or in its ds.* override"
+
+
 def check_with_deepspeed(ds: dict, path: str) -> None:
     """Parse `ds` with DeepSpeedConfig and reject top-level keys it never reads (it ignores them)."""
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -92,8 +95,9 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
     except Exception as e:
         if hasattr(e, "errors") and hasattr(e, "title"):  # a section's pydantic model: one line per problem
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-            raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}") from None
-        raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}") from None
+            raise ConfigError(f"{path} is rejected by DeepSpeed's config parser ({e.title}): {problems}; "
+                              f"{REJECTED_FIX}") from None
+        raise ConfigError(f"{path} is rejected by DeepSpeed's config parser: {e}; {REJECTED_FIX}") from None
     # Our keys beside DeepSpeed's (training/topology.py TP_KEY, TP_SEQUENCE_KEY): the tensor-parallel degree of our
     # own layers, and whether they split the sequence between them; and
     # DeepSpeed's sequence-parallel degree, which this repo reads itself (SP_KEY); the expert-parallel degree of
@@ -104,7 +108,8 @@ def check_with_deepspeed(ds: dict, path: str) -> None:
     if unknown:
         hints = [f"'{k}'" + (f" (did you mean '{m[0]}'?)" if (m := difflib.get_close_matches(k, probe.read, 1))
                              else "") for k in unknown]
-        raise ConfigError(f"{path}: DeepSpeed does not know the key(s) {', '.join(hints)}")
+        raise ConfigError(f"{path}: DeepSpeed does not know the key(s) {', '.join(hints)}; fix: correct or remove "
+                          f"them")
 
 
 class _KeyRecorder(dict):
