@@ -233,3 +233,9 @@ def marked_end_of_turn(template: ChatTemplate, tok, turns: list[dict], part: int
     ids, offsets = tok.encode_with_offsets(text)
     marked = [i for i, m in enumerate(supervised_mask(offsets, spans[part:][:1])) if m]
     return ids[marked[-1]] if marked else None
+
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("data.prepare_chat", "python -m data.prepare --format chat")

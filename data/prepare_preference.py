@@ -236,3 +236,9 @@ def _end_of_turn(template, tok, pair) -> int | None:
 def _untokenizable(e: ValueError, where: str, tokenizer_spec) -> InputError:
     return InputError(f"{where}: the pair does not encode with --tokenizer {tokenizer_spec} ({e}); fix: leave the "
                       f"record out, or write it in the tokenizer's characters")
+
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("data.prepare_preference", "python -m data.prepare --format preference")

@@ -149,3 +149,9 @@ def _chat_record(template, name: str, tok, turns: list[dict], where: str, contex
                          f"content and end-of-turn")
     return {"template": name, "chat_template": template.source, "context": context, "end_of_turn_id": end_of_turn,
             "end_of_turn": tok.decode([end_of_turn])}
+
+
+if __name__ == "__main__":
+    from common.checks import not_a_command
+
+    not_a_command("data.prepare_prompts", "python -m data.prepare --format prompts")

@@ -69,6 +69,8 @@ BAD_COMMAND_LINES = [
                                            "a command; fix: run python -m scripts.export"),
     ("-m training.evaluation.evaluate", [], "error: python -m training.evaluation.evaluate is a library module, "
                                             "not a command; fix: run python -m scripts.evaluate"),
+    ("-m data.prepare_chat", [], "error: python -m data.prepare_chat is a library module, not a command; fix: run "
+                                 "python -m data.prepare --format chat"),
 ]
 
 
