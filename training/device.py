@@ -174,12 +174,12 @@ def set_matmul_precision(device: torch.device, tf32: bool, onednn: bool) -> None
 
 
 def seed_step(seed: int, device: torch.device) -> None:
-    """torch.manual_seed for the generators a training step draws from: the CPU's, and the GPU's on a GPU.
+    """torch.manual_seed for the generators a training step draws from: the CPU's, and the GPUs' on a GPU.
     torch.manual_seed also seeds every other backend, and for each one not initialized (CUDA in a CPU run, XPU,
     MTIA) records the caller's formatted stack for a later replay: 0.2-0.4 ms of host time a step."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
 
 
 def compute_dtype(ds: dict, device: torch.device, width: int) -> tuple[torch.dtype, str | None]:
