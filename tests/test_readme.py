@@ -214,3 +214,15 @@ def test_heading_anchors_are_the_ones_github_makes():
                             "## Results", "## Results", "## `train.init_from` and [links](x.md)"]) == {
         "shipped-ds_configs", "the-llamas-throughput-beside-the-gpts", "pbs--pbs-pro-eg-alcfs-polaris",
         "results", "results-1", "traininit_from-and-links"}
+
+
+def test_the_code_map_names_every_source_file():
+    """docs/code.md says where each job lives: every Python file of the library, the commands and the benchmarks
+    (the tests have their map in docs/testing.md) is named there, by its path or, in a folder's line, its name."""
+    import subprocess
+    code_map = open(os.path.join(REPO_ROOT, "docs", "code.md")).read()
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    sources = [p for p in tracked if not p.startswith("tests/") and os.path.basename(p) != "__init__.py"]
+    assert len(sources) > 100, sources
+    assert [p for p in sources if p not in code_map and os.path.basename(p) not in code_map] == []
