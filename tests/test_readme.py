@@ -226,3 +226,10 @@ def test_the_code_map_names_every_source_file():
     sources = [p for p in tracked if not p.startswith("tests/") and os.path.basename(p) != "__init__.py"]
     assert len(sources) > 100, sources
     assert [p for p in sources if p not in code_map and os.path.basename(p) not in code_map] == []
+
+
+def test_the_testing_doc_names_every_test_file():
+    testing = open(os.path.join(REPO_ROOT, "docs", "testing.md")).read()
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO_ROOT, "tests", "test_*.py")))
+    assert len(files) > 80, files
+    assert [f for f in files if f not in testing] == []
