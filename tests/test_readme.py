@@ -231,5 +231,5 @@ def test_the_code_map_names_every_source_file():
 def test_the_testing_doc_names_every_test_file():
     testing = open(os.path.join(REPO_ROOT, "docs", "testing.md")).read()
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO_ROOT, "tests", "test_*.py")))
-    assert len(files) > 80, files
+    assert len(files) > 70, files
     assert [f for f in files if f not in testing] == []
