@@ -18,6 +18,7 @@ CPU stand-in of a check.
 """
 import dataclasses
 import gc
+import importlib
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     probe, out, rest = argv[0], argv[1], argv[2:]
     if os.environ.get("DS_ACCELERATOR") == "cpu":
-        one_process_cpu_needs_no_compiler()
+        one_process_cpu_without_shm_op()
     if probe == "train":
         from benchmarks.gpu_watch import watch_train
 
@@ -54,17 +55,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: unknown probe {probe}")
 
 
-def one_process_cpu_needs_no_compiler() -> None:
-    """On a machine without setuptools or a C++ compiler (a GPU box with only a torch image and benchmarks/
-    wheelhouse.sh's wheels), DeepSpeed's CPU accelerator could not build its shared-memory all-reduce op, and would
-    fail at start: a probe's one process on the CPU (the CPU reference of a GPU check) has nothing to all-reduce
-    with, so it goes without the op, over gloo alone."""
-    import importlib.util
-    import shutil
-
-    if importlib.util.find_spec("setuptools") is None or not (shutil.which("c++") or shutil.which("g++")):
-        # the module itself: the attribute deepspeed.comm.torch is the torch package that deepspeed.comm imports
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+def one_process_cpu_without_shm_op() -> None:
+    """A probe's one process on the CPU (the CPU reference of a GPU check) has nothing to all-reduce with: it goes
+    without DeepSpeed's shared-memory all-reduce op, over gloo alone. DeepSpeed's CPU accelerator builds the op at
+    its first use on a machine (about 35 s of a GPU box's tier, where the CPU reference is the only CPU run), and on
+    a machine without setuptools or a C++ compiler (a torch image with benchmarks/wheelhouse.sh's wheels) it would
+    fail at start."""
+    # the module itself: the attribute deepspeed.comm.torch is the torch package that deepspeed.comm imports
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def write(path: str, record: dict) -> None:
