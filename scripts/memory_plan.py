@@ -9,6 +9,7 @@ What it counts, after whom, and what comes on top of it: training/memory_plan.py
 assumptions: training/layout_planner.py.
 """
 import argparse
+import dataclasses
 import glob
 import os
 
@@ -20,6 +21,10 @@ from training.ds_config import load_ds_config
 from training.layout_planner import Assumptions, plan_layouts
 from training.memory_plan import ALLOWANCE, GB, PARTS, fits, plan
 
+GPUS_PER_NODE, TOP = 8, 10
+ASSUMED = ("peak_tflops", "mfu", "intra_gbps", "inter_gbps", "pcie_gbps", "cpu_adam_gparams", "host_gb")
+PLAN_ONLY = ("nodes", "gpus_per_node", "global_batch", "top", *ASSUMED)  # read by --plan alone
+
 
 def main(argv=None) -> None:
     parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,12 +35,12 @@ def main(argv=None) -> None:
     planner = parser.add_argument_group("--plan: every layout for --gpus GPUs (or --nodes x --gpus_per_node)")
     planner.add_argument("--plan", action="store_true", help="enumerate the layouts and recommend one")
     planner.add_argument("--nodes", type=int, help="nodes of --gpus_per_node GPUs, instead of --gpus")
-    planner.add_argument("--gpus_per_node", type=int, default=8)
+    planner.add_argument("--gpus_per_node", type=int, help=f"default {GPUS_PER_NODE}")
     planner.add_argument("--global_batch", type=int, help="windows a step (default: 4M tokens' worth)")
-    planner.add_argument("--top", type=int, default=10, help="layouts printed (default 10)")
+    planner.add_argument("--top", type=int, help=f"layouts printed (default {TOP})")
     defaults = Assumptions()
-    for name in ("peak_tflops", "mfu", "intra_gbps", "inter_gbps", "pcie_gbps", "cpu_adam_gparams", "host_gb"):
-        planner.add_argument(f"--{name}", type=float, default=getattr(defaults, name))
+    for name in ASSUMED:
+        planner.add_argument(f"--{name}", type=float, help=f"default {getattr(defaults, name):g}")
     parser.add_argument("overrides", nargs="*", help="overrides, e.g. model.block_size=2048 "
                                                     "ds.train_micro_batch_size_per_gpu=4 (each ds_config alike)")
     args = parser.parse_args(argv)
@@ -46,6 +51,10 @@ def main(argv=None) -> None:
 
 
 def report(args) -> None:
+    given = [name for name in PLAN_ONLY if getattr(args, name) is not None]
+    if given and not args.plan:
+        raise ConfigError(f"--{given[0]} is an option of --plan, which enumerates every layout for a number of GPUs; "
+                          f"fix: add --plan")
     if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
         args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
     if not args.gpu_gb > 0:  # NaN included
@@ -85,24 +94,25 @@ def print_plan(cfg, args) -> None:
         value = getattr(args, name)
         if value is not None and not value > 0:  # NaN included
             raise ConfigError(f"--{name} {value}: must be > 0; fix: leave it out for its default")
-    if not 0 < args.mfu <= 1:
+    if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu {args.mfu}: must be in (0, 1], the share of the peak the matmuls reach; fix: e.g. "
                           f"--mfu 0.45")
-    gpus = args.nodes * args.gpus_per_node if args.nodes else (args.gpus or [0])[0]
+    per_node = args.gpus_per_node or GPUS_PER_NODE
+    gpus = args.nodes * per_node if args.nodes else (args.gpus or [0])[0]
     if gpus < 1 or (args.gpus and len(args.gpus) > 1):
         raise ConfigError("--plan needs one GPU count: --gpus N, or --nodes N (x --gpus_per_node)")
     global_batch = args.global_batch or max(1, 4 * 2**20 // cfg.block_size)
-    assumptions = Assumptions(args.gpu_gb, args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps,
-                              args.pcie_gbps, args.cpu_adam_gparams, args.host_gb)
-    rows = plan_layouts(cfg, gpus, args.gpus_per_node, global_batch, assumptions)
+    assumptions = dataclasses.replace(Assumptions(args.gpu_gb), **{name: getattr(args, name) for name in ASSUMED
+                                                                   if getattr(args, name) is not None})
+    rows = plan_layouts(cfg, gpus, per_node, global_batch, assumptions)
     fitting = [r for r in rows if r["fits"]]
-    print(f"{gpus} GPUs ({args.gpus_per_node} a node), {global_batch} windows a step; {assumptions.describe()}; "
+    print(f"{gpus} GPUs ({per_node} a node), {global_batch} windows a step; {assumptions.describe()}; "
           f"{len(fitting)} of {len(rows)} layouts fit, each GPU's plan within {1 - ALLOWANCE:.0%} of it "
           f"({ALLOWANCE * args.gpu_gb:.1f} GB left to the allocator's fragmentation, communication buffers and the "
           f"CUDA context)\n")
     print(f"| layout | {' | '.join(PARTS)} | memory / GPU | host memory / node | fits | step s | MFU |\n"
           f"|---|{'---|' * len(PARTS)}---|---|---|---|---|")
-    for r in rows[:args.top]:
+    for r in rows[:TOP if args.top is None else args.top]:
         host = f"{r['host'] / GB:.0f} GB" if r["host"] else ""
         parts = " | ".join(f"{r['parts'][part] / GB:.1f} GB" for part in PARTS)
         print(f"| {r['layout'].describe()} | {parts} | {r['memory'] / GB:.1f} GB | {host} | "

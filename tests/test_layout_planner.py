@@ -123,8 +123,14 @@ def test_a_bad_assumption_is_one_line(flag, message):
 @pytest.mark.parametrize("flags,message", [
     (["--gpus", "8", "--gpus", "0"], "error: --gpus 0: must be 1 or more; fix: e.g. --gpus 8"),
     (["--gpu_gb", "0"], "error: --gpu_gb 0.0: must be > 0; fix: leave it out for this machine's GPU (else 80 GB)"),
+    (["--gpus", "64", "--nodes", "8"], "error: --nodes is an option of --plan, which enumerates every layout for a "
+                                       "number of GPUs; fix: add --plan"),
+    (["--mfu", "0.5"], "error: --mfu is an option of --plan, which enumerates every layout for a number of GPUs; fix: "
+                       "add --plan"),
 ])
-def test_the_tables_gpu_count_and_size_are_checked_as_the_plans_are(flags, message, capsys):
+def test_the_table_checks_its_gpus_and_takes_no_option_of_the_plan(flags, message, capsys):
+    """The table of shipped ds_configs checks its GPU count and size as --plan does, and refuses what only --plan
+    reads (it would be left unread)."""
     import scripts.memory_plan
     with pytest.raises(SystemExit) as ended:
         scripts.memory_plan.main(["--config", "configs/llama_quickstart.yaml", *flags, "model.vocab_size=65"])
