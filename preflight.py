@@ -18,6 +18,7 @@ At a scale this machine does not have, check the layout without starting any ran
 import common  # noqa: F401 (first: its filter of DeepSpeed's log must be in place before DeepSpeed is imported)
 
 # isort: split
+import argparse
 import dataclasses
 import os
 import socket
@@ -84,16 +85,24 @@ def main(argv=None) -> None:
 
 def parse_args(argv) -> tuple:
     """preflight's own arguments, checked, and the rest: train.py's."""
-    own = ToolParser(add_help=False)
+    own = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="Every other argument is train.py's (python train.py --help): --config, --ds_config and "
+                            "key=value overrides, as the run it checks takes them.")
     # 10 GB/s: far below NVLink (hundreds) and InfiniBand NDR (about 45), above TCP over 25-100 GbE.
     own.add_argument("--min_busbw", type=float, default=10.0, help="GB/s below which the all-reduce warns (GPUs)")
     own.add_argument("--dry_run", action="store_true", help="start no rank: print and check the groups of --world "
                                                             "ranks, the stages and each rank's parameters")
     own.add_argument("--world", type=int, help="with --dry_run: the number of ranks (GPUs)")
-    own.add_argument("--gpus_per_node", type=int, default=8, help="with --dry_run: GPUs of a node (default 8)")
+    own.add_argument("--gpus_per_node", type=int, help="with --dry_run: GPUs of a node (default 8)")
     own.add_argument("--gpu_gb", type=float, help="a GPU's memory, against the memory plan (default: the GPU's own; "
                                                    "none on a CPU)")
     args, rest = own.parse_known_args(argv)
+    if not args.dry_run and (args.world is not None or args.gpus_per_node is not None):
+        exit_bad_input(f"--{'world' if args.world is not None else 'gpus_per_node'} is an option of --dry_run, "
+                       f"which checks a layout at that scale without starting a rank; fix: add --dry_run, or leave it "
+                       f"out (a launched preflight's world is the launcher's)")
+    if args.dry_run and args.gpus_per_node is None:
+        args.gpus_per_node = 8
     if args.gpu_gb is not None and not args.gpu_gb > 0:  # NaN included; before any rank starts
         exit_bad_input(f"--gpu_gb {args.gpu_gb}: must be > 0 (a GPU's memory in GB); fix: e.g. --gpu_gb 80, "
                        f"or leave it out to take the GPU's own")

@@ -52,6 +52,9 @@ BAD_COMMAND_LINES = [
     ("train.py", ["ds.zero_optimization.stage=[1"], "error: override 'ds.zero_optimization.stage=[1': YAML cannot "
                                                     "read the value '[1'"),
     ("preflight.py", ["--min_busbw", "x"], "error: preflight.py: argument --min_busbw: invalid float value: 'x'"),
+    ("preflight.py", ["--world", "16"], "error: --world is an option of --dry_run, which checks a layout at that scale "
+                                        "without starting a rank; fix: add --dry_run, or leave it out (a launched "
+                                        "preflight's world is the launcher's)"),
     ("sample.py", [], "error: sample.py: one of the arguments --out_dir --export is required"),
     ("-m data.prepare", ["--workers", "x"], "error: python -m data.prepare: argument --workers: invalid int value: "
                                             "'x'; fix: see python -m data.prepare --help"),
@@ -97,3 +100,11 @@ def test_a_bad_command_line_is_one_error_line(tool, args, message, monkeypatch, 
     assert [line for line in stderr.splitlines() if line.startswith("error:")] == [line for line in stderr.splitlines()
                                                                                   if message in line]
     assert message in stderr and "usage:" not in stderr
+
+
+def test_the_preflights_help_is_its_own():
+    """Its own description and options, and where the rest of its command line goes (train.py's)."""
+    proc = run([sys.executable, "preflight.py", "--help"], timeout=120)
+    assert proc.stdout.startswith("usage: preflight.py") and "Check a multi-node layout" in proc.stdout
+    assert all(flag in proc.stdout for flag in ("--dry_run", "--world", "--gpus_per_node", "--gpu_gb", "--min_busbw"))
+    assert "Every other argument is train.py's (python train.py --help)" in proc.stdout
