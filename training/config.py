@@ -295,11 +295,16 @@ class RunConfig:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ToolParser(
-        description="Train a GPT with DeepSpeed.",
+        description="Train a preset of configs/ (GPT-2, Llama, its mixture of experts, the encoder stack) through "
+                    "DeepSpeed's engine, on one process or under any launcher: pretraining, or what its objective "
+                    "says (fine-tuning, preference tuning, a reward model, online RL). By default "
+                    "(train.resume=auto) it resumes from train.out_dir's last checkpoint.",
         epilog="Overrides: section.key=value for the run config (e.g. train.max_steps=100), "
                "ds.key=value for the ds_config (e.g. ds.zero_optimization.stage=3).")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (model, data, optim, train)")
-    parser.add_argument("--ds_config", default=DEFAULT_DS_CONFIG, help="DeepSpeed config JSON (engine)")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (model, data, optim, train; "
+                        "default: the quickstart's)")
+    parser.add_argument("--ds_config", default=DEFAULT_DS_CONFIG, help="DeepSpeed config JSON (the engine; default: "
+                        "zero0.json on a CPU, zero1.json on a GPU)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     # Intermixed: --config and --ds_config may come anywhere among the overrides.
