@@ -11,8 +11,12 @@ from serving.errors import APIError
 
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each token (vLLM's default bound)
 MAX_N = 16
+# OpenAI's options this server does not implement, refused where a request sets them (0, empty or false is their
+# default) rather than answered as if they were not there.
 UNSUPPORTED = {"tools": "tools", "tool_choice": "tools", "functions": "function calling",
-               "function_call": "function calling", "response_format": "response formats"}
+               "function_call": "function calling", "response_format": "response formats",
+               "frequency_penalty": "frequency penalties", "presence_penalty": "presence penalties",
+               "logit_bias": "logit biases", "suffix": "suffixes"}
 
 
 @dataclass
@@ -40,6 +44,9 @@ def json_body(raw: bytes) -> dict:
     for key, what in UNSUPPORTED.items():
         if body.get(key):
             raise APIError(400, f"{what} are not supported by this server", key, code="unsupported")
+    if body.get("best_of") not in (None, 1):
+        raise APIError(400, "best_of is not supported by this server: ask for n answers", "best_of",
+                       code="unsupported")
     return body
 
 
@@ -124,6 +131,9 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
         raise APIError(400, f"temperature must be in [0, 2], not {temperature}", "temperature")
     if not 0 < top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], not {top_p}", "top_p")
+    top_k = number("top_k", -1, int)  # vLLM's option: -1 (or 0) draws from the whole vocabulary
+    if top_k < -1:
+        raise APIError(400, f"top_k must be -1 or 0 (off) or at least 1, not {top_k}", "top_k")
     n, seed = number("n", 1, int), number("seed", None, int)
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], not {n}", "n")
@@ -137,8 +147,9 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
     if echo and chat:
         raise APIError(400, "echo is an option of /v1/completions", "echo")
     texts = [tokenizer.decode(ids) for ids in prompts]
-    return Asked(prompts, texts, Sampling(max_tokens, temperature, None, top_p, stop_ids), seed, n, stops,
-                 _logprobs(body, number, chat), echo, bool(body.get("return_token_ids")))
+    sampling = Sampling(max_tokens, temperature, top_k if top_k > 0 else None, top_p, stop_ids)
+    return Asked(prompts, texts, sampling, seed, n, stops, _logprobs(body, number, chat), echo,
+                 bool(body.get("return_token_ids")))
 
 
 def _logprobs(body: dict, number, chat: bool) -> int | None:

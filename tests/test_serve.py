@@ -89,6 +89,21 @@ def test_four_concurrent_streams_get_what_each_gets_alone(server):
     assert at_once([lambda m=m: stream(m) for m in messages]) == alone
 
 
+def test_top_k_draws_among_the_k_most_likely_tokens(server):
+    """vLLM's top_k: 1 answers greedily whatever the seed; 5 draws other answers; 0 and -1 leave sampling whole, and
+    OpenAI's options left at their defaults (a penalty of 0, best_of 1) are taken."""
+    def answer(seed=None, **options) -> str:
+        reply = server.client().completions.create(model="export", prompt="Reverse: king crown", max_tokens=24,
+                                                   seed=seed, **options)
+        return reply.choices[0].text
+
+    greedy = answer(temperature=0)
+    assert [answer(seed, temperature=1, extra_body={"top_k": 1}) for seed in (1, 2, 3)] == [greedy] * 3
+    assert {answer(seed, temperature=1, extra_body={"top_k": 5}) for seed in (1, 2, 3)} - {greedy}
+    assert answer(7, temperature=1, extra_body={"top_k": 0}) == answer(7, temperature=1, extra_body={"top_k": -1}) \
+        == answer(7, temperature=1, frequency_penalty=0, presence_penalty=0, best_of=1)
+
+
 def test_seeded_samples_are_the_same_alone_twice_and_in_a_batch(server):
     def sample(seed: int, **options) -> list[str]:
         reply = server.client().completions.create(model="export", prompt="Reverse: king crown", max_tokens=24,
