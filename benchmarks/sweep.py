@@ -10,7 +10,8 @@ A row's tokens/s and MFU are the mean of its logged intervals after the first (t
 metrics.jsonl); its memory is the largest peak the intervals logged, allocated and reserved. The plan's figure
 (training/memory_plan.py) stands beside it, with whether it fits --gpu_gb (the device's own memory on a GPU).
 A run that ends out of memory is a row marked "out of memory", which is what the sweep checks the plan against:
-the largest micro-batch the plan fits, beside the largest that ran. Prints a table and writes JSON (--json).
+the largest micro-batch the plan fits, beside the largest that ran; one whose plan is over the device's whole
+memory train.py refuses at start ("over the plan"). Prints a table and writes JSON (--json).
 """
 import argparse
 import json
@@ -36,6 +37,7 @@ from common.checks import ConfigError, ToolParser
 from training.memory_plan import GB, fits, plan
 
 OUT_OF_MEMORY = ("out of memory", "OutOfMemoryError")
+OVER_THE_PLAN = "error: the memory plan needs"  # train.py's refusal of a run whose plan is over the device's memory
 
 
 def default_micros(plan_fits: dict[int, bool]) -> list[int]:
@@ -78,7 +80,8 @@ def measured(proc: subprocess.CompletedProcess, out_dir: str) -> dict:
     """A finished run's figures, or why it has none."""
     if proc.returncode != 0:
         tail = (proc.stderr or "") + (proc.stdout or "")
-        status = "out of memory" if any(s in tail for s in OUT_OF_MEMORY) else "failed"
+        status = ("over the plan" if OVER_THE_PLAN in tail else
+                  "out of memory" if any(s in tail for s in OUT_OF_MEMORY) else "failed")
         return {"status": status, "error": tail.strip().splitlines()[-1:] or [""]}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         intervals = [r for r in map(json.loads, f) if "tokens_per_s" in r][1:]

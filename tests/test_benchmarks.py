@@ -229,6 +229,8 @@ def test_the_sweep_runs_train_py_per_row_and_holds_the_plan_beside_it(char_data,
     oom = subprocess.CompletedProcess([], 1, "", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
     assert measured(oom, str(tmp_path))["status"] == "out of memory"
     assert measured(subprocess.CompletedProcess([], 2, "", "error: x"), str(tmp_path))["status"] == "failed"
+    over = subprocess.CompletedProcess([], 2, "", "error: the memory plan needs 53.8 GB a rank (...)")
+    assert measured(over, str(tmp_path))["status"] == "over the plan"
 
 
 def test_quality_trains_and_judges_the_val_loss(char_data, tmp_path):

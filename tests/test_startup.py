@@ -89,3 +89,26 @@ def test_train_py_refuses_a_prompt_it_could_not_sample_from(char_data, tmp_path)
     proc = train_py_as_typed(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "sample.prompt=naïve")
     assert_refused_at_start(proc, "error: sample.prompt='naïve' does not encode with the dataset's char tokenizer")
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_run_whose_memory_plan_is_over_a_ranks_memory_is_refused_at_start(char_data, tmp_path, monkeypatch):
+    """Where the plan is over what a rank has (a GPU's memory; on a CPU the machine's, shared by its ranks), the
+    run stops at start in one line, where it would be killed minutes in; the quickstart's plan fits this machine."""
+    from training import startup
+    from training.memory_plan import GB
+    argv = [f"data.dir={char_data}", f"train.out_dir={tmp_path}"]
+    startup.check_run(argv)  # a few MB by the plan
+    monkeypatch.setattr(startup, "memory_capacity", lambda device, ranks: (GB // 1000, "this machine's memory"))
+    with pytest.raises(ConfigError, match=r"^the memory plan needs 0\.0\d+ GB a rank \(training/memory_plan.py: "
+                                          r"model states 0\.0\d+, activations 0\.0\d+\), over this machine's "
+                                          r"memory, 0\.001 GB: the run cannot fit; fix: a smaller "
+                                          r"ds.train_micro_batch_size_per_gpu"):
+        startup.check_run(argv)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_a_cpu_ranks_memory_is_its_share_of_the_machines():
+    from training.device import memory_capacity
+    whole, said = memory_capacity(torch.device("cpu"), 1)
+    assert said == "this machine's memory" and whole > 2**30
+    assert memory_capacity(torch.device("cpu"), 4) == (whole // 4, "this machine's memory, shared by its 4 ranks")

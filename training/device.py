@@ -225,6 +225,22 @@ def compute_dtype(ds: dict, device: torch.device, width: int) -> tuple[torch.dty
     return (torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32), note
 
 
+def memory_capacity(device: torch.device, ranks_here: int) -> tuple[int, str]:
+    """The bytes one rank may have, and what they are: a GPU's whole memory; on a CPU this machine's (or its
+    container's, where a cgroup limits it) shared by the `ranks_here` ranks on it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{torch.cuda.get_device_name(device)}'s memory"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    shared = f", shared by its {ranks_here} ranks" if ranks_here > 1 else ""
+    return total // ranks_here, f"this machine's memory{shared}"
+
+
 def peak_memory_gb(device: torch.device) -> tuple[float, float]:
     """Peak allocated and peak reserved (what the caching allocator holds, what an out-of-memory error
     counts) accelerator memory since the last call, which resets the peaks: each log interval reports its

@@ -27,10 +27,17 @@ from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training.checkpoints import checkpoint, hf
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
-from training.device import check_op_build_locks, compute_dtype, keep_freed_host_memory, onednn_matmuls
+from training.device import (
+    check_op_build_locks,
+    compute_dtype,
+    keep_freed_host_memory,
+    memory_capacity,
+    onednn_matmuls,
+)
 from training.ds_config import load_ds_config
 from training.evaluation.multiple_choice import open_tasks
 from training.launch.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
+from training.memory_plan import GB, plan
 from training.moe import check_experts, expert_parallel_size
 from training.objectives import Objective, choose_objective
 from training.optim import optimizer_and_schedule, schedule_note
@@ -240,6 +247,7 @@ def check_run(argv=None) -> Run:
                                     cfg.train.out_dir)
         data.check_resume(saved["data"], cfg.data.allow_changed)
         newer = checkpoint.check_resume_point(cfg.train, resume_dir, saved["step"])
+    check_memory(cfg, settings.ds, settings.layout, setup.device)
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
@@ -250,6 +258,23 @@ def check_run(argv=None) -> Run:
     return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype, settings.onednn_matmuls,
                setup.launcher, setup.device, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts,
                resume_dir, init_from, newer, objective, architecture(cfg.model).training_hooks(cfg.model))
+
+
+def check_memory(cfg: RunConfig, ds: dict, layout, device: torch.device) -> None:
+    """A layout whose memory plan (training/memory_plan.py) is over what a rank has cannot run: refused here, where
+    it would be stopped by an out-of-memory error or the kernel's OOM killer minutes in. The plan counts what the
+    model keeps, not the allocator's or the libraries' own, so a run it passes may still not fit (preflight.py and
+    the planner hold it to 90% of a GPU); one it refuses cannot."""
+    planned = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles, device.type, cfg.train.compile)
+    needed = planned["total"] + (planned["cpu"] if device.type == "cpu" else 0)  # offloaded states: the same RAM
+    capacity, what = memory_capacity(device, ranks_on_this_node())
+    if needed > capacity:
+        raise ConfigError(f"the memory plan needs {needed / GB:.3g} GB a rank (training/memory_plan.py: model states "
+                          f"{planned['states'] / GB:.3g}, activations {planned['activations'] / GB:.3g}), over "
+                          f"{what}, {capacity / GB:.3g} GB: the run cannot fit; fix: a smaller "
+                          f"ds.train_micro_batch_size_per_gpu (gradient_accumulation_steps keeps the batch), a "
+                          f"shorter model.block_size, ZeRO-3 or more ranks (python -m scripts.memory_plan --config "
+                          f"PRESET --plan --gpus N)")
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:
