@@ -147,13 +147,14 @@ def print_dry_run(args, rest: list[str]) -> None:
 def memory_fit(cfg, ds: dict, layout, gpu_gb: float | None, report: dict) -> str | None:
     """The memory plan of the layout against a GPU's memory (`gpu_gb`, else this GPU's; none on a CPU): its line,
     or a problem in `report` naming the layout the planner would choose (training/dry_run.py memory_check)."""
+    from training.device import memory_capacity
     from training.dry_run import memory_check
     from training.launch.launcher_env import ranks_on_this_node
     from training.memory_plan import GB
 
     if gpu_gb is None and get_accelerator().device_name() != "cuda":
         return None
-    gpu_gb = gpu_gb or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GB
+    gpu_gb = gpu_gb or memory_capacity(torch.device("cuda", torch.cuda.current_device()), 1)[0] / GB
     if cfg.model.vocab_size is None:
         try:
             vocab = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources).meta

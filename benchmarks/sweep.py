@@ -156,7 +156,9 @@ def plan_budget(args) -> float:
     """The plan's budget in GiB: --gpu_gb, else the GPU's memory, else an 80 GB card's."""
     import torch
 
-    return args.gpu_gb or (torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available()
+    from training.device import memory_capacity
+
+    return args.gpu_gb or (memory_capacity(torch.device("cuda", 0), 1)[0] / GB if torch.cuda.is_available()
                            else 79.1)
 
 

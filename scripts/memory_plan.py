@@ -17,6 +17,7 @@ import torch
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.config import REPO_ROOT, load_run_config, split_overrides
+from training.device import memory_capacity
 from training.ds_config import load_ds_config
 from training.layout_planner import Assumptions, plan_layouts
 from training.memory_plan import ALLOWANCE, GB, PARTS, fits, plan
@@ -56,7 +57,7 @@ def report(args) -> None:
         raise ConfigError(f"--{given[0]} is an option of --plan, which enumerates every layout for a number of GPUs; "
                           f"fix: add --plan")
     if args.gpu_gb is None:  # the device's real capacity, else an "80 GB" H100's (79.1 GiB)
-        args.gpu_gb = torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else 79.1
+        args.gpu_gb = memory_capacity(torch.device("cuda", 0), 1)[0] / GB if torch.cuda.is_available() else 79.1
     if not args.gpu_gb > 0:  # NaN included
         raise ConfigError(f"--gpu_gb {args.gpu_gb}: must be > 0; fix: leave it out for this machine's GPU (else 80 GB)")
     for gpus in args.gpus or []:
