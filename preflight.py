@@ -25,13 +25,12 @@ import socket
 import time
 import uuid
 
-import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.token_data import TokenData
-from training.launch.failure import JOB, PHASE, collective_timeout, leave_process_group, run_rank
+from training.launch.failure import PHASE, join_process_group, leave_process_group, run_rank
 from training.startup import configure, load_configs
 from training.topology import describe_hosts
 
@@ -48,8 +47,7 @@ def main(argv=None) -> None:
     layout = configure(cfg, ds)[1].engine_settings.layout
     world = layout.world_size
     PHASE.now(f"joining the process group (world {world})")
-    deepspeed.init_distributed(timeout=collective_timeout(cfg.train.dist_timeout_s))
-    JOB.watch()
+    join_process_group(cfg.train.dist_timeout_s)
     rank = torch.distributed.get_rank()
 
     PHASE.now("all-reducing the ranks' numbers")

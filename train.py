@@ -37,7 +37,7 @@ from training.device import peak_flops, peak_memory_gb, seed_step, set_matmul_pr
 from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, initialize
 from training.evaluation.multiple_choice import ChoiceScorer
-from training.launch.failure import JOB, PHASE, collective_timeout, leave_process_group, print_line, run_rank
+from training.launch.failure import PHASE, join_process_group, leave_process_group, print_line, run_rank
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.noise import silence_known_noise
 from training.observers import Observer, Observers
@@ -93,7 +93,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     """The process group, the topology over it, the model, DeepSpeed's engine, and the checkpoint loaded."""
     cfg, layout = run.cfg, run.layout
     set_matmul_precision(run.device, cfg.train.tf32, run.onednn_matmuls)
-    index, print0, topo = join_process_group(run)
+    index, print0, topo = join_job(run)
     groups = parallel_groups(topo, layout.sp_size, layout.tp_sequence)
     grid, tp = groups.grid, groups.tp
 
@@ -155,13 +155,12 @@ def resume(run: Run, engine, index: int, print0: Callable[[str], None]) -> tuple
     return start_step, state.get("batches_skipped", 0)
 
 
-def join_process_group(run: Run) -> tuple[int, Callable[[str], None], object]:
+def join_job(run: Run) -> tuple[int, Callable[[str], None], object]:
     """This rank in the job's process group: its global rank, its `print0`, and DeepSpeed's topology of the job,
     which rank 0 reports with the effective configuration."""
     layout = run.layout
     PHASE.now(f"joining the process group (world {layout.world_size})")
-    deepspeed.init_distributed(timeout=collective_timeout(run.cfg.train.dist_timeout_s))
-    JOB.watch()  # from here a rank that fails stops the whole job (training/launch/failure.py)
+    join_process_group(run.cfg.train.dist_timeout_s)
     index = torch.distributed.get_rank()
     print0 = functools.partial(print_line, file=sys.stdout) if index == 0 else lambda *_: None
     hostnames = [None] * layout.world_size

@@ -22,7 +22,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
@@ -42,7 +41,7 @@ from model import build_model
 from training.checkpoints import checkpoint
 from training.checkpoints.background_save import BackgroundWriter
 from training.engines import initialize, train_step
-from training.launch.failure import leave_process_group
+from training.launch.failure import join_process_group, leave_process_group
 from training.launch.launcher_env import set_single_process_env
 from training.optim import optimizer_and_schedule, param_groups
 from training.topology import resolve_layout
@@ -132,7 +131,7 @@ def main() -> None:
     results_file(args.json)
     work_folder(args.work_dir)
     set_single_process_env()
-    deepspeed.init_distributed()
+    join_process_group()
     device = torch.device(get_accelerator().device_name(0))
     results = [measure(preset, args, device) for preset in args.presets]
     report = {**environment(device), "ds_config": args.ds_config, "precision": args.precision,

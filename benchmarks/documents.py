@@ -74,21 +74,20 @@ def saved_bytes(model, inputs) -> tuple[int, int]:
 
 
 def cost(args, data_dir: str) -> dict:
-    import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
     from benchmarks.turns import timed_turns
     from model import build_model
     from training.engines import initialize, train_step
-    from training.launch.failure import leave_process_group
+    from training.launch.failure import join_process_group, leave_process_group
     from training.launch.launcher_env import set_single_process_env
     from training.memory_plan import document_masking_bytes
     from training.optim import optimizer_and_schedule, param_groups
     from training.topology import resolve_layout
 
     set_single_process_env()
-    deepspeed.init_distributed()
+    join_process_group()
     device = torch.device(get_accelerator().device_name(0))
     results = {}
     for context in args.contexts:

@@ -72,12 +72,11 @@ def write(path: str, record: dict) -> None:
 
 def start_one_process(argv: list[str]):
     """train.py's start for ARGS (its checks, the device, the process group) on this process alone: its Run."""
-    import deepspeed
-
+    from training.launch.failure import join_process_group
     from training.startup import check_run
 
     run = check_run(argv)
-    deepspeed.init_distributed()
+    join_process_group()
     return run
 
 

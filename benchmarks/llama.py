@@ -63,7 +63,6 @@ def quality(args) -> dict:
 
 
 def throughput(args, inputs: dict) -> dict:
-    import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -71,14 +70,14 @@ def throughput(args, inputs: dict) -> dict:
     from model import build_model
     from training.device import peak_flops
     from training.engines import initialize, train_step
-    from training.launch.failure import leave_process_group
+    from training.launch.failure import join_process_group, leave_process_group
     from training.launch.launcher_env import set_single_process_env
     from training.metrics import flops_per_token
     from training.optim import optimizer_and_schedule, param_groups
     from training.topology import resolve_layout
 
     set_single_process_env()
-    deepspeed.init_distributed()
+    join_process_group()
     device = torch.device(get_accelerator().device_name(0))
     runners = {}
     for arch, (cfg, ds, data) in inputs.items():

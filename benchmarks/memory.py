@@ -162,14 +162,13 @@ def measured_step(engine, inputs, targets, probe, device) -> tuple[int, int, int
 
 def worker(args) -> None:
     """One rank under the launcher: build as train.py does, take steps, record memory."""
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     from data.token_data import TokenData
     from training.config import load_run_config, split_overrides
     from training.ds_config import load_ds_config
     from training.engines import initialize
-    from training.launch.failure import leave_process_group
+    from training.launch.failure import join_process_group, leave_process_group
     from training.optim import param_groups
     from training.parallelize import parallelize
     from training.startup import effective_ds_config
@@ -178,7 +177,7 @@ def worker(args) -> None:
     ds = load_ds_config(os.path.join(REPO, "ds_configs", args.worker + ".json"), ds_overrides)
     data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size)
     cfg.model.vocab_size = cfg.model.vocab_size or data.meta["vocab_size"]
-    deepspeed.init_distributed()
+    join_process_group()
     rank = torch.distributed.get_rank()
     device = torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
     get_accelerator().set_device(device.index or 0)

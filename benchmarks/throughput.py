@@ -21,7 +21,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
@@ -32,7 +31,7 @@ from data.token_data import TokenData
 from model import build_model, compile_blocks
 from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, seed_step, set_matmul_precision
 from training.engines import initialize, train_step
-from training.launch.failure import leave_process_group
+from training.launch.failure import join_process_group, leave_process_group
 from training.launch.launcher_env import set_single_process_env
 from training.metrics import flops_per_token
 from training.objectives.next_token import NextToken
@@ -146,7 +145,7 @@ def main() -> None:
     results_file(args.json)
     cfg, ds, data = load_inputs(args.config, args.ds_config, args.overrides)
     set_single_process_env()
-    deepspeed.init_distributed()
+    join_process_group()
     device = torch.device(get_accelerator().device_name(0))
     keep_freed_host_memory(device)  # as train.py does
 

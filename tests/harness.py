@@ -138,10 +138,13 @@ def launch_cmd(launcher_args: list[str], script: str, ds_config: str, out_dir, d
             f"data.dir={data_dir}", *TINY, *overrides]
 
 
-def release_shm(port) -> None:
-    """DeepSpeed's CPU shm workspace of a run on `port` that did not end cleanly (see training/launch/failure.py)."""
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+def release_shm(port) -> list[str]:
+    """Remove what DeepSpeed's CPU shm workspaces of a run on `port` left in /dev/shm, which a run that got as far
+    as joining its process group never does (training/launch/failure.py): the paths removed."""
+    leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    for path in leaked:
         os.remove(path)
+    return leaked
 
 
 # pp=2 x dp=2 over two "nodes" of two ranks each; global batch 8 = micro 2 x accum 2 x dp 2.

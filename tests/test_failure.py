@@ -54,7 +54,8 @@ def test_a_failed_rank_whose_connections_stay_open_stops_every_node_within_secon
 
 def fault_run(tmp_path, char_data, fault: str, timeout: int) -> tuple[int, str, float, float]:
     """The faulty job's exit code, output, and seconds from its first training step (the last one before
-    the fault) and from the first error line to the launcher's exit."""
+    the fault) and from the first error line to the launcher's exit. However its ranks ended, they left nothing
+    in /dev/shm."""
     port = free_port()
     cmd = launch_cmd(["--num_gpus", "2", "--master_port", str(port)], "tests/fault_train.py", "zero1.json", tmp_path,
                      char_data, FAULT)
@@ -72,8 +73,9 @@ def fault_run(tmp_path, char_data, fault: str, timeout: int) -> tuple[int, str, 
         proc.wait()
     finally:
         proc.kill()
-        release_shm(port)
+        leaked = release_shm(port)
     end = time.monotonic()
+    assert not leaked, f"DeepSpeed's shared-memory workspaces left behind: {leaked}"
     assert first_step is not None and first_error is not None, "".join(lines[-50:])
     return proc.returncode, "".join(lines), end - first_step, end - first_error
 
@@ -97,6 +99,16 @@ def test_a_hanging_rank_ends_the_job_at_the_collective_timeout(tmp_path, char_da
     # The hanging rank, stopped by the launcher or by the abort key rank 0 set, says where it was.
     assert re.search(r"error: rank 1 \(.*\) stopped by (SIGTERM|the job's abort \(.*\)) while training step 3", output)
     assert "time.sleep(3600)" in output
+
+
+def test_a_rank_the_kernel_kills_ends_the_job_fast(tmp_path, char_data):
+    """SIGKILL, as the OOM killer sends: nothing of the killed rank's own runs, yet the job ends and its
+    shared memory is gone (fault_run)."""
+    code, output, since_training, since_error = fault_run(tmp_path, char_data, "kill:1:3", timeout=300)
+    assert code != 0
+    assert since_training < 60 and since_error < 30, f"ended {since_training:.0f} s after training began"
+    assert "exits with return code = -9" in output
+    assert re.search(r"error: rank 0 \(.*\) (failed|stopped by SIGTERM) while training step 3", output), output[-3000:]
 
 
 @pytest.mark.parametrize("target", ["runner", "process group"])

@@ -9,7 +9,6 @@ import warnings
 from types import SimpleNamespace
 from unittest import mock
 
-import deepspeed
 import pytest
 import torch
 from deepspeed.runtime.lr_schedules import WarmupCosineLR
@@ -19,6 +18,7 @@ from omegaconf import OmegaConf
 
 from harness import FP32, TINY, free_port, launch
 from training.config import RunConfig
+from training.launch.failure import join_process_group, leave_process_group
 from training.noise import silence_known_noise
 from training.optim import optimizer_and_schedule, schedule_note
 
@@ -34,10 +34,10 @@ def process_group():
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     with mock.patch.dict(os.environ, env):
-        deepspeed.init_distributed(dist_backend="gloo")
+        join_process_group()
         silence_known_noise()
         yield
-        torch.distributed.destroy_process_group()
+        leave_process_group()
 
 
 def tied(layer: torch.nn.Module) -> SimpleNamespace:

@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 
+import deepspeed
 import torch
 
 from common import freeze_imports
@@ -165,16 +166,18 @@ def report_failure(error: BaseException) -> None:
     print_line(traceback.format_exc().rstrip("\n"))
 
 
-def release_shm_workspace() -> None:
-    """Work around DeepSpeed's CPU backend: it maps a shared-memory all-reduce workspace per rank (about
-    64 MB in /dev/shm, for its inference all-reduce) and never unlinks it, so every CPU run leaked it.
-    Removing the name is safe while peers still have it mapped."""
-    if "MASTER_ADDR" not in os.environ:
-        return
-    pattern = (f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_"
-               f"{os.environ['LOCAL_RANK']}")
-    for path in glob.glob(pattern):
-        os.remove(path)
+def join_process_group(dist_timeout_s: int | None = None) -> None:
+    """Join the job's process group; from here a rank that fails stops the whole job (JOB, stop_on_signals).
+    DeepSpeed's CPU backend maps a shared-memory all-reduce workspace per rank (about 64 MB in /dev/shm) and
+    never unlinks it; once every rank has mapped its peers' (the barrier), each removes its own name, so not
+    even a killed run leaves it behind. The mappings outlive the names."""
+    deepspeed.init_distributed(**({} if dist_timeout_s is None else {"timeout": collective_timeout(dist_timeout_s)}))
+    JOB.watch()
+    torch.distributed.barrier()
+    if "MASTER_ADDR" in os.environ:
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_"
+                              f"{os.environ['MASTER_PORT']}_{os.environ['LOCAL_RANK']}"):
+            os.remove(path)
 
 
 def leave_process_group() -> None:
@@ -185,13 +188,11 @@ def leave_process_group() -> None:
     JOB.stop_watching()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    release_shm_workspace()
 
 
 def exit_now(code: int) -> None:
     """Exit without interpreter shutdown, which tears down process groups and can wait on the very peers
     that failed."""
-    release_shm_workspace()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
