@@ -183,8 +183,9 @@ def test_completions_continue_a_prompt_as_sample_does(server, chat_export):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    """Debian's headless Chromium driven through its ChromeDriver (Selenium), with no network beyond loopback."""
+def browser(tmp_path_factory):
+    """Debian's headless Chromium driven through its ChromeDriver (Selenium), with no network beyond loopback. Its
+    temporary folders in the test's own (Chromium leaves its singleton socket's folder in TMPDIR when it quits)."""
     missing = [name for name, path in [("chromium", "/usr/bin/chromium"), ("chromedriver", "/usr/bin/chromedriver")]
                if not shutil.which(path)]
     try:
@@ -199,7 +200,9 @@ def browser():
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService("/usr/bin/chromedriver"))
+    service = webdriver.ChromeService("/usr/bin/chromedriver",
+                                      env={**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium"))})
+    driver = webdriver.Chrome(options=options, service=service)
     yield driver
     driver.quit()
 
