@@ -132,6 +132,9 @@ def test_what_a_preference_run_refuses_at_start(pair_data, char_data, tmp_path):
     with pytest.raises(ConfigError, match="train.objective=dpo compares the model with the one it starts from, but "
                                           "train.init_from is not set; fix: set train.init_from"):
         choose_objective(run_config(pair_data), data, Layout(1, 1, 2, 1), None, None)
+    with pytest.raises(ConfigError, match=r"train.objective='ppo': must be null \(the data's\) or one of next_token, "
+                                          r"dpo, ipo, simpo, reward, grpo, rloo; fix: set train.objective to one of"):
+        choose_objective(run_config(pair_data, "train.objective=ppo"), data, Layout(1, 1, 2, 1), None, None)
     objective = choose_objective(run_config(pair_data, "train.objective=simpo"), data, Layout(1, 1, 2, 1), None, None)
     assert objective.name == "simpo" and objective.record() == {"reference": None}  # no reference to compare with
     from data.loader import open_data

@@ -20,7 +20,6 @@ from common.checks import Checks, ConfigError, ToolParser, existing_file
 from data.tasks import task_name
 from model.config import ModelConfig
 from model.registry import check_architecture
-from training.objectives import OBJECTIVES
 from training.overrides import explain_omegaconf_error, read_overrides
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,8 +184,6 @@ class TrainConfig:
         c.at_least("spike_window", 1)
         c.at_least("spike_min_rise", 0, "0: the factor alone decides")
         c.one_of("on_spike", SPIKE_POLICIES)
-        c.that(self.objective is None or self.objective in OBJECTIVES, "objective",
-               f"be null (the data's) or one of {', '.join(OBJECTIVES)}", "set train.objective to one of them")
 
 
 @dataclass

@@ -26,8 +26,9 @@ def choose_objective(cfg, data, layout, init_from: str | None, saved: dict | Non
     """The objective of train.objective, else the data's own, built and checked before any process group.
     `saved`: the run state of the checkpoint a resumed run continues (None for a fresh run)."""
     name = cfg.train.objective or data.OBJECTIVE
-    if name not in OBJECTIVES:  # a name registered when the settings were checked, and gone since
-        raise ConfigError(f"train.objective={name}: not one of {', '.join(OBJECTIVES)}")
+    if name not in OBJECTIVES:
+        raise ConfigError(f"train.objective={name!r}: must be null (the data's) or one of {', '.join(OBJECTIVES)}; "
+                          f"fix: set train.objective to one of them")
     objective = OBJECTIVES[name](name, cfg, data, layout, init_from, saved)
     if objective.head != cfg.model.head:
         raise ConfigError(f"train.objective={name} trains {HEAD_WORDS[objective.head]}, but model.head="
