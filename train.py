@@ -37,7 +37,15 @@ from training.device import peak_flops, peak_memory_gb, seed_step, set_matmul_pr
 from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, initialize
 from training.evaluation.multiple_choice import ChoiceScorer
-from training.launch.failure import PHASE, join_process_group, leave_process_group, print_line, run_rank
+from training.launch import out_dir_lock
+from training.launch.failure import (
+    PHASE,
+    RefusedOnEveryRank,
+    join_process_group,
+    leave_process_group,
+    print_line,
+    run_rank,
+)
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.noise import silence_known_noise
 from training.observers import Observer, Observers
@@ -163,9 +171,14 @@ def join_job(run: Run) -> tuple[int, Callable[[str], None], object]:
     join_process_group(run.cfg.train.dist_timeout_s)
     index = torch.distributed.get_rank()
     print0 = functools.partial(print_line, file=sys.stdout) if index == 0 else lambda *_: None
-    hostnames = [None] * layout.world_size
-    torch.distributed.all_gather_object(hostnames, socket.gethostname())
-    os.makedirs(run.cfg.train.out_dir, exist_ok=True)
+    out_dir = run.cfg.train.out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    holder = out_dir_lock.take(out_dir) if index == 0 else None  # another run's, if any: rank 0's word for all
+    seen = [None] * layout.world_size  # (host, holder) of every rank
+    torch.distributed.all_gather_object(seen, (socket.gethostname(), holder))
+    if seen[0][1]:
+        raise RefusedOnEveryRank(out_dir_lock.refusal(out_dir, seen[0][1]))
+    hostnames = [host for host, _ in seen]
     topo = topology(layout)
     if index == 0:
         save_effective_config(run.cfg, run.ds, layout)

@@ -1,15 +1,18 @@
 """Resuming, one process: a ZeRO-0 checkpoint under ZeRO-2 through the conversion its refusal names, universal
 checkpoints under ZeRO-0, an older tag with newer ones present (refused, then each fix it names followed),
-train.stop_at_step at or before the resumed step, and a finished run scoring its eval.tasks."""
+train.stop_at_step at or before the resumed step, and a finished run scoring its eval.tasks. An out_dir another
+run holds is refused to a job of two ranks under the `deepspeed` launcher."""
 import json
 import re
 import shlex
 import shutil
+import socket
+import subprocess
 import sys
 
 import pytest
 
-from harness import BF16, FP32, launch_cmd, metrics, run, train_py, universal
+from harness import BF16, FP32, REPO, deepspeed_launch, launch_cmd, metrics, run, train_py, universal
 from refusals import assert_one_error_line, assert_refused_at_start, snapshot
 from training.checkpoints import checkpoint
 
@@ -145,3 +148,31 @@ def test_a_finished_run_given_eval_tasks_scores_them_at_its_last_step(straight, 
     assert metrics(out)[-1] == {"step": 4, "shakespeare_acc": trained["shakespeare_acc"],
                                 "shakespeare_acc_norm": trained["shakespeare_acc_norm"]}
     assert snapshot(out / "checkpoints") == checkpoints and "step 5" not in proc.stdout
+
+
+def test_an_out_dir_another_run_holds_is_refused_until_that_run_ends(tmp_path, char_data):
+    """Every rank of a job refused (rank 0 holds the lock; all leave the process group together, exit 2, where one
+    left to interpreter shutdown aborted in gloo's destructors now and then) and nothing in the folder written; the
+    holder SIGKILLed, as a crashed run ends, leaves no stale lock."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from training.launch.out_dir_lock import take; "
+                               "assert take(sys.argv[1]) is None; print('held', flush=True); time.sleep(300)",
+                               str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = snapshot(out)
+        refused = deepspeed_launch(2, "zero0.json", out, char_data, [*RUN, *FP32], check=False, timeout=180)
+        assert_refused_at_start(refused)
+        output = refused.stdout + refused.stderr
+        assert "exits with return code = 2" in output and "Fatal Python error" not in output, output
+        assert_one_error_line(refused.stderr, f"error: train.out_dir {out} is in use by another run (pid {holder.pid} "
+                              f"on {socket.gethostname()}, since ... ): two runs in one folder would overwrite each "
+                              f"other's checkpoints and metrics; fix: let that run end (or stop it), or set "
+                              f"train.out_dir to another folder$", {})
+        assert snapshot(out) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    train(out, char_data, *FP32)
+    assert [s for s, _, _ in steps(out)] == [1, 2, 3, 4]

@@ -1,6 +1,7 @@
 """How a rank ends when something goes wrong, so that a job of many processes fails fast and says why.
 
-- Bad input raises ConfigError before any training: exit 2, the message printed once per node.
+- Bad input raises ConfigError before any training: exit 2, the message printed once per node (found once the
+  process group is up, by every rank at once, RefusedOnEveryRank: the group left cleanly first).
 - A run that diverges under train.on_nonfinite=stop (training/divergence.py) raises Diverged on every rank at
   the same step: exit 3, the message printed once per node, the process group left cleanly.
 - Any other exception: this rank prints which rank, host and phase failed, then exits at once; the
@@ -248,6 +249,11 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
     threading.Thread(target=watch, name="stop-watcher", daemon=True).start()
 
 
+class RefusedOnEveryRank(ConfigError):
+    """Bad input found once the process group is up, by every rank at once (another run's out_dir): exit 2, the
+    group left cleanly."""
+
+
 def run_rank(main, argv=None) -> None:
     """main(argv) with this repo's exit codes: 2 for bad input (before any training), 3 for a run that diverged
     (training/divergence.py), 1 for a failed rank."""
@@ -259,6 +265,8 @@ def run_rank(main, argv=None) -> None:
     except ConfigError as e:
         if launcher_rank()[1] in ("0", "?"):  # one copy of the message per node
             print_line(f"error: {e}")
+        if isinstance(e, RefusedOnEveryRank):
+            leave_process_group()
         sys.exit(2)
     except Diverged as e:  # every rank stops here, at the same step: the group is left cleanly
         if launcher_rank()[1] in ("0", "?"):
