@@ -32,6 +32,7 @@ from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
 from training.checkpoints import checkpoint, hf, universal
 from training.checkpoints.background_save import BackgroundWriter
+from training.checkpoints.disk import saves_at
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb, seed_step, set_matmul_precision
 from training.divergence import Guard, Verdict
@@ -199,7 +200,7 @@ def train(run: Run, rank: Rank) -> int:
     if not run.resume_dir:
         PHASE.now("evaluating at step 0")
         evaluate(run, rank, 0)
-    last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
+    last_step = cfg.train.last_step
     if rank.start_step >= last_step:  # resumed at its end: what a user asks of a finished run is its scores
         rank.print0(f"the run is at step {rank.start_step}, train.max_steps={cfg.train.max_steps}: nothing to train; "
                  + ("scoring eval.tasks, then sampling" if rank.scorer else "sampling"))
@@ -244,7 +245,7 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
             # compiled graph) after the step-0 evaluation or the checkpoint load: none of it is throughput.
             meter.pause()
         logs = step % cfg.train.log_interval == 0 or step == last_step
-        saves = (cfg.train.save_interval and step % cfg.train.save_interval == 0) or step == last_step
+        saves = saves_at(step, last_step, cfg.train.save_interval)
         # The watch is read where the loss is (its progress line), and before a save: no non-finite model saved.
         verdict = log_progress(run, rank, step, loss, lr, meter, guard) if logs else \
             guard.watch.read()[0] if saves else None

@@ -112,3 +112,34 @@ def test_a_cpu_ranks_memory_is_its_share_of_the_machines():
     whole, said = memory_capacity(torch.device("cpu"), 1)
     assert said == "this machine's memory" and whole > 2**30
     assert memory_capacity(torch.device("cpu"), 4) == (whole // 4, "this machine's memory, shared by its 4 ranks")
+
+
+def test_a_run_whose_checkpoints_would_fill_its_disk_is_refused_at_start(char_data, tmp_path, monkeypatch):
+    """The quickstart saves at steps 1,000 and 2,000, 817,920 parameters at 12 bytes each (ZeRO-0 in fp32): 2
+    checkpoints at once before the first is pruned (3 kept), 19,630,080 bytes."""
+    from types import SimpleNamespace
+
+    from training import startup
+    from training.checkpoints import disk
+    argv = [f"data.dir={char_data}", f"train.out_dir={tmp_path / 'run'}"]
+    free = 19_630_080
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    startup.check_run(argv)
+    free -= 1
+    with pytest.raises(ConfigError, match=rf"^the checkpoints this run writes need 0\.0196 GB more in "
+                                          rf"{tmp_path}/run/checkpoints \(2 at once: 0\.00982 GB each, 12 bytes a "
+                                          rf"parameter\), where the disk has 0\.0196 GB free; fix: free space there, "
+                                          rf"lower train.keep_checkpoints \(now 3\), or set train.out_dir on a larger "
+                                          rf"disk$"):
+        startup.check_run(argv)
+    startup.check_run([*argv, "train.save_interval=0"])  # one checkpoint, at the end
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_the_saves_counted_at_start_are_the_steps_that_save():
+    from training.checkpoints.disk import saves_at, saves_between
+    for interval in range(0, 7):
+        for start in range(0, 13):
+            for last in range(start, 20):
+                assert saves_between(start, last, interval) == sum(saves_at(step, last, interval)
+                                                                   for step in range(start + 1, last + 1))

@@ -58,6 +58,22 @@ def test_fp32_gradient_norm_is_reported_without_zero_too(zero_runs):
     assert len(norms[0]) == 6 and norms[0] == pytest.approx(norms[1], rel=1e-4)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_checkpoint_is_at_least_what_the_disk_check_counts(zero_runs, stage):
+    """training/checkpoints/disk.py's size of a checkpoint is a floor (a run it passes may still fill its disk, one
+    it refuses cannot fit) and close: the tiny model's files add their own few kB to 30k parameters' states."""
+    import re
+
+    from training.checkpoints.disk import bytes_per_parameter, tree_bytes
+    from training.ds_config import load_ds_config
+    params = int(re.search(r"model: ([\d,]+) parameters", (zero_runs[stage] / "launch.log").read_text())
+                 .group(1).replace(",", ""))
+    ds = load_ds_config(os.path.join(REPO, "ds_configs", f"zero{stage}.json"), ["bf16.enabled=false"])
+    counted = params * bytes_per_parameter(ds)
+    written = tree_bytes(zero_runs[stage] / "checkpoints" / "step_000006")
+    assert counted <= written <= 1.25 * counted, (counted, written)
+
+
 def test_zero_3_trains(zero_runs):
     losses = train_losses(zero_runs[3])
     assert len(losses) == 6

@@ -155,6 +155,11 @@ class TrainConfig:
     # preference.*); grpo or rloo on prompts (settings under rl.*).
     objective: Optional[str] = None
 
+    @property
+    def last_step(self) -> int:
+        """The step the run ends at: train.stop_at_step where set, else train.max_steps."""
+        return min(self.max_steps, self.stop_at_step or self.max_steps)
+
     def check(self, c: Checks) -> None:
         c.at_least("max_steps", 1)
         c.above("epochs", 0)

@@ -26,6 +26,7 @@ from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training.checkpoints import checkpoint, hf
+from training.checkpoints.disk import check_disk
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import (
     check_op_build_locks,
@@ -248,6 +249,7 @@ def check_run(argv=None) -> Run:
         data.check_resume(saved["data"], cfg.data.allow_changed)
         newer = checkpoint.check_resume_point(cfg.train, resume_dir, saved["step"])
     check_memory(cfg, settings.ds, settings.layout, setup.device)
+    check_disk(cfg.train, settings.ds, n_params, saved["step"] if saved else 0, resume_dir)
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
