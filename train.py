@@ -13,7 +13,6 @@ import common  # noqa: F401 (first: its filter of DeepSpeed's log must be in pla
 
 # isort: split
 import functools
-import json
 import os
 import socket
 import sys
@@ -41,7 +40,9 @@ from training.evaluation.multiple_choice import ChoiceScorer
 from training.launch import out_dir_lock
 from training.launch.failure import (
     PHASE,
+    SAVE_ASKED,
     RefusedOnEveryRank,
+    SavedAndStopped,
     join_process_group,
     leave_process_group,
     print_line,
@@ -52,11 +53,18 @@ from training.noise import silence_known_noise
 from training.observers import Observer, Observers
 from training.optim import param_groups, start_schedule
 from training.parallelize import parallelize, whole_model_parameters
-from training.startup import Run, check_run, describe_data, describe_model, describe_outputs, describe_zero
+from training.startup import (
+    Run,
+    check_run,
+    describe_data,
+    describe_model,
+    describe_outputs,
+    describe_zero,
+    save_effective_config,
+)
 from training.steps import adjust_engine, data_parallel_group
 from training.topology import (
     GLOBAL,
-    Layout,
     describe_hosts,
     describe_stages,
     describe_topology,
@@ -207,7 +215,7 @@ def train(run: Run, rank: Rank) -> int:
         if rank.scorer:
             PHASE.now(f"evaluating at step {rank.start_step}")
             evaluate(run, rank, rank.start_step, log_losses=False)  # the losses of this step are logged already
-    guard = Guard(cfg.train, rank.engine, rank.print0, rank.log.log)
+    guard = Guard(cfg.train, rank.engine, rank.print0, rank.log.log, SAVE_ASKED.is_set)
     step = rank.start_step
     while step < last_step:  # again from a checkpoint after each rewind
         step = train_steps(run, rank, meter, guard, step, last_step)
@@ -258,10 +266,14 @@ def train_steps(run: Run, rank: Rank, meter: Throughput, guard: Guard, start: in
             PHASE.now(f"evaluating at step {step}")
             evaluate(run, rank, step)
             meter.pause()  # evaluation time is not training throughput
-        if saves:
+        stop = verdict is not None and verdict.stop_asked
+        if saves or stop:
             PHASE.now(f"saving the checkpoint of step {step}")
-            save(run, rank, step, wait=step == last_step)
+            save(run, rank, step, wait=step == last_step or stop)
             meter.pause()
+        if stop:
+            rank.print0(f"stopped at step {step}, as SIGUSR1 asked: the same command resumes it")
+            raise SavedAndStopped()
     return last_step
 
 
@@ -383,19 +395,6 @@ def sample(engine, decoder, cfg: RunConfig, tokenizer, prompt_ids: list[int]) ->
                                                      settings.top_p), generator)
     engine.train()
     return tokenizer.decode(prompt_ids + out)
-
-
-def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
-    """The run config and the ds_config as this run took them, written beside its checkpoints; printed too with
-    train.print_config=true (the start-up lines print0 the rest)."""
-    run_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    ds_json = json.dumps(ds, indent=2)
-    if cfg.train.print_config:
-        print(f"run config:\n{run_yaml}ds_config:\n{ds_json}\nlayout: {layout.describe()}", flush=True)
-    with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
-        f.write(run_yaml)
-    with open(os.path.join(cfg.train.out_dir, "ds_config.json"), "w") as f:
-        f.write(ds_json + "\n")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ step since it started, so a step trained again after a rewind is not hit twice),
 exception in the training step), `hang` (a sleep inside the step, so the other ranks wait in the step's
 collectives), `stall` (the rank reports its failure, then stays STALL_S with its connections open before it
 exits: a failure its peers cannot see as a broken connection, as under NCCL, where only the abort key stops
-them), `kill` (the rank sends itself SIGKILL, as the kernel's OOM killer does: no handler of its own runs), `nan`
-(the model's output is NaN in that step: its loss and gradients are not finite) or `spike` (the
-output scaled by 100 in that step: a finite loss far above the others).
+them), `kill` (the rank sends itself SIGKILL, as the kernel's OOM killer does: no handler of its own runs), `usr1`
+(the rank sends itself SIGUSR1, a scheduler's warning before preemption, and trains on), `nan` (the model's output
+is NaN in that step: its loss and gradients are not finite) or `spike` (the output scaled by 100 in that step: a
+finite loss far above the others).
 """
 import functools
 import os
@@ -48,8 +49,9 @@ class Fault(Observer):
         failure = RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {self.step}")
         if self.kind == "raise":
             raise failure
-        if self.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind in ("kill", "usr1"):
+            os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGUSR1)
+            return
         if self.kind == "stall":
             report_failure(failure)
             time.sleep(STALL_S)

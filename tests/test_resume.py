@@ -1,18 +1,20 @@
 """Resuming, one process: a ZeRO-0 checkpoint under ZeRO-2 through the conversion its refusal names, universal
 checkpoints under ZeRO-0, an older tag with newer ones present (refused, then each fix it names followed),
 train.stop_at_step at or before the resumed step, and a finished run scoring its eval.tasks. An out_dir another
-run holds is refused to a job of two ranks under the `deepspeed` launcher."""
+run holds is refused to a job of two ranks under the `deepspeed` launcher; SIGUSR1 to one rank of two saves
+both and stops them, and the run resumes as if never stopped."""
 import json
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from harness import BF16, FP32, REPO, deepspeed_launch, launch_cmd, metrics, run, train_py, universal
+from harness import BF16, FP32, REPO, deepspeed_launch, launch, launch_cmd, metrics, run, train_py, universal
 from refusals import assert_one_error_line, assert_refused_at_start, snapshot
 from training.checkpoints import checkpoint
 
@@ -176,3 +178,21 @@ def test_an_out_dir_another_run_holds_is_refused_until_that_run_ends(tmp_path, c
         holder.wait()
     train(out, char_data, *FP32)
     assert [s for s, _, _ in steps(out)] == [1, 2, 3, 4]
+
+
+def test_sigusr1_to_one_rank_saves_every_rank_at_the_next_log_step_and_the_run_resumes_as_if_never_stopped(
+        tmp_path, char_data):
+    """Rank 1 of two is sent SIGUSR1 in step 3 (tests/fault_train.py), as a scheduler warns a job before it
+    preempts it; the log step after it, 4, tells rank 0 too: both save step 4, exit 128 + SIGUSR1, and the same
+    command goes on from there to the losses of a run never stopped."""
+    settings = [*RUN, *FP32, "train.max_steps=8", "train.log_interval=2", "train.save_interval=100"]
+    straight = launch(2, "zero1.json", tmp_path / "straight", char_data, settings)
+    out = tmp_path / "stopped"
+    stopped = launch(2, "zero1.json", out, char_data, settings, check=False, env={"MEGALITE_FAULT": "usr1:1:3"})
+    assert stopped.returncode == 128 + signal.SIGUSR1, stopped.stdout + stopped.stderr
+    assert "stopped at step 4, as SIGUSR1 asked: the same command resumes it" in stopped.stdout
+    assert "error:" not in stopped.stdout + stopped.stderr and "Traceback" not in stopped.stderr
+    assert checkpoint.complete_tags(out / "checkpoints") == ["step_000004"]
+    resumed = launch(2, "zero1.json", out, char_data, settings)
+    assert f"resumed from {out}/checkpoints/step_000004 at step 4" in resumed.stdout
+    assert steps(out) == steps(tmp_path / "straight") and "saved step_000008" in straight.stdout

@@ -18,6 +18,9 @@ train.spike_window steps, of finite losses that were not spikes) and above it by
 logged as a warning with its step and, with train.on_spike stop or rewind, acted on as a non-finite step would
 be. The rise is an absolute floor beside the ratio: near a loss of 0, where a fine-tuned model's losses sit, a
 ratio of 10 is noise (0.003 to 0.03).
+
+The same read carries whether any rank was asked to save and stop (SIGUSR1: training/launch/failure.py), so that
+every rank saves at the same step, for no collective of its own.
 """
 import os
 from dataclasses import dataclass
@@ -42,15 +45,18 @@ class Verdict:
     longest_streak: int  # the longest run of non-finite steps in a row, this window's included
     spike: int | None  # the first spike's step
     spike_ratio: float  # its loss over the recent mean
+    stop_asked: bool = False  # some rank was sent SIGUSR1: save now and stop
 
 
 class Watch:
     """The device-side record of a rank's steps between two reads."""
 
-    def __init__(self, spike_factor: float, spike_window: int, device: torch.device, spike_min_rise: float = 0.0):
+    def __init__(self, spike_factor: float, spike_window: int, device: torch.device, spike_min_rise: float = 0.0,
+                 stop_asked: Callable[[], bool] = lambda: False):
         self.factor, self.window, self.min_rise = spike_factor, spike_window, spike_min_rise
+        self.stop_asked = stop_asked  # this rank's, read on the host
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.mean, self.seen, self.streak = zero.clone(), zero.clone(), zero.clone()
+        self.mean, self.seen, self.streak, self.asked = zero.clone(), zero.clone(), zero.clone(), zero.clone()
         self._clear(zero)
 
     def _clear(self, zero: torch.Tensor) -> None:
@@ -83,17 +89,19 @@ class Watch:
         """Collective: the verdict over every rank since the last read, which starts a new window, and the mean
         of `loss` over the ranks: one host read for both (the progress line's, docs/performance.md)."""
         # A MAX all-reduce of the slots (the step slots negated, so the maximum is the earliest step) and a SUM
-        # of the loss, read back together.
-        slots = torch.stack([-self.first_bad, self.bad_steps, self.longest, -self.spike, self.ratio])
+        # of the loss, read back together. A stop asked is filled in on the device, not copied from the host.
+        if self.stop_asked():
+            self.asked.fill_(1.0)
+        slots = torch.stack([-self.first_bad, self.bad_steps, self.longest, -self.spike, self.ratio, self.asked])
         torch.distributed.all_reduce(slots, op=torch.distributed.ReduceOp.MAX)
         if loss is not None:
             loss = loss.detach().double().reshape(1)
             torch.distributed.all_reduce(loss)
             slots = torch.cat([slots, loss / torch.distributed.get_world_size()])
-        first_bad, bad_steps, longest, spike, ratio, *mean = slots.tolist()
+        first_bad, bad_steps, longest, spike, ratio, asked, *mean = slots.tolist()
         self._clear(torch.zeros_like(self.mean))
         return Verdict(None if -first_bad == NONE else int(-first_bad), int(bad_steps), int(longest),
-                       None if -spike == NONE else int(-spike), ratio), (mean[0] if mean else None)
+                       None if -spike == NONE else int(-spike), ratio, bool(asked)), (mean[0] if mean else None)
 
 
 def skip_nonfinite_updates(engine) -> torch.Tensor | None:
@@ -106,9 +114,9 @@ def skip_nonfinite_updates(engine) -> torch.Tensor | None:
 class Guard:
     """A rank's watch over its steps and the run's policy for what it sees (train.on_nonfinite, train.on_spike)."""
 
-    def __init__(self, train, engine, print0: Callable[[str], None], log):
+    def __init__(self, train, engine, print0: Callable[[str], None], log, stop_asked: Callable[[], bool]):
         self.cfg, self.engine, self.print0, self.log = train, engine, print0, log
-        self.watch = Watch(train.spike_factor, train.spike_window, engine.device, train.spike_min_rise)
+        self.watch = Watch(train.spike_factor, train.spike_window, engine.device, train.spike_min_rise, stop_asked)
         self.root = checkpoint.checkpoint_root(train.out_dir)
         self.rewinds = 0
         self.found_inf = skip_nonfinite_updates(engine)  # None: DeepSpeed's optimizer skips and counts them

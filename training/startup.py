@@ -7,11 +7,13 @@ preflight.py runs the part that needs no dataset or checkpoint: `load_configs` a
 """
 import copy
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from omegaconf import OmegaConf
 
 from common.checks import ConfigError
 from data.loader import open_data
@@ -346,3 +348,16 @@ def describe_outputs(out_dir: str) -> str:
     where = os.path.abspath(out_dir)
     return (f"out_dir: {where}: checkpoints/, metrics.jsonl, config.yaml and ds_config.json (the full "
             f"configuration; train.print_config=true prints it)")
+
+
+def save_effective_config(cfg: RunConfig, ds: dict, layout: Layout) -> None:
+    """The run config and the ds_config as this run took them, written beside its checkpoints; printed too with
+    train.print_config=true (the start-up lines print0 the rest)."""
+    run_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    ds_json = json.dumps(ds, indent=2)
+    if cfg.train.print_config:
+        print(f"run config:\n{run_yaml}ds_config:\n{ds_json}\nlayout: {layout.describe()}", flush=True)
+    with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
+        f.write(run_yaml)
+    with open(os.path.join(cfg.train.out_dir, "ds_config.json"), "w") as f:
+        f.write(ds_json + "\n")

@@ -11,6 +11,9 @@
 - SIGINT/SIGTERM (Ctrl-C, the launcher stopping its ranks, a scheduler) and the loss of the launcher that
   started this rank: the rank prints where it was and exits. Checkpoints are never left half-visible (the
   `latest` pointer moves only after a complete save), so the last complete one survives.
+- SIGUSR1 to any rank (a scheduler's warning before it preempts the job: Slurm's --signal=USR1@SECONDS): every
+  rank saves a checkpoint at the next log step, leaves the process group and exits 128 + SIGUSR1
+  (SavedAndStopped; the divergence watch's read tells every rank).
 - Whatever ends a rank once the process group is up also sets the job's abort key in the job's key-value
   store, which every rank's watcher thread polls: the whole job stops within seconds, on every node and
   backend. A launcher stops only its own node's ranks, and under NCCL a collective timeout is torch's
@@ -49,6 +52,7 @@ class Phase:
 
 
 PHASE = Phase()
+SAVE_ASKED = threading.Event()  # this rank was sent SIGUSR1
 TIMEOUT_KEY = "megalite/timed_out/{rank}"
 DIVERGED = 3  # the exit code of a run that diverged
 
@@ -223,6 +227,8 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
     signal.set_wakeup_fd(write_fd)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)  # the watcher acts; the main thread carries on until then
+    # Between two bytecodes of the main thread, or by the watcher where that thread waits in a collective
+    signal.signal(signal.SIGUSR1, lambda *_: SAVE_ASKED.set())
     main_thread, launcher_ppid = threading.main_thread(), launcher_parent()
 
     def stop(reason: str, code: int, announce: bool = True, linger_s: float = 0.0) -> None:
@@ -237,7 +243,10 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
         while True:
             if select.select([read_fd], [], [], poll_s)[0]:
                 signum = os.read(read_fd, 1)[0]
-                stop(signal.Signals(signum).name, 128 + signum)
+                if signum == signal.SIGUSR1:
+                    SAVE_ASKED.set()
+                else:
+                    stop(signal.Signals(signum).name, 128 + signum)
             # A dead launcher re-parents this rank, a dead runner its launcher: either way the parent changes.
             if launcher_ppid is not None and launcher_parent() != launcher_ppid:
                 stop("the loss of the deepspeed launcher that started it", 128 + signal.SIGTERM)
@@ -249,6 +258,10 @@ def stop_on_signals(poll_s: float = 2.0) -> None:
     threading.Thread(target=watch, name="stop-watcher", daemon=True).start()
 
 
+class SavedAndStopped(Exception):
+    """Every rank saved at the same step, as SIGUSR1 asked: exit 128 + SIGUSR1, the group left cleanly."""
+
+
 class RefusedOnEveryRank(ConfigError):
     """Bad input found once the process group is up, by every rank at once (another run's out_dir): exit 2, the
     group left cleanly."""
@@ -256,7 +269,7 @@ class RefusedOnEveryRank(ConfigError):
 
 def run_rank(main, argv=None) -> None:
     """main(argv) with this repo's exit codes: 2 for bad input (before any training), 3 for a run that diverged
-    (training/divergence.py), 1 for a failed rank."""
+    (training/divergence.py), 1 for a failed rank, 128 + the signal for a stopped one."""
     freeze_imports()
     faulthandler.enable(all_threads=True)  # a C++ abort (NCCL's watchdog) still shows where Python was
     stop_on_signals()
@@ -273,6 +286,9 @@ def run_rank(main, argv=None) -> None:
             print_line(f"error: {e}")
         leave_process_group()
         sys.exit(DIVERGED)
+    except SavedAndStopped:
+        leave_process_group()
+        sys.exit(128 + signal.SIGUSR1)
     except SystemExit:
         raise
     except BaseException as e:
