@@ -178,11 +178,12 @@ def join_process_group(dist_timeout_s: int | None = None) -> None:
     even a killed run leaves it behind. The mappings outlive the names."""
     deepspeed.init_distributed(**({} if dist_timeout_s is None else {"timeout": collective_timeout(dist_timeout_s)}))
     JOB.watch()
-    torch.distributed.barrier()
-    if "MASTER_ADDR" in os.environ:
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_"
-                              f"{os.environ['MASTER_PORT']}_{os.environ['LOCAL_RANK']}"):
-            os.remove(path)
+    # Every rank has one or none: DeepSpeed maps them where all ranks share a host and the accelerator is a CPU.
+    workspace = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR')}_"
+                          f"{os.environ.get('MASTER_PORT')}_{os.environ.get('LOCAL_RANK')}")
+    if workspace:
+        torch.distributed.barrier()
+        os.remove(workspace[0])
 
 
 def leave_process_group() -> None:
