@@ -30,8 +30,10 @@ from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.token_data import TokenData
+from training.checkpoints import checkpoint
+from training.checkpoints.disk import check_disk
 from training.launch.failure import PHASE, join_process_group, leave_process_group, run_rank
-from training.startup import configure, load_configs
+from training.startup import configure, count_parameters, load_configs, with_schedule_length, with_vocabulary
 from training.topology import describe_hosts
 
 PROBE_DIR = ".preflight"
@@ -44,8 +46,8 @@ def main(argv=None) -> None:
         return print_dry_run(preflight_args, rest)
     # train.py's start-up, up to what needs the dataset (every rank reports on it below) or a checkpoint
     cfg, ds = load_configs(rest)
-    layout = configure(cfg, ds)[1].engine_settings.layout
-    world = layout.world_size
+    settings = configure(cfg, ds)[1].engine_settings
+    layout, world = settings.layout, settings.layout.world_size
     PHASE.now(f"joining the process group (world {world})")
     join_process_group(cfg.train.dist_timeout_s)
     rank = torch.distributed.get_rank()
@@ -59,7 +61,7 @@ def main(argv=None) -> None:
     PHASE.now("checking data and out_dir")
     token = [uuid.uuid4().hex if rank == 0 else None]
     torch.distributed.broadcast_object_list(token, src=0)
-    report = local_checks(cfg, token[0])
+    report = local_checks(cfg, settings.ds, world, token[0])
     fit = memory_fit(cfg, ds, layout, preflight_args.gpu_gb, report) if rank == 0 else None
     if total.item() != expected:
         report["problems"].append(f"all-reduce gave {total.item():g}, expected {expected:g}")
@@ -166,12 +168,14 @@ def memory_fit(cfg, ds: dict, layout, gpu_gb: float | None, report: dict) -> str
         return None
 
 
-def local_checks(cfg, token: str) -> dict:
-    """This rank's identity and what it can see; problems as text, so that every rank gets to report."""
+def local_checks(cfg, ds: dict, world: int, token: str) -> dict:
+    """This rank's identity and what it can see (the data, out_dir and the room its checkpoints need); problems as
+    text, so that every rank gets to report. `ds`: as DeepSpeed is given it (its precision resolved)."""
     report = {"rank": torch.distributed.get_rank(), "host": socket.gethostname(),
               "local_rank": int(os.environ["LOCAL_RANK"]), "device": device_name(), "problems": [], "writable": True}
+    data = None
     try:
-        TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources)
+        data = TokenData(cfg.data.dir, cfg.data.tokenizer, cfg.model.block_size, cfg.data.sources)
     except (ValueError, OSError, KeyError) as e:  # ConfigError, and what a damaged dataset's files raise: reported
         report["problems"].append(f"data: {e}")
     probe = os.path.join(cfg.train.out_dir, PROBE_DIR, f"{report['host']}-rank{report['rank']}-{token}")
@@ -183,6 +187,14 @@ def local_checks(cfg, token: str) -> dict:
     except OSError as e:
         report["writable"] = False
         report["problems"].append(f"train.out_dir {cfg.train.out_dir} is not writable from this node: {e}")
+    if data is not None and report["writable"]:
+        try:
+            resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
+            start = checkpoint.read_run_state(resume_dir)["step"] if resume_dir else 0
+            run_cfg = with_schedule_length(with_vocabulary(cfg, data), ds, world, data)
+            check_disk(run_cfg.train, ds, count_parameters(run_cfg), start, resume_dir)
+        except ConfigError as e:
+            report["problems"].append(str(e))
     return report
 
 

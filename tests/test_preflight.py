@@ -1,6 +1,7 @@
 """preflight.py on two nodes simulated on this machine: it passes where every rank reads the data and writes
 to one shared train.out_dir, and names each rank of a node without the data or with a disk of its own; ranks
-that share a GPU fail it; a layout over the GPUs' memory by the memory plan fails it."""
+that share a GPU fail it; a layout over the GPUs' memory by the memory plan fails it, and one whose checkpoints
+cannot fit out_dir's disk."""
 import re
 
 import pytest
@@ -65,3 +66,15 @@ def test_preflight_checks_the_memory_plan_against_the_gpus(tmp_path, char_data):
                                      "1e-06 GB; no layout of this batch fits them: add GPUs or lower the batch"
                                      ) in over.stdout
     assert "memory:" not in run_tool("preflight", argv, {}, 120).stdout  # a CPU's memory is not planned
+
+
+def test_preflight_names_a_disk_too_small_for_the_runs_checkpoints(tmp_path, char_data):
+    """A 206B-parameter GPT (counted on the meta device, never built) writes 2.89 TB a checkpoint in bf16: more than
+    this machine's disk, which the quickstart's 9.8 MB checkpoints fit."""
+    argv = ["--ds_config", "ds_configs/zero0.json", f"data.dir={char_data}", f"train.out_dir={tmp_path}"]
+    assert run_tool("preflight", argv, {}, 120).returncode == 0
+    big = run_tool("preflight", [*argv, "model.n_embd=16384", "model.n_layer=64", "model.n_head=128"], {}, 120)
+    assert big.returncode == 1
+    assert re.search(rf"cpu: FAIL: the checkpoints this run writes need 5\.77 TB more in {tmp_path}/checkpoints "
+                     rf"\(2 at once: 2\.89 TB each, 14 bytes a parameter\), where the disk has [\d.]+ [GT]B free; "
+                     rf"fix: free space there, lower train.keep_checkpoints \(now 3\)", big.stdout), big.stdout

@@ -126,9 +126,9 @@ def test_a_run_whose_checkpoints_would_fill_its_disk_is_refused_at_start(char_da
     monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
     startup.check_run(argv)
     free -= 1
-    with pytest.raises(ConfigError, match=rf"^the checkpoints this run writes need 0\.0196 GB more in "
-                                          rf"{tmp_path}/run/checkpoints \(2 at once: 0\.00982 GB each, 12 bytes a "
-                                          rf"parameter\), where the disk has 0\.0196 GB free; fix: free space there, "
+    with pytest.raises(ConfigError, match=rf"^the checkpoints this run writes need 19\.6 MB more in "
+                                          rf"{tmp_path}/run/checkpoints \(2 at once: 9\.82 MB each, 12 bytes a "
+                                          rf"parameter\), where the disk has 19\.6 MB free; fix: free space there, "
                                           rf"lower train.keep_checkpoints \(now 3\), or set train.out_dir on a larger "
                                           rf"disk$"):
         startup.check_run(argv)

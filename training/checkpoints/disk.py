@@ -8,7 +8,13 @@ from common.checks import ConfigError
 from training.checkpoints import checkpoint
 from training.topology import zero_stage
 
-GB = 1e9  # as df -H and cloud disks count
+
+def size(n_bytes: float) -> str:
+    """Bytes as df -H and cloud disks count them: 19.6 MB, 75.7 GB, 5.77 TB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.3g} {unit}"
+    return f"{n_bytes:.0f} bytes"
 
 
 def saves_at(step: int, last_step: int, interval: int) -> bool:
@@ -52,15 +58,15 @@ def check_disk(train, ds: dict, n_params: int, start: int, resume_dir: str | Non
     root = checkpoint.checkpoint_root(train.out_dir)
     there = len(checkpoint.complete_tags(root)) if os.path.isdir(root) else 0
     written_at_once = max(1, min(there + saves - 1, train.keep_checkpoints) + 1 - there)
-    size = tree_bytes(resume_dir) if resume_dir else n_params * bytes_per_parameter(ds)
+    one = tree_bytes(resume_dir) if resume_dir else n_params * bytes_per_parameter(ds)
     existing = root
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing) or "."
     free = shutil.disk_usage(existing).free
-    if written_at_once * size > free:
-        each = f"{size / GB:.3g} GB each, " + ("as the one resumed" if resume_dir else
-                                               f"{bytes_per_parameter(ds)} bytes a parameter")
-        raise ConfigError(f"the checkpoints this run writes need {written_at_once * size / GB:.3g} GB more in {root} "
-                          f"({written_at_once} at once: {each}), where the disk has {free / GB:.3g} GB free; fix: "
-                          f"free space there, lower train.keep_checkpoints (now {train.keep_checkpoints}), or set "
+    if written_at_once * one > free:
+        each = f"{size(one)} each, " + ("as the one resumed" if resume_dir else
+                                        f"{bytes_per_parameter(ds)} bytes a parameter")
+        raise ConfigError(f"the checkpoints this run writes need {size(written_at_once * one)} more in {root} "
+                          f"({written_at_once} at once: {each}), where the disk has {size(free)} free; fix: free "
+                          f"space there, lower train.keep_checkpoints (now {train.keep_checkpoints}), or set "
                           f"train.out_dir on a larger disk")
