@@ -125,6 +125,10 @@ def check_out_dir_shared(out_dir: str, report: dict, token: str, rank: int) -> N
     torch.distributed.barrier()  # every rank has looked before rank 0 removes it
     if rank == 0 and os.path.exists(marker):
         os.remove(marker)
+    try:  # the probes' folder, once empty: by whichever rank of a node's disk comes last
+        os.rmdir(os.path.dirname(marker))
+    except OSError:
+        pass
 
 
 def print_dry_run(args, rest: list[str]) -> None:

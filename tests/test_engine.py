@@ -23,6 +23,7 @@ from training.checkpoints import background_save, checkpoint
 from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.ds_config import load_ds_config
+from training.launch.failure import join_process_group, leave_process_group
 from training.optim import optimizer_and_schedule, param_groups, start_schedule
 from training.startup import effective_ds_config
 from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_reduce_over_one_rank
@@ -37,9 +38,9 @@ def process_group():
            "MASTER_PORT": str(free_port())}
     linear = F.linear
     with mock.patch.dict(os.environ, env):
-        deepspeed.init_distributed(dist_backend="gloo")
+        join_process_group()
         yield
-        torch.distributed.destroy_process_group()
+        leave_process_group()
     F.linear = linear
 
 

@@ -30,6 +30,7 @@ def test_preflight_passes_on_two_nodes_and_names_a_node_without_data(tmp_path, c
     assert [code for _, code in out] == [0, 0], out[1][0][-5000:]
     assert "preflight: world 4 = dp 2 x pp 2" in out[0][0] and "preflight passed" in out[0][0]
     assert out[0][0].count(": ok\n") == 4 and "writable and shared by every rank" in out[0][0]
+    assert list((tmp_path / "out").iterdir()) == []  # no probe left behind
     busbw = re.search(r"all-reduce bus bandwidth: ([\d.]+) GB/s \(16 MB fp32, rank 0's best of 5\)", out[0][0])
     assert busbw and float(busbw[1]) > 0, out[0][0][-2000:]
 
