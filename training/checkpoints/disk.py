@@ -1,6 +1,7 @@
 """Which steps save a checkpoint, and the disk the run's checkpoints need, checked at start: a run that would fill
 its disk stops with "No space left on device" at a save hours in (the last complete checkpoint survives it, the
 hours do not)."""
+import json
 import os
 import shutil
 
@@ -44,8 +45,10 @@ def bytes_per_parameter(ds: dict) -> int:
     return weights + master + 8
 
 
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)
+def saved_bytes(tag_dir: str) -> int:
+    """A complete checkpoint's bytes, as its manifest lists them (read_run_state has held the files to it)."""
+    with open(os.path.join(tag_dir, checkpoint.MANIFEST)) as f:
+        return sum(json.load(f)["files"].values())
 
 
 def check_disk(train, ds: dict, n_params: int, start: int, resume_dir: str | None) -> None:
@@ -58,14 +61,14 @@ def check_disk(train, ds: dict, n_params: int, start: int, resume_dir: str | Non
     root = checkpoint.checkpoint_root(train.out_dir)
     there = len(checkpoint.complete_tags(root)) if os.path.isdir(root) else 0
     written_at_once = max(1, min(there + saves - 1, train.keep_checkpoints) + 1 - there)
-    one = tree_bytes(resume_dir) if resume_dir else n_params * bytes_per_parameter(ds)
+    per_parameter = bytes_per_parameter(ds)
+    one = saved_bytes(resume_dir) if resume_dir else n_params * per_parameter
     existing = root
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing) or "."
     free = shutil.disk_usage(existing).free
     if written_at_once * one > free:
-        each = f"{size(one)} each, " + ("as the one resumed" if resume_dir else
-                                        f"{bytes_per_parameter(ds)} bytes a parameter")
+        each = f"{size(one)} each, " + ("as the one resumed" if resume_dir else f"{per_parameter} bytes a parameter")
         raise ConfigError(f"the checkpoints this run writes need {size(written_at_once * one)} more in {root} "
                           f"({written_at_once} at once: {each}), where the disk has {size(free)} free; fix: free "
                           f"space there, lower train.keep_checkpoints (now {train.keep_checkpoints}), or set "
