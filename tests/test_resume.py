@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from common.checks import ConfigError
 from harness import BF16, FP32, REPO, deepspeed_launch, launch, launch_cmd, metrics, run, train_py, universal
 from refusals import assert_one_error_line, assert_refused_at_start, snapshot
 from training.checkpoints import checkpoint
@@ -196,3 +197,23 @@ def test_sigusr1_to_one_rank_saves_every_rank_at_the_next_log_step_and_the_run_r
     resumed = launch(2, "zero1.json", out, char_data, settings)
     assert f"resumed from {out}/checkpoints/step_000004 at step 4" in resumed.stdout
     assert steps(out) == steps(tmp_path / "straight") and "saved step_000008" in straight.stdout
+
+
+def test_a_resumed_runs_checkpoints_are_counted_at_the_size_of_the_one_it_resumes(straight, tmp_path, monkeypatch):
+    """Resumed at step 2 of 6 with checkpoints every 2 steps (2 kept): steps 4 and 6 save, 2 at once with step 2's
+    beside them, each the bytes its manifest lists."""
+    from types import SimpleNamespace
+
+    from training.checkpoints import disk
+    from training.config import DEFAULT_CONFIG, load_run_config
+    out = at_step_2(straight["zero0_fp32"], tmp_path / "run")
+    tag = out / "checkpoints" / "step_000002"
+    one = sum(path.stat().st_size for path in tag.iterdir() if path.name != checkpoint.MANIFEST)
+    train_cfg = load_run_config(DEFAULT_CONFIG, [f"train.out_dir={out}", "train.max_steps=6", "train.save_interval=2",
+                                                 "train.keep_checkpoints=2"]).train
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=2 * one))
+    disk.check_disk(train_cfg, {}, 10**12, 2, str(tag))  # the parameters are not what counts
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=2 * one - 1))
+    with pytest.raises(ConfigError, match=rf"need {disk.size(2 * one)} more in {out}/checkpoints \(2 at once: "
+                                          rf"{disk.size(one)} each, as the one resumed\)"):
+        disk.check_disk(train_cfg, {}, 10**12, 2, str(tag))
