@@ -31,9 +31,18 @@ from deepspeed.accelerator import get_accelerator
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.token_data import TokenData
 from training.checkpoints import checkpoint
-from training.checkpoints.disk import check_disk
+from training.checkpoints.space import check_disk, check_host_copy
 from training.launch.failure import PHASE, join_process_group, leave_process_group, run_rank
-from training.startup import configure, count_parameters, load_configs, with_schedule_length, with_vocabulary
+from training.launch.launcher_env import ranks_on_this_node
+from training.memory_plan import plan
+from training.startup import (
+    configure,
+    count_parameters,
+    in_host_memory,
+    load_configs,
+    with_schedule_length,
+    with_vocabulary,
+)
 from training.topology import describe_hosts
 
 PROBE_DIR = ".preflight"
@@ -61,7 +70,7 @@ def main(argv=None) -> None:
     PHASE.now("checking data and out_dir")
     token = [uuid.uuid4().hex if rank == 0 else None]
     torch.distributed.broadcast_object_list(token, src=0)
-    report = local_checks(cfg, settings.ds, world, token[0])
+    report = local_checks(cfg, settings.ds, layout, token[0])
     fit = memory_fit(cfg, ds, layout, preflight_args.gpu_gb, report) if rank == 0 else None
     if total.item() != expected:
         report["problems"].append(f"all-reduce gave {total.item():g}, expected {expected:g}")
@@ -153,7 +162,6 @@ def memory_fit(cfg, ds: dict, layout, gpu_gb: float | None, report: dict) -> str
     or a problem in `report` naming the layout the planner would choose (training/dry_run.py memory_check)."""
     from training.device import memory_capacity
     from training.dry_run import memory_check
-    from training.launch.launcher_env import ranks_on_this_node
     from training.memory_plan import GB
 
     if gpu_gb is None and get_accelerator().device_name() != "cuda":
@@ -172,9 +180,10 @@ def memory_fit(cfg, ds: dict, layout, gpu_gb: float | None, report: dict) -> str
         return None
 
 
-def local_checks(cfg, ds: dict, world: int, token: str) -> dict:
-    """This rank's identity and what it can see (the data, out_dir and the room its checkpoints need); problems as
-    text, so that every rank gets to report. `ds`: as DeepSpeed is given it (its precision resolved)."""
+def local_checks(cfg, ds: dict, layout, token: str) -> dict:
+    """This rank's identity and what it can see (the data, out_dir, and the disk and host memory its checkpoints
+    need); problems as text, so that every rank gets to report. `ds`: as DeepSpeed is given it (its precision
+    resolved)."""
     report = {"rank": torch.distributed.get_rank(), "host": socket.gethostname(),
               "local_rank": int(os.environ["LOCAL_RANK"]), "device": device_name(), "problems": [], "writable": True}
     data = None
@@ -195,8 +204,14 @@ def local_checks(cfg, ds: dict, world: int, token: str) -> dict:
         try:
             resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
             start = checkpoint.read_run_state(resume_dir)["step"] if resume_dir else 0
-            run_cfg = with_schedule_length(with_vocabulary(cfg, data), ds, world, data)
-            check_disk(run_cfg.train, ds, count_parameters(run_cfg), start, resume_dir)
+            run_cfg = with_schedule_length(with_vocabulary(cfg, data), ds, layout.world_size, data)
+            n_params = count_parameters(run_cfg)
+            check_disk(run_cfg.train, ds, n_params, start, resume_dir)
+            device_type = get_accelerator().device_name()
+            planned = plan(run_cfg.model, ds, layout.world_size, run_cfg.train.mlp_tiles, device_type,
+                           run_cfg.train.compile)
+            check_host_copy(run_cfg.train, ds, layout, n_params, start, resume_dir,
+                            in_host_memory(planned, device_type, layout), ranks_on_this_node())
         except ConfigError as e:
             report["problems"].append(str(e))
     return report

@@ -31,7 +31,7 @@ from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
 from training.checkpoints import checkpoint, hf, universal
 from training.checkpoints.background_save import BackgroundWriter
-from training.checkpoints.disk import saves_at
+from training.checkpoints.space import saves_at
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb, seed_step, set_matmul_precision
 from training.divergence import Guard, Verdict

@@ -70,11 +70,13 @@ def test_preflight_checks_the_memory_plan_against_the_gpus(tmp_path, char_data):
 
 
 def test_preflight_names_a_disk_too_small_for_the_runs_checkpoints(tmp_path, char_data):
-    """A 206B-parameter GPT (counted on the meta device, never built) writes 2.89 TB a checkpoint in bf16: more than
-    this machine's disk, which the quickstart's 9.8 MB checkpoints fit."""
+    """A 206B-parameter GPT (counted on the meta device, never built) writes 2.89 TB a checkpoint in bf16 (asked for
+    by name: "auto" takes fp32 on a CPU without bf16 arithmetic): more than this machine's disk, which the
+    quickstart's 9.8 MB checkpoints fit."""
     argv = ["--ds_config", "ds_configs/zero0.json", f"data.dir={char_data}", f"train.out_dir={tmp_path}"]
     assert run_tool("preflight", argv, {}, 120).returncode == 0
-    big = run_tool("preflight", [*argv, "model.n_embd=16384", "model.n_layer=64", "model.n_head=128"], {}, 120)
+    big = run_tool("preflight", [*argv, "model.n_embd=16384", "model.n_layer=64", "model.n_head=128",
+                                      "ds.bf16.enabled=true"], {}, 120)
     assert big.returncode == 1
     assert re.search(rf"cpu: FAIL: the checkpoints this run writes need 5\.77 TB more in {tmp_path}/checkpoints "
                      rf"\(2 at once: 2\.89 TB each, 14 bytes a parameter\), where the disk has [\d.]+ [GT]B free; "

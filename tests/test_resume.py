@@ -204,16 +204,16 @@ def test_a_resumed_runs_checkpoints_are_counted_at_the_size_of_the_one_it_resume
     beside them, each the bytes its manifest lists."""
     from types import SimpleNamespace
 
-    from training.checkpoints import disk
+    from training.checkpoints import space
     from training.config import DEFAULT_CONFIG, load_run_config
     out = at_step_2(straight["zero0_fp32"], tmp_path / "run")
     tag = out / "checkpoints" / "step_000002"
     one = sum(path.stat().st_size for path in tag.iterdir() if path.name != checkpoint.MANIFEST)
     train_cfg = load_run_config(DEFAULT_CONFIG, [f"train.out_dir={out}", "train.max_steps=6", "train.save_interval=2",
                                                  "train.keep_checkpoints=2"]).train
-    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=2 * one))
-    disk.check_disk(train_cfg, {}, 10**12, 2, str(tag))  # the parameters are not what counts
-    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=2 * one - 1))
-    with pytest.raises(ConfigError, match=rf"need {disk.size(2 * one)} more in {out}/checkpoints \(2 at once: "
-                                          rf"{disk.size(one)} each, as the one resumed\)"):
-        disk.check_disk(train_cfg, {}, 10**12, 2, str(tag))
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: SimpleNamespace(free=2 * one))
+    space.check_disk(train_cfg, {}, 10**12, 2, str(tag))  # the parameters are not what counts
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: SimpleNamespace(free=2 * one - 1))
+    with pytest.raises(ConfigError, match=rf"need {space.size(2 * one)} more in {out}/checkpoints \(2 at once: "
+                                          rf"{space.size(one)} each, as the one resumed\)"):
+        space.check_disk(train_cfg, {}, 10**12, 2, str(tag))

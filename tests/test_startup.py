@@ -107,6 +107,34 @@ def test_a_run_whose_memory_plan_is_over_a_ranks_memory_is_refused_at_start(char
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
+def test_a_run_whose_background_saves_cannot_fit_host_memory_is_refused_at_start(char_data, tmp_path, monkeypatch):
+    """A background save copies the node's share of each checkpoint into host memory beside what the run keeps
+    there: the quickstart's one rank, all of it (817,920 parameters at 12 bytes, ZeRO-0 in fp32). One byte short
+    of the two, the run is refused at start; without background saves it needs no copy."""
+    from training import startup
+    from training.checkpoints import space
+    from training.memory_plan import plan
+    argv = [f"data.dir={char_data}", f"train.out_dir={tmp_path}"]
+    run = startup.check_run(argv)
+    kept = startup.in_host_memory(plan(run.cfg.model, run.ds, 1, run.cfg.train.mlp_tiles, "cpu", run.cfg.train.compile),
+                                  "cpu", run.layout)
+    copy = 817_920 * 12
+    for host, refused in ((kept + copy - 1, True), (kept + copy, False)):
+        monkeypatch.setattr(space, "memory_capacity", lambda device, ranks: (host, "this machine's memory"))
+        if not refused:
+            startup.check_run(argv)
+            continue
+        with pytest.raises(ConfigError) as e:
+            startup.check_run(argv)
+        assert str(e.value) == (
+            f"a background save copies this node's share of each checkpoint, 9.82 MB, into host memory beside the "
+            f"{space.size(kept)} the run keeps there, over this machine's memory, {space.size(host)}; fix: set "
+            f"train.background_save=false (each save then writes from the states in place while the loop waits), "
+            f"or spread the run over more nodes")
+        startup.check_run([*argv, "train.background_save=false"])
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
 def test_a_cpu_ranks_memory_is_its_share_of_the_machines():
     from training.device import memory_capacity
     whole, said = memory_capacity(torch.device("cpu"), 1)
@@ -120,10 +148,10 @@ def test_a_run_whose_checkpoints_would_fill_its_disk_is_refused_at_start(char_da
     from types import SimpleNamespace
 
     from training import startup
-    from training.checkpoints import disk
+    from training.checkpoints import space
     argv = [f"data.dir={char_data}", f"train.out_dir={tmp_path / 'run'}"]
     free = 19_630_080
-    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
     startup.check_run(argv)
     free -= 1
     with pytest.raises(ConfigError, match=rf"^the checkpoints this run writes need 19\.6 MB more in "
@@ -137,7 +165,7 @@ def test_a_run_whose_checkpoints_would_fill_its_disk_is_refused_at_start(char_da
 
 
 def test_the_saves_counted_at_start_are_the_steps_that_save():
-    from training.checkpoints.disk import saves_at, saves_between
+    from training.checkpoints.space import saves_at, saves_between
     for interval in range(0, 7):
         for start in range(0, 13):
             for last in range(start, 20):

@@ -60,11 +60,11 @@ def test_fp32_gradient_norm_is_reported_without_zero_too(zero_runs):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_checkpoint_is_at_least_what_the_disk_check_counts(zero_runs, stage):
-    """training/checkpoints/disk.py's size of a checkpoint is a floor (a run it passes may still fill its disk, one
+    """training/checkpoints/space.py's size of a checkpoint is a floor (a run it passes may still fill its disk, one
     it refuses cannot fit) and close: the tiny model's files add their own few kB to 30k parameters' states."""
     import re
 
-    from training.checkpoints.disk import bytes_per_parameter
+    from training.checkpoints.space import bytes_per_parameter
     from training.ds_config import load_ds_config
     params = int(re.search(r"model: ([\d,]+) parameters", (zero_runs[stage] / "launch.log").read_text())
                  .group(1).replace(",", ""))
@@ -73,6 +73,27 @@ def test_a_checkpoint_is_at_least_what_the_disk_check_counts(zero_runs, stage):
     written = sum(path.stat().st_size for path in (zero_runs[stage] / "checkpoints" / "step_000006").rglob("*")
                   if path.is_file())
     assert counted <= written <= 1.25 * counted, (counted, written)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_ranks_files_are_at_least_its_share_as_the_host_memory_check_counts(zero_runs, stage):
+    """A background save's host copy on a node is what its ranks write (training/checkpoints/space.py node_share):
+    each of these two ranks taken as a node of its own, rank 0, the busiest, writes at least its share of the
+    counted checkpoint (the weights without ZeRO, or its ZeRO partition) and at most 25% more; rank 1 no more."""
+    import re
+
+    from training.checkpoints.space import bytes_per_parameter, node_share
+    from training.ds_config import load_ds_config
+    from training.topology import Layout
+    params = int(re.search(r"model: ([\d,]+) parameters", (zero_runs[stage] / "launch.log").read_text())
+                 .group(1).replace(",", ""))
+    ds = load_ds_config(os.path.join(REPO, "ds_configs", f"zero{stage}.json"), ["bf16.enabled=false"])
+    files = [path for path in (zero_runs[stage] / "checkpoints" / "step_000006").rglob("*.pt")]
+    written = {rank: sum(path.stat().st_size for path in files if f"zero_pp_rank_{rank}_" in path.name
+                         or rank == 0 and path.name.startswith("mp_rank_")) for rank in (0, 1)}
+    share = params * bytes_per_parameter(ds) * node_share(ds, Layout(2, 1, 1, 1), 1)
+    assert share <= written[0] <= 1.25 * share, (share, written)
+    assert written[1] <= written[0]
 
 
 def test_zero_3_trains(zero_runs):

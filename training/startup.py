@@ -28,7 +28,7 @@ from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training.checkpoints import checkpoint, hf
-from training.checkpoints.disk import check_disk
+from training.checkpoints.space import check_disk, check_host_copy
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import (
     check_op_build_locks,
@@ -250,8 +250,11 @@ def check_run(argv=None) -> Run:
                                     cfg.train.out_dir)
         data.check_resume(saved["data"], cfg.data.allow_changed)
         newer = checkpoint.check_resume_point(cfg.train, resume_dir, saved["step"])
-    check_memory(cfg, settings.ds, settings.layout, setup.device)
-    check_disk(cfg.train, settings.ds, n_params, saved["step"] if saved else 0, resume_dir)
+    planned = check_memory(cfg, settings.ds, settings.layout, setup.device)
+    start = saved["step"] if saved else 0
+    check_disk(cfg.train, settings.ds, n_params, start, resume_dir)
+    check_host_copy(cfg.train, settings.ds, settings.layout, n_params, start, resume_dir,
+                    in_host_memory(planned, setup.device.type, settings.layout), ranks_on_this_node())
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
@@ -264,13 +267,13 @@ def check_run(argv=None) -> Run:
                resume_dir, init_from, newer, objective, architecture(cfg.model).training_hooks(cfg.model))
 
 
-def check_memory(cfg: RunConfig, ds: dict, layout, device: torch.device) -> None:
+def check_memory(cfg: RunConfig, ds: dict, layout, device: torch.device) -> dict:
     """A layout whose memory plan (training/memory_plan.py) is over what a rank has cannot run: refused here, where
     it would be stopped by an out-of-memory error or the kernel's OOM killer minutes in. The plan counts what the
     model keeps, not the allocator's or the libraries' own, so a run it passes may still not fit (preflight.py and
-    the planner hold it to 90% of a GPU); one it refuses cannot."""
+    the planner hold it to 90% of a GPU); one it refuses cannot. Returns the plan."""
     planned = plan(cfg.model, ds, layout.world_size, cfg.train.mlp_tiles, device.type, cfg.train.compile)
-    needed = planned["total"] + (planned["cpu"] if device.type == "cpu" else 0)  # offloaded states: the same RAM
+    needed = in_host_memory(planned, "cpu", layout) if device.type == "cpu" else planned["total"]
     capacity, what = memory_capacity(device, ranks_on_this_node())
     if needed > capacity:
         raise ConfigError(f"the memory plan needs {needed / GB:.3g} GB a rank (training/memory_plan.py: model states "
@@ -279,6 +282,15 @@ def check_memory(cfg: RunConfig, ds: dict, layout, device: torch.device) -> None
                           f"ds.train_micro_batch_size_per_gpu (gradient_accumulation_steps keeps the batch), a "
                           f"shorter model.block_size, ZeRO-3 or more ranks (python -m scripts.memory_plan --config "
                           f"PRESET --plan --gpus N)")
+    return planned
+
+
+def in_host_memory(planned: dict, device_type: str, layout) -> float:
+    """What the memory plan puts in a rank's host memory: a CPU rank's all; a GPU rank's share of the offloaded
+    states, which DeepSpeed's estimators count for all the data ranks together."""
+    if device_type == "cpu":
+        return planned["total"] + planned["cpu"]
+    return planned["cpu"] / layout.data_axis
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:
