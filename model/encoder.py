@@ -18,7 +18,7 @@ from deepspeed.pipe import LayerSpec
 
 from model.architecture import Architecture
 from model.config import ModelConfig
-from model.layers import LMHead, ScoreHead, TokenEmbedding, causal_attention, merge_heads
+from model.layers import LMHead, ScoreHead, TokenEmbedding, causal_attention, merge_heads, split_qkv
 from model.tensor_parallel import COLUMN, ROW, VOCAB
 
 INIT_RANGE = 0.1  # the tutorial's uniform init for the embedding and decoder
@@ -62,7 +62,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # the whole sequence's (see the GPT's attention)
-        q, k, v = qkv.view(*qkv.shape[:2], 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = split_qkv(qkv, self.head_dim)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.out_proj(merge_heads(y))
 

@@ -24,6 +24,7 @@ from model.layers import (
     lm_head,
     merge_heads,
     normal_init,
+    split_qkv,
 )
 from model.tensor_parallel import COLUMN, ROW, VOCAB
 
@@ -55,7 +56,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # its time is the whole sequence, also where x is a slice of it (sequence parallelism)
-        q, k, v = qkv.view(*qkv.shape[:2], 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = split_qkv(qkv, self.head_dim)
         y = self.core(q, k, v, self.dropout if self.training else 0.0, positions)
         return self.resid_drop(self.proj(merge_heads(y)))
 
