@@ -62,9 +62,9 @@ def checkpoint_bytes(n_params: int, ds: dict, resume_dir: str | None) -> int:
 
 
 def node_share(ds: dict, layout, ranks_here: int) -> float:
-    """The part of a checkpoint that a node of `ranks_here` ranks writes, at most: the first data-parallel
-    replica's ranks write the weights of their model-parallel slices (and without ZeRO the optimizer's states
-    too); with ZeRO each rank writes its partition of the rest. A node of the first replica, as the busiest."""
+    """The part of a checkpoint that a node of `ranks_here` ranks writes, counted for a node of the first
+    data-parallel replica, the busiest: that replica's ranks write the weights of their model-parallel slices (and
+    without ZeRO the optimizer's states too); with ZeRO each rank writes its partition of the rest."""
     slices = min(1.0, ranks_here / (layout.tp_size * layout.pipeline_stages))
     if zero_stage(ds) == 0:
         return slices
