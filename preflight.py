@@ -31,14 +31,12 @@ from deepspeed.accelerator import get_accelerator
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.token_data import TokenData
 from training.checkpoints import checkpoint
-from training.checkpoints.space import check_disk, check_host_copy
 from training.launch.failure import PHASE, join_process_group, leave_process_group, run_rank
-from training.launch.launcher_env import ranks_on_this_node
 from training.memory_plan import plan
 from training.startup import (
+    check_checkpoint_room,
     configure,
     count_parameters,
-    in_host_memory,
     load_configs,
     with_schedule_length,
     with_vocabulary,
@@ -162,6 +160,7 @@ def memory_fit(cfg, ds: dict, layout, gpu_gb: float | None, report: dict) -> str
     or a problem in `report` naming the layout the planner would choose (training/dry_run.py memory_check)."""
     from training.device import memory_capacity
     from training.dry_run import memory_check
+    from training.launch.launcher_env import ranks_on_this_node
     from training.memory_plan import GB
 
     if gpu_gb is None and get_accelerator().device_name() != "cuda":
@@ -205,13 +204,11 @@ def local_checks(cfg, ds: dict, layout, token: str) -> dict:
             resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
             start = checkpoint.read_run_state(resume_dir)["step"] if resume_dir else 0
             run_cfg = with_schedule_length(with_vocabulary(cfg, data), ds, layout.world_size, data)
-            n_params = count_parameters(run_cfg)
-            check_disk(run_cfg.train, ds, n_params, start, resume_dir)
             device_type = get_accelerator().device_name()
             planned = plan(run_cfg.model, ds, layout.world_size, run_cfg.train.mlp_tiles, device_type,
                            run_cfg.train.compile)
-            check_host_copy(run_cfg.train, ds, layout, n_params, start, resume_dir,
-                            in_host_memory(planned, device_type, layout), ranks_on_this_node())
+            check_checkpoint_room(run_cfg, ds, layout, device_type, planned, count_parameters(run_cfg), start,
+                                  resume_dir)
         except ConfigError as e:
             report["problems"].append(str(e))
     return report

@@ -58,17 +58,22 @@ def test_fp32_gradient_norm_is_reported_without_zero_too(zero_runs):
     assert len(norms[0]) == 6 and norms[0] == pytest.approx(norms[1], rel=1e-4)
 
 
+def counted_as_the_checks_count(out_dir, stage: int) -> tuple[int, dict]:
+    """A ZeRO run's parameters, as it printed them, and its ds_config in fp32, as the start-up checks see them."""
+    import re
+
+    from training.ds_config import load_ds_config
+    printed = re.search(r"model: ([\d,]+) parameters", (out_dir / "launch.log").read_text()).group(1)
+    params = int(printed.replace(",", ""))
+    return params, load_ds_config(os.path.join(REPO, "ds_configs", f"zero{stage}.json"), ["bf16.enabled=false"])
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_checkpoint_is_at_least_what_the_disk_check_counts(zero_runs, stage):
     """training/checkpoints/space.py's size of a checkpoint is a floor (a run it passes may still fill its disk, one
     it refuses cannot fit) and close: the tiny model's files add their own few kB to 30k parameters' states."""
-    import re
-
     from training.checkpoints.space import bytes_per_parameter
-    from training.ds_config import load_ds_config
-    params = int(re.search(r"model: ([\d,]+) parameters", (zero_runs[stage] / "launch.log").read_text())
-                 .group(1).replace(",", ""))
-    ds = load_ds_config(os.path.join(REPO, "ds_configs", f"zero{stage}.json"), ["bf16.enabled=false"])
+    params, ds = counted_as_the_checks_count(zero_runs[stage], stage)
     counted = params * bytes_per_parameter(ds)
     written = sum(path.stat().st_size for path in (zero_runs[stage] / "checkpoints" / "step_000006").rglob("*")
                   if path.is_file())
@@ -80,15 +85,10 @@ def test_a_ranks_files_are_at_least_its_share_as_the_host_memory_check_counts(ze
     """A background save's host copy on a node is what its ranks write (training/checkpoints/space.py node_share):
     each of these two ranks taken as a node of its own, rank 0, the busiest, writes at least its share of the
     counted checkpoint (the weights without ZeRO, or its ZeRO partition) and at most 25% more; rank 1 no more."""
-    import re
-
     from training.checkpoints.space import bytes_per_parameter, node_share
-    from training.ds_config import load_ds_config
     from training.topology import Layout
-    params = int(re.search(r"model: ([\d,]+) parameters", (zero_runs[stage] / "launch.log").read_text())
-                 .group(1).replace(",", ""))
-    ds = load_ds_config(os.path.join(REPO, "ds_configs", f"zero{stage}.json"), ["bf16.enabled=false"])
-    files = [path for path in (zero_runs[stage] / "checkpoints" / "step_000006").rglob("*.pt")]
+    params, ds = counted_as_the_checks_count(zero_runs[stage], stage)
+    files = list((zero_runs[stage] / "checkpoints" / "step_000006").rglob("*.pt"))
     written = {rank: sum(path.stat().st_size for path in files if f"zero_pp_rank_{rank}_" in path.name
                          or rank == 0 and path.name.startswith("mp_rank_")) for rank in (0, 1)}
     share = params * bytes_per_parameter(ds) * node_share(ds, Layout(2, 1, 1, 1), 1)

@@ -252,9 +252,7 @@ def check_run(argv=None) -> Run:
         newer = checkpoint.check_resume_point(cfg.train, resume_dir, saved["step"])
     planned = check_memory(cfg, settings.ds, settings.layout, setup.device)
     start = saved["step"] if saved else 0
-    check_disk(cfg.train, settings.ds, n_params, start, resume_dir)
-    check_host_copy(cfg.train, settings.ds, settings.layout, n_params, start, resume_dir,
-                    in_host_memory(planned, setup.device.type, settings.layout), ranks_on_this_node())
+    check_checkpoint_room(cfg, settings.ds, settings.layout, setup.device.type, planned, n_params, start, resume_dir)
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
@@ -291,6 +289,15 @@ def in_host_memory(planned: dict, device_type: str, layout) -> float:
     if device_type == "cpu":
         return planned["total"] + planned["cpu"]
     return planned["cpu"] / layout.data_axis
+
+
+def check_checkpoint_room(cfg: RunConfig, ds: dict, layout, device_type: str, planned: dict, n_params: int, start: int,
+                          resume_dir: str | None) -> None:
+    """The disk the run's checkpoints need and the host memory of a background save's copy beside what the memory
+    plan puts there (training/checkpoints/space.py): train.py's start, and preflight.py on every rank."""
+    check_disk(cfg.train, ds, n_params, start, resume_dir)
+    check_host_copy(cfg.train, ds, layout, n_params, start, resume_dir, in_host_memory(planned, device_type, layout),
+                    ranks_on_this_node())
 
 
 def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str | None:
