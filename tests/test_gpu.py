@@ -5,9 +5,11 @@ started with. A check is parametrized over the device: its `cuda` case carries t
 CUDA is absent; its `cpu` case, where a CPU stand-in exists, runs in the normal suite (the same probe and the same
 assertions, with what the CPU is documented to do). Checks with no CPU stand-in are `cuda` only. The figures of a
 GPU are benchmarks/record.sh's, which runs this tier first."""
+import fcntl
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -84,8 +86,8 @@ BF16_KERNEL_RTOL = 0.01
 
 
 class Run:
-    def __init__(self, out_dir, proc, record: dict):
-        self.out_dir, self.stdout, self.record = out_dir, proc.stdout, record
+    def __init__(self, out_dir, stdout: str, record: dict):
+        self.out_dir, self.stdout, self.record = out_dir, stdout, record
 
     def losses(self) -> list[float]:
         """The logged training losses, then the evaluation losses (the start's and the end's)."""
@@ -102,21 +104,37 @@ def probe(device: str, name: str, out, *args, timeout: int = 900, env: dict | No
 
 
 class Runs:
-    """Each run of RUNS once per device, on demand, for every check that reads it."""
+    """Each run of RUNS once per device, on demand, for every check that reads it: once in the whole tier, also over
+    several xdist workers (benchmarks/record.sh's), whose basetemps share a parent folder. A worker takes a run's lock,
+    trains it unless a finished report is there, and reads it from there."""
 
     def __init__(self, tmp_path_factory, data_dir: str):
-        self.tmp, self.data_dir, self.done = tmp_path_factory, data_dir, {}
+        base = tmp_path_factory.getbasetemp()
+        self.root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "runs"
+        self.root.mkdir(exist_ok=True)
+        self.data_dir, self.done = data_dir, {}
 
     def train(self, device: str, name: str) -> Run:
         if (device, name) not in self.done:
-            options, ds_config, overrides = RUNS[name]
-            out = self.tmp.mktemp(f"{device}_{name}")
-            report = out / "probe.json"
-            cache = {"TORCHINDUCTOR_CACHE_DIR": str(self.tmp.getbasetemp() / f"inductor_{device}")}
-            proc = probe(device, "train", report, *options, "--", "--ds_config", f"ds_configs/{ds_config}",
-                         f"data.dir={self.data_dir}", f"train.out_dir={out}", *RUN, *overrides, env=cache)
-            self.done[device, name] = Run(out, proc, json.loads(report.read_text()))
+            out = self.root / f"{device}_{name}"
+            report, stdout = out / "probe.json", out / "stdout.txt"
+            with open(self.root / f"{device}_{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not report.exists():
+                    shutil.rmtree(out, ignore_errors=True)  # a failed try's: train.py would resume its checkpoint
+                    out.mkdir()
+                    self.probe(device, name, out, report, stdout)
+            self.done[device, name] = Run(out, stdout.read_text(), json.loads(report.read_text()))
         return self.done[device, name]
+
+    def probe(self, device: str, name: str, out, report, stdout) -> None:
+        options, ds_config, overrides = RUNS[name]
+        cache = {"TORCHINDUCTOR_CACHE_DIR": str(self.root / f"inductor_{device}")}  # the compiled runs share it
+        proc = probe(device, "train", report.with_suffix(".tmp"), *options, "--", "--ds_config",
+                     f"ds_configs/{ds_config}", f"data.dir={self.data_dir}", f"train.out_dir={out}", *RUN,
+                     *overrides, env=cache)
+        stdout.write_text(proc.stdout)
+        report.with_suffix(".tmp").rename(report)  # last: its presence says the run is whole
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +213,7 @@ def test_batches_arrive_pinned_and_are_copied_without_blocking(runs, device):
     assert run.record["copies"] == {"pinned=True non_blocking=True": 3 * INTERVAL}
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_step_does_not_wait_for_a_loader_that_sleeps_most_of_a_step(runs, device):
     """The loader sleeps 0.7 of the last step's time before each batch of the third interval: made on its thread
@@ -238,6 +257,7 @@ def test_the_mfu_line_names_the_devices_peak(runs, device):
         assert re.fullmatch(r"measured (bf16|fp32) matmul peak.*", source) and float(tflops) > 0
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize("device", [CUDA])
 def test_a_bf16_matmul_reaches_60_percent_of_the_datasheet_peak(tmp_path, device):
     """So that an MFU read against the datasheet is honest: the device delivers the datasheet's range."""
