@@ -33,7 +33,7 @@ from training.checkpoints import checkpoint, hf, universal
 from training.checkpoints.background_save import BackgroundWriter
 from training.checkpoints.space import saves_at
 from training.config import RunConfig
-from training.device import peak_flops, peak_memory_gb, seed_step, set_matmul_precision
+from training.device import peak_flops, peak_memory_gb, seed_step
 from training.divergence import Guard, Verdict
 from training.engines import PlainDriver, drive, initialize
 from training.evaluation.multiple_choice import ChoiceScorer
@@ -109,7 +109,6 @@ class Rank:
 def build_engine(run: Run, observers: Observers) -> Rank:
     """The process group, the topology over it, the model, DeepSpeed's engine, and the checkpoint loaded."""
     cfg, layout = run.cfg, run.layout
-    set_matmul_precision(run.device, cfg.train.tf32, run.onednn_matmuls)
     index, print0, topo = join_job(run)
     groups = parallel_groups(topo, layout.sp_size, layout.tp_sequence)
     grid, tp = groups.grid, groups.tp

@@ -58,11 +58,12 @@ def main(argv: list[str] | None = None) -> None:
             for r in report["results"]:
                 rows.append([report["date"], report["device"], preset, stage, f"{r['tokens_per_step']:,}",
                              r["precision"], "yes" if name.endswith("_compiled.json") else "no",
+                             r.get("attention") or "",
                              f"{r['deepspeed']['tokens_per_s']:,.0f}", f"{r['reference']['tokens_per_s']:,.0f}",
                              f"{r['ratio']:.3f}", f"{100 * r['deepspeed']['mfu']:.1f}%",
                              f"{r['peak_tflops']:.4g} TFLOP/s ({r['peak_source']})",
                              f"{memory['measured'] / 2**30:.2f} GiB" if memory else "",
                              f"{memory['plan'] / 2**30:.2f} GiB" if memory else "", tier])
     print_table(["date", "device", "preset", "ds_config", "tokens a step", "precision", "train.compile",
-                 "DeepSpeed tokens/s", "reference tokens/s", "DeepSpeed / reference", "MFU", "peak", "peak memory",
-                 "memory plan", "GPU tier"], rows)
+                 "attention kernel", "DeepSpeed tokens/s", "reference tokens/s", "DeepSpeed / reference", "MFU", "peak",
+                 "peak memory", "memory plan", "GPU tier"], rows)

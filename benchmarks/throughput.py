@@ -29,7 +29,7 @@ from benchmarks.turns import profiled, timed_turns
 from common.checks import ToolParser
 from data.token_data import TokenData
 from model import build_model, compile_blocks
-from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, seed_step, set_matmul_precision
+from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, seed_step, set_kernels
 from training.engines import initialize, train_step
 from training.launch.failure import join_process_group, leave_process_group
 from training.launch.launcher_env import set_single_process_env
@@ -89,7 +89,9 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
     ds.update(optimizer_and_schedule(cfg, ds))
     layout = resolve_layout(ds, 1, 1)
-    set_matmul_precision(device, cfg.train.tf32, onednn_matmuls(ds, device, cfg.model.n_embd))  # as train.py
+    m = cfg.model  # the kernels as train.py picks them
+    attention = set_kernels(device, cfg.train, onednn_matmuls(ds, device, m.n_embd),
+                            (DTYPES[precision], m.n_head, m.kv_heads, m.head_dim, m.block_size))
     model = build_model(cfg.model, cfg.train.seed)
     engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
     adjust_engine(engine)
@@ -116,7 +118,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     peak, peak_source = peak_flops(device, DTYPES[precision], cfg.train.peak_tflops, cfg.train.tf32)
     tokens_per_step = layout.global_batch * cfg.model.block_size
     result = {"precision": precision, "peak_tflops": peak / 1e12, "peak_source": peak_source,
-              "tokens_per_step": tokens_per_step}
+              "tokens_per_step": tokens_per_step, "attention": attention}
     for name in runners:
         tokens_per_s = tokens_per_step * args.steps / seconds[name]
         result[name] = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token(cfg.model) / peak,

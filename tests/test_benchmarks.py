@@ -397,7 +397,8 @@ def test_the_gpu_figures_set_a_throughput_row_beside_the_plan_of_its_own_setting
 
     settings = ["data.tokenizer=char", "ds.train_micro_batch_size_per_gpu=64"]
     row = {"precision": "bf16", "tokens_per_step": 65536, "ratio": 0.95, "peak_tflops": 989.0, "peak_source": "sheet",
-           "deepspeed": {"tokens_per_s": 400000.0, "mfu": 0.4}, "reference": {"tokens_per_s": 420000.0}}
+           "attention": "cudnn", "deepspeed": {"tokens_per_s": 400000.0, "mfu": 0.4},
+           "reference": {"tokens_per_s": 420000.0}}
     (tmp_path / "throughput_gpt2_124m_zero1_compiled.json").write_text(json.dumps(
         {"date": "2026-11-28", "device": "GPU", "overrides": [*settings, "train.compile=true"], "results": [row]}))
     plan = {"overrides": settings, "results": {"zero1.json": {"measured": 3 * 2**30, "plan": 2**31}}}
@@ -405,5 +406,5 @@ def test_the_gpu_figures_set_a_throughput_row_beside_the_plan_of_its_own_setting
         (tmp_path / "memory_plan_gpt2_124m_zero1.json").write_text(json.dumps({**plan, "overrides": probed}))
         main([str(tmp_path), "gpt2_124m"])
         line = capsys.readouterr().out.splitlines()[-1]
-        assert "| 65,536 | bf16 | yes | 400,000 | 420,000 | 0.950 | 40.0% |" in line
+        assert "| 65,536 | bf16 | yes | cudnn | 400,000 | 420,000 | 0.950 | 40.0% |" in line
         assert ("| 3.00 GiB | 2.00 GiB |" in line) == shown, line

@@ -72,6 +72,7 @@ RUNS = {  # name: (probe options, ds_config, overrides); BF16 names bf16 (the sh
     "zero3": (["--syncs"], "zero3.json", [*BF16, "ds.zero_optimization.stage3_param_persistence_threshold=0"]),
     "fp32": ([], "zero1.json", [*FP32, "train.tf32=false"]),
     "auto": ([], "zero0.json", []),  # the shipped "auto", a model too narrow for bf16 weights on a CPU
+    "flash": ([], "zero1.json", [*BF16, "train.sdpa_backend=flash"]),
     "compiled": ([], "zero1.json", [*BF16, "train.compile=true"]),
     "compiled_again": ([], "zero1.json", [*BF16, "train.compile=true"]),  # the same inductor cache
 }
@@ -352,6 +353,24 @@ def test_bf16_losses_stay_within_the_bf16_tolerance_of_fp32(runs, device):
     bf16, fp32 = runs.train(device, "zero1").losses(), runs.train(device, "fp32").losses()
     assert len(bf16) == 7 and bf16 == pytest.approx(fp32, abs=BF16_LOSS_TOLERANCE)
     assert bf16 != fp32  # two precisions, not one run twice
+
+
+KERNEL_LINE = re.compile(r"attention: torch's (\w+) kernel \(train.sdpa_backend=(\w+)\)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_train_sdpa_backend_puts_its_attention_kernel_first(runs, device):
+    """On a GPU the start names the kernel torch picks for the model's attention: the one train.sdpa_backend asks
+    for, which trains the losses of torch's own choice to bf16's tolerance. On a CPU, whose attention is
+    model/cpu_attention.py's, the setting changes nothing: no such line, the same losses to the bit."""
+    chosen, auto = runs.train(device, "flash"), runs.train(device, "zero1")
+    if device == "cuda":
+        assert KERNEL_LINE.search(chosen.stdout).groups() == ("flash", "flash")
+        assert KERNEL_LINE.search(auto.stdout).group(2) == "auto"
+        assert chosen.losses() == pytest.approx(auto.losses(), abs=BF16_LOSS_TOLERANCE)
+    else:
+        assert not KERNEL_LINE.search(chosen.stdout + auto.stdout)
+        assert chosen.losses() == auto.losses()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -100,6 +100,8 @@ BAD_SETTINGS = [
                                   "train.stop_at_step or raise train.max_steps"),
     (["train.dist_timeout_s=0"], "train.dist_timeout_s=0: must be >= 1"),
     (["train.mlp_tiles=0"], "train.mlp_tiles=0: must be >= 1"),
+    (["train.sdpa_backend=fastest"], "train.sdpa_backend='fastest': must be one of auto, cudnn, flash, efficient, "
+                                     "math; fix: set train.sdpa_backend to one of them"),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite='ignore': must be one of stop, skip, rewind; fix: set "
                                     "train.on_nonfinite to one of them"),
     (["train.max_skipped_steps=0"], "train.max_skipped_steps=0: must be >= 1"),

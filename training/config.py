@@ -20,6 +20,7 @@ from common.checks import Checks, ConfigError, ToolParser, existing_file
 from data.tasks import task_name
 from model.config import ModelConfig
 from model.registry import check_architecture
+from training.device import SDPA_BACKENDS
 from training.overrides import explain_omegaconf_error, read_overrides
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +131,10 @@ class TrainConfig:
     # fp32 matmuls on a GPU's tensor cores as TF32 (10-bit mantissa, several times faster); false for
     # bit-level fp32 parity checks. No effect on CPU.
     tf32: bool = True
+    # The kernel torch's scaled_dot_product_attention tries first on a GPU: "auto" (torch's own order), "cudnn",
+    # "flash", "efficient" or "math"; the others follow, for the shapes it cannot compute. The start names the
+    # one it picks. No effect on CPU, which runs model/cpu_attention.py's kernels.
+    sdpa_backend: str = "auto"
     # The MLP in this many tiles along the sequence (model/tiling.py): its hidden activations are computed
     # again in the backward instead of kept, for long windows. GPT and Llama, with model.dropout=0.
     mlp_tiles: int = 1
@@ -181,6 +186,7 @@ class TrainConfig:
                f"be <= train.max_steps={self.max_steps}", "lower train.stop_at_step or raise train.max_steps")
         c.at_least("dist_timeout_s", 1)
         c.at_least("mlp_tiles", 1)
+        c.one_of("sdpa_backend", ("auto", *SDPA_BACKENDS))
         c.one_of("on_nonfinite", NONFINITE_POLICIES)
         c.at_least("max_skipped_steps", 1)
         c.at_least("max_rewinds", 1)

@@ -16,6 +16,7 @@ import time
 
 import torch
 from deepspeed.accelerator import get_accelerator
+from torch.nn.attention import SDPBackend
 from torch.utils.cpp_extension import get_default_build_root
 
 from common.checks import ConfigError
@@ -163,14 +164,39 @@ def onednn_matmuls(ds: dict, device: torch.device, width: int) -> bool:
     return bf16_matmuls_in_fp32(ds, device, width) or amd_avx512_cpu(device)
 
 
-def set_matmul_precision(device: torch.device, tf32: bool, onednn: bool) -> None:
-    """torch's float32 matmul precision for a run: on a GPU TF32 (train.tf32) or full fp32; on a CPU "medium",
-    oneDNN's bf16 mode, where onednn_matmuls says so."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = tf32
-    else:
+# train.sdpa_backend: the kernel torch's scaled_dot_product_attention tries first on a GPU ("auto": torch's order)
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def set_kernels(device: torch.device, train, onednn: bool, attention_shape: tuple) -> str | None:
+    """The kernels torch picks for a run. The float32 matmul precision: on a GPU TF32 (train.tf32) or full fp32,
+    on a CPU "medium" (oneDNN's bf16 mode) where onednn_matmuls says so. On a GPU the attention kernel
+    scaled_dot_product_attention tries first (train.sdpa_backend; the others follow in torch's order, for the
+    shapes it cannot compute): returns the kernel it picks at the model's `attention_shape` (sdpa_backend). A CPU
+    runs model/cpu_attention.py's kernels: None."""
+    if device.type != "cuda":
         torch.set_float32_matmul_precision("medium" if onednn else "highest")
+        return None
+    torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = train.tf32
+    chosen = sdpa_backend(device, *attention_shape)  # also settles torch's own order, which its first call sets
+    if train.sdpa_backend != "auto":
+        first = int(SDPA_BACKENDS[train.sdpa_backend])
+        # For the whole run what torch's sdpa_kernel(set_priority=True) sets inside a with block
+        torch._C._set_sdp_priority_order([first, *(b for b in torch._C._get_sdp_priority_order() if b != first)])
+        chosen = sdpa_backend(device, *attention_shape)
+    return chosen
+
+
+def sdpa_backend(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                 time: int) -> str:
+    """The kernel scaled_dot_product_attention runs for a causal attention that trains (its inputs require
+    gradients) at these shapes, one window: its name in SDPA_BACKENDS."""
+    q = torch.zeros(1, heads, time, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.zeros(1, kv_heads, time, head_dim, device=device, dtype=dtype, requires_grad=True)
+    choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=kv_heads != heads)
+    return next((name for name, backend in SDPA_BACKENDS.items() if int(backend) == choice), f"number {choice}")
 
 
 def seed_step(seed: int, device: torch.device) -> None:

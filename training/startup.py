@@ -36,6 +36,7 @@ from training.device import (
     keep_freed_host_memory,
     memory_capacity,
     onednn_matmuls,
+    set_kernels,
 )
 from training.ds_config import load_ds_config
 from training.evaluation.multiple_choice import open_tasks
@@ -161,6 +162,7 @@ class Setup:
     device: torch.device
     engine_settings: EngineSettings
     threads_note: str | None  # how many threads each rank took, where this process set them
+    attention_note: str | None  # on a GPU, the attention kernel torch picks (training/device.py set_kernels)
 
 
 def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
@@ -181,8 +183,13 @@ def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
     world_size = int(os.environ["WORLD_SIZE"])
     if data is not None:
         cfg = with_schedule_length(cfg, ds, world_size, data)
-    return cfg, Setup(launcher, device, effective_ds_config(ds, cfg, world_size, device, load_universal),
-                      threads_note)
+    settings = effective_ds_config(ds, cfg, world_size, device, load_universal)
+    model = cfg.model
+    attention = set_kernels(device, cfg.train, settings.onednn_matmuls,
+                            (settings.dtype, model.n_head, model.kv_heads, model.head_dim, model.block_size))
+    attention_note = attention and (f"attention: torch's {attention} kernel "
+                                    f"(train.sdpa_backend={cfg.train.sdpa_backend})")
+    return cfg, Setup(launcher, device, settings, threads_note, attention_note)
 
 
 @dataclass
@@ -195,7 +202,6 @@ class Run:
     layout: Layout
     pipe: Pipeline
     dtype: torch.dtype
-    onednn_matmuls: bool  # fp32 matmuls through oneDNN (training/device.py)
     launcher: str  # deepspeed, torchrun, openmpi, mpich, slurm or none (training/launch/launcher_env.py)
     device: torch.device
     data: TokenData
@@ -257,10 +263,10 @@ def check_run(argv=None) -> Run:
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
     objective = choose_objective(cfg, data, settings.layout, init_from, saved)
-    notes = [note for note in (settings.precision_note, setup.threads_note, prompt_note,
+    notes = [note for note in (settings.precision_note, setup.threads_note, setup.attention_note, prompt_note,
                                masking_note(cfg, data, setup.device),
                                schedule_note(cfg), objective.describe()) if note]
-    return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype, settings.onednn_matmuls,
+    return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype,
                setup.launcher, setup.device, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts,
                resume_dir, init_from, newer, objective, architecture(cfg.model).training_hooks(cfg.model))
 
