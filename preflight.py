@@ -30,7 +30,7 @@ from deepspeed.accelerator import get_accelerator
 
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.token_data import TokenData
-from training.checkpoints import checkpoint
+from training.checkpoints import checkpoint, resume
 from training.launch.failure import PHASE, join_process_group, leave_process_group, run_rank
 from training.memory_plan import plan
 from training.startup import (
@@ -201,7 +201,7 @@ def local_checks(cfg, ds: dict, layout, token: str) -> dict:
         report["problems"].append(f"train.out_dir {cfg.train.out_dir} is not writable from this node: {e}")
     if data is not None and report["writable"]:
         try:
-            resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
+            resume_dir = resume.find_resume(cfg.train.out_dir, cfg.train.resume)
             start = checkpoint.read_run_state(resume_dir)["step"] if resume_dir else 0
             run_cfg = with_schedule_length(with_vocabulary(cfg, data), ds, layout.world_size, data)
             device_type = get_accelerator().device_name()

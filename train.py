@@ -29,7 +29,7 @@ from model.cpu_attention import float32_matmul_precision
 from model.generate import Sampling, generate
 from model.sequence_parallel import SequenceParallel
 from model.tensor_parallel import TensorParallel
-from training.checkpoints import checkpoint, hf, universal
+from training.checkpoints import checkpoint, hf, resume, universal
 from training.checkpoints.background_save import BackgroundWriter
 from training.checkpoints.space import saves_at
 from training.config import RunConfig
@@ -136,7 +136,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     assert getattr(model, "parts", run.parts) == run.parts, \
         f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"
 
-    start_step, batches_skipped = resume(run, engine, index, print0)
+    start_step, batches_skipped = start_point(run, engine, index, print0)
     # Against the engine's own count of samples, the x of its monitor events (sequence ranks counted in).
     log = MetricsLog(cfg.train.out_dir, engine.monitor, is_writer=index == 0, append=bool(run.resume_dir),
                      samples_per_step=ds[GLOBAL])
@@ -151,7 +151,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
                 scorer, universal_info, observers)
 
 
-def resume(run: Run, engine, index: int, print0: Callable[[str], None]) -> tuple[int, int]:
+def start_point(run: Run, engine, index: int, print0: Callable[[str], None]) -> tuple[int, int]:
     """The checkpoint loaded, if the run resumes one: the step it starts after and the batches rewinds skipped."""
     out_dir = run.cfg.train.out_dir
     if not run.resume_dir:
@@ -163,9 +163,9 @@ def resume(run: Run, engine, index: int, print0: Callable[[str], None]) -> tuple
     moved = None
     if index == 0:  # what steps after start_step left behind: this run writes them anew
         if run.discard:
-            checkpoint.discard(out_dir, run.discard)
+            resume.discard(out_dir, run.discard)
             print0(f"deleted the newer checkpoints {', '.join(run.discard)} (train.discard_newer=true)")
-        moved = checkpoint.set_aside_metrics(out_dir, start_step)
+        moved = resume.set_aside_metrics(out_dir, start_step)
     torch.distributed.barrier()  # before any rank saves
     print0(f"resumed from {run.resume_dir} at step {start_step}" + (f"; {moved}" if moved else ""))
     return start_step, state.get("batches_skipped", 0)

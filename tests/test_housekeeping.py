@@ -11,18 +11,18 @@ from common.checks import ConfigError
 from data.writer import write_atomic
 from model.config import ModelConfig
 from scripts.convert_checkpoint import to_universal
-from training.checkpoints import checkpoint
+from training.checkpoints import checkpoint, resume
 from training.metrics import MetricsLog
 
 MODEL = dataclasses.asdict(ModelConfig(n_layer=2, n_embd=32, vocab_size=65))
 
 
-def plan_resume(out_dir: str, resume: str, model: dict, layout: dict) -> tuple[str | None, dict | None]:
+def plan_resume(out_dir: str, asked: str, model: dict, layout: dict) -> tuple[str | None, dict | None]:
     """What train.py's start-up does with a checkpoint (training/startup.py check_run): find, read, check."""
-    tag_dir = checkpoint.find_resume(out_dir, resume)
+    tag_dir = resume.find_resume(out_dir, asked)
     saved = checkpoint.read_run_state(tag_dir) if tag_dir else None
     if saved:
-        checkpoint.check_compatible(saved, model, layout, tag_dir, out_dir)
+        resume.check_compatible(saved, model, layout, tag_dir, out_dir)
     return tag_dir, saved
 
 
@@ -57,7 +57,7 @@ def test_resume_auto_ignores_an_unfinished_newer_save(tmp_path):
     fake_checkpoint(root, 3)
     write_atomic(os.path.join(root, checkpoint.LATEST), b"step_000003")
     fake_checkpoint(root, 6, complete=False)
-    assert checkpoint.find_resume(str(tmp_path), "auto") == os.path.join(root, "step_000003")
+    assert resume.find_resume(str(tmp_path), "auto") == os.path.join(root, "step_000003")
 
 
 def test_an_unfinished_tag_asked_for_by_name_is_refused(tmp_path):
@@ -171,14 +171,14 @@ def test_a_resume_moves_the_records_past_its_step_aside_each_time_into_a_new_fil
                {"step": 2, "val_loss": 2.5}, {"step": 3, "loss": 1.0}]
     body = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo'
     (tmp_path / "metrics.jsonl").write_text(body)
-    moved = checkpoint.set_aside_metrics(str(tmp_path), 2)
+    moved = resume.set_aside_metrics(str(tmp_path), 2)
     assert moved == "metrics.jsonl's 2 records past step 2 moved to metrics.after_step_000002.jsonl"
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in records[:4]]
     assert (tmp_path / "metrics.after_step_000002.jsonl").read_text() == json.dumps(records[4]) + '\n{"step": 4, "lo\n'
-    assert checkpoint.set_aside_metrics(str(tmp_path), 2) is None  # nothing past step 2 any more
+    assert resume.set_aside_metrics(str(tmp_path), 2) is None  # nothing past step 2 any more
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 3, "loss": 1.5}) + "\n")
-    checkpoint.set_aside_metrics(str(tmp_path), 2)
+    resume.set_aside_metrics(str(tmp_path), 2)
     assert (tmp_path / "metrics.after_step_000002.2.jsonl").read_text() == '{"step": 3, "loss": 1.5}\n'
     assert len((tmp_path / "metrics.after_step_000002.jsonl").read_text().splitlines()) == 2
 
@@ -191,15 +191,15 @@ def test_discarding_newer_checkpoints_moves_latest_first(tmp_path, monkeypatch):
         fake_checkpoint(root, step)
     fake_checkpoint(root, 4, suffix="_universal")
     write_atomic(os.path.join(root, checkpoint.LATEST), b"step_000006")
-    rmtree = checkpoint.shutil.rmtree
+    rmtree = resume.shutil.rmtree
 
     def remove(path, *args, **kwargs):
         assert open(os.path.join(root, checkpoint.LATEST)).read() == "step_000002"
         rmtree(path, *args, **kwargs)
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", remove)
-    checkpoint.discard(str(tmp_path), ["step_000004", "step_000004_universal", "step_000006"])
+    monkeypatch.setattr(resume.shutil, "rmtree", remove)
+    resume.discard(str(tmp_path), ["step_000004", "step_000004_universal", "step_000006"])
     assert sorted(os.listdir(root)) == ["latest", "step_000002"]
-    assert checkpoint.find_resume(str(tmp_path), "auto") == os.path.join(root, "step_000002")
+    assert resume.find_resume(str(tmp_path), "auto") == os.path.join(root, "step_000002")
 
 
 class Killed(Exception):

@@ -14,7 +14,7 @@ from model.config import ModelConfig, model_config
 from model.gpt import Block
 from model.layers import TokenEmbedding, causal_attention, gelu_tanh, lm_head
 from model_checks import SMALL_GPT, assert_causal, count_on_meta, preset
-from training.checkpoints.checkpoint import check_compatible
+from training.checkpoints.resume import check_compatible
 
 
 def test_logits_shape_covers_padded_vocab():

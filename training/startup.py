@@ -27,7 +27,7 @@ from model.parallelize import check_sequence_split
 from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
-from training.checkpoints import checkpoint, hf
+from training.checkpoints import checkpoint, hf, resume
 from training.checkpoints.space import check_disk, check_host_copy
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import (
@@ -241,7 +241,7 @@ def check_run(argv=None) -> Run:
     tasks = open_tasks(cfg.eval.tasks, cfg.eval.data_dir, cfg.eval.limit, tokenizer, cfg.model.block_size)
     check_tiles(cfg.model, cfg.train.mlp_tiles)
     n_params = count_parameters(cfg)
-    resume_dir = checkpoint.find_resume(cfg.train.out_dir, cfg.train.resume)
+    resume_dir = resume.find_resume(cfg.train.out_dir, cfg.train.resume)
     saved = checkpoint.read_run_state(resume_dir) if resume_dir else None
     cfg, setup = configure(cfg, ds, load_universal=bool(saved and saved.get("universal")), data=data)
     settings = setup.engine_settings
@@ -252,10 +252,10 @@ def check_run(argv=None) -> Run:
     parts = stage_partition(specs, settings.pipe.stages, settings.pipe.partition, architecture(cfg.model).block)
     newer = []
     if saved:
-        checkpoint.check_compatible(saved, dataclasses.asdict(cfg.model), settings.layout_record(), resume_dir,
+        resume.check_compatible(saved, dataclasses.asdict(cfg.model), settings.layout_record(), resume_dir,
                                     cfg.train.out_dir)
         data.check_resume(saved["data"], cfg.data.allow_changed)
-        newer = checkpoint.check_resume_point(cfg.train, resume_dir, saved["step"])
+        newer = resume.check_resume_point(cfg.train, resume_dir, saved["step"])
     planned = check_memory(cfg, settings.ds, settings.layout, setup.device)
     start = saved["step"] if saved else 0
     check_checkpoint_room(cfg, settings.ds, settings.layout, setup.device.type, planned, n_params, start, resume_dir)
