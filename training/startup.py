@@ -168,7 +168,8 @@ class Setup:
 def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
               data: TokenData | None = None) -> tuple[RunConfig, Setup]:
     """The launcher's environment read (RANK, WORLD_SIZE, ...), this rank's device made current, the run config
-    resolved for the job (its schedule's length, under train.epochs of `data`), and the ds_config assembled."""
+    resolved for the job (its schedule's length, under train.epochs of `data`), the ds_config assembled, and the
+    kernels torch picks set (its matmul precision, on a GPU its attention kernel)."""
     launcher = set_distributed_env()
     cores = torch.get_num_threads()
     threads, threads_note = threads_per_rank(cores), None
