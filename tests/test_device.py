@@ -124,6 +124,29 @@ def test_an_amd_cpu_with_avx512_takes_its_fp32_matmuls_through_onednn_whatever_t
     assert engine.dtype == torch.float32 and engine.onednn_matmuls
 
 
+@pytest.mark.parametrize("asked", ["auto", "cudnn", "math"])
+def test_train_sdpa_backend_goes_first_in_torchs_attention_order_on_a_gpu(monkeypatch, asked):
+    """set_kernels's GPU branch through torch's own priority order (a process-wide setting, restored here): the
+    kernel asked for first, the others in torch's order; `auto` leaves the order as torch has it. What it returns
+    is torch's pick after the change; only that pick, which needs CUDA tensors, is read from the order here (the
+    GPU tier runs it for real)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(dev, "sdpa_backend", lambda device, *shape: next(
+        name for name, b in dev.SDPA_BACKENDS.items() if int(b) == torch._C._get_sdp_priority_order()[0]))
+    before, precision = torch._C._get_sdp_priority_order(), torch.get_float32_matmul_precision()
+    try:
+        chosen = dev.set_kernels(torch.device("cuda", 0), SimpleNamespace(tf32=True, sdpa_backend=asked), False,
+                                 (torch.bfloat16, 4, 2, 32, 64))
+        order = torch._C._get_sdp_priority_order()
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch._C._set_sdp_priority_order(before)
+        torch.set_float32_matmul_precision(precision)
+    first = before[0] if asked == "auto" else int(dev.SDPA_BACKENDS[asked])
+    assert order == [first, *(b for b in before if b != first)]
+    assert chosen == next(name for name, b in dev.SDPA_BACKENDS.items() if int(b) == first)
+
+
 def test_the_cpu_vendor_is_read_from_proc_cpuinfo():
     vendor = dev._cpu_vendor()
     assert vendor in ("GenuineIntel", "AuthenticAMD", "") and dev.amd_avx512_cpu(torch.device("cpu")) == (
