@@ -53,7 +53,7 @@ mkdir -p "$results"
 [ -n "${TEXT:-}" ] && export SHAKESPEARE_TXT=${SHAKESPEARE_TXT:-$TEXT}
 # First the checks that time the device, alone on it; then the rest over $GPU_WORKERS workers (default 4), which
 # train each run that several checks read once (tests/test_gpu.py's Runs).
-tier=0
+tier=0 workers=${GPU_WORKERS:-4}
 tier_pass() {
     local rc=0
     "$python" -m pytest tests/test_gpu.py -p no:cacheprovider -q --durations=8 "$@" 2>&1 \
@@ -64,8 +64,8 @@ tier_pass() {
 : > "$results/gpu_tests.log"
 summary=()
 tier_pass -m "gpu and timed" -n 0 || tier=1
-tier_pass -m "gpu and not timed" -n "${GPU_WORKERS:-4}" --dist load || tier=1
-{ date +%F; echo "timed alone: ${summary[0]}; the rest over ${GPU_WORKERS:-4} workers: ${summary[1]}"; } \
+tier_pass -m "gpu and not timed" -n "$workers" --dist load || tier=1
+{ date +%F; echo "timed alone: ${summary[0]}; the rest over $workers workers: ${summary[1]}"; } \
     > "$results/gpu_tests.txt"
 echo "record.sh: the GPU tier ended at ${SECONDS}s"
 

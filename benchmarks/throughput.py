@@ -89,9 +89,8 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     ds.setdefault("fp16", {})["enabled"] = precision == "fp16"
     ds.update(optimizer_and_schedule(cfg, ds))
     layout = resolve_layout(ds, 1, 1)
-    m = cfg.model  # the kernels as train.py picks them
-    attention = set_kernels(device, cfg.train, onednn_matmuls(ds, device, m.n_embd),
-                            (DTYPES[precision], m.n_head, m.kv_heads, m.head_dim, m.block_size))
+    attention = set_kernels(device, cfg.train, onednn_matmuls(ds, device, cfg.model.n_embd), DTYPES[precision],
+                            cfg.model)  # the kernels as train.py picks them
     model = build_model(cfg.model, cfg.train.seed)
     engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
     adjust_engine(engine)

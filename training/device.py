@@ -169,23 +169,24 @@ SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def set_kernels(device: torch.device, train, onednn: bool, attention_shape: tuple) -> str | None:
+def set_kernels(device: torch.device, train, onednn: bool, dtype: torch.dtype, model) -> str | None:
     """The kernels torch picks for a run. The float32 matmul precision: on a GPU TF32 (train.tf32) or full fp32,
     on a CPU "medium" (oneDNN's bf16 mode) where onednn_matmuls says so. On a GPU the attention kernel
     scaled_dot_product_attention tries first (train.sdpa_backend; the others follow in torch's order, for the
-    shapes it cannot compute): returns the kernel it picks at the model's `attention_shape` (sdpa_backend). A CPU
-    runs model/cpu_attention.py's kernels: None."""
+    shapes it cannot compute): returns the kernel it picks for the attention of `model` (its config) in `dtype`
+    (sdpa_backend). A CPU runs model/cpu_attention.py's kernels: None."""
     if device.type != "cuda":
         torch.set_float32_matmul_precision("medium" if onednn else "highest")
         return None
     torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
-    chosen = sdpa_backend(device, *attention_shape)  # also settles torch's own order, which its first call sets
+    shape = (dtype, model.n_head, model.kv_heads, model.head_dim, model.block_size)
+    chosen = sdpa_backend(device, *shape)  # also settles torch's own order, which its first call sets
     if train.sdpa_backend != "auto":
         first = int(SDPA_BACKENDS[train.sdpa_backend])
         # For the whole run what torch's sdpa_kernel(set_priority=True) sets inside a with block
         torch._C._set_sdp_priority_order([first, *(b for b in torch._C._get_sdp_priority_order() if b != first)])
-        chosen = sdpa_backend(device, *attention_shape)
+        chosen = sdpa_backend(device, *shape)
     return chosen
 
 

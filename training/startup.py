@@ -185,9 +185,7 @@ def configure(cfg: RunConfig, ds: dict, load_universal: bool = False,
     if data is not None:
         cfg = with_schedule_length(cfg, ds, world_size, data)
     settings = effective_ds_config(ds, cfg, world_size, device, load_universal)
-    model = cfg.model
-    attention = set_kernels(device, cfg.train, settings.onednn_matmuls,
-                            (settings.dtype, model.n_head, model.kv_heads, model.head_dim, model.block_size))
+    attention = set_kernels(device, cfg.train, settings.onednn_matmuls, settings.dtype, cfg.model)
     attention_note = attention and (f"attention: torch's {attention} kernel "
                                     f"(train.sdpa_backend={cfg.train.sdpa_backend})")
     return cfg, Setup(launcher, device, settings, threads_note, attention_note)
@@ -254,7 +252,7 @@ def check_run(argv=None) -> Run:
     newer = []
     if saved:
         resume.check_compatible(saved, dataclasses.asdict(cfg.model), settings.layout_record(), resume_dir,
-                                    cfg.train.out_dir)
+                                cfg.train.out_dir)
         data.check_resume(saved["data"], cfg.data.allow_changed)
         newer = resume.check_resume_point(cfg.train, resume_dir, saved["step"])
     planned = check_memory(cfg, settings.ds, settings.layout, setup.device)
