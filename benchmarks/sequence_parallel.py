@@ -130,7 +130,7 @@ def theory(cfg, micro_batch: int, sp: int, tiles: int, value_bytes: int) -> dict
 
     tokens = micro_batch * cfg.block_size // sp
     activations = cfg.n_layer * tokens * layer_activation_bytes(cfg, mlp_tiles=tiles) * value_bytes / 2
-    width = 2 * cfg.n_head * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim  # q, output; k, v
+    width = 2 * cfg.n_head * cfg.head_width + 2 * cfg.kv_heads * cfg.head_width  # q, output; k, v
     entering = 2 * tokens * width * value_bytes if sp > 1 else 0  # forward and backward, per layer
     return {"activations": activations, "all_to_all_per_layer": entering,
             "leaving_per_layer": entering * (sp - 1) / sp}

@@ -13,6 +13,8 @@ from model.config import ModelConfig
 SAME, TRANSPOSED, VOCAB_ROWS = "same", "transposed", "vocab"
 # The key of a layout's entry for the blocks with experts, beside the class's own: (block class, EXPERTS).
 EXPERTS = "experts"
+# The models a Hugging Face layout holds: dense ones, with routed experts, or with a shared expert beside them.
+DENSE, ROUTED, SHARED = "dense", "routed", "shared"
 
 
 def _accepts_all(*_) -> None:
@@ -67,6 +69,13 @@ class HuggingFace:
     # (routed experts, shared experts) of a folder's config.json in this layout: what model.n_experts and
     # model.n_shared_experts must be to start from it
     folder_experts: Callable[[dict], tuple[int, int]] = _no_experts
+    experts: str = DENSE  # the models it holds: DENSE, ROUTED or SHARED
+    # ... and the model settings they have, (name, value) pairs: Qwen2's layout is the Llama's with qkv_bias=True
+    settings: tuple = ()
+
+    def holds(self, cfg: ModelConfig) -> bool:
+        kind = SHARED if cfg.n_shared_experts else ROUTED if cfg.n_experts else DENSE
+        return kind == self.experts and all(getattr(cfg, name) == value for name, value in self.settings)
 
     def pairs(self, spec) -> list:
         """(ours, theirs, how) of a layer of the model's layer list: a block with experts (built with moe=True)
@@ -87,7 +96,8 @@ class Architecture:
     # Tensor parallelism: per layer class, the submodule (or parameter) at each path and how it splits; "" is
     # the layer itself (model/parallelize.py applies it).
     plan: dict
-    hf: Optional[HuggingFace]  # None: no Hugging Face layout; an export keeps this repo's names
+    # Its Hugging Face layouts (none: an export keeps this repo's names); a model takes the first that holds it
+    hf: tuple[HuggingFace, ...]
     mlp_matrices: int  # weight matrices of the MLP (FLOPs per token, the memory plan's MLP activations)
     mlp_width: Callable[[ModelConfig], int]  # the MLP's hidden width when model.ffn_hidden is unset
     tied_embeddings: str  # "always", "optional" (model.tie_embeddings) or "never": the LM head reuses the embedding
@@ -97,13 +107,12 @@ class Architecture:
     # kernel for the backward pass (the memory plan).
     rms_norm: bool = False
     grouped_query_attention: bool = False  # model.n_kv_head key/value heads, which tensor ranks split too
-    # Features it lacks ("document_masking", "sequence_parallel", "mlp_tiling", "mixture_of_experts"), each with the
-    # reason told to a run that asks for it; it supports every other.
+    # Features it lacks ("document_masking", "sequence_parallel", "mlp_tiling", "mixture_of_experts", and the
+    # attention's settings of model/registry.py's ATTENTION_OPTIONS), each with the reason told to a run that asks
+    # for it; it supports every other.
     unsupported: dict = field(default_factory=dict)
     # check(cfg, c): its own range checks (c: common.checks.Checks), run by ModelConfig.check after the shared ones.
     check: Callable = _accepts_all
-    hf_moe: Optional[HuggingFace] = None  # the layout of the same architecture with experts (model.n_experts)
-    hf_shared_moe: Optional[HuggingFace] = None  # ... and with a shared expert beside them (model.n_shared_experts)
     training_hooks: Callable[[ModelConfig], TrainingHooks] = _no_hooks  # what a model of it adds to the loop
 
     def __repr__(self) -> str:
@@ -114,15 +123,8 @@ class Architecture:
         return cfg.ffn_hidden or self.mlp_width(cfg)
 
     def hf_layout(self, cfg: ModelConfig) -> Optional[HuggingFace]:
-        """The Hugging Face layout of this model: with experts, the mixture-of-experts one, with a shared expert
-        too, the shared-expert one."""
-        if cfg.n_shared_experts:
-            return self.hf_shared_moe
-        return self.hf_moe if cfg.n_experts else self.hf
-
-    def hf_layouts(self) -> list[HuggingFace]:
-        """Every Hugging Face layout of this architecture."""
-        return [hf for hf in (self.hf, self.hf_moe, self.hf_shared_moe) if hf]
+        """The Hugging Face layout of this model (None: none holds it)."""
+        return next((hf for hf in self.hf if hf.holds(cfg)), None)
 
     def expert_hidden(self, cfg: ModelConfig) -> int:
         """An expert's SwiGLU width: model.expert_hidden, else the dense MLP's."""

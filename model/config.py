@@ -36,6 +36,12 @@ class ModelConfig:
     # Llama only. Key/value heads for grouped-query attention (must divide n_head; 1 = multi-query);
     # null = n_head (plain multi-head attention).
     n_kv_head: Optional[int] = None
+    # Llama only. Each head's width; null = n_embd / n_head. Qwen3-0.6B's heads are 128 wide at n_embd 1024 and 16
+    # heads: the query and output projections map n_embd to and from n_head x head_dim.
+    head_dim: Optional[int] = None
+    qkv_bias: bool = False  # Llama only: biases on the query, key and value projections (Qwen2's)
+    # Llama only: RMSNorm over each head's queries and keys before the rotation, a gain per head dimension (Qwen3's)
+    qk_norm: bool = False
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0
     # Llama-3.1 RoPE frequency scaling (null: none; Llama 3.1 uses factor 8, Llama 3.2 factor 32, with
@@ -73,11 +79,12 @@ class ModelConfig:
         """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
         model/registry.py's check_architecture."""
         for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple", "ffn_hidden",
-                    "ffn_multiple_of", "n_kv_head", "rope_original_context", "experts_per_token", "moe_every",
-                    "expert_hidden"):
+                    "ffn_multiple_of", "n_kv_head", "head_dim", "rope_original_context", "experts_per_token",
+                    "moe_every", "expert_hidden"):
             c.at_least(key, 1)
-        c.that(self.n_embd % self.n_head == 0, "n_embd", f"be divisible by model.n_head={self.n_head}",
-               f"make model.n_embd a multiple of {self.n_head}")
+        c.that(self.head_dim is not None or self.n_embd % self.n_head == 0, "n_embd",
+               f"be divisible by model.n_head={self.n_head}",
+               f"make model.n_embd a multiple of {self.n_head}, or set model.head_dim")
         c.in_range("dropout", 0.0, 1.0, high_open=True)
         c.one_of("activation", GELUS)
         c.one_of("head", HEADS)
@@ -117,8 +124,14 @@ class ModelConfig:
         return self.n_kv_head or self.n_head
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def head_width(self) -> int:
+        """Each head's width: model.head_dim, else n_embd / n_head."""
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def q_width(self) -> int:
+        """The query projection's outputs, the output projection's inputs: n_head x head_width."""
+        return self.n_head * self.head_width
 
     @property
     def padded_vocab_size(self) -> int:
@@ -136,7 +149,8 @@ TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_a
 # (no mixture of experts, no shared expert), GPT-2's tanh GELU and the LM head.
 EARLIER_DEFAULTS = {name: getattr(ModelConfig, name) for name in (
     "n_experts", "experts_per_token", "moe_every", "expert_hidden", "capacity_factor", "router_aux_loss_coef",
-    "router_z_loss_coef", "router_bias_rate", "n_shared_experts", "activation", "head")}
+    "router_z_loss_coef", "router_bias_rate", "n_shared_experts", "activation", "head", "head_dim", "qkv_bias",
+    "qk_norm")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

@@ -111,11 +111,13 @@ ENCODER = Architecture(
           CausalEncoderLayer: {"self_attn.in_proj_weight": (COLUMN, 3), "self_attn.in_proj_bias": (COLUMN, 3),
                                "self_attn.out_proj": ROW, "linear1": COLUMN, "linear2": ROW},
           Decoder: {"": COLUMN}},
-    hf=None, mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="never",
+    hf=(), mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="never",
     unsupported={
         "document_masking": "its sinusoidal positions and nn.TransformerEncoderLayer take no per-document positions",
         "sequence_parallel": "the encoder's attention (nn.MultiheadAttention) has no core to split over sequence ranks",
         "mlp_tiling": "the encoder's feed-forward maps are inside nn.TransformerEncoderLayer's own forward",
-        "mixture_of_experts": "its feed-forward maps are inside nn.TransformerEncoderLayer's own forward"},
+        "mixture_of_experts": "its feed-forward maps are inside nn.TransformerEncoderLayer's own forward",
+        **dict.fromkeys(("head_dim", "qkv_bias", "qk_norm"), "nn.MultiheadAttention's heads are n_embd / n_head wide, "
+                        "always biased and never normalized")},
     check=check,
 )

@@ -142,9 +142,11 @@ GPT = Architecture(
     # embedding (and so the tied LM head) by vocabulary rows.
     plan={TokenEmbedding: {"": VOCAB},
           Block: {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}},
-    hf=HuggingFace("GPT2LMHeadModel", "GPT2ForSequenceClassification", "gpt2", HF_LAYERS, hf_config, check_hf,
-                   check_hf_folder),
+    hf=(HuggingFace("GPT2LMHeadModel", "GPT2ForSequenceClassification", "gpt2", HF_LAYERS, hf_config, check_hf,
+                    check_hf_folder),),
     mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="always",
     unsupported={"mixture_of_experts": "its MLPs are GPT-2's dense GELU networks; the Llama's become Mixtral's "
-                                       "mixtures of SwiGLU experts"},
+                                       "mixtures of SwiGLU experts",
+                 "head_dim": "its fused q|k|v projection is n_embd wide, each head n_embd / n_head",
+                 "qkv_bias": "model.bias sets all of its biases", "qk_norm": "GPT-2's attention has no per-head norms"},
 )

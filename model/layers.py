@@ -128,7 +128,7 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
 def rope_frequencies(cfg) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/d) of a ModelConfig's heads, with Llama 3.1's scaling when
     rope_scale_factor is set: long wavelengths divided by the factor, short ones kept, a smooth blend between."""
-    d = cfg.head_dim
+    d = cfg.head_width
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
     if cfg.rope_scale_factor is None:
         return inv_freq
@@ -146,7 +146,7 @@ def rope_buffers(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     init_weights draws nothing there: torch's meta arithmetic runs Python references that import its compiler."""
     positions = torch.arange(cfg.block_size)
     if positions.is_meta:
-        return torch.empty(cfg.block_size, cfg.head_dim), torch.empty(cfg.block_size, cfg.head_dim)
+        return torch.empty(cfg.block_size, cfg.head_width), torch.empty(cfg.block_size, cfg.head_width)
     return rope_tables(rope_frequencies(cfg), positions)
 
 

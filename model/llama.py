@@ -6,12 +6,14 @@ and the PipelineModule alike; GPT-2 init; no biases; the LM head is its own matr
 pipeline stage). Projections are separate nn.Linear modules (q, k, v, o; gate, up, down), the layout of
 Hugging Face's checkpoints, which load as they are.
 """
+from typing import Callable
+
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from common.checks import ConfigError
-from model.architecture import EXPERTS, SAME, VOCAB_ROWS, Architecture, HuggingFace
+from model.architecture import EXPERTS, ROUTED, SAME, SHARED, VOCAB_ROWS, Architecture, HuggingFace
 from model.config import ModelConfig
 from model.documents import hidden_and_positions, with_positions
 from model.layers import (
@@ -30,18 +32,22 @@ from model.layers import (
 )
 from model.moe import NO_EXPERT_PARALLEL, ExpertParallel, MoEFeedForward
 from model.moe_hooks import router_hooks
-from model.tensor_parallel import COLUMN, ROW, VOCAB
+from model.tensor_parallel import COLUMN, PER_HEAD, ROW, VOCAB
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_width
         self.dropout = cfg.dropout
-        self.q = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
-        self.k = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.v = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.o = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.q = nn.Linear(cfg.n_embd, cfg.q_width, bias=cfg.qkv_bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_width, bias=cfg.qkv_bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.kv_heads * cfg.head_width, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.q_width, cfg.n_embd, bias=False)
+        # Qwen3's per-head norms: one gain per head dimension, shared by the heads (each tensor rank applies it to
+        # its own heads: model/parallelize.py sums its gradient over them)
+        self.q_norm, self.k_norm = ((nn.RMSNorm(cfg.head_width, eps=cfg.norm_eps),
+                                     nn.RMSNorm(cfg.head_width, eps=cfg.norm_eps)) if cfg.qk_norm else (None, None))
         cos, sin = rope_buffers(cfg)
         # Derived from the config, never checkpointed. DeepSpeed's bf16 casts them as Hugging Face does.
         self.register_buffer("cos", cos, persistent=False)
@@ -50,6 +56,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if positions is None:
             cos, sin = self.cos[:q.size(2)], self.sin[:q.size(2)]  # q's time: the whole sequence's
         else:  # each token rotated by its position within its document; the heads share it
@@ -107,46 +115,66 @@ def mlp_width(cfg: ModelConfig) -> int:
 
 
 def check(cfg: ModelConfig, c) -> None:
-    c.that(cfg.head_dim % 2 == 0, "n_embd", f"give an even head size n_embd / n_head (now {cfg.head_dim}): rotary "
-           f"embeddings rotate pairs of dimensions", "choose model.n_embd and model.n_head with an even quotient")
+    if cfg.head_dim:
+        c.that(cfg.head_dim % 2 == 0, "head_dim", "be even: rotary embeddings rotate pairs of dimensions",
+               "choose an even model.head_dim")
+    else:
+        c.that(cfg.head_width % 2 == 0, "n_embd", f"give an even head size n_embd / n_head (now {cfg.head_width}): "
+               f"rotary embeddings rotate pairs of dimensions",
+               "choose model.n_embd and model.n_head with an even quotient")
 
 
 # Hugging Face's LlamaForCausalLM (LlamaForSequenceClassification: `score` in place of `lm_head`): (our name,
-# theirs) per block; every tensor moves as it is.
-HF_BLOCK = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight", "self_attn.q_proj.weight"),
-            ("attn.k.weight", "self_attn.k_proj.weight"), ("attn.v.weight", "self_attn.v_proj.weight"),
-            ("attn.o.weight", "self_attn.o_proj.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"),
-            ("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up_proj.weight"),
-            ("mlp.down.weight", "mlp.down_proj.weight")]
-HF_LAYERS = {TokenEmbedding: [("weight", "model.embed_tokens.weight", VOCAB_ROWS)],
-             LlamaBlock: [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in HF_BLOCK],
-             FinalRMSNorm: [("weight", "model.norm.weight", SAME)],
-             LMHead: [("weight", "lm_head.weight", VOCAB_ROWS)],
-             ScoreHead: [("weight", "score.weight", SAME)]}
+# theirs) per block; every tensor moves as it is. Qwen2's and Qwen3's name them alike, with q/k/v biases (Qwen2's)
+# or per-head norms (Qwen3's) in the attention.
+HF_ATTENTION = [("attn_norm.weight", "input_layernorm.weight"), ("attn.q.weight", "self_attn.q_proj.weight"),
+                ("attn.k.weight", "self_attn.k_proj.weight"), ("attn.v.weight", "self_attn.v_proj.weight"),
+                ("attn.o.weight", "self_attn.o_proj.weight")]
+HF_QKV_BIAS = [(f"attn.{x}.bias", f"self_attn.{x}_proj.bias") for x in "qkv"]
+HF_QK_NORM = [(f"attn.{x}_norm.weight", f"self_attn.{x}_norm.weight") for x in "qk"]
+HF_MLP_NORM = [("mlp_norm.weight", "post_attention_layernorm.weight")]
+HF_MLP = [("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up_proj.weight"),
+          ("mlp.down.weight", "mlp.down_proj.weight")]
+HF_BLOCK = HF_ATTENTION + HF_MLP_NORM + HF_MLP
+PLAIN_ATTENTION = (("qkv_bias", False), ("qk_norm", False))  # the settings of Llama's and Mixtral's layouts
+
+
+def hf_layers(block: list) -> dict:
+    """The Llama's layout, its blocks in `block`'s (our name, theirs within the block) pairs."""
+    return {TokenEmbedding: [("weight", "model.embed_tokens.weight", VOCAB_ROWS)],
+            LlamaBlock: [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in block],
+            FinalRMSNorm: [("weight", "model.norm.weight", SAME)],
+            LMHead: [("weight", "lm_head.weight", VOCAB_ROWS)],
+            ScoreHead: [("weight", "score.weight", SAME)]}
+
+
+HF_LAYERS = hf_layers(HF_BLOCK)
 
 
 # Hugging Face's MixtralForCausalLM: the Llama's attention and norms; the MLP is block_sparse_moe, its router
 # `gate` and each expert's w1 (gate), w3 (up) and w2 (down). "{e}": each global expert.
 EXPERT = "mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e}"
 ROUTER = "mlp.moe.deepspeed_moe.gate.wg.weight"
-HF_MIXTRAL_BLOCK = [*HF_BLOCK[:6], (ROUTER, "block_sparse_moe.gate.weight"),
+HF_MIXTRAL_BLOCK = [*HF_ATTENTION, *HF_MLP_NORM, (ROUTER, "block_sparse_moe.gate.weight"),
                     (f"{EXPERT}.gate.weight", "block_sparse_moe.experts.{e}.w1.weight"),
                     (f"{EXPERT}.up.weight", "block_sparse_moe.experts.{e}.w3.weight"),
                     (f"{EXPERT}.down.weight", "block_sparse_moe.experts.{e}.w2.weight")]
-# Hugging Face's Qwen2MoeForCausalLM: the Llama's attention (without q/k/v biases: qkv_bias=False) and norms, and
-# the dense MLP's names in its blocks without experts; a block with experts has its router `gate`, each expert's
-# gate_proj, up_proj and down_proj, the shared expert's and the shared expert's sigmoid gate.
-HF_QWEN2_MOE_BLOCK = [*HF_BLOCK[:6], (ROUTER, "mlp.gate.weight"),
-                      *[(f"{EXPERT}.{ours}.weight", f"mlp.experts.{{e}}.{ours}_proj.weight")
-                        for ours in ("gate", "up", "down")],
+# Hugging Face's Qwen3MoeForCausalLM and Qwen2MoeForCausalLM: the Llama's attention (Qwen3's with its per-head
+# norms, Qwen2's without q/k/v biases: qkv_bias=False) and norms, and the dense MLP's names in their blocks
+# without experts; a block with experts has its router `gate` and each expert's gate_proj, up_proj and down_proj;
+# Qwen2-MoE's the shared expert's too, and the shared expert's sigmoid gate.
+HF_QWEN_EXPERTS = [(ROUTER, "mlp.gate.weight"), *[(f"{EXPERT}.{ours}.weight", f"mlp.experts.{{e}}.{ours}_proj.weight")
+                                                  for ours in ("gate", "up", "down")]]
+HF_QWEN3_MOE_BLOCK = [*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_QWEN_EXPERTS]
+HF_QWEN2_MOE_BLOCK = [*HF_ATTENTION, *HF_MLP_NORM, *HF_QWEN_EXPERTS,
                       *[(f"mlp.shared_mlp.{ours}.weight", f"mlp.shared_expert.{ours}_proj.weight")
                         for ours in ("gate", "up", "down")],
                       ("mlp.shared_gate.weight", "mlp.shared_expert_gate.weight")]
 
 
-def with_experts(block: list) -> dict:
-    """The Llama's layout, its blocks with experts in `block`'s (our name, theirs within the block) pairs."""
-    return {**HF_LAYERS,
+def with_experts(dense: list, block: list) -> dict:
+    """The Llama's layout, its blocks without experts in `dense`'s pairs, those with experts in `block`'s."""
+    return {**hf_layers(dense),
             (LlamaBlock, EXPERTS): [(ours, f"model.layers.{{i}}.{theirs}", SAME) for ours, theirs in block]}
 
 
@@ -157,10 +185,17 @@ def hf_config(cfg: ModelConfig) -> dict:
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_context)
     return {"hidden_size": cfg.n_embd, "intermediate_size": LLAMA.mlp_hidden(cfg), "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_width,
             "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
             "rope_parameters": rope, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "attention_dropout": cfg.dropout}
+
+
+def hf_qwen_config(cfg: ModelConfig) -> dict:
+    """Qwen2's and Qwen3's: the Llama's, every layer's attention over the whole window (its biases are Qwen2's
+    always, Qwen3's o_proj's too where attention_bias: none here)."""
+    config = {**hf_config(cfg), "use_sliding_window": False, "max_window_layers": cfg.n_layer}
+    return {key: value for key, value in config.items() if key != "mlp_bias"}
 
 
 def hf_mixtral_config(cfg: ModelConfig) -> dict:
@@ -174,11 +209,15 @@ def hf_qwen2_moe_config(cfg: ModelConfig) -> dict:
     """Its blocks with experts are every decoder_sparse_step-th, the last of each run (blocks n-1, 2n-1, ...: ours
     of model.moe_every); the others keep the dense MLP (intermediate_size). norm_topk_prob: the chosen experts'
     weights renormalized, as DeepSpeed's top-k for k >= 2; its top-1 weighs the expert by its probability."""
-    return {**hf_config(cfg), "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
-            "moe_intermediate_size": LLAMA.expert_hidden(cfg), "shared_expert_intermediate_size":
-            LLAMA.shared_hidden(cfg), "norm_topk_prob": cfg.experts_per_token > 1, "decoder_sparse_step": cfg.moe_every,
-            "mlp_only_layers": [], "qkv_bias": False, "router_aux_loss_coef": cfg.router_aux_loss_coef,
-            "output_router_logits": False, "use_sliding_window": False}
+    return {**hf_qwen3_moe_config(cfg), "shared_expert_intermediate_size": LLAMA.shared_hidden(cfg),
+            "qkv_bias": False}
+
+
+def hf_qwen3_moe_config(cfg: ModelConfig) -> dict:
+    return {**hf_qwen_config(cfg), "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": LLAMA.expert_hidden(cfg), "norm_topk_prob": cfg.experts_per_token > 1,
+            "decoder_sparse_step": cfg.moe_every, "mlp_only_layers": [], "router_aux_loss_coef":
+            cfg.router_aux_loss_coef, "output_router_logits": False}
 
 
 def check_unbiased_router(cfg: ModelConfig, layout: str) -> None:
@@ -202,8 +241,16 @@ def check_qwen2_moe(cfg: ModelConfig) -> None:
     check_unbiased_router(cfg, "Qwen2-MoE")
 
 
+def check_qwen3_moe(cfg: ModelConfig) -> None:
+    check_unbiased_router(cfg, "Qwen3-MoE")
+
+
 def mixtral_experts(config: dict) -> tuple[int, int]:
     return config.get("num_local_experts", 0), 0
+
+
+def qwen3_moe_experts(config: dict) -> tuple[int, int]:
+    return config.get("num_experts", config.get("num_local_experts", 0)), 0
 
 
 def qwen2_moe_experts(config: dict) -> tuple[int, float]:
@@ -212,36 +259,61 @@ def qwen2_moe_experts(config: dict) -> tuple[int, float]:
         "moe_intermediate_size", 1)
 
 
-def check_qwen2_moe_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
-    """What Qwen2-MoE can hold and this repo's Llama does not compute: q/k/v biases, unnormalized top-k weights
-    (normalized top-1), sliding-window attention."""
-    expected = {"qkv_bias": False, "norm_topk_prob": cfg.experts_per_token > 1, "use_sliding_window": False}
-    for key, ours in expected.items():
-        if config.get(key, ours) != ours:
-            raise ConfigError(f"train.init_from={folder}: its config.json has {key}={config[key]}, which this repo's "
-                              f"Llama with experts does not compute ({key}={ours} at model.experts_per_token="
-                              f"{cfg.experts_per_token}): pick another folder")
+def folder_check(expected: Callable[[ModelConfig], dict]) -> Callable[[dict, ModelConfig, str], None]:
+    """A layout's check of a folder's config.json: the settings Hugging Face's class can hold and this repo's Llama
+    does not compute (sliding-window attention, say) are `expected`'s values, or absent."""
+    def check_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
+        for key, ours in expected(cfg).items():
+            if config.get(key, ours) != ours:
+                raise ConfigError(f"train.init_from={folder}: its config.json has {key}={config[key]}, which this "
+                                  f"repo's Llama does not compute ({key}={ours} for this run's model.*): pick another "
+                                  f"folder")
+    return check_folder
+
+
+def qwen_expects(cfg: ModelConfig) -> dict:
+    """Every layer's attention over the whole window, no bias on Qwen3's o_proj."""
+    return {"use_sliding_window": False, "attention_bias": False}
+
+
+def qwen_moe_expects(cfg: ModelConfig) -> dict:
+    """... and the chosen experts' weights renormalized as DeepSpeed's top-k does for k >= 2 (not for top-1), the
+    last block of each model.moe_every with experts, and no q/k/v biases in Qwen2-MoE's."""
+    return {**qwen_expects(cfg), "norm_topk_prob": cfg.experts_per_token > 1, "mlp_only_layers": [],
+            "qkv_bias": False}
 
 
 LLAMA = Architecture(
     name="llama", title="the Llama", layers=llama_layers, block=LlamaBlock,
-    # Attention splits by heads (query and key/value heads alike, so each rank keeps whole groups), the MLP and a
-    # block's shared expert by hidden features, each closed by a row-parallel map (the shared expert's gate stays
-    # whole); the embedding and LM head by vocabulary rows.
+    # Attention splits by heads (query and key/value heads alike, so each rank keeps whole groups; the per-head
+    # norms stay whole), the MLP and a block's shared expert by hidden features, each closed by a row-parallel map
+    # (the shared expert's gate stays whole); the embedding and LM head by vocabulary rows.
     plan={TokenEmbedding: {"": VOCAB},
           LlamaBlock: {"attn.q": COLUMN, "attn.k": COLUMN, "attn.v": COLUMN, "attn.o": ROW,
+                       "attn.q_norm": PER_HEAD, "attn.k_norm": PER_HEAD,
                        "mlp.gate": COLUMN, "mlp.up": COLUMN, "mlp.down": ROW, "mlp.shared_mlp.gate": COLUMN,
                        "mlp.shared_mlp.up": COLUMN, "mlp.shared_mlp.down": ROW},
           LMHead: {"": COLUMN}},
-    hf=HuggingFace("LlamaForCausalLM", "LlamaForSequenceClassification", "llama", HF_LAYERS, hf_config),
+    hf=(HuggingFace("LlamaForCausalLM", "LlamaForSequenceClassification", "llama", HF_LAYERS, hf_config,
+                    settings=PLAIN_ATTENTION),
+        HuggingFace("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "qwen2",
+                    hf_layers([*HF_ATTENTION, *HF_QKV_BIAS, *HF_MLP_NORM, *HF_MLP]), hf_qwen_config,
+                    check_folder=folder_check(qwen_expects), settings=(("qkv_bias", True), ("qk_norm", False))),
+        HuggingFace("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "qwen3",
+                    hf_layers([*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_MLP]), hf_qwen_config,
+                    check_folder=folder_check(qwen_expects), settings=(("qkv_bias", False), ("qk_norm", True))),
+        HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral",
+                    with_experts(HF_BLOCK, HF_MIXTRAL_BLOCK), hf_mixtral_config, check_mixtral,
+                    folder_experts=mixtral_experts, experts=ROUTED, settings=PLAIN_ATTENTION),
+        HuggingFace("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "qwen3_moe",
+                    with_experts([*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_MLP], HF_QWEN3_MOE_BLOCK),
+                    hf_qwen3_moe_config, check_qwen3_moe, folder_check(qwen_moe_expects), qwen3_moe_experts,
+                    experts=ROUTED, settings=(("qkv_bias", False), ("qk_norm", True))),
+        HuggingFace("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "qwen2_moe",
+                    with_experts(HF_BLOCK, HF_QWEN2_MOE_BLOCK), hf_qwen2_moe_config, check_qwen2_moe,
+                    folder_check(qwen_moe_expects), qwen2_moe_experts, experts=SHARED, settings=PLAIN_ATTENTION)),
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, rms_norm=True,
     grouped_query_attention=True,
     check=check,
-    hf_moe=HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral",
-                       with_experts(HF_MIXTRAL_BLOCK), hf_mixtral_config, check_mixtral,
-                       folder_experts=mixtral_experts),
-    hf_shared_moe=HuggingFace("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "qwen2_moe",
-                              with_experts(HF_QWEN2_MOE_BLOCK), hf_qwen2_moe_config, check_qwen2_moe,
-                              check_qwen2_moe_folder, qwen2_moe_experts),
     training_hooks=lambda cfg: router_hooks(cfg, len(llama_layers(cfg))),
 )

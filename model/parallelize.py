@@ -18,6 +18,7 @@ from model.moe import MoEFeedForward
 from model.registry import architecture
 from model.tensor_parallel import (
     COLUMN,
+    PER_HEAD,
     VOCAB,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -86,8 +87,8 @@ class _SplitOnBuild:
         layer = apply_plan(super().build(log), self.plan, self.tp)
         if self.cuts_sequence:
             layer.register_forward_pre_hook(lambda _, args: (split_sequence(args[0], self.tp), *args[1:]))
-        if self.sliced:
-            sum_replicated_gradients(layer, self.tp)
+        if self.sliced:  # every replicated weight from here on sees a slice of the sequence
+            sum_gradients_over_tensor_ranks(layer, self.tp)
         return layer
 
 
@@ -123,7 +124,11 @@ def apply_plan(layer: nn.Module, plan: dict, tp: TensorParallel) -> nn.Module:
         if isinstance(owner, MoEFeedForward):
             continue  # experts stay whole: DeepSpeed's layer shares the tokens out over the tensor ranks
         target = getattr(owner, child)
-        if isinstance(target, nn.Parameter):
+        if target is None:  # a part this model leaves out (the per-head norms of a Llama without them)
+            continue
+        if rule == PER_HEAD:
+            sum_gradients_over_tensor_ranks(target, tp)
+        elif isinstance(target, nn.Parameter):
             kind, parts = _rule(rule)
             assert kind == COLUMN, f"{path}: a bare parameter splits column-wise only"
             setattr(owner, child, column_slice(target, tp, parts))
@@ -152,12 +157,12 @@ def _copy_input_to_tensor_ranks(module: nn.Module, tp: TensorParallel) -> None:
         module._copies_input_to_tensor_ranks = True
 
 
-def sum_replicated_gradients(layer: nn.Module, tp: TensorParallel) -> None:
-    """Each replicated weight of a layer that sees a slice of the sequence gets the gradient of the whole: its
-    slices' gradients summed over the tensor ranks as each backward makes them, before DeepSpeed's own hooks
-    take them (so gradient accumulation, ZeRO's reduction and the norm see the sum). Marked `sequence_parallel`,
-    Megatron's name."""
-    for p in layer.parameters():
-        if split_rule(p) is None and p.requires_grad:
+def sum_gradients_over_tensor_ranks(module: nn.Module, tp: TensorParallel) -> None:
+    """Each replicated weight of `module` that computes on this rank's part alone (a slice of the sequence, its
+    heads) gets the sum of the ranks' gradients as each backward makes them, before DeepSpeed's own hooks take them
+    (so gradient accumulation, ZeRO's reduction and the norm see the sum); once, however many reasons apply. Marked
+    `sequence_parallel`, Megatron's name."""
+    for p in module.parameters():
+        if split_rule(p) is None and p.requires_grad and not getattr(p, "sequence_parallel", False):
             p.sequence_parallel = True
             p.register_hook(lambda grad: sum_over_tensor_ranks(grad.clone(), tp))

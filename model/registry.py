@@ -7,6 +7,10 @@ from model.gpt import GPT
 from model.llama import LLAMA
 
 ARCHITECTURES = {a.name: a for a in (GPT, LLAMA, ENCODER)}
+# Settings of the attention that only some architectures compute (each an entry of the others' `unsupported`),
+# at the value that asks for nothing.
+ATTENTION_OPTIONS = {"head_dim": None, "qkv_bias": False, "qk_norm": False}
+OFF = {None: "null", False: "false"}
 
 
 def architecture(cfg: ModelConfig) -> Architecture:
@@ -27,6 +31,10 @@ def check_architecture(cfg: ModelConfig, c) -> None:
     c.that(arch.supports("mixture_of_experts") or not cfg.n_experts, "n_experts",
            f"be 0 for {arch.title} ({arch.unsupported.get('mixture_of_experts')})",
            f"set model.n_experts=0, or train {supporting('mixture_of_experts')}")
+    for setting, off in ATTENTION_OPTIONS.items():
+        c.that(arch.supports(setting) or getattr(cfg, setting) == off, setting,
+               f"be {OFF[off]} for {arch.title} ({arch.unsupported.get(setting)})",
+               f"remove model.{setting}, or train {supporting(setting)}")
 
 
 def supporting(feature: str) -> str:

@@ -51,8 +51,9 @@ SINGLE = TensorParallel()
 
 # How a linear map splits: "column", "row", or ("column", parts) for a fused weight of `parts` equal
 # blocks; "vocab" for an embedding's rows. Every split parameter records its rule (split_rule), which
-# checkpoint resharding and export read back.
-COLUMN, ROW, VOCAB = "column", "row", "vocab"
+# checkpoint resharding and export read back. "per_head": a module that stays whole but computes on this rank's
+# heads alone (Qwen3's per-head norms), so its gradient is summed over the tensor ranks.
+COLUMN, ROW, VOCAB, PER_HEAD = "column", "row", "vocab", "per_head"
 
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallel, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -10,7 +10,8 @@ from model.config import ModelConfig, model_config
 from model.gpt import HF_GELU
 from training.checkpoints.export import _fingerprint, consolidated_state_dict
 
-CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"}
+CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+           "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
 
 
 def load_in_transformers(folder: str):
@@ -63,12 +64,24 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
         model = transformers.GPT2LMHeadModel(config)
     else:
         shared = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, num_hidden_layers=cfg.n_layer,
-                      num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+                      num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_width,
                       max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
                       tie_word_embeddings=cfg.tie_embeddings,
                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
         arch = architecture(cfg)
-        if cfg.n_shared_experts:
+        if cfg.n_experts and cfg.qk_norm:
+            config = transformers.Qwen3MoeConfig(
+                **shared, intermediate_size=arch.mlp_hidden(cfg), moe_intermediate_size=arch.expert_hidden(cfg),
+                num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                decoder_sparse_step=cfg.moe_every, norm_topk_prob=cfg.experts_per_token > 1)
+            model = transformers.Qwen3MoeForCausalLM(config)
+        elif cfg.qk_norm:
+            config = transformers.Qwen3Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
+            model = transformers.Qwen3ForCausalLM(config)
+        elif cfg.qkv_bias:
+            config = transformers.Qwen2Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
+            model = transformers.Qwen2ForCausalLM(config)
+        elif cfg.n_shared_experts:
             config = transformers.Qwen2MoeConfig(
                 **shared, intermediate_size=arch.mlp_hidden(cfg), moe_intermediate_size=arch.expert_hidden(cfg),
                 shared_expert_intermediate_size=arch.shared_hidden(cfg), num_experts=cfg.n_experts,
@@ -85,7 +98,7 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
             model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.normal_(1.0, 0.2)
+            if p.dim() == 1:  # norms about 1, biases (transformers' zeros) about 0
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.2)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model.eval()

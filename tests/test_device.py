@@ -135,7 +135,7 @@ def test_train_sdpa_backend_goes_first_in_torchs_attention_order_on_a_gpu(monkey
         name for name, b in dev.SDPA_BACKENDS.items() if int(b) == torch._C._get_sdp_priority_order()[0]))
     before, precision = torch._C._get_sdp_priority_order(), torch.get_float32_matmul_precision()
     try:
-        model = SimpleNamespace(n_head=4, kv_heads=2, head_dim=32, block_size=64)
+        model = SimpleNamespace(n_head=4, kv_heads=2, head_width=32, block_size=64)
         chosen = dev.set_kernels(torch.device("cuda", 0), SimpleNamespace(tf32=True, sdpa_backend=asked), False,
                                  torch.bfloat16, model)
         order = torch._C._get_sdp_priority_order()

@@ -3,6 +3,7 @@ Hugging Face's layout load in GPT2LMHeadModel / LlamaForCausalLM with equal logi
 transformers builds (random weights, no download) load here with equal logits; bad folders are refused."""
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -20,7 +21,12 @@ LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, f
                     vocab_size=65, rope_theta=500.0)
 CASES = {"gpt": GPT, "gpt_exact_gelu": dataclasses.replace(GPT, activation="gelu"), "llama_gqa": LLAMA,
          "llama_mqa_tied": dataclasses.replace(LLAMA, n_kv_head=1, tie_embeddings=True, norm_eps=1e-6),
-         "llama3.1_rope_scaling": dataclasses.replace(LLAMA, rope_scale_factor=8.0, rope_original_context=16)}
+         "llama3.1_rope_scaling": dataclasses.replace(LLAMA, rope_scale_factor=8.0, rope_original_context=16),
+         "llama_wide_heads": dataclasses.replace(LLAMA, head_dim=16),
+         "qwen2": dataclasses.replace(LLAMA, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6),
+         "qwen3_tied": dataclasses.replace(LLAMA, qk_norm=True, head_dim=16, tie_embeddings=True, norm_eps=1e-6)}
+LAYOUTS = {"gpt": "gpt2", "gpt_exact_gelu": "gpt2", "llama_gqa": "llama", "llama_mqa_tied": "llama",
+           "llama3.1_rope_scaling": "llama", "llama_wide_heads": "llama", "qwen2": "qwen2", "qwen3_tied": "qwen3"}
 CHAR_META = {"format": 2, "tokenizer": "char", "vocab_size": 65, "chars": [chr(32 + i) for i in range(65)]}
 
 
@@ -40,6 +46,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, name):
     cfg = CASES[name]
     weights = randomized(cfg)
     write_export(str(tmp_path), cfg, weights, CHAR_META, step=0)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == LAYOUTS[name]
     assert_export_matches_transformers(str(tmp_path), tokens=32, weights=weights)
 
 
@@ -53,8 +60,10 @@ def test_special_token_ids_come_from_the_tokenizer():
 
 
 @pytest.mark.parametrize("name,shards", [("gpt", None), ("gpt_exact_gelu", None), ("llama_gqa", None),
-                                         ("llama_mqa_tied", None), ("llama_gqa", "30KB")],
-                         ids=["gpt", "gpt_exact_gelu", "llama_gqa", "llama_mqa_tied", "sharded"])
+                                         ("llama_mqa_tied", None), ("llama_gqa", "30KB"), ("llama_wide_heads", None),
+                                         ("qwen2", None), ("qwen3_tied", None)],
+                         ids=["gpt", "gpt_exact_gelu", "llama_gqa", "llama_mqa_tied", "sharded", "llama_wide_heads",
+                              "qwen2", "qwen3_tied"])
 @torch.no_grad()
 def test_import_from_transformers_gives_its_logits(tmp_path, name, shards):
     cfg = CASES[name]
@@ -87,6 +96,43 @@ def llama_folder(tmp_path_factory):
 def test_mismatching_folder_is_refused_naming_the_first_difference(llama_folder, change, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         hf.check_hf_folder(llama_folder, dataclasses.replace(LLAMA, **change))
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("qwen3_tied", dict(qk_norm=False), "holds a 'qwen3' model, this run's model has the 'llama' layout: set "
+                                        "model.qk_norm=true or pick another folder"),
+    ("qwen2", dict(qkv_bias=False), "holds a 'qwen2' model, this run's model has the 'llama' layout: set "
+                                    "model.qkv_bias=true or pick another folder"),
+    ("qwen2", dict(qk_norm=True), "holds a 'qwen2' model, this run's model has no Hugging Face layout: set "
+                                  "model.qk_norm=false or pick another folder"),
+    ("llama_gqa", dict(qk_norm=True), "holds a 'llama' model, this run's model has the 'qwen3' layout: set "
+                                      "model.qk_norm=false or pick another folder"),
+])
+def test_a_folder_whose_attention_computes_otherwise_names_the_setting(tmp_path, name, change, message):
+    """Qwen2's biases and Qwen3's norms are tensors a run without them would leave unread: the layouts must match."""
+    transformers_model(CASES[name], tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        hf.check_hf_folder(str(tmp_path), dataclasses.replace(CASES[name], **change))
+
+
+@pytest.mark.parametrize("key,value", [("use_sliding_window", True), ("attention_bias", True)])
+def test_a_qwen3_folder_with_what_the_llama_does_not_compute_is_refused(tmp_path, key, value):
+    transformers_model(CASES["qwen3_tied"], tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ConfigError, match=f"its config.json has {key}={value}, which this repo's Llama does not "
+                                          f"compute"):
+        hf.check_hf_folder(str(tmp_path), CASES["qwen3_tied"])
+
+
+def test_a_model_no_layout_holds_exports_in_this_repos_names(tmp_path):
+    """q/k/v biases and per-head norms together are no Hugging Face class's: the export keeps this repo's names."""
+    cfg = dataclasses.replace(CASES["qwen3_tied"], qkv_bias=True)
+    with pytest.raises(ConfigError, match=r"no Hugging Face layout holds this model.arch='llama' model \(those of "
+                                          r"the Llama: llama, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe"):
+        hf.tensor_pairs(cfg)
+    write_export(str(tmp_path), cfg, randomized(cfg), CHAR_META, step=0)
+    assert "model_type" not in json.loads((tmp_path / "config.json").read_text())
 
 
 @pytest.mark.parametrize("theirs,ours,fix", [("gelu_new", "gelu", "set model.activation=gelu_tanh"),

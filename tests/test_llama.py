@@ -102,6 +102,7 @@ def test_llama_hidden_size_rule():
     ("llama3.1_405b", None, 405_853_388_800),
     ("llama_124m", 50_000, 179_522_304),
     ("llama_quickstart", 65, 820_352),
+    ("qwen3_0.6b", None, 596_049_920),  # 440,466,432 outside the embedding: Qwen's "0.44B"
 ])
 def test_llama_preset_parameter_counts(name, vocab, expected):
     cfg = preset(name)
@@ -111,8 +112,8 @@ def test_llama_preset_parameter_counts(name, vocab, expected):
 
 
 @pytest.mark.parametrize("cfg", [SMALL, dataclasses.replace(SMALL, n_kv_head=1, tie_embeddings=True),
-                                 SMALL_GPT],
-                         ids=["llama_gqa", "llama_mqa_tied", "gpt"])
+                                 dataclasses.replace(SMALL, head_dim=24, qk_norm=True, qkv_bias=True), SMALL_GPT],
+                         ids=["llama_gqa", "llama_mqa_tied", "qwen_wide_heads", "gpt"])
 def test_flops_per_token_counts_every_matmul_weight(cfg):
     """6 x (every 2-D weight but the token embedding, plus the head: once more when tied) + attention."""
     with torch.device("meta"):
@@ -120,7 +121,8 @@ def test_flops_per_token_counts_every_matmul_weight(cfg):
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n
                  and n not in ("0.weight", "1.weight"))  # Llama's embedding; the GPT's positions
     matmul += cfg.padded_vocab_size * cfg.n_embd if cfg.arch == "gpt" or cfg.tie_embeddings else 0
-    assert flops_per_token(cfg) == 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+    heads = cfg.n_head * (cfg.head_dim or cfg.n_embd // cfg.n_head)
+    assert flops_per_token(cfg) == 6 * matmul + 12 * cfg.n_layer * heads * cfg.block_size
 
 
 @pytest.mark.parametrize("override,message", [

@@ -25,6 +25,7 @@ from training.topology import Layout
 
 SHAPE = ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=32,
                     vocab_size=65, n_experts=4, expert_hidden=48)
+CHARS = {"format": 2, "tokenizer": "char", "vocab_size": 65, "chars": [chr(32 + i) for i in range(65)]}
 
 
 def moe_block(ep=ExpertParallel(), k=2, seed=0) -> MoEFeedForward:
@@ -315,3 +316,29 @@ def test_mixtral_layout_holds_top_k_experts_in_every_block():
         cfg = dataclasses.replace(SHAPE, **change)
         with pytest.raises(ConfigError, match=message):
             to_hf(dict(build_model(cfg).named_parameters()), cfg)
+
+
+@pytest.mark.parametrize("change", [{}, dict(experts_per_token=1, moe_every=2, head_dim=24)],
+                         ids=["top2", "top1_every2"])
+@torch.no_grad()
+def test_qwen3_moe_both_ways_with_transformers_logits(tmp_path, change):
+    """Per-head norms with experts: the export is a Qwen3MoeForCausalLM computing this repo's logits (its top-1
+    unnormalized, dense blocks between where decoder_sparse_step says), and transformers' own Qwen3-MoE loads here
+    with its logits."""
+    from model_checks import decisive_model
+    from training.checkpoints.export import write_export
+    from training.checkpoints.hf import check_hf_folder, load_into
+
+    cfg = dataclasses.replace(SHAPE, qk_norm=True, **change)
+    model = decisive_model(cfg, seed=1, scale=0.1)
+    write_export(str(tmp_path / "ours"), cfg, model.state_dict(), CHARS, step=0)
+    assert_export_matches_transformers(str(tmp_path / "ours"), tokens=32, weights=model.state_dict())
+    config = load_in_transformers(str(tmp_path / "ours")).config
+    assert (config.model_type, config.num_experts_per_tok, config.norm_topk_prob, config.decoder_sparse_step) == \
+        ("qwen3_moe", cfg.experts_per_token, cfg.experts_per_token > 1, cfg.moe_every)
+    theirs = transformers_model(cfg, tmp_path / "theirs")
+    check_hf_folder(str(tmp_path / "theirs"), cfg)
+    ours = build_model(cfg)
+    load_into(ours, str(tmp_path / "theirs"), cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    assert (ours.eval()(idx)[..., : cfg.vocab_size] - theirs(idx).logits).abs().max().item() <= 1e-5

@@ -23,7 +23,10 @@ from training.topology import pipeline_settings
 SHAPES = {"gpt": ModelConfig(n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=65),
           "llama": ModelConfig(arch="llama", n_layer=3, n_head=4, n_kv_head=2, n_embd=64, block_size=32,
                                vocab_size=65),
-          "encoder": ModelConfig(arch="encoder", n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=65)}
+          "encoder": ModelConfig(arch="encoder", n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=65),
+          # Qwen3's attention: heads wider than n_embd / n_head, per-head norms (recomputed), q/k/v biases
+          "qwen": ModelConfig(arch="llama", n_layer=3, n_head=4, n_kv_head=2, n_embd=64, head_dim=32, qk_norm=True,
+                              qkv_bias=True, block_size=32, vocab_size=65)}
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 RECOMPUTE = {"none": (0, "full"), "full": (1, "full"), "selective": (1, "selective")}  # (interval, recompute)
 
@@ -88,7 +91,8 @@ def kept_per_block(cfg: ModelConfig, mode: str, tp: TensorParallel = SINGLE) -> 
     return (kept[1] - kept[0]) / (2 * cfg.block_size)
 
 
-@pytest.mark.parametrize("arch,tp_size", [("gpt", 1), ("llama", 1), ("encoder", 1), ("gpt", 2), ("llama", 2)])
+@pytest.mark.parametrize("arch,tp_size", [("gpt", 1), ("llama", 1), ("encoder", 1), ("qwen", 1), ("gpt", 2),
+                                          ("llama", 2), ("qwen", 2)])
 def test_a_selectively_recomputed_block_keeps_what_the_plan_counts(arch, tp_size):
     """Beside its input, its matmuls' and attention's outputs (and the attention's log-sum-exp), at tp 2 those of
     tensor rank 0 but the row-parallel maps': in bf16 on the CPU, the plan's count to the byte; at most 3/4 of what
@@ -159,7 +163,7 @@ def test_a_compiled_block_recomputes_selectively_inside_its_graph():
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = compiled(x)
-    tokens, rope = x.shape[0] * x.shape[1], 2 * cfg.block_size * cfg.head_dim * 2
+    tokens, rope = x.shape[0] * x.shape[1], 2 * cfg.block_size * cfg.head_width * 2
     planned = memory_plan.selective_layer_bytes(cfg, compiled=True)
     assert sum(saved.values()) == tokens * (2 * cfg.n_embd + planned) + rope
     assert planned == memory_plan.selective_layer_bytes(cfg) - 2 * cfg.n_embd

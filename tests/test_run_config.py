@@ -57,6 +57,14 @@ BAD_SETTINGS = [
                             "group of query heads; fix: choose a divisor of 4"),
     (["model.arch=llama", "model.n_head=128"], "model.n_embd=128: must give an even head size n_embd / n_head "
                                                "(now 1): rotary embeddings rotate pairs of dimensions"),
+    (["model.head_dim=0", "model.arch=llama"], "model.head_dim=0: must be >= 1"),
+    (["model.head_dim=33", "model.arch=llama"], "model.head_dim=33: must be even: rotary embeddings rotate pairs of "
+                                                "dimensions; fix: choose an even model.head_dim"),
+    (["model.head_dim=64"], "model.head_dim=64: must be null for the GPT (its fused q|k|v projection is n_embd wide, "
+                            "each head n_embd / n_head); fix: remove model.head_dim, or train the Llama"),
+    (["model.qkv_bias=true"], "model.qkv_bias=True: must be false for the GPT (model.bias sets all of its biases)"),
+    (["model.qk_norm=true", "model.arch=encoder"], "model.qk_norm=True: must be false for the encoder "
+                                                   "(nn.MultiheadAttention's heads are n_embd / n_head wide"),
     (["model.norm_eps=0"], "model.norm_eps=0.0: must be > 0"),
     (["model.rope_theta=-1"], "model.rope_theta=-1.0: must be > 0"),
     (["model.rope_scale_factor=0"], "model.rope_scale_factor=0.0: must be > 0"),

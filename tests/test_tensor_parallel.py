@@ -28,6 +28,9 @@ pytestmark = pytest.mark.launch  # several train.py processes per test (python -
 SMALL = {"gpt": ModelConfig(arch="gpt", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=65),
          "llama": ModelConfig(arch="llama", n_layer=2, n_head=8, n_kv_head=4, n_embd=64, ffn_hidden=64,
                               block_size=16, vocab_size=65),
+         # Qwen's attention: q/k/v biases split with their maps; the per-head norms whole, their gradients summed
+         "llama_qwen": ModelConfig(arch="llama", n_layer=2, n_head=8, n_kv_head=4, n_embd=64, head_dim=16,
+                                   qkv_bias=True, qk_norm=True, ffn_hidden=64, block_size=16, vocab_size=65),
          "encoder": ModelConfig(arch="encoder", n_layer=2, n_head=4, n_embd=32, ffn_hidden=64, block_size=16,
                                 vocab_size=65)}
 

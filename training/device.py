@@ -180,7 +180,7 @@ def set_kernels(device: torch.device, train, onednn: bool, dtype: torch.dtype, m
         return None
     torch.set_float32_matmul_precision("high" if train.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = train.tf32
-    shape = (dtype, model.n_head, model.kv_heads, model.head_dim, model.block_size)
+    shape = (dtype, model.n_head, model.kv_heads, model.head_width, model.block_size)
     chosen = sdpa_backend(device, *shape)  # also settles torch's own order, which its first call sets
     if train.sdpa_backend != "auto":
         first = int(SDPA_BACKENDS[train.sdpa_backend])

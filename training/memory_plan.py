@@ -106,14 +106,16 @@ def document_masking_bytes(cfg, device_type: str = "cuda", dtype_bytes: int = 2)
     if not cfg.document_masking:
         return 0
     mask = cfg.block_size if document_kernel(device_type, cfg.dropout) == "dense" else 0
-    rope = 2 * cfg.head_dim if architecture(cfg).rope else 0
+    rope = 2 * cfg.head_width if architecture(cfg).rope else 0
     return (mask + rope) * dtype_bytes
 
 
 def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_split: bool = False,
                            device_type: str = "cuda", compiled: bool = False) -> float:
     """16-bit bytes a block keeps per token for its backward on one tensor rank. Megatron's 18 d counts q, k
-    and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim. The GPT's MLP keeps its
+    and v at 2 d each: grouped-query attention keeps k and v at kv_heads x head_dim, and q and the attention's output
+    are n_head x head_dim wide (model.head_dim); Qwen3's per-head norms keep their inputs and each head's fp32 scale
+    (a CPU's RMSNorm 6 bytes an element more, as below). The GPT's MLP keeps its
     hidden input and GeLU output (4 x ffn); SwiGLU keeps the gate, its SiLU, up and their product (8 x ffn),
     compiled (train.compile) all but the SiLU, which inductor's partitioner recomputes in the backward pass
     (6 x ffn: on an H200, 4.50 GiB less for Llama-124M at 64 x 1,024 tokens, 2 x 3,072 x 12 layers' worth); in
@@ -123,7 +125,8 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
     RoPE tables of the attention, which sees the whole sequence. On a CPU torch's RMSNorm keeps an fp32 copy of its
     input in place of the 16-bit one and the normalized fp32 rows beside the 16-bit ones: 6 bytes an element more,
     two norms a block (the live tensors of a CPU step, 2 and 12 layers of Llama-124M)."""
-    kv, arch = cfg.kv_heads * cfg.head_dim, architecture(cfg)
+    kv, arch = cfg.kv_heads * cfg.head_width, architecture(cfg)
+    cpu_norm = 6 if arch.rms_norm and device_type == "cpu" else 0  # bytes an element a CPU's RMSNorm keeps more
     masks = 2 * cfg.n_embd if cfg.dropout > 0 else 0
     swiglu = 6 if compiled else 8
     mlp = 0 if mlp_tiles > 1 else (swiglu if arch.mlp_matrices == 3 else 4) * arch.mlp_hidden(cfg)
@@ -131,8 +134,9 @@ def layer_activation_bytes(cfg, tp_size: int = 1, mlp_tiles: int = 1, sequence_s
         routes = cfg.experts_per_token * (8 * arch.expert_hidden(cfg) + 4 * cfg.n_embd)
         shared = 8 * arch.shared_hidden(cfg) + (2 * cfg.n_embd + 2 if cfg.n_shared_experts else 0)
         mlp = max(mlp if cfg.moe_every > 1 else 0, routes + 4 * cfg.n_experts + shared)
-    split = 4 * cfg.n_embd + 4 * kv + mlp
-    whole = (8 + (12 if arch.rms_norm and device_type == "cpu" else 0)) * cfg.n_embd + masks
+    qk_norms = (2 + cpu_norm) * (cfg.q_width + kv) + 4 * (cfg.n_head + cfg.kv_heads) if cfg.qk_norm else 0
+    split = 4 * cfg.q_width + 4 * kv + mlp + qk_norms
+    whole = (8 + 2 * cpu_norm) * cfg.n_embd + masks
     if sequence_split:
         whole, split = 0, whole + split
     return whole + document_masking_bytes(cfg, device_type) + split / tp_size
@@ -150,7 +154,7 @@ def selective_layer_bytes(cfg, tp_size: int = 1, sequence_split: bool = False, c
     if cfg.n_experts:
         return layer_activation_bytes(cfg, tp_size, 1, sequence_split) - 2 * cfg.n_embd
     hidden = 2 * (arch.mlp_matrices - 1) * arch.mlp_hidden(cfg)
-    split = 2 * cfg.n_embd + 4 * cfg.kv_heads * cfg.head_dim + 2 * cfg.n_embd + 4 * cfg.n_head + hidden
+    split = 2 * cfg.q_width + 4 * cfg.kv_heads * cfg.head_width + 2 * cfg.q_width + 4 * cfg.n_head + hidden
     return split / tp_size + ((2 if compiled else 4) * cfg.n_embd if tp_size == 1 else 0)
 
 

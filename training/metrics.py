@@ -10,22 +10,22 @@ from model.config import ModelConfig
 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (PaLM appendix B): 6 x the weights used in matmuls (per layer: the query
-    and output projections 2d^2, the key and value projections 2 d x kv_heads x head_dim, which grouped-
-    query attention shrinks, and the MLP's 2 or, for SwiGLU, 3 matrices of d x ffn; plus the vocabulary
-    head, or a score head's d) for forward and backward, plus 12 x n_layer x d x block_size for the attention
-    score and value matmuls (every query head attends). Biases, norms, RoPE and the embedding lookup are left
-    out. The same formula holds for the GPT, Llama and the encoder stack. A mixture-of-experts block counts its
-    active weights: the router's d x n_experts, experts_per_token experts, and the shared expert (every token's)
-    with its gate's d."""
+    and output projections 2 d x n_head x head_dim (2d^2 where head_dim is d / n_head), the key and value
+    projections 2 d x kv_heads x head_dim, which grouped-query attention shrinks, and the MLP's 2 or, for SwiGLU, 3
+    matrices of d x ffn; plus the vocabulary head, or a score head's d) for forward and backward, plus 12 x n_layer
+    x n_head x head_dim x block_size for the attention score and value matmuls (every query head attends).
+    Biases, norms, RoPE and the embedding lookup are left out. The same formula holds for the GPT, Llama and the
+    encoder stack. A mixture-of-experts block counts its active weights: the router's d x n_experts,
+    experts_per_token experts, and the shared expert (every token's) with its gate's d."""
     d, layers, arch = cfg.n_embd, cfg.n_layer, architecture(cfg)
-    attention = 2 * d * d + 2 * d * cfg.kv_heads * cfg.head_dim
+    attention = 2 * d * cfg.q_width + 2 * d * cfg.kv_heads * cfg.head_width
     dense_mlp = arch.mlp_matrices * d * arch.mlp_hidden(cfg)
     shared = arch.mlp_matrices * d * arch.shared_hidden(cfg) + (d if cfg.n_shared_experts else 0)
     moe_mlp = d * cfg.n_experts + cfg.experts_per_token * arch.mlp_matrices * d * arch.expert_hidden(cfg) + shared
     mlps = sum(moe_mlp if cfg.is_moe_block(i) else dense_mlp for i in range(layers))
     head = cfg.padded_vocab_size if cfg.head == "lm" else 1  # a score head (model.head=score) has one output
     matmul_weights = layers * attention + mlps + head * d
-    return 6 * matmul_weights + 12 * layers * d * cfg.block_size
+    return 6 * matmul_weights + 12 * layers * cfg.q_width * cfg.block_size
 
 
 class Throughput:

@@ -1,6 +1,7 @@
 """This repo's weights and settings <-> Hugging Face's layout, both directions, for each architecture that has
-one (its Architecture's `hf`: the GPT's `GPT2LMHeadModel`, the Llama's `LlamaForCausalLM`; with experts, its
-`hf_moe` or `hf_shared_moe`: `MixtralForCausalLM`, `Qwen2MoeForCausalLM`). Used by export.py,
+one (its Architecture's `hf`: the GPT's `GPT2LMHeadModel`; the Llama's `LlamaForCausalLM`, with q/k/v biases
+`Qwen2ForCausalLM`, with per-head norms `Qwen3ForCausalLM`, with experts `MixtralForCausalLM`, `Qwen3MoeForCausalLM`
+or `Qwen2MoeForCausalLM`). Used by export.py,
 sample.py and `train.init_from`; `transformers` itself is never imported here (it is a test-only dependency: the
 tests load what this writes with it).
 
@@ -24,7 +25,7 @@ from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split
 
 def hf_layouts() -> dict[str, tuple]:
     """Hugging Face's model_type -> (the model.arch that reads it, its layout)."""
-    return {hf.model_type: (a.name, hf) for a in ARCHITECTURES.values() for hf in a.hf_layouts()}
+    return {hf.model_type: (a.name, hf) for a in ARCHITECTURES.values() for hf in a.hf}
 
 
 def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
@@ -33,7 +34,9 @@ def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
     arch = architecture(cfg)
     layout = arch.hf_layout(cfg)
     if layout is None:
-        raise ConfigError(f"model.arch={cfg.arch!r} has no Hugging Face layout (the GPT and Llama have one)")
+        raise ConfigError(f"no Hugging Face layout holds this model.arch={cfg.arch!r} model (those of {arch.title}: "
+                          f"{', '.join(hf.model_type for hf in arch.hf) or 'none'}, each with the settings its "
+                          f"class computes)")
     layout.check(cfg)
     specs = model_layers(cfg)
     pairs, block = [], 0
@@ -161,6 +164,17 @@ def _check_experts(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
                           f"model.experts_per_token={config.get('num_experts_per_tok')}")
 
 
+def _check_layout(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
+    """The folder's layout is this run's: its attention computes what this run's model does (Qwen3's norms...)."""
+    ours = architecture(cfg).hf_layout(cfg)
+    if theirs is not ours:
+        fix = " ".join(f"model.{name}={str(value).lower()}" for name, value in theirs.settings
+                       if getattr(cfg, name) != value)
+        where = f"the {ours.model_type!r} layout" if ours else "no Hugging Face layout"
+        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run's model "
+                          f"has {where}: set {fix} or pick another folder")
+
+
 def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
     """A Hugging Face checkpoint `train.init_from` can start this run from: same family, every tensor
     present with this run's shape (the first that is not is named), same norm and RoPE settings."""
@@ -175,6 +189,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
     _check_experts(folder, config, theirs, cfg)
+    _check_layout(folder, config, theirs, cfg)
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
     found = {}

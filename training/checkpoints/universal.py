@@ -150,7 +150,7 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
         where = f"over {layout['pp']} pipeline stages" if layout["pp"] > 1 else \
             f"at tensor-parallel degree {layout['tp']}"
         out_dir = os.path.dirname(os.path.dirname(os.path.normpath(tag_dir)))
-        in_hf_layout = ARCHITECTURES[saved["config"]["model"]["arch"]].hf is not None  # what an export can start
+        in_hf_layout = bool(ARCHITECTURES[saved["config"]["model"]["arch"]].hf)  # what an export can start
         weights = "" if not in_hf_layout else (
             f", or start a new run from its weights: python -m scripts.export --out_dir {out_dir} --tag {tag}, then "
             f"train.init_from={out_dir}/export/{tag}")
