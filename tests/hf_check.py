@@ -9,6 +9,7 @@ from model import architecture, build_model
 from model.config import ModelConfig, model_config
 from model.gpt import HF_GELU
 from training.checkpoints.export import _fingerprint, consolidated_state_dict
+from training.checkpoints.hf import hf_config
 
 CLASSES = {"GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
            "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
@@ -67,7 +68,7 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
                       num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_width,
                       max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
                       tie_word_embeddings=cfg.tie_embeddings,
-                      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+                      rope_parameters=hf_config(cfg, {})["rope_parameters"])
         arch = architecture(cfg)
         if cfg.n_experts and cfg.qk_norm:
             config = transformers.Qwen3MoeConfig(

@@ -22,7 +22,9 @@ LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, f
                     vocab_size=20)
 MIXTRAL = dataclasses.replace(LLAMA, n_experts=4, expert_hidden=48)  # DeepSpeed's MoE layer, top-2
 QWEN2_MOE = dataclasses.replace(MIXTRAL, experts_per_token=3, n_shared_experts=1)  # top-3, a shared expert
-MODELS = {"gpt": GPT, "llama_gqa": LLAMA, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
+QWEN3 = dataclasses.replace(LLAMA, head_dim=16, qk_norm=True)  # per-head norms, heads wider than n_embd / n_head
+QWEN2 = dataclasses.replace(LLAMA, qkv_bias=True)
+MODELS = {"gpt": GPT, "llama_gqa": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
 EOT = 3  # the documents' delimiter below: the token after it starts the next document
 DOCUMENTS = Documents({"delimiter": "eot", "eot_id": EOT})
 

@@ -61,9 +61,9 @@ def test_special_token_ids_come_from_the_tokenizer():
 
 @pytest.mark.parametrize("name,shards", [("gpt", None), ("gpt_exact_gelu", None), ("llama_gqa", None),
                                          ("llama_mqa_tied", None), ("llama_gqa", "30KB"), ("llama_wide_heads", None),
-                                         ("qwen2", None), ("qwen3_tied", None)],
+                                         ("qwen2", None), ("qwen3_tied", None), ("llama3.1_rope_scaling", None)],
                          ids=["gpt", "gpt_exact_gelu", "llama_gqa", "llama_mqa_tied", "sharded", "llama_wide_heads",
-                              "qwen2", "qwen3_tied"])
+                              "qwen2", "qwen3_tied", "llama3.1_rope_scaling"])
 @torch.no_grad()
 def test_import_from_transformers_gives_its_logits(tmp_path, name, shards):
     cfg = CASES[name]
@@ -113,6 +113,40 @@ def test_a_folder_whose_attention_computes_otherwise_names_the_setting(tmp_path,
     transformers_model(CASES[name], tmp_path)
     with pytest.raises(ConfigError, match=re.escape(message)):
         hf.check_hf_folder(str(tmp_path), dataclasses.replace(CASES[name], **change))
+
+
+SCALED = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("rope,change,message", [
+    ({"rope_type": "default", "rope_theta": 500.0}, dict(rope_scale_factor=8.0, rope_original_context=16),
+     "its RoPE is 'default' ({'rope_type': 'default', 'rope_theta': 500.0}), this run's 'llama3' ({'rope_type': "
+     "'llama3', 'rope_theta': 500.0, 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
+     "'original_max_position_embeddings': 16}): set model.rope_scale_factor=null"),
+    (SCALED, {}, "its RoPE is 'llama3' ({'rope_type': 'llama3', 'rope_theta': 500.0, 'factor': 8.0, 'low_freq_factor': "
+                 "1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}), this run's 'default' "
+                 "({'rope_type': 'default', 'rope_theta': 500.0}): set model.rope_scale_factor=8.0 "
+                 "model.rope_low_freq_factor=1.0 model.rope_high_freq_factor=4.0 model.rope_original_context=16"),
+    (SCALED, dict(rope_scale_factor=8.0, rope_original_context=16, rope_low_freq_factor=2.0),
+     "'low_freq_factor': 2.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}): set "
+     "model.rope_low_freq_factor=1.0"),
+    ({"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0}, {},
+     "its RoPE is 'yarn', which this repo does not compute (Llama 3.1's scaling, model.rope_scale_factor, or none): "
+     "pick another folder"),
+], ids=["unscaled_folder", "scaled_folder", "other_numbers", "yarn"])
+def test_a_folder_with_other_rotary_frequencies_is_refused_naming_the_fix(llama_folder, tmp_path, rope, change,
+                                                                          message):
+    """Llama 3.1's scaling changes every position's low frequencies: a folder with it and a run without it, or with
+    other numbers, compute other models. The yarn folder names it rope_scaling, as older config.json files do."""
+    folder = tmp_path / "rope"
+    shutil.copytree(llama_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    key = "rope_scaling" if rope["rope_type"] == "yarn" else "rope_parameters"
+    (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": None, key: rope}))
+    with pytest.raises(ConfigError) as caught:
+        hf.check_hf_folder(str(folder), dataclasses.replace(LLAMA, **change))
+    assert message in str(caught.value)
 
 
 @pytest.mark.parametrize("key,value", [("use_sliding_window", True), ("attention_bias", True)])

@@ -164,6 +164,35 @@ def _check_experts(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
                           f"model.experts_per_token={config.get('num_experts_per_tok')}")
 
 
+# Llama 3.1's RoPE frequency scaling: config.json's numbers and the model settings that hold them
+LLAMA3_ROPE = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_context"}
+
+
+def _check_rope(folder: str, config: dict, ours: dict | None) -> None:
+    """The folder's rotary frequencies are this run's (`ours`: its rope_parameters; None: no RoPE): the same kind,
+    and for Llama 3.1's scaling the same four numbers. Older config.json files name them rope_scaling."""
+    if ours is None:
+        return
+    theirs = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = theirs.get("rope_type", theirs.get("type", "default"))
+    if kind == ours["rope_type"] == "llama3":
+        fix = " ".join(f"model.{name}={theirs[key]}" for key, name in LLAMA3_ROPE.items()
+                       if key in theirs and float(theirs[key]) != float(ours[key]))
+    elif kind == ours["rope_type"]:
+        return
+    elif kind == "llama3":
+        fix = " ".join(f"model.{name}={theirs[key]}" for key, name in LLAMA3_ROPE.items() if key in theirs)
+    elif kind == "default":
+        fix = "model.rope_scale_factor=null"
+    else:
+        raise ConfigError(f"train.init_from={folder}: its RoPE is {kind!r}, which this repo does not compute (Llama "
+                          f"3.1's scaling, model.rope_scale_factor, or none): pick another folder")
+    if fix:
+        raise ConfigError(f"train.init_from={folder}: its RoPE is {kind!r} ({theirs}), this run's "
+                          f"{ours['rope_type']!r} ({ours}): set {fix}")
+
+
 def _check_layout(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
     """The folder's layout is this run's: its attention computes what this run's model does (Qwen3's norms...)."""
     ours = architecture(cfg).hf_layout(cfg)
@@ -213,6 +242,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
                               f"config.json")
     theirs.check_folder(config, cfg, folder)  # the run's own layout, its experts checked alike
     ours = hf_config(cfg, {})
+    _check_rope(folder, config, ours.get("rope_parameters"))
     for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", _rope_theta(config))):
         if key in ours and value is not None and float(value) != float(ours[key]):
             raise ConfigError(f"train.init_from={folder}: {key} is {value} there, {ours[key]} in this run's model "
