@@ -135,8 +135,13 @@ HF_QK_NORM = [(f"attn.{x}_norm.weight", f"self_attn.{x}_norm.weight") for x in "
 HF_MLP_NORM = [("mlp_norm.weight", "post_attention_layernorm.weight")]
 HF_MLP = [("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up_proj.weight"),
           ("mlp.down.weight", "mlp.down_proj.weight")]
-HF_BLOCK = HF_ATTENTION + HF_MLP_NORM + HF_MLP
-PLAIN_ATTENTION = (("qkv_bias", False), ("qk_norm", False))  # the settings of Llama's and Mixtral's layouts
+HF_BLOCK = [*HF_ATTENTION, *HF_MLP_NORM, *HF_MLP]
+HF_QWEN2_BLOCK = [*HF_ATTENTION, *HF_QKV_BIAS, *HF_MLP_NORM, *HF_MLP]
+HF_QWEN3_BLOCK = [*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_MLP]
+# The attention settings of the layouts' models: Llama's, Mixtral's and Qwen2-MoE's; Qwen2's; Qwen3's and Qwen3-MoE's
+PLAIN_ATTENTION = (("qkv_bias", False), ("qk_norm", False))
+QWEN2_ATTENTION = (("qkv_bias", True), ("qk_norm", False))
+QWEN3_ATTENTION = (("qkv_bias", False), ("qk_norm", True))
 
 
 def hf_layers(block: list) -> dict:
@@ -192,10 +197,14 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def hf_qwen_config(cfg: ModelConfig) -> dict:
-    """Qwen2's and Qwen3's: the Llama's, every layer's attention over the whole window (its biases are Qwen2's
-    always, Qwen3's o_proj's too where attention_bias: none here)."""
+    """Qwen3's: the Llama's (neither Qwen names an MLP bias), every layer attending over the whole window."""
     config = {**hf_config(cfg), "use_sliding_window": False, "max_window_layers": cfg.n_layer}
     return {key: value for key, value in config.items() if key != "mlp_bias"}
+
+
+def hf_qwen2_config(cfg: ModelConfig) -> dict:
+    """Qwen2's: Qwen3's without attention_bias (Qwen2's q, k and v always have biases, its o never)."""
+    return {key: value for key, value in hf_qwen_config(cfg).items() if key != "attention_bias"}
 
 
 def hf_mixtral_config(cfg: ModelConfig) -> dict:
@@ -296,19 +305,16 @@ LLAMA = Architecture(
           LMHead: {"": COLUMN}},
     hf=(HuggingFace("LlamaForCausalLM", "LlamaForSequenceClassification", "llama", HF_LAYERS, hf_config,
                     settings=PLAIN_ATTENTION),
-        HuggingFace("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "qwen2",
-                    hf_layers([*HF_ATTENTION, *HF_QKV_BIAS, *HF_MLP_NORM, *HF_MLP]), hf_qwen_config,
-                    check_folder=folder_check(qwen_expects), settings=(("qkv_bias", True), ("qk_norm", False))),
-        HuggingFace("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "qwen3",
-                    hf_layers([*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_MLP]), hf_qwen_config,
-                    check_folder=folder_check(qwen_expects), settings=(("qkv_bias", False), ("qk_norm", True))),
+        HuggingFace("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "qwen2", hf_layers(HF_QWEN2_BLOCK),
+                    hf_qwen2_config, check_folder=folder_check(qwen_expects), settings=QWEN2_ATTENTION),
+        HuggingFace("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "qwen3", hf_layers(HF_QWEN3_BLOCK),
+                    hf_qwen_config, check_folder=folder_check(qwen_expects), settings=QWEN3_ATTENTION),
         HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral",
                     with_experts(HF_BLOCK, HF_MIXTRAL_BLOCK), hf_mixtral_config, check_mixtral,
                     folder_experts=mixtral_experts, experts=ROUTED, settings=PLAIN_ATTENTION),
         HuggingFace("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "qwen3_moe",
-                    with_experts([*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_MLP], HF_QWEN3_MOE_BLOCK),
-                    hf_qwen3_moe_config, check_qwen3_moe, folder_check(qwen_moe_expects), qwen3_moe_experts,
-                    experts=ROUTED, settings=(("qkv_bias", False), ("qk_norm", True))),
+                    with_experts(HF_QWEN3_BLOCK, HF_QWEN3_MOE_BLOCK), hf_qwen3_moe_config, check_qwen3_moe,
+                    folder_check(qwen_moe_expects), qwen3_moe_experts, experts=ROUTED, settings=QWEN3_ATTENTION),
         HuggingFace("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "qwen2_moe",
                     with_experts(HF_BLOCK, HF_QWEN2_MOE_BLOCK), hf_qwen2_moe_config, check_qwen2_moe,
                     folder_check(qwen_moe_expects), qwen2_moe_experts, experts=SHARED, settings=PLAIN_ATTENTION)),

@@ -350,6 +350,9 @@ def describe_model(model) -> str:
     """The architecture in a few words: what model.* shapes."""
     heads = f"{model.n_head} heads" + (f" ({model.n_kv_head} key/value)" if model.n_kv_head not in (None, model.n_head)
                                        else "")
+    heads += f" {model.head_dim} wide" if model.head_dim else ""
+    attention = [name for name, on in (("q/k/v biases", model.qkv_bias), ("per-head q/k norms", model.qk_norm)) if on]
+    heads += f" ({', '.join(attention)})" if attention else ""
     experts = ""
     if model.n_experts:
         blocks = "every block" if model.moe_every == 1 else f"every {model.moe_every}th block"

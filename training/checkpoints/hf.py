@@ -149,13 +149,14 @@ def _check_experts(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
     """The folder's experts, routed and shared (`theirs`: its layout), and their number per token are this run's."""
     experts, shared = theirs.folder_experts(config)
     layout = architecture(cfg).hf_layout(cfg)
+    ours = repr(layout.model_type) if layout else f"model.arch={cfg.arch}"
     if experts != cfg.n_experts:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model with {experts} "
-                          f"experts, this run's {layout.model_type!r} model has {cfg.n_experts} (model.n_experts): set "
+                          f"experts, this run's {ours} model has {cfg.n_experts} (model.n_experts): set "
                           f"model.n_experts={experts} (and its shape) or pick another folder")
     if shared != cfg.n_shared_experts:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model whose shared expert is "
-                          f"{shared:g} experts wide (0: none), this run's {layout.model_type!r} model's "
+                          f"{shared:g} experts wide (0: none), this run's {ours} model's "
                           f"{cfg.n_shared_experts} (model.n_shared_experts): set model.n_shared_experts={shared:g} or "
                           f"pick another folder")
     if experts and config.get("num_experts_per_tok") != cfg.experts_per_token:
