@@ -51,7 +51,7 @@ from training.launch.failure import (
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.noise import silence_known_noise
 from training.observers import Observer, Observers
-from training.optim import param_groups, start_schedule
+from training.optim import client_schedule, param_groups, start_schedule
 from training.parallelize import parallelize, whole_model_parameters
 from training.startup import (
     Run,
@@ -125,7 +125,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
     weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine = initialize(model, weights, ds, mpu)
+    engine = initialize(model, weights, ds, mpu, client_schedule(cfg))
     adjust_engine(engine)
     if cfg.train.background_save:
         # DeepSpeed's plug point for its writers

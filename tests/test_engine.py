@@ -3,6 +3,7 @@ step, the optimizer DeepSpeed builds (AdamW groups, DeepSpeedCPUAdam under offlo
 checkpointing that really recomputes, and checkpoints written in the background. Seconds, no launcher."""
 import dataclasses
 import os
+import re
 import threading
 import time
 from unittest import mock
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from omegaconf import OmegaConf
 
+from common.checks import ConfigError
 from harness import REPO, expected_lr, free_port
 from model import build_model
 from model.config import ModelConfig
@@ -24,7 +26,7 @@ from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.ds_config import load_ds_config
 from training.launch.failure import join_process_group, leave_process_group
-from training.optim import optimizer_and_schedule, param_groups, start_schedule
+from training.optim import check_schedule, client_schedule, optimizer_and_schedule, param_groups, start_schedule
 from training.startup import effective_ds_config
 from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_reduce_over_one_rank
 
@@ -54,7 +56,7 @@ def engine_for(cfg: RunConfig, ds: dict, model=None):
           "steps_per_print": 10**9, **ds}
     ds.update(optimizer_and_schedule(cfg, ds))
     model = model if model is not None else build_model(SMALL_GPT, seed=1)
-    engine, *_ = deepspeed.initialize(model=model, config=ds,
+    engine, *_ = deepspeed.initialize(model=model, config=ds, lr_scheduler=client_schedule(cfg),
                                       model_parameters=param_groups(model.named_parameters(), cfg.optim.weight_decay))
     start_schedule(engine)
     return engine
@@ -81,6 +83,40 @@ def test_schedule_starts_at_the_first_warmup_step_and_ends_at_min_lr(warmup, max
     assert lrs[0] == pytest.approx(lr / warmup, rel=1e-12) and lrs[0] > 0
     assert lrs[-1] == pytest.approx(min_lr, rel=1e-12)
     assert all(value > min_lr for value in lrs[:-1] if max_steps > 1)  # min_lr is reached at the last step only
+
+
+# lr 1e-3, min_lr 1e-4, 10 steps, warmup 2, decay_fraction 0.4: the last 4 steps decay, at progress 1/4 .. 1
+WSD = {"linear": [5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 7.75e-4, 5.5e-4, 3.25e-4, 1e-4],
+       "sqrt": [5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4 + 9e-4 * (1 - 0.5 ** 0.5),
+                1e-4 + 9e-4 * (1 - 0.75 ** 0.5), 1e-4],
+       "cosine": [5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-4 + 9e-4 * (2 + 2 ** 0.5) / 4, 5.5e-4,
+                  1e-4 + 9e-4 * (2 - 2 ** 0.5) / 4, 1e-4]}
+
+
+@pytest.mark.parametrize("shape", WSD)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_wsd_warms_up_holds_the_rate_and_decays_to_min_lr_at_the_last_step(shape, stage):
+    """optim.schedule=wsd, torch's LambdaLR on the optimizer DeepSpeed builds: each step's rate, read as train.py
+    logs it, under ZeRO-0 and ZeRO-1 (another optimizer wrapper)."""
+    cfg = run_config(optim={"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2, "schedule": "wsd", "decay_fraction": 0.4,
+                            "decay_shape": shape}, train={"max_steps": 10})
+    engine = engine_for(cfg, {"zero_optimization": {"stage": stage}})
+    assert "scheduler" not in optimizer_and_schedule(cfg, {})
+    assert train_steps(engine, 10) == pytest.approx(WSD[shape], rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("warmup,fraction,steps", [(5, 0.6, 10), (11, 0.1, 10)])
+def test_a_wsd_warmup_and_decay_that_overlap_are_refused(warmup, fraction, steps):
+    cfg = run_config(optim={"warmup_steps": warmup, "schedule": "wsd", "decay_fraction": fraction},
+                     train={"max_steps": steps})
+    decay = round(fraction * steps)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"optim.warmup_steps={warmup} and the WSD decay's {decay} steps (optim.decay_fraction={fraction:g} of "
+            f"train.max_steps={steps}) overlap; fix: lower optim.warmup_steps or optim.decay_fraction, or raise "
+            f"train.max_steps")):
+        check_schedule(cfg)
+    check_schedule(run_config(optim={"warmup_steps": steps - decay, "schedule": "wsd", "decay_fraction": fraction},
+                              train={"max_steps": steps}))
 
 
 def named_groups(engine, model) -> dict[float, set]:

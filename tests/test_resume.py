@@ -217,3 +217,24 @@ def test_a_resumed_runs_checkpoints_are_counted_at_the_size_of_the_one_it_resume
     with pytest.raises(ConfigError, match=rf"need {space.size(2 * one)} more in {out}/checkpoints \(2 at once: "
                                           rf"{space.size(one)} each, as the one resumed\)"):
         space.check_disk(train_cfg, {}, 10**12, 2, str(tag))
+
+
+WSD = ["optim.schedule=wsd", "optim.decay_fraction=0.25", "optim.lr=1e-3", "optim.min_lr=1e-4", *FP32]
+
+
+def test_a_wsd_run_resumes_on_its_schedule_and_a_longer_run_extends_its_stable_phase(tmp_path, char_data):
+    """Stopped at step 4 of 8 and resumed, a WSD run is the uninterrupted one, rate and loss; the same checkpoint
+    resumed with train.max_steps=12 holds optim.lr to step 9 and decays over the last 3 (the schedule follows the
+    resumed run's settings, which LambdaLR's checkpointed state leaves out). torch's scheduler finds the mark it
+    puts on the optimizer's step, which ZeRO-0 in fp32 wraps (training/steps.py): it warns of nothing."""
+    straight = train(tmp_path / "straight", char_data, *WSD, "train.max_steps=8")
+    assert "Warning" not in straight.stderr, straight.stderr
+    train(tmp_path / "stopped", char_data, *WSD, "train.max_steps=8", "train.stop_at_step=4")
+    shutil.copytree(tmp_path / "stopped", tmp_path / "longer")
+    train(tmp_path / "stopped", char_data, *WSD, "train.max_steps=8")
+    assert steps(tmp_path / "stopped") == steps(tmp_path / "straight")
+    assert [lr for _, _, lr in steps(tmp_path / "straight")] == pytest.approx(
+        [5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-4 + 9e-4 * (1 - 0.5 ** 0.5), 1e-4], rel=1e-9)
+    train(tmp_path / "longer", char_data, *WSD, "train.max_steps=12")
+    decay = [1e-4 + 9e-4 * (1 - (k / 3) ** 0.5) for k in (1, 2, 3)]
+    assert [lr for _, _, lr in steps(tmp_path / "longer")] == pytest.approx([5e-4, *[1e-3] * 8, *decay], rel=1e-9)

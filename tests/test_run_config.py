@@ -81,6 +81,11 @@ BAD_SETTINGS = [
     (["optim.min_lr=-1"], "optim.min_lr=-1.0: must be >= 0 (0 decays to zero)"),
     (["optim.min_lr=0.01"], "optim.min_lr=0.01: must be <= optim.lr=0.001; fix: lower optim.min_lr or raise optim.lr"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be >= 1"),
+    (["optim.schedule=linear"], "optim.schedule='linear': must be one of cosine, wsd; fix: set optim.schedule to one "
+                                "of them"),
+    (["optim.decay_fraction=0"], "optim.decay_fraction=0.0: must be > 0"),
+    (["optim.decay_fraction=1.5"], "optim.decay_fraction=1.5: must be in [0.0, 1.0]"),
+    (["optim.decay_shape=exp"], "optim.decay_shape='exp': must be one of linear, sqrt, cosine"),
     (["optim.warmup_steps=0"], "optim.warmup_steps=0: must be >= 1 (DeepSpeed's schedule warms up over one step at "
                                "least)"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1: must be >= 0"),

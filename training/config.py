@@ -66,9 +66,15 @@ class DataConfig:
         # data/token_data.py TokenData.
 
 
+# optim.schedule and a WSD schedule's optim.decay_shape (training/optim.py; sqrt: 1 - sqrt(progress), the
+# cooldown of Hägele et al., 2024)
+SCHEDULES, DECAY_SHAPES = ("cosine", "wsd"), ("linear", "sqrt", "cosine")
+
+
 @dataclass
 class OptimConfig:
-    """AdamW (decay on 2-D weights only) with linear warmup then cosine decay to min_lr."""
+    """AdamW (decay on 2-D weights only) with linear warmup, then cosine decay to min_lr (DeepSpeed's
+    WarmupCosineLR) or warmup-stable-decay: optim.lr until the last decay_fraction of the steps, then to min_lr."""
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 100
@@ -76,11 +82,18 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd: the share of train.max_steps, at the end, over which the rate decays
+    decay_shape: str = "sqrt"  # wsd: how it decays
 
     def check(self, c: Checks) -> None:
         c.above("lr", 0)
         c.at_least("min_lr", 0, "0 decays to zero")
         c.at_least("warmup_steps", 1, "DeepSpeed's schedule warms up over one step at least")
+        c.one_of("schedule", SCHEDULES)
+        c.in_range("decay_fraction", 0.0, 1.0)
+        c.above("decay_fraction", 0)
+        c.one_of("decay_shape", DECAY_SHAPES)
         c.at_least("weight_decay", 0)
         c.that(self.min_lr <= self.lr, "min_lr", f"be <= optim.lr={self.lr}", "lower optim.min_lr or raise optim.lr")
         c.in_range("beta1", 0.0, 1.0, high_open=True)

@@ -22,17 +22,20 @@ from training.objectives.next_token import NEXT_TOKEN
 from training.steps import data_parallel_group, replicated_weights_in_sync, token_loss_sum
 
 
-def initialize(model: torch.nn.Module, model_parameters, ds: dict, mpu=None) -> deepspeed.DeepSpeedEngine:
+def initialize(model: torch.nn.Module, model_parameters, ds: dict, mpu=None,
+               lr_scheduler=None) -> deepspeed.DeepSpeedEngine:
     """deepspeed.initialize, less one import it makes for an optimizer this repo never builds: its ZeRO and bf16
     optimizers import DeepSpeed's Muon while the engine is built, whatever the optimizer, to ask whether it is
     Muon, and Muon's module torch.compiles three functions as it is imported, which imports inductor: 1.5 s of
     every such rank's start on a 2-core Xeon. Imported first here, with its functions compiled at their first
-    call instead, it costs nothing (a run with train.compile=true imports inductor for its own model)."""
+    call instead, it costs nothing (a run with train.compile=true imports inductor for its own model).
+    lr_scheduler: a schedule the ds_config cannot name (training/optim.py client_schedule), or None."""
     muon = "deepspeed.runtime.zero.muon.original_muon"
     if muon not in sys.modules:
         with _compile_at_first_call():
             importlib.import_module(muon)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=ds, mpu=mpu)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=ds, mpu=mpu,
+                                      lr_scheduler=lr_scheduler)
     return engine
 
 

@@ -1,5 +1,11 @@
 """The optimizer and schedule of a run (optim.* in the run YAML), handed to DeepSpeed to build."""
+import math
+from typing import Callable
 
+from deepspeed.runtime.lr_schedules import WarmupCosineLR
+from torch.optim.lr_scheduler import LambdaLR
+
+from common.checks import ConfigError
 from training.config import RunConfig
 
 
@@ -21,7 +27,8 @@ def param_groups(named_parameters, weight_decay: float) -> list[dict]:
 
 
 def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
-    """The run config's AdamW and warmup-cosine schedule, as ds_config sections for DeepSpeed to build."""
+    """The run config's AdamW and warmup-cosine schedule, as ds_config sections for DeepSpeed to build (a WSD
+    schedule is built by `client_schedule` instead)."""
     opt = cfg.optim
     params = {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps, "weight_decay": opt.weight_decay}
     offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
@@ -40,8 +47,49 @@ def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
         warmup, floor = 2, 1.0
     schedule = {"total_num_steps": cfg.train.max_steps + 1, "warmup_num_steps": warmup,
                 "warmup_type": "linear", "warmup_min_ratio": floor, "cos_min_ratio": opt.min_lr / opt.lr}
-    return {"optimizer": {"type": "AdamW", "params": params},
-            "scheduler": {"type": "WarmupCosineLR", "params": schedule}}
+    sections = {"optimizer": {"type": "AdamW", "params": params}}
+    if opt.schedule == "cosine":
+        sections["scheduler"] = {"type": "WarmupCosineLR", "params": schedule}
+    return sections
+
+
+def decay_steps(cfg: RunConfig) -> int:
+    """The steps of a WSD schedule's decay: the last optim.decay_fraction of train.max_steps, one at least."""
+    return max(1, round(cfg.optim.decay_fraction * cfg.train.max_steps))
+
+
+def check_schedule(cfg: RunConfig) -> None:
+    """A WSD schedule's warmup and decay fit in the run, one after the other (at start, train.max_steps known)."""
+    steps, warmup = cfg.train.max_steps, cfg.optim.warmup_steps
+    if cfg.optim.schedule == "wsd" and warmup + decay_steps(cfg) > steps:
+        raise ConfigError(f"optim.warmup_steps={warmup} and the WSD decay's {decay_steps(cfg)} steps (optim."
+                          f"decay_fraction={cfg.optim.decay_fraction:g} of train.max_steps={steps}) overlap; fix: "
+                          f"lower optim.warmup_steps or optim.decay_fraction, or raise train.max_steps")
+
+
+def wsd_rate(step: int, cfg: RunConfig) -> float:
+    """Warmup-stable-decay's learning rate at training step `step` (from 1): linear warmup from 0 (step k of the
+    first warmup_steps at lr x k / warmup_steps), optim.lr, then over the last decay_steps from lr to min_lr, the
+    last step at min_lr: linearly, as 1 - sqrt(progress), or as a half cosine."""
+    opt, steps = cfg.optim, cfg.train.max_steps
+    if step <= opt.warmup_steps:
+        return opt.lr * step / opt.warmup_steps
+    progress = min(1.0, max(0.0, (step - (steps - decay_steps(cfg))) / decay_steps(cfg)))
+    left = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+            "cosine": (1 + math.cos(math.pi * progress)) / 2}[opt.decay_shape]
+    return opt.min_lr + (opt.lr - opt.min_lr) * left
+
+
+def client_schedule(cfg: RunConfig) -> Callable | None:
+    """The schedule DeepSpeed builds from the run's hands, not its ds_config: WSD, which DeepSpeed's lr_schedules
+    lack (warmup-cosine and warmup-decay have no stable phase), as torch's LambdaLR on the optimizer DeepSpeed
+    builds; None for the cosine. torch's scheduler starts at its iteration 0 where DeepSpeed's starts at -1, so
+    iteration i is step i + 1. The rate is a closure of the run's settings, which LambdaLR's checkpointed state
+    leaves out: a resumed run follows its own optim.* and train.max_steps (a longer stable phase, say)."""
+    if cfg.optim.schedule != "wsd":
+        return None
+    lr = cfg.optim.lr
+    return lambda optimizer: LambdaLR(optimizer, lambda iteration: wsd_rate(iteration + 1, cfg) / lr)
 
 
 def schedule_note(cfg: RunConfig) -> str | None:
@@ -59,5 +107,6 @@ def start_schedule(engine) -> None:
     """Put DeepSpeed's scheduler at iteration 1 for training step 1. It starts at iteration -1 (lr 0)
     and the engine advances it after each optimizer step, so step k would run at iteration k - 2: steps
     1 and 2 at lr 0, and min_lr never reached. A resumed run's checkpoint then restores the iteration
-    and the learning rate it had reached."""
-    engine.lr_scheduler.step(1)
+    and the learning rate it had reached. (client_schedule's starts where step 1 runs.)"""
+    if isinstance(engine.lr_scheduler, WarmupCosineLR):
+        engine.lr_scheduler.step(1)

@@ -141,6 +141,7 @@ def fp32_step_skips_nonfinite(engine) -> None:
     optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=params[0].device)
     step = optimizer.step
 
+    @functools.wraps(step)  # keeps the mark of torch's LR scheduler (optim.schedule=wsd) on the optimizer's step
     def step_unless_nonfinite(*args, **kwargs):
         if engine.gradient_clipping():  # clipping has just computed the norm (keep_fp32_grad_norm)
             norm = engine._global_grad_norm
