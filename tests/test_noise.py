@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from harness import FP32, TINY, free_port, launch
 from training.config import RunConfig
 from training.launch.failure import join_process_group, leave_process_group
-from training.noise import silence_known_noise
+from training.noise import ignore_deprecated_collectives, silence_known_noise
 from training.optim import optimizer_and_schedule, schedule_note
 
 # What each silenced message began with; a run prints none of them.
@@ -103,6 +103,20 @@ def test_deepspeeds_printed_lines_are_dropped_and_no_others(process_group, capsy
         importlib.import_module(name).print("RANK=0 tied_comms={}", "and more", sep=": ")
     print("stage=0 layers=4")  # this module's print is the builtin
     assert capsys.readouterr().out == "RANK=0 tied_comms={}: and more\n" * 3 + "stage=0 layers=4\n"
+
+
+@pytest.mark.parametrize("collective", ["all_gather_into_tensor", "reduce_scatter_tensor"])
+def test_the_collectives_zero_calls_by_their_deprecated_names_warn_of_nothing(process_group, collective):
+    """ZeRO-1/2 gather and ZeRO-3 reduce-scatters through names torch deprecates: each warned, every time shown."""
+    import torch.distributed as dist
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(dist, collective)(torch.zeros(4), torch.ones(4))
+        assert [str(w.message) for w in caught if collective in str(w.message)] != []  # torch's warning, shown
+        caught.clear()
+        ignore_deprecated_collectives()
+        getattr(dist, collective)(torch.zeros(4), torch.ones(4))
+    assert [str(w.message) for w in caught if collective in str(w.message)] == []
 
 
 def test_deepspeeds_short_schedule_warning_is_dropped(process_group):

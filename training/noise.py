@@ -11,6 +11,16 @@ import torch
 
 from common import DropMessage
 
+# DeepSpeed's ZeRO-1/2 gathers partitions with torch.distributed.all_gather_into_tensor and ZeRO-3 reduces its
+# gradients with reduce_scatter_tensor, which torch deprecates by name only: every rank printed the first at its
+# first step, the second at every step.
+DEPRECATED_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def ignore_deprecated_collectives() -> None:
+    for name in DEPRECATED_COLLECTIVES:
+        warnings.filterwarnings("ignore", message=rf"`torch.distributed.{name}` is deprecated", category=FutureWarning)
+
 
 def silence_known_noise() -> None:
     # DeepSpeed's WarmupCosineLR.get_lr (runtime/lr_schedules.py) warns when asked before its first step: the
@@ -20,10 +30,7 @@ def silence_known_noise() -> None:
     # WarmupCosineLR.__init__ warns on every rank when the run is shorter than its warm-up; the run says it once,
     # in its own words, with what it means for the learning rate (training/optim.py schedule_note).
     logging.getLogger("DeepSpeed").addFilter(DropMessage(" is less than warmup_num_steps "))
-    # DeepSpeed's ZeRO-1/2 gathers partitions with torch.distributed.all_gather_into_tensor, which torch
-    # deprecates by name only; every rank printed it at its first step.
-    warnings.filterwarnings("ignore", message=r"`torch.distributed.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    ignore_deprecated_collectives()
     # DeepSpeed's bf16 optimizer (runtime/bf16_optimizer.py, the GPU default's) prints memory usage in 15 lines
     # while it is built, with force=True: no setting turns it off. The memory a run uses is in its progress lines.
     from deepspeed.runtime import bf16_optimizer
