@@ -136,7 +136,7 @@ def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float
     tokens = c.micro * c.accum * c.dp * cfg.block_size
     compute = flops_per_token(cfg) * tokens * (4 / 3 if c.recompute == "full" else 1)
     if c.recompute == "selective" and c.tp > 1:  # the row-parallel projections, run again
-        compute += 2 * cfg.n_embd * (cfg.n_embd + architecture(cfg).mlp_hidden(cfg)) * cfg.n_layer * tokens
+        compute += 2 * cfg.n_embd * (cfg.q_width + architecture(cfg).mlp_hidden(cfg)) * cfg.n_layer * tokens
     per_gpu = compute / (c.dp * c.tp * c.sp * c.pp) / (a.peak_tflops * 1e12 * a.mfu)
     per_gpu *= (c.accum + c.pp - 1) / c.accum  # 1F1B's bubble
     layers = cfg.n_layer / c.pp
