@@ -96,7 +96,8 @@ class Architecture:
     # Tensor parallelism: per layer class, the submodule (or parameter) at each path and how it splits; "" is
     # the layer itself (model/parallelize.py applies it).
     plan: dict
-    # Its Hugging Face layouts (none: an export keeps this repo's names); a model takes the first that holds it
+    # Its Hugging Face layouts (none: an export keeps this repo's names); a model takes the first that holds it.
+    # One class may have several (Qwen2-MoE's, with q/k/v biases and without): a folder is read by its class's.
     hf: tuple[HuggingFace, ...]
     mlp_matrices: int  # weight matrices of the MLP (FLOPs per token, the memory plan's MLP activations)
     mlp_width: Callable[[ModelConfig], int]  # the MLP's hidden width when model.ffn_hidden is unset

@@ -138,7 +138,8 @@ HF_MLP = [("mlp.gate.weight", "mlp.gate_proj.weight"), ("mlp.up.weight", "mlp.up
 HF_BLOCK = [*HF_ATTENTION, *HF_MLP_NORM, *HF_MLP]
 HF_QWEN2_BLOCK = [*HF_ATTENTION, *HF_QKV_BIAS, *HF_MLP_NORM, *HF_MLP]
 HF_QWEN3_BLOCK = [*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_MLP]
-# The attention settings of the layouts' models: Llama's, Mixtral's and Qwen2-MoE's; Qwen2's; Qwen3's and Qwen3-MoE's
+# The attention settings of the layouts' models: Llama's, Mixtral's and Qwen2-MoE's; Qwen2's (and Qwen2-MoE's with
+# biases); Qwen3's and Qwen3-MoE's
 PLAIN_ATTENTION = (("qkv_bias", False), ("qk_norm", False))
 QWEN2_ATTENTION = (("qkv_bias", True), ("qk_norm", False))
 QWEN3_ATTENTION = (("qkv_bias", False), ("qk_norm", True))
@@ -165,16 +166,16 @@ HF_MIXTRAL_BLOCK = [*HF_ATTENTION, *HF_MLP_NORM, (ROUTER, "block_sparse_moe.gate
                     (f"{EXPERT}.up.weight", "block_sparse_moe.experts.{e}.w3.weight"),
                     (f"{EXPERT}.down.weight", "block_sparse_moe.experts.{e}.w2.weight")]
 # Hugging Face's Qwen3MoeForCausalLM and Qwen2MoeForCausalLM: the Llama's attention (Qwen3's with its per-head
-# norms, Qwen2's without q/k/v biases: qkv_bias=False) and norms, and the dense MLP's names in their blocks
+# norms, Qwen2's with q/k/v biases or without: its qkv_bias) and norms, and the dense MLP's names in their blocks
 # without experts; a block with experts has its router `gate` and each expert's gate_proj, up_proj and down_proj;
 # Qwen2-MoE's the shared expert's too, and the shared expert's sigmoid gate.
 HF_QWEN_EXPERTS = [(ROUTER, "mlp.gate.weight"), *[(f"{EXPERT}.{ours}.weight", f"mlp.experts.{{e}}.{ours}_proj.weight")
                                                   for ours in ("gate", "up", "down")]]
 HF_QWEN3_MOE_BLOCK = [*HF_ATTENTION, *HF_QK_NORM, *HF_MLP_NORM, *HF_QWEN_EXPERTS]
-HF_QWEN2_MOE_BLOCK = [*HF_ATTENTION, *HF_MLP_NORM, *HF_QWEN_EXPERTS,
-                      *[(f"mlp.shared_mlp.{ours}.weight", f"mlp.shared_expert.{ours}_proj.weight")
-                        for ours in ("gate", "up", "down")],
-                      ("mlp.shared_gate.weight", "mlp.shared_expert_gate.weight")]
+HF_SHARED_EXPERT = [*[(f"mlp.shared_mlp.{ours}.weight", f"mlp.shared_expert.{ours}_proj.weight")
+                      for ours in ("gate", "up", "down")], ("mlp.shared_gate.weight", "mlp.shared_expert_gate.weight")]
+HF_QWEN2_MOE_BLOCK = [*HF_ATTENTION, *HF_MLP_NORM, *HF_QWEN_EXPERTS, *HF_SHARED_EXPERT]
+HF_BIASED_QWEN2_MOE_BLOCK = [*HF_ATTENTION, *HF_QKV_BIAS, *HF_MLP_NORM, *HF_QWEN_EXPERTS, *HF_SHARED_EXPERT]
 
 
 def with_experts(dense: list, block: list) -> dict:
@@ -219,7 +220,7 @@ def hf_qwen2_moe_config(cfg: ModelConfig) -> dict:
     of model.moe_every); the others keep the dense MLP (intermediate_size). norm_topk_prob: the chosen experts'
     weights renormalized, as DeepSpeed's top-k for k >= 2; its top-1 weighs the expert by its probability."""
     return {**hf_qwen3_moe_config(cfg), "shared_expert_intermediate_size": LLAMA.shared_hidden(cfg),
-            "qkv_bias": False}
+            "qkv_bias": cfg.qkv_bias}
 
 
 def hf_qwen3_moe_config(cfg: ModelConfig) -> dict:
@@ -269,14 +270,16 @@ def qwen2_moe_experts(config: dict) -> tuple[int, float]:
 
 
 def folder_check(expected: Callable[[ModelConfig], dict]) -> Callable[[dict, ModelConfig, str], None]:
-    """A layout's check of a folder's config.json: the settings Hugging Face's class can hold and this repo's Llama
-    does not compute (sliding-window attention, say) are `expected`'s values, or absent."""
+    """A layout's check of a folder's config.json: the settings Hugging Face's class can hold and this run's model
+    does not compute (sliding-window attention, say) are `expected`'s values, or absent. Where a model setting of
+    the same name computes the folder's (Qwen2-MoE's qkv_bias), the line names it."""
     def check_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
         for key, ours in expected(cfg).items():
             if config.get(key, ours) != ours:
+                fix = (f"set model.{key}={str(config[key]).lower()}" if hasattr(cfg, key) else
+                       "pick another folder")
                 raise ConfigError(f"train.init_from={folder}: its config.json has {key}={config[key]}, which this "
-                                  f"repo's Llama does not compute ({key}={ours} for this run's model.*): pick another "
-                                  f"folder")
+                                  f"run's model does not compute ({key}={ours} for its model.*): {fix}")
     return check_folder
 
 
@@ -287,9 +290,9 @@ def qwen_expects(cfg: ModelConfig) -> dict:
 
 def qwen_moe_expects(cfg: ModelConfig) -> dict:
     """... and the chosen experts' weights renormalized as DeepSpeed's top-k does for k >= 2 (not for top-1), the
-    last block of each model.moe_every with experts, and no q/k/v biases in Qwen2-MoE's."""
+    last block of each model.moe_every with experts, and Qwen2-MoE's q/k/v biases as this run's."""
     return {**qwen_expects(cfg), "norm_topk_prob": cfg.experts_per_token > 1, "mlp_only_layers": [],
-            "qkv_bias": False}
+            "qkv_bias": cfg.qkv_bias}
 
 
 LLAMA = Architecture(
@@ -315,9 +318,11 @@ LLAMA = Architecture(
         HuggingFace("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "qwen3_moe",
                     with_experts(HF_QWEN3_BLOCK, HF_QWEN3_MOE_BLOCK), hf_qwen3_moe_config, check_qwen3_moe,
                     folder_check(qwen_moe_expects), qwen3_moe_experts, experts=ROUTED, settings=QWEN3_ATTENTION),
-        HuggingFace("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "qwen2_moe",
-                    with_experts(HF_BLOCK, HF_QWEN2_MOE_BLOCK), hf_qwen2_moe_config, check_qwen2_moe,
-                    folder_check(qwen_moe_expects), qwen2_moe_experts, experts=SHARED, settings=PLAIN_ATTENTION)),
+        *[HuggingFace("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "qwen2_moe",
+                      with_experts(dense, block), hf_qwen2_moe_config, check_qwen2_moe, folder_check(qwen_moe_expects),
+                      qwen2_moe_experts, experts=SHARED, settings=settings)
+          for dense, block, settings in ((HF_BLOCK, HF_QWEN2_MOE_BLOCK, PLAIN_ATTENTION),
+                                         (HF_QWEN2_BLOCK, HF_BIASED_QWEN2_MOE_BLOCK, QWEN2_ATTENTION))]),
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, rms_norm=True,
     grouped_query_attention=True,
     check=check,

@@ -76,24 +76,24 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
                 num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
                 decoder_sparse_step=cfg.moe_every, norm_topk_prob=cfg.experts_per_token > 1)
             model = transformers.Qwen3MoeForCausalLM(config)
-        elif cfg.qk_norm:
-            config = transformers.Qwen3Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
-            model = transformers.Qwen3ForCausalLM(config)
-        elif cfg.qkv_bias:
-            config = transformers.Qwen2Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
-            model = transformers.Qwen2ForCausalLM(config)
         elif cfg.n_shared_experts:
             config = transformers.Qwen2MoeConfig(
                 **shared, intermediate_size=arch.mlp_hidden(cfg), moe_intermediate_size=arch.expert_hidden(cfg),
                 shared_expert_intermediate_size=arch.shared_hidden(cfg), num_experts=cfg.n_experts,
                 num_experts_per_tok=cfg.experts_per_token, decoder_sparse_step=cfg.moe_every, norm_topk_prob=True,
-                qkv_bias=False)
+                qkv_bias=cfg.qkv_bias)
             model = transformers.Qwen2MoeForCausalLM(config)
         elif cfg.n_experts:
             config = transformers.MixtralConfig(
                 **shared, intermediate_size=arch.expert_hidden(cfg), num_local_experts=cfg.n_experts,
                 num_experts_per_tok=cfg.experts_per_token)
             model = transformers.MixtralForCausalLM(config)
+        elif cfg.qk_norm:
+            config = transformers.Qwen3Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
+            model = transformers.Qwen3ForCausalLM(config)
+        elif cfg.qkv_bias:
+            config = transformers.Qwen2Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
+            model = transformers.Qwen2ForCausalLM(config)
         else:
             config = transformers.LlamaConfig(**shared, intermediate_size=arch.mlp_hidden(cfg))
             model = transformers.LlamaForCausalLM(config)

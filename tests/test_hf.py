@@ -154,7 +154,7 @@ def test_a_qwen3_folder_with_what_the_llama_does_not_compute_is_refused(tmp_path
     transformers_model(CASES["qwen3_tied"], tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
-    with pytest.raises(ConfigError, match=f"its config.json has {key}={value}, which this repo's Llama does not "
+    with pytest.raises(ConfigError, match=f"its config.json has {key}={value}, which this run's model does not "
                                           f"compute"):
         hf.check_hf_folder(str(tmp_path), CASES["qwen3_tied"])
 

@@ -37,8 +37,8 @@ SHARED_NAMES = ("mlp.shared_mlp.gate.weight", "mlp.shared_mlp.up.weight", "mlp.s
 
 
 @pytest.mark.parametrize("change", [{}, dict(experts_per_token=1, moe_every=2, n_shared_experts=2),
-                                    dict(experts_per_token=3, tie_embeddings=True)],
-                         ids=["top2", "top1_every2", "top3"])
+                                    dict(experts_per_token=3, tie_embeddings=True), dict(qkv_bias=True)],
+                         ids=["top2", "top1_every2", "top3", "qkv_bias"])
 def test_the_export_is_a_qwen2_moe_with_this_repos_logits(tmp_path, change):
     """transformers' Qwen2MoeForCausalLM of the export computes this repo's logits (1e-5, fp32): its sparse block
     is ours, top-1 unnormalized as DeepSpeed's (norm_topk_prob=False), the dense blocks between where
@@ -52,7 +52,7 @@ def test_the_export_is_a_qwen2_moe_with_this_repos_logits(tmp_path, change):
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.intermediate_size,
             config.shared_expert_intermediate_size, config.norm_topk_prob, config.decoder_sparse_step,
             config.mlp_only_layers, config.qkv_bias, config.router_aux_loss_coef) == \
-        (4, cfg.experts_per_token, 48, 64, shared, cfg.experts_per_token > 1, cfg.moe_every, [], False, 0.01)
+        (4, cfg.experts_per_token, 48, 64, shared, cfg.experts_per_token > 1, cfg.moe_every, [], cfg.qkv_bias, 0.01)
 
 
 def test_the_shared_expert_is_dense_weights_alike_at_every_degree():
@@ -84,25 +84,29 @@ def test_flops_and_the_memory_plan_count_the_shared_expert():
     assert plan(SHAPE, ds, 4)["params_per_gpu"] - plan(plain, ds, 4)["params_per_gpu"] == 2 * (3 * 32 * 48 + 32)
 
 
-def test_a_qwen2_moe_folder_is_read_back_exactly_at_ep2_and_tp2(tmp_path):
-    """transformers' own Qwen2-MoE, checked and loaded by train.init_from's path into each rank of ep 2 and of
-    tp 2: the ranks' weights, gathered, export its tensors bit for bit."""
-    transformers_model(SHAPE, tmp_path)
-    check_hf_folder(str(tmp_path), SHAPE)
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["unbiased", "qkv_bias"])
+def test_a_qwen2_moe_folder_is_read_back_exactly_at_ep2_and_tp2(tmp_path, qkv_bias):
+    """transformers' own Qwen2-MoE (Qwen1.5-MoE's and Qwen2-57B's with q/k/v biases), checked and loaded by
+    train.init_from's path into each rank of ep 2 and of tp 2: the ranks' weights, gathered, export its tensors
+    bit for bit."""
+    cfg = dataclasses.replace(SHAPE, qkv_bias=qkv_bias)
+    transformers_model(cfg, tmp_path)
+    check_hf_folder(str(tmp_path), cfg)
     original = load_file(tmp_path / "model.safetensors")
+    assert ("model.layers.0.self_attn.q_proj.bias" in original) == qkv_bias
     state = {}
     for rank in (0, 1):
-        model = build_model(SHAPE, ep=ExpertParallel(2, rank))
-        load_into(model, str(tmp_path), SHAPE)
+        model = build_model(cfg, ep=ExpertParallel(2, rank))
+        load_into(model, str(tmp_path), cfg)
         names = global_expert_names(model)
         state.update({names.get(name, name): p.detach() for name, p in model.named_parameters()})
-    ranks = [build_model(SHAPE, tp=TensorParallel(2, rank)) for rank in (0, 1)]
+    ranks = [build_model(cfg, tp=TensorParallel(2, rank)) for rank in (0, 1)]
     for rank, model in enumerate(ranks):
-        load_into(model, str(tmp_path), SHAPE, tp=TensorParallel(2, rank))
+        load_into(model, str(tmp_path), cfg, tp=TensorParallel(2, rank))
     split = [dict(model.named_parameters()) for model in ranks]
     merged = {name: merge_parameter([r[name].detach() for r in split], split_rule(p)) for name, p in split[0].items()}
     for weights in (state, merged):
-        exported = to_hf(weights, SHAPE)
+        exported = to_hf(weights, cfg)
         assert sorted(exported) == sorted(original)
         for key, tensor in original.items():
             torch.testing.assert_close(exported[key], tensor, rtol=0, atol=0, msg=key)
@@ -122,9 +126,11 @@ def test_what_the_layouts_cannot_hold_is_refused_in_one_line(tmp_path):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             check_hf_folder(str(folder), dataclasses.replace(SHAPE, **change))
     config = json.loads((qwen / "config.json").read_text())
-    for key, value in (("qkv_bias", True), ("norm_topk_prob", False), ("use_sliding_window", True)):
+    for key, value, fix in (("qkv_bias", True, "set model.qkv_bias=true"), ("norm_topk_prob", False,
+                            "pick another folder"), ("use_sliding_window", True, "pick another folder")):
         (qwen / "config.json").write_text(json.dumps({**config, key: value}))
-        with pytest.raises(ConfigError, match=f"its config.json has {key}={value}, which this repo's Llama"):
+        with pytest.raises(ConfigError, match=f"its config.json has {key}={value}, which this run's model does not "
+                                              rf"compute \({key}={not value} for its model.\*\): {fix}"):
             check_hf_folder(str(qwen), SHAPE)
     biased = dataclasses.replace(SHAPE, router_bias_rate=0.01)
     with pytest.raises(ConfigError, match="Qwen2-MoE layout has no per-expert bias on the router's choice"):

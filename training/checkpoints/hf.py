@@ -24,8 +24,13 @@ from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split
 
 
 def hf_layouts() -> dict[str, tuple]:
-    """Hugging Face's model_type -> (the model.arch that reads it, its layout)."""
-    return {hf.model_type: (a.name, hf) for a in ARCHITECTURES.values() for hf in a.hf}
+    """Hugging Face's model_type -> (the model.arch that reads it, its layouts: Qwen2-MoE's two, with q/k/v biases
+    and without, which read a folder alike)."""
+    out = {}
+    for a in ARCHITECTURES.values():
+        for hf in a.hf:
+            out.setdefault(hf.model_type, (a.name, []))[1].append(hf)
+    return out
 
 
 def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
@@ -35,8 +40,8 @@ def tensor_pairs(cfg: ModelConfig) -> list[tuple[str, str, str]]:
     layout = arch.hf_layout(cfg)
     if layout is None:
         raise ConfigError(f"no Hugging Face layout holds this model.arch={cfg.arch!r} model (those of {arch.title}: "
-                          f"{', '.join(hf.model_type for hf in arch.hf) or 'none'}, each with the settings its "
-                          f"class computes)")
+                          f"{', '.join(dict.fromkeys(hf.model_type for hf in arch.hf)) or 'none'}, each with the "
+                          f"settings its class computes)")
     layout.check(cfg)
     specs = model_layers(cfg)
     pairs, block = [], 0
@@ -194,12 +199,13 @@ def _check_rope(folder: str, config: dict, ours: dict | None) -> None:
                           f"{ours['rope_type']!r} ({ours}): set {fix}")
 
 
-def _check_layout(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
-    """The folder's layout is this run's: its attention computes what this run's model does (Qwen3's norms...)."""
+def _check_layout(folder: str, config: dict, theirs: list, cfg: ModelConfig) -> None:
+    """The folder's class is this run's (`theirs`: its layouts): its attention computes what this run's model does
+    (Qwen3's norms...), the fix named from its layout nearest this run's settings."""
     ours = architecture(cfg).hf_layout(cfg)
-    if theirs is not ours:
-        fix = " ".join(f"model.{name}={str(value).lower()}" for name, value in theirs.settings
-                       if getattr(cfg, name) != value)
+    if ours not in theirs:
+        differences = [[(name, value) for name, value in hf.settings if getattr(cfg, name) != value] for hf in theirs]
+        fix = " ".join(f"model.{name}={str(value).lower()}" for name, value in min(differences, key=len))
         where = f"the {ours.model_type!r} layout" if ours else "no Hugging Face layout"
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run's model "
                           f"has {where}: set {fix} or pick another folder")
@@ -214,11 +220,11 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
                           f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
                           f"python -m scripts.export")
     config = json_file(config_path, "train.init_from's config", FOLDER_FIX)
-    family, theirs = hf_layouts().get(config.get("model_type"), (None, None))
+    family, theirs = hf_layouts().get(config.get("model_type"), (None, []))
     if family != cfg.arch:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
-    _check_experts(folder, config, theirs, cfg)
+    _check_experts(folder, config, theirs[0], cfg)
     _check_layout(folder, config, theirs, cfg)
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
@@ -241,7 +247,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
             raise ConfigError(f"train.init_from={folder}: tensor {name} has shape {list(found[name])} there, "
                               f"{list(tensor.shape)} in this run's model config: match model.* to the folder's "
                               f"config.json")
-    theirs.check_folder(config, cfg, folder)  # the run's own layout, its experts checked alike
+    theirs[0].check_folder(config, cfg, folder)  # the run's own class, its experts checked alike
     ours = hf_config(cfg, {})
     _check_rope(folder, config, ours.get("rope_parameters"))
     for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", _rope_theta(config))):
