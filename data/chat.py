@@ -29,6 +29,7 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 # Plain-text templates for tokenizers that have no chat template of their own: each assistant turn ends with the
 # end-of-text token, which is also what generation stops at.
+CHATML, CHATML_TOKENS = "chatml", ("<|im_start|>", "<|im_end|>")
 BUILTIN_TEMPLATES = {
     "plain": (
         "{% for message in messages %}"
@@ -54,6 +55,15 @@ BUILTIN_TEMPLATES = {
         "{% endif %}"
         "{% endfor %}"
         "{% if add_generation_prompt %}Assistant: {% endif %}"
+    ),
+    # ChatML (<|im_start|>role, the turn, <|im_end|>), for a tokenizer that holds its two tokens (Qwen's): each
+    # assistant turn's content and its <|im_end|> supervised. A model's own template may render more (a default
+    # system turn, say); pass that template, with the marks, to train on its exact layout.
+    CHATML: (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>"
+        "{% endgeneration %}{% else %}{{ message['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
 }
 

@@ -19,6 +19,8 @@ import os
 
 from data.chat import (
     BUILTIN_TEMPLATES,
+    CHATML,
+    CHATML_TOKENS,
     ChatError,
     ChatTemplate,
     ChatTemplateError,
@@ -108,6 +110,13 @@ def load_template(template_spec: str | None, tokenizer_spec, ready) -> tuple[str
                          f"another --chat_template FILE") from None
 
 
+def _one_token(tok, text: str) -> bool:
+    try:
+        return len(tok.encode(text)) == 1
+    except ValueError:  # characters a character vocabulary lacks
+        return False
+
+
 def template_failure(e: ChatTemplateError, name: str, what: str) -> InputError:
     """The refusal of a template (chat_template()'s `name`) that failed as it rendered `what` (a record)."""
     at = " at that line" if e.line else ""
@@ -137,6 +146,10 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
 
     conversations, formats, texts, lines = _read(files, template, name)
     tok = built_tokenizer(tokenizer_kind, texts)
+    if name == CHATML and not all(_one_token(tok, token) for token in CHATML_TOKENS):
+        raise InputError(f"the built-in template chatml needs {' and '.join(CHATML_TOKENS)} as tokens of their own, "
+                         f"which --tokenizer {tokenizer_spec} does not hold; fix: pass a tokenizer that has them "
+                         f"(Qwen's), or --chat_template plain")
     try:
         end_of_turn = marked_end_of_turn(template, tok, conversations[0])
     except ChatTemplateError:

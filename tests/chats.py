@@ -7,14 +7,12 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from corpora import speeches
+from data.chat import BUILTIN_TEMPLATES
 from data.tokenizers import EOT
 from data.writer import read_index
 
-# ChatML with generation marks around each assistant turn's content and its end-of-turn token.
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>"
-          "{% endgeneration %}{% else %}{{ message['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML with generation marks around each assistant turn's content and its end-of-turn token: the built-in.
+CHATML = BUILTIN_TEMPLATES["chatml"]
 CONVERSATIONS = [
     [{"role": "user", "content": "Who art thou?"}, {"role": "assistant", "content": "A man, sir."}],
     [{"role": "system", "content": "Answer in verse."}, {"role": "user", "content": "Why weep'st thou?"},

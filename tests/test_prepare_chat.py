@@ -47,6 +47,17 @@ def test_the_written_masks_are_transformers_assistant_masks(tmp_path, chatml_tok
         sum(sum(mask[1:]) for _, mask in expected)
 
 
+def test_the_builtin_chatml_prepares_what_the_same_template_in_tokenizer_config_does(tmp_path, chatml_tokenizer):
+    """--chat_template chatml with a tokenizer.json that holds ChatML's tokens (its folder's tokenizer_config.json
+    holds the same template): the same documents, and <|im_end|> the end of turn."""
+    inputs = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS * 4])
+    tokenizer = str(chatml_tokenizer / "tokenizer.json")
+    meta = prepare_chat([inputs], str(tmp_path / "builtin"), tokenizer, "chatml", val_fraction=0.3)
+    prepare_chat([inputs], str(tmp_path / "config"), tokenizer, val_fraction=0.3)
+    assert all_documents(tmp_path / "builtin") == all_documents(tmp_path / "config")
+    assert (meta["chat"]["template"], meta["chat"]["end_of_turn"]) == ("chatml", "<|im_end|>")
+
+
 def test_the_three_formats_prepare_one_dataset(tmp_path):
     pairs = [("Sort: 3 1 2", "1 2 3"), ("Reverse: a b", "b a"), ("Echo: hi", "hi")]
     records = {
@@ -219,6 +230,9 @@ CHAT_ROWS = [
     ({"--val_fraction": "0"}, "--val_fraction 0.0: must be above 0 and below 1"),
     ({"--context": "1"}, "none of the 12 conversations keeps an assistant token within --context 1; fix: pass the "
      "model's block_size as --context$"),
+    ({"--chat_template": "chatml"}, "the built-in template chatml needs <|im_start|> and <|im_end|> as tokens of their "
+     "own, which --tokenizer char does not hold; fix: pass a tokenizer that has them (Qwen's), or --chat_template "
+     "plain$"),
     ({"--chat_template": "plain", "--tokenizer": "{inputs}/one_document"}, "the built-in template plain ends each "
      "answer with <|endoftext|>, which the tokenizer of --tokenizer {inputs}/one_document (24 characters, no "
      "end-of-text token) does not hold; fix: pass --chat_template lines (each answer ends with a newline), or leave "
