@@ -80,16 +80,26 @@ def wsd_rate(step: int, cfg: RunConfig) -> float:
     return opt.min_lr + (opt.lr - opt.min_lr) * left
 
 
+class RunSchedule(LambdaLR):
+    """torch's LambdaLR whose checkpointed state restores where it is (its iteration), not the rate it multiplies
+    (base_lrs): the rate is a closure of the run's own settings, which LambdaLR's state leaves out, so a resumed
+    run follows its own optim.* and train.max_steps (a longer stable phase, say), as DeepSpeed's cosine does."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        base_lrs = self.base_lrs
+        super().load_state_dict(state_dict)
+        self.base_lrs = base_lrs
+
+
 def client_schedule(cfg: RunConfig) -> Callable | None:
     """The schedule DeepSpeed builds from the run's hands, not its ds_config: WSD, which DeepSpeed's lr_schedules
-    lack (warmup-cosine and warmup-decay have no stable phase), as torch's LambdaLR on the optimizer DeepSpeed
-    builds; None for the cosine. torch's scheduler starts at its iteration 0 where DeepSpeed's starts at -1, so
-    iteration i is step i + 1. The rate is a closure of the run's settings, which LambdaLR's checkpointed state
-    leaves out: a resumed run follows its own optim.* and train.max_steps (a longer stable phase, say)."""
+    lack (warmup-cosine and warmup-decay have no stable phase), as a RunSchedule on the optimizer DeepSpeed builds;
+    None for the cosine. torch's scheduler starts at its iteration 0 where DeepSpeed's starts at -1, so iteration i
+    is step i + 1."""
     if cfg.optim.schedule != "wsd":
         return None
     lr = cfg.optim.lr
-    return lambda optimizer: LambdaLR(optimizer, lambda iteration: wsd_rate(iteration + 1, cfg) / lr)
+    return lambda optimizer: RunSchedule(optimizer, lambda iteration: wsd_rate(iteration + 1, cfg) / lr)
 
 
 def schedule_note(cfg: RunConfig) -> str | None:
@@ -110,3 +120,15 @@ def start_schedule(engine) -> None:
     and the learning rate it had reached. (client_schedule's starts where step 1 runs.)"""
     if isinstance(engine.lr_scheduler, WarmupCosineLR):
         engine.lr_scheduler.step(1)
+
+
+def rate_from_schedule(engine) -> None:
+    """After a checkpoint's load: the optimizer's rate for the next step is the schedule's, recomputed at the
+    iteration it restored, not the rate the checkpoint's optimizer state holds (which DeepSpeed loads after the
+    schedule's state, and which a resumed run with another optim.lr would otherwise take for its first step)."""
+    schedule = engine.lr_scheduler
+    if isinstance(schedule, WarmupCosineLR):
+        schedule.step(schedule.last_batch_iteration)
+    elif isinstance(schedule, LambdaLR):
+        schedule.last_epoch -= 1
+        schedule.step()

@@ -32,6 +32,7 @@ from data.writer import write_atomic
 from model.config import saved_settings_gaps
 from training.checkpoints import experts, universal
 from training.checkpoints.background_save import BackgroundWriter
+from training.optim import rate_from_schedule
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -255,6 +256,7 @@ def load(engine, tag_dir: str) -> dict:
         raise ConfigError(f"could not load checkpoint {tag_dir}: {type(e).__name__}: {e}") from None
     if path is None:
         raise ConfigError(f"DeepSpeed found no checkpoint to load in {tag_dir}")
+    rate_from_schedule(engine)
     return state
 
 
