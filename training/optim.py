@@ -28,7 +28,8 @@ def param_groups(named_parameters, weight_decay: float) -> list[dict]:
 
 def optimizer_and_schedule(cfg: RunConfig, ds: dict) -> dict:
     """The run config's AdamW and warmup-cosine schedule, as ds_config sections for DeepSpeed to build (a WSD
-    schedule is built by `client_schedule` instead)."""
+    schedule, checked here, is built by `client_schedule` instead)."""
+    check_schedule(cfg)
     opt = cfg.optim
     params = {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps, "weight_decay": opt.weight_decay}
     offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
@@ -59,7 +60,8 @@ def decay_steps(cfg: RunConfig) -> int:
 
 
 def check_schedule(cfg: RunConfig) -> None:
-    """A WSD schedule's warmup and decay fit in the run, one after the other (at start, train.max_steps known)."""
+    """A WSD schedule's warmup and decay fit in the run, one after the other (at start, where the ds_config is
+    assembled with train.max_steps known)."""
     steps, warmup = cfg.train.max_steps, cfg.optim.warmup_steps
     if cfg.optim.schedule == "wsd" and warmup + decay_steps(cfg) > steps:
         raise ConfigError(f"optim.warmup_steps={warmup} and the WSD decay's {decay_steps(cfg)} steps (optim."

@@ -44,7 +44,7 @@ from training.launch.launcher_env import ranks_on_this_node, set_distributed_env
 from training.memory_plan import GB, plan
 from training.moe import check_experts, expert_parallel_size
 from training.objectives import Objective, choose_objective
-from training.optim import check_schedule, optimizer_and_schedule, schedule_note
+from training.optim import optimizer_and_schedule, schedule_note
 from training.topology import (
     SP_KEY,
     Layout,
@@ -98,7 +98,6 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     if ds.get("bf16", {}).get("enabled") == "auto":
         effective["bf16"]["enabled"] = dtype == torch.bfloat16
     effective.update(deepspeed_batch(layout))
-    check_schedule(cfg)
     effective.update(optimizer_and_schedule(cfg, ds))
     if layout.tp_sequence:  # DeepSpeed's split of stage-boundary activations over the tensor ranks takes them for
         # copies; under sequence parallelism each rank's is its own slice, already a share
