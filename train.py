@@ -35,7 +35,7 @@ from training.checkpoints.space import saves_at
 from training.config import RunConfig
 from training.device import peak_flops, peak_memory_gb, seed_step
 from training.divergence import Guard, Verdict
-from training.engines import PlainDriver, drive, initialize
+from training.engines import PlainDriver, drive, training_engine
 from training.evaluation.multiple_choice import ChoiceScorer
 from training.launch import out_dir_lock
 from training.launch.failure import (
@@ -51,7 +51,6 @@ from training.launch.failure import (
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.noise import silence_known_noise
 from training.observers import Observer, Observers
-from training.optim import client_schedule, param_groups, start_schedule
 from training.parallelize import parallelize, whole_model_parameters
 from training.startup import (
     Run,
@@ -62,7 +61,7 @@ from training.startup import (
     describe_zero,
     save_effective_config,
 )
-from training.steps import adjust_engine, data_parallel_group
+from training.steps import data_parallel_group
 from training.topology import (
     GLOBAL,
     describe_hosts,
@@ -124,14 +123,11 @@ def build_engine(run: Run, observers: Observers) -> Rank:
                                                       f"N(0, 0.02)" if fresh else ""))
     # A PipelineModule brings its own grid; passing an mpu beside it is an error in DeepSpeed.
     mpu = grid if layout.tp_size > 1 and layout.pipeline_stages == 1 else None
-    weights = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine = initialize(model, weights, ds, mpu, client_schedule(cfg))
-    adjust_engine(engine)
+    engine = training_engine(model, cfg, ds, mpu)
     if cfg.train.background_save:
         # DeepSpeed's plug point for its writers
         engine.checkpoint_engine = BackgroundWriter(engine._config)
     universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
-    start_schedule(engine)
     driver = drive(engine, tp, groups.sp)
     assert getattr(model, "parts", run.parts) == run.parts, \
         f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"

@@ -40,10 +40,10 @@ from common.checks import ConfigError, ToolParser
 from model import build_model
 from training.checkpoints import checkpoint
 from training.checkpoints.background_save import BackgroundWriter
-from training.engines import initialize, train_step
+from training.engines import train_step, training_engine
 from training.launch.failure import join_process_group, leave_process_group
 from training.launch.launcher_env import set_single_process_env
-from training.optim import optimizer_and_schedule, param_groups
+from training.optim import optimizer_and_schedule
 from training.topology import resolve_layout
 
 PRESETS = ("baby_gpt", "gpt2_124m", "llama_124m")
@@ -58,7 +58,7 @@ def measure(preset: str, args, device: torch.device) -> dict:
     ds.update(optimizer_and_schedule(cfg, ds))
     layout = resolve_layout(ds, 1, 1)
     model = build_model(cfg.model, cfg.train.seed)
-    engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
+    engine = training_engine(model, cfg, ds)
     writers = {"synchronous": engine.checkpoint_engine,
                "background": BackgroundWriter(engine._config)}
     out_dir = os.path.join(args.work_dir, preset)

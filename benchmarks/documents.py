@@ -79,11 +79,11 @@ def cost(args, data_dir: str) -> dict:
 
     from benchmarks.turns import timed_turns
     from model import build_model
-    from training.engines import initialize, train_step
+    from training.engines import train_step, training_engine
     from training.launch.failure import join_process_group, leave_process_group
     from training.launch.launcher_env import set_single_process_env
     from training.memory_plan import document_masking_bytes
-    from training.optim import optimizer_and_schedule, param_groups
+    from training.optim import optimizer_and_schedule
     from training.topology import resolve_layout
 
     set_single_process_env()
@@ -99,7 +99,7 @@ def cost(args, data_dir: str) -> dict:
             cfg, ds, data = load_inputs(*CONFIGS["cost"], [*settings, *args.overrides], REPO)
             ds.update(optimizer_and_schedule(cfg, ds))
             model = build_model(cfg.model, cfg.train.seed)
-            engine = initialize(model, param_groups(model.named_parameters(), 0.1), ds)
+            engine = training_engine(model, cfg, ds)
             layout = resolve_layout(ds, 1, 1)
             runners[masking] = (lambda step, e=engine, d=data, c=cfg, lay=layout:
                                 train_step(e, d.step_batches(c.train.seed, step, 0, lay, device)))

@@ -4,12 +4,14 @@ accuracy on held-out prompts, before and after.
     python benchmarks/finetune.py --init_from out/llama_quickstart_export   # the README's example
     python benchmarks/finetune.py                # from scratch: the prompt left out of the loss, or trained on
     python benchmarks/finetune.py --steps 300    # a quicker, rougher figure
+    python benchmarks/finetune.py --init_from out/llama_quickstart_export --lora_rank 8   # and with LoRA
 
 --init_from EXPORT, the README's fine-tuning example as it runs: the task's defaults (`python -m data.reverse_task`:
 --train 3,000 conversations of 2 or 3 of its 23 words, --test 200 held-out prompts) are prepared with the export's
 own tokenizer (`data.prepare --format chat --tokenizer EXPORT --context 64`: the quickstart's characters, the
 built-in template lines), and configs/llama_quickstart_sft.yaml trains on them as it is (its epochs; --steps
-replaces them) from the export, then from scratch (train.init_from=null) on the same data; the seconds each
+replaces them) from the export, then from scratch (train.init_from=null) on the same data, and with --lora_rank
+R from the export with adapters of rank R (its other weights frozen) at --lora_lr; the seconds each
 train.py took are printed beside. "Before" is the export, or the initialization.
 
 Without it, the prompt masked or not: 2 to 6 words (--train 4,000), prepared twice with a character tokenizer of
@@ -106,19 +108,23 @@ def from_export(args, work: str) -> dict:
               write_tasks(os.path.join(work, "tasks.jsonl"), train_tasks), "--tokenizer", export,
               "--context", str(EXAMPLE_CONTEXT), "--out_dir", data, "--force"], cwd=REPO)
     steps = [f"train.max_steps={args.steps}", "train.epochs=null"] if args.steps else []
+    starts = {"export": [f"train.init_from={export}"], "scratch": ["train.init_from=null"]}
+    if args.lora_rank:
+        starts["lora"] = [f"train.init_from={export}", f"model.lora_rank={args.lora_rank}", f"optim.lr={args.lora_lr}",
+                          f"optim.min_lr={args.lora_lr / 10}"]
     results = {}
-    for start in ("export", "scratch"):
+    for start, settings in starts.items():
         run = os.path.join(work, f"run_{start}")
-        init = f"train.init_from={export}" if start == "export" else "train.init_from=null"
-        seconds = train(data, run, [init, "train.eval_interval=0", *steps, *args.overrides])
+        seconds = train(data, run, [*settings, "train.eval_interval=0", *steps, *args.overrides])
         cfg, model, tokenizer, meta = trained(run)
-        before = (load_trained(None, None, args.init_from)[:2] if start == "export" else initial(run)[:2])
+        before = (initial(run)[:2] if start == "scratch" else load_trained(None, None, args.init_from)[:2])
         results[start] = {"before": accuracy(*before, tokenizer, meta, held_out),
                           "after": accuracy(cfg, model, tokenizer, meta, held_out), "train_py_seconds": seconds,
                           "steps": _last_step(run)}
+    names = {"export": f"the export {args.init_from}", "scratch": "from scratch (train.init_from=null)",
+             "lora": f"the export, LoRA rank {args.lora_rank} at optim.lr={args.lora_lr:g}"}
     print_table(["start", "steps", "train.py seconds", "exact match before", "exact match after"],
-                [[f"the export {args.init_from}" if k == "export" else "from scratch (train.init_from=null)",
-                  r["steps"], f"{r['train_py_seconds']:.0f}", f"{r['before']:.3f}", f"{r['after']:.3f}"]
+                [[names[k], r["steps"], f"{r['train_py_seconds']:.0f}", f"{r['before']:.3f}", f"{r['after']:.3f}"]
                  for k, r in results.items()])
     return results
 
@@ -158,10 +164,14 @@ def main() -> None:
                         "4,000)")
     parser.add_argument("--test", type=int, default=200, help="held-out prompts")
     parser.add_argument("--steps", type=int, help="default: the preset's epochs with --init_from, else 1,500")
+    parser.add_argument("--lora_rank", type=int, default=0, help="with --init_from: also the export fine-tuned "
+                        "with adapters of this rank (model.lora_rank), at --lora_lr")
+    parser.add_argument("--lora_lr", type=float, default=3e-3, help="the LoRA run's optim.lr (min_lr a tenth)")
     parser.add_argument("--work_dir", default=os.path.join("out", "finetune"))
     parser.add_argument("overrides", nargs="*", help="run-config key=value for every run")
     args = parser.parse_intermixed_args()
     at_least(args, 1, "test", *(name for name in ("train", "steps") if getattr(args, name) is not None))
+    at_least(args, 0, "lora_rank")
     if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
         raise ConfigError(f"--init_from {args.init_from} holds no export (config.json); fix: export the quickstart "
                           f"Llama with python -m scripts.export --out_dir out/llama_quickstart")

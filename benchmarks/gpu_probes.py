@@ -226,15 +226,11 @@ def storage_locations(data: bytes) -> list[str]:
 
 
 def build_engine(cfg, pipe, ds):
-    from training.engines import initialize
-    from training.optim import param_groups, start_schedule
+    from training.engines import training_engine
     from training.parallelize import parallelize
 
     model, _ = parallelize(cfg, pipe, ds)
-    groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine = initialize(model, groups, ds)
-    start_schedule(engine)
-    return engine
+    return training_engine(model, cfg, ds)
 
 
 def release(device: torch.device) -> None:

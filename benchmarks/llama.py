@@ -69,11 +69,11 @@ def throughput(args, inputs: dict) -> dict:
     from benchmarks.turns import timed_turns
     from model import build_model
     from training.device import peak_flops
-    from training.engines import initialize, train_step
+    from training.engines import train_step, training_engine
     from training.launch.failure import join_process_group, leave_process_group
     from training.launch.launcher_env import set_single_process_env
     from training.metrics import flops_per_token
-    from training.optim import optimizer_and_schedule, param_groups
+    from training.optim import optimizer_and_schedule
     from training.topology import resolve_layout
 
     set_single_process_env()
@@ -83,8 +83,7 @@ def throughput(args, inputs: dict) -> dict:
     for arch, (cfg, ds, data) in inputs.items():
         ds.update(optimizer_and_schedule(cfg, ds))
         model = build_model(cfg.model, cfg.train.seed)
-        groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-        engine = initialize(model, groups, ds)
+        engine = training_engine(model, cfg, ds)
         runners[arch] = (cfg, engine, data, resolve_layout(ds, 1, 1), sum(p.numel() for p in model.parameters()))
 
     def runner(cfg, engine, data, layout, _):

@@ -167,9 +167,8 @@ def worker(args) -> None:
     from data.token_data import TokenData
     from training.config import load_run_config, split_overrides
     from training.ds_config import load_ds_config
-    from training.engines import initialize
+    from training.engines import training_engine
     from training.launch.failure import join_process_group, leave_process_group
-    from training.optim import param_groups
     from training.parallelize import parallelize
     from training.startup import effective_ds_config
     run_overrides, ds_overrides = split_overrides(args.overrides)
@@ -190,7 +189,7 @@ def worker(args) -> None:
 
     model, _ = parallelize(cfg, engine_config.pipe, ds)
     built = probe.current() - baseline
-    engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
+    engine = training_engine(model, cfg, ds)
     initialized = probe.current() - baseline
 
     def step(n: int) -> tuple[int, int, int]:

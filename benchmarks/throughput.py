@@ -30,13 +30,13 @@ from common.checks import ToolParser
 from data.token_data import TokenData
 from model import build_model, compile_blocks
 from training.device import keep_freed_host_memory, onednn_matmuls, peak_flops, seed_step, set_kernels
-from training.engines import initialize, train_step
+from training.engines import train_step, training_engine
 from training.launch.failure import join_process_group, leave_process_group
 from training.launch.launcher_env import set_single_process_env
 from training.metrics import flops_per_token
 from training.objectives.next_token import NextToken
 from training.optim import optimizer_and_schedule, param_groups
-from training.steps import adjust_engine, lm_loss
+from training.steps import lm_loss
 from training.topology import resolve_layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,8 +92,7 @@ def measure(precision: str, args, cfg, ds_base: dict, data: TokenData, device: t
     attention = set_kernels(device, cfg.train, onednn_matmuls(ds, device, cfg.model.n_embd), DTYPES[precision],
                             cfg.model)  # the kernels as train.py picks them
     model = build_model(cfg.model, cfg.train.seed)
-    engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds)
-    adjust_engine(engine)
+    engine = training_engine(model, cfg, ds)
     reference = Reference(cfg, ds, DTYPES[precision], device)
     if cfg.train.compile:  # as train.py does
         compile_blocks(model, cfg.model.arch)

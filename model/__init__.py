@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from model.architecture import Architecture
 from model.config import ModelConfig
+from model.lora import linear_maps, with_adapters
 from model.moe import NO_EXPERT_PARALLEL, ExpertParallel, expert_parallel
 from model.parallelize import check_tensor_parallel, parallelize
 from model.recompute import recompute_selectively
@@ -22,10 +23,11 @@ __all__ = ["ARCHITECTURES", "Architecture", "ExpertParallel", "architecture", "b
 
 def model_layers(cfg: ModelConfig, tp: TensorParallel = SINGLE, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> list:
     """The architecture's layer list, each layer splitting itself over `tp` as it is built, its experts this
-    rank's of `ep`."""
+    rank's of `ep`, its adapters added (model.lora_rank)."""
     check_tensor_parallel(cfg, tp.size)
     arch = architecture(cfg)
-    return parallelize(expert_parallel(arch.layers(cfg), ep), arch.plan, tp, arch.block)
+    specs = parallelize(expert_parallel(arch.layers(cfg), ep), arch.plan, tp, arch.block)
+    return with_adapters(specs, cfg, linear_maps(arch.plan, arch.block))
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, checkpoint_interval: int = 0, partition=None,

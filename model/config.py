@@ -74,6 +74,12 @@ class ModelConfig:
     # The output layer (HEADS): lm, the LM head; score, a Linear(n_embd, 1) in its place, read at a sequence's last
     # token (training/objectives/reward.py). Under tensor parallelism the score head is replicated.
     head: str = "lm"
+    # Low-rank adapters (model/lora.py): 0 trains every weight. Otherwise each of the blocks' linear maps named in
+    # lora_targets ("all", or a comma-separated list such as "attn.q,attn.v") gets rank-lora_rank adapters scaled
+    # by lora_alpha / lora_rank, and the adapters alone train (a reward model's score head too).
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "all"
 
     def check(self, c) -> None:
         """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
@@ -107,6 +113,9 @@ class ModelConfig:
                f"be 0 (dense MLPs) or at least 2 (now {self.n_experts})", "set model.n_experts to 0, or 2 or more")
         c.that(not self.n_experts or self.experts_per_token <= self.n_experts, "experts_per_token",
                f"be at most model.n_experts={self.n_experts}", f"choose 1 to {self.n_experts}")
+        c.at_least("lora_rank", 0, "0 trains every weight")
+        c.above("lora_alpha", 0)
+        c.not_empty("lora_targets")
         c.that(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
                f"be above model.rope_low_freq_factor={self.rope_low_freq_factor}", "raise it (Llama 3.1: 4 and 1)")
 
@@ -150,7 +159,7 @@ TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_a
 EARLIER_DEFAULTS = {name: getattr(ModelConfig, name) for name in (
     "n_experts", "experts_per_token", "moe_every", "expert_hidden", "capacity_factor", "router_aux_loss_coef",
     "router_z_loss_coef", "router_bias_rate", "n_shared_experts", "activation", "head", "head_dim", "qkv_bias",
-    "qk_norm")}
+    "qk_norm", "lora_rank", "lora_alpha", "lora_targets")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

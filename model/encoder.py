@@ -117,6 +117,7 @@ ENCODER = Architecture(
         "sequence_parallel": "the encoder's attention (nn.MultiheadAttention) has no core to split over sequence ranks",
         "mlp_tiling": "the encoder's feed-forward maps are inside nn.TransformerEncoderLayer's own forward",
         "mixture_of_experts": "its feed-forward maps are inside nn.TransformerEncoderLayer's own forward",
+        "lora": "nn.MultiheadAttention computes with its projections' weights, not through the maps",
         **dict.fromkeys(("head_dim", "qkv_bias", "qk_norm"), "nn.MultiheadAttention's heads are n_embd / n_head wide, "
                         "always biased and never normalized")},
     check=check,

@@ -16,6 +16,7 @@ from common.checks import ConfigError
 from model.config import ModelConfig
 from model.moe import MoEFeedForward
 from model.registry import architecture
+from model.stack import spec_as
 from model.tensor_parallel import (
     COLUMN,
     PER_HEAD,
@@ -37,6 +38,10 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     under grouped-query attention), an equal share of the MLP's features and of the padded vocabulary."""
     if size == 1:
         return
+    if cfg.lora_rank:
+        raise ConfigError(f"model.lora_rank={cfg.lora_rank} with tensor_model_parallel_size={size}: the adapters are "
+                          f"not split over tensor ranks; fix: train LoRA at tensor_model_parallel_size=1 (ZeRO-3 or "
+                          f"pipeline stages share a large model's frozen weights out)")
     arch = architecture(cfg)
     shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
               "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": arch.mlp_hidden(cfg)}
@@ -101,11 +106,7 @@ class _SplitTiedLayerSpec(_SplitOnBuild, TiedLayerSpec):
 
 
 def _split_spec(spec: LayerSpec, plan: dict, tp: TensorParallel) -> LayerSpec:
-    if isinstance(spec, TiedLayerSpec):
-        split = _SplitTiedLayerSpec(spec.key, spec.typename, *spec.module_args, forward_fn=spec.forward_fn,
-                                    tied_weight_attr=spec.tied_weight_attr, **spec.module_kwargs)
-    else:
-        split = _SplitLayerSpec(spec.typename, *spec.module_args, **spec.module_kwargs)
+    split = spec_as(spec, _SplitLayerSpec, _SplitTiedLayerSpec)
     split.plan, split.tp, split.cuts_sequence, split.sliced = plan, tp, False, False
     return split
 

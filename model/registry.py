@@ -5,6 +5,7 @@ from model.config import ModelConfig
 from model.encoder import ENCODER
 from model.gpt import GPT
 from model.llama import LLAMA
+from model.lora import check_targets, linear_maps
 
 ARCHITECTURES = {a.name: a for a in (GPT, LLAMA, ENCODER)}
 # Settings of the attention that only some architectures compute (each an entry of the others' `unsupported`),
@@ -31,6 +32,11 @@ def check_architecture(cfg: ModelConfig, c) -> None:
     c.that(arch.supports("mixture_of_experts") or not cfg.n_experts, "n_experts",
            f"be 0 for {arch.title} ({arch.unsupported.get('mixture_of_experts')})",
            f"set model.n_experts=0, or train {supporting('mixture_of_experts')}")
+    c.that(arch.supports("lora") or not cfg.lora_rank, "lora_rank",
+           f"be 0 for {arch.title} ({arch.unsupported.get('lora')})",
+           f"set model.lora_rank=0, or train {supporting('lora')}")
+    if arch.supports("lora"):
+        check_targets(cfg, linear_maps(arch.plan, arch.block), arch.title, c)
     for setting, off in ATTENTION_OPTIONS.items():
         c.that(arch.supports(setting) or getattr(cfg, setting) == off, setting,
                f"be {OFF[off]} for {arch.title} ({arch.unsupported.get(setting)})",

@@ -7,7 +7,7 @@ model/recompute.py), so a seed gives the same weights and the same losses whatev
 """
 import torch
 import torch.nn as nn
-from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.zero import register_external_parameter
 
 from model.recompute import checkpoint_function
@@ -22,6 +22,15 @@ def layer_names(specs: list) -> list[str]:
     """Each layer's parameter-name prefix, as both builds name it: "<layer index>", or "tied_modules.<key>"
     for a tied layer, wherever it recurs."""
     return [f"tied_modules.{spec.key}" if isinstance(spec, TiedLayerSpec) else str(i) for i, spec in enumerate(specs)]
+
+
+def spec_as(spec: LayerSpec, plain: type, tied: type) -> LayerSpec:
+    """`spec` as an instance of `plain` (a TiedLayerSpec as `tied`), subclasses whose build() does more to the
+    layer: the same layer class, arguments and tie."""
+    if isinstance(spec, TiedLayerSpec):
+        return tied(spec.key, spec.typename, *spec.module_args, forward_fn=spec.forward_fn,
+                    tied_weight_attr=spec.tied_weight_attr, **spec.module_kwargs)
+    return plain(spec.typename, *spec.module_args, **spec.module_kwargs)
 
 
 class LayerStack(nn.Module):

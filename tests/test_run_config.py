@@ -65,6 +65,13 @@ BAD_SETTINGS = [
     (["model.qkv_bias=true"], "model.qkv_bias=True: must be false for the GPT (model.bias sets all of its biases)"),
     (["model.qk_norm=true", "model.arch=encoder"], "model.qk_norm=True: must be false for the encoder "
                                                    "(nn.MultiheadAttention's heads are n_embd / n_head wide"),
+    (["model.lora_rank=-1"], "model.lora_rank=-1: must be >= 0 (0 trains every weight)"),
+    (["model.lora_rank=4", "model.arch=encoder"], "model.lora_rank=4: must be 0 for the encoder (nn.MultiheadAttention "
+                                                  "computes with its projections' weights, not through the maps)"),
+    (["model.lora_alpha=0"], "model.lora_alpha=0.0: must be > 0"),
+    (["model.lora_targets=''"], "model.lora_targets='': must not be empty"),
+    (["model.lora_rank=4", "model.lora_targets=attn.q,mlp.fc"], "model.lora_targets='attn.q,mlp.fc': must name linear "
+     "maps of the GPT's blocks, not attn.q; fix: name some of attn.qkv, attn.proj, mlp.fc, mlp.proj, or set it to all"),
     (["model.norm_eps=0"], "model.norm_eps=0.0: must be > 0"),
     (["model.rope_theta=-1"], "model.rope_theta=-1.0: must be > 0"),
     (["model.rope_scale_factor=0"], "model.rope_scale_factor=0.0: must be > 0"),

@@ -3,7 +3,7 @@ loop, the evaluation, the scorer and the sampler ask of it: a training step, eva
 (or any other value per row), next-token logits, and the end-of-run weight checks. The plain engine runs
 micro-batches one by one; the pipeline engine takes all of a step's micro-batches at once and returns the loss
 averaged over them and over the data-parallel ranks. `drive(engine)` picks the driver; nothing else asks which
-engine it holds. `initialize` builds the engine."""
+engine it holds. `training_engine` builds a run's engine, `initialize` any engine."""
 import contextlib
 import functools
 import importlib
@@ -17,9 +17,22 @@ from model.generate import CachedDecoder, WindowDecoder
 from model.kv_cache import attention_modules
 from model.sequence_parallel import NO_SEQUENCE_PARALLEL, SequenceParallel, gathered_logits
 from model.tensor_parallel import SINGLE, TensorParallel, gather_vocab, sequence_padded
+from training.config import RunConfig
 from training.evaluation.multiple_choice import row_losses
 from training.objectives.next_token import NEXT_TOKEN
-from training.steps import data_parallel_group, replicated_weights_in_sync, token_loss_sum
+from training.optim import client_schedule, param_groups, start_schedule
+from training.steps import adjust_engine, data_parallel_group, replicated_weights_in_sync, token_loss_sum
+
+
+def training_engine(model: torch.nn.Module, cfg: RunConfig, ds: dict, mpu=None) -> deepspeed.DeepSpeedEngine:
+    """The engine a run trains with, for train.py and the benchmarks alike: the model's two optimizer groups, the
+    run's schedule (the ds_config's, or the one DeepSpeed cannot name), the repo's changes to the built engine, and
+    the schedule put at training step 1. `ds` holds training/optim.py's optimizer_and_schedule sections."""
+    engine = initialize(model, param_groups(model.named_parameters(), cfg.optim.weight_decay), ds, mpu,
+                        client_schedule(cfg))
+    adjust_engine(engine)
+    start_schedule(engine)
+    return engine
 
 
 def initialize(model: torch.nn.Module, model_parameters, ds: dict, mpu=None,

@@ -71,15 +71,18 @@ def fits(total_bytes: float, gpu_gb: float) -> bool:
     return total_bytes < (1 - ALLOWANCE) * gpu_gb * GB
 
 
-def layer_params(cfg, tp_size: int = 1, ep_size: int = 1, experts: bool | None = None) -> list[int]:
+def layer_params(cfg, tp_size: int = 1, ep_size: int = 1, experts: bool | None = None,
+                 trainable: bool = False) -> list[int]:
     """Parameters of each layer as one tensor-parallel (and expert-parallel) rank holds them; `experts` True or
-    False: only the experts' parameters, or only the others."""
+    False: only the experts' parameters, or only the others; `trainable`: only those that train (LoRA's
+    adapters, where model.lora_rank freezes the rest)."""
     def count() -> tuple[int, ...]:
         with torch.device("meta"):
             specs = model_layers(cfg, TensorParallel(tp_size), ExpertParallel(ep_size))
             return tuple(sum(p.numel() for p in spec.build().parameters()
-                             if experts is None or is_moe_param(p) == experts) for spec in specs)
-    return list(_once(("params", repr(cfg), tp_size, ep_size, experts), count))
+                             if (experts is None or is_moe_param(p) == experts) and (p.requires_grad or not trainable))
+                         for spec in specs)
+    return list(_once(("params", repr(cfg), tp_size, ep_size, experts, trainable), count))
 
 
 def stages_of(cfg, tp_size: int, stages: int, method: str) -> tuple[list, list[int]]:
@@ -253,12 +256,21 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda"
     specs, parts = stages_of(cfg, tp_size, pipe.stages, pipe.partition)
     zero = ds.get("zero_optimization", {})
     stage, offload = zero.get("stage", 0), zero.get("offload_optimizer", {}).get("device", "none") != "none"
-    total = sum(counts) - sum(counts[i] for i in repeated_ties(specs))  # the tied head owns no weights
+
+    def held(counts: list[int]) -> int:  # by the busiest stage; the tied head owns no weights
+        if pipe.stages > 1:
+            return max(sum(counts[parts[s]: parts[s + 1]]) for s in range(pipe.stages))
+        return sum(counts) - sum(counts[i] for i in repeated_ties(specs))
+
     dp = layout.data_axis  # ZeRO partitions over the data-parallel replicas and their sequence ranks
-    held = max(sum(counts[parts[s]: parts[s + 1]]) for s in range(pipe.stages)) if pipe.stages > 1 else total
-    local = total / dp if stage == 3 and pipe.stages == 1 else held
-    states = model_states(held, stage, dp, ds, offload, pipe.stages > 1, max(counts))
-    if cfg.n_experts and ep_size > 1 and 1 <= stage <= 2 and pipe.stages == 1:
+    partitioned = stage == 3 and pipe.stages == 1
+    local = held(counts) / dp if partitioned else held(counts)
+    trained = held(layer_params(cfg, tp_size, ep_size, trainable=True)) if cfg.lora_rank else held(counts)
+    states = model_states(trained, stage, dp, ds, offload, pipe.stages > 1, max(counts))
+    if trained < held(counts):  # frozen weights: 16 bits each, without gradients or optimizer states
+        frozen = (held(counts) - trained) * 2 / (dp if partitioned else 1)
+        states = dataclasses.replace(states, weights=states.weights + frozen)
+    if cfg.n_experts and not cfg.lora_rank and ep_size > 1 and 1 <= stage <= 2 and pipe.stages == 1:
         # The experts' fp32 gradients and optimizer states are partitioned over their dp / ep copies, not over dp.
         more = sum(layer_params(cfg, tp_size, ep_size, experts=True)) * (1 / (dp // ep_size) - 1 / dp)
         states = dataclasses.replace(states, gradients=states.gradients + 4 * more,

@@ -4,8 +4,11 @@ import json
 import os
 import time
 
-from model import architecture
+import torch
+
+from model import architecture, build_model
 from model.config import ModelConfig
+from model.lora import is_adapter
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
@@ -16,7 +19,8 @@ def flops_per_token(cfg: ModelConfig) -> float:
     x n_head x head_dim x block_size for the attention score and value matmuls (every query head attends).
     Biases, norms, RoPE and the embedding lookup are left out. The same formula holds for the GPT, Llama and the
     encoder stack. A mixture-of-experts block counts its active weights: the router's d x n_experts,
-    experts_per_token experts, and the shared expert (every token's) with its gate's d."""
+    experts_per_token experts, and the shared expert (every token's) with its gate's d. Under LoRA the frozen
+    weights count 4 x and the adapters 6 x."""
     d, layers, arch = cfg.n_embd, cfg.n_layer, architecture(cfg)
     attention = 2 * d * cfg.q_width + 2 * d * cfg.kv_heads * cfg.head_width
     dense_mlp = arch.mlp_matrices * d * arch.mlp_hidden(cfg)
@@ -25,7 +29,22 @@ def flops_per_token(cfg: ModelConfig) -> float:
     mlps = sum(moe_mlp if cfg.is_moe_block(i) else dense_mlp for i in range(layers))
     head = cfg.padded_vocab_size if cfg.head == "lm" else 1  # a score head (model.head=score) has one output
     matmul_weights = layers * attention + mlps + head * d
-    return 6 * matmul_weights + 12 * layers * cfg.q_width * cfg.block_size
+    scores = 12 * layers * cfg.q_width * cfg.block_size
+    if cfg.lora_rank:  # no gradient is made for a frozen weight: its forward and its input's gradient, 4 x
+        return 4 * matmul_weights + 6 * adapter_params(cfg) + scores
+    return 6 * matmul_weights + scores
+
+
+def adapter_params(cfg: ModelConfig) -> int:
+    """LoRA's adapters' parameters (model.lora_rank), counted on the meta device, each a matmul's weight."""
+    key = repr(cfg)
+    if key not in _ADAPTERS:
+        with torch.device("meta"):
+            _ADAPTERS[key] = sum(p.numel() for name, p in build_model(cfg).named_parameters() if is_adapter(name))
+    return _ADAPTERS[key]
+
+
+_ADAPTERS: dict = {}  # the layout planner asks for the same model's count again and again
 
 
 class Throughput:

@@ -358,8 +358,18 @@ def describe_model(model) -> str:
         blocks = "every block" if model.moe_every == 1 else f"every {model.moe_every}th block"
         experts = (f", {model.n_experts} experts in {blocks}, {model.experts_per_token} per token "
                    f"({'dropless' if model.capacity_factor is None else f'capacity {model.capacity_factor}'})")
+    lora = ""
+    if model.lora_rank:
+        lora = (f"; LoRA rank {model.lora_rank} (alpha {model.lora_alpha:g}) on {model.lora_targets}: "
+                f"{trained_parameters(model):,} parameters train")
     return (f"{model.arch}: {model.n_layer} layers, {heads}, width {model.n_embd}, context {model.block_size}, "
-            f"vocabulary {model.vocab_size:,}{experts}")
+            f"vocabulary {model.vocab_size:,}{experts}{lora}")
+
+
+def trained_parameters(model) -> int:
+    """The parameters that train: all but those LoRA freezes (model.lora_rank)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(model).parameters() if p.requires_grad)
 
 
 def describe_data(data) -> str:

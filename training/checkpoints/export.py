@@ -18,6 +18,7 @@ from data.meta import check_meta, read_meta
 from data.tokenizers import tokenizer_from_meta
 from model import architecture, build_model, layer_names, model_layers
 from model.config import ModelConfig, model_config
+from model.lora import merged
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training.checkpoints import checkpoint, universal
 from training.checkpoints.hf import from_hf, hf_config, to_hf
@@ -163,7 +164,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.tiktoke
 def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: int, data_dir: str | None = None,
                  source: dict | None = None) -> str:
     """model.safetensors (Hugging Face's layout where it has one) and config.json in `output`, whole or not at
-    all; `source`: the checkpoint they come from, recorded in config.json."""
+    all; `source`: the checkpoint they come from, recorded in config.json. LoRA's adapters are merged into the
+    weights they adapt: the export is the adapted model, without adapters."""
+    cfg, state = merged(cfg, state)
     in_hf_layout = architecture(cfg).hf_layout(cfg) is not None
     config = hf_config(cfg, meta) if in_hf_layout else {}
     config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step,
@@ -240,13 +243,13 @@ def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | 
         cfg, state, meta = load_export(export_dir)
         _check_head(cfg, head, export_dir)
         fix = "an export's tokenizer stays beside its config.json; export the checkpoint again"
-        return cfg, _with_weights(cfg, state, export_dir), tokenizer_from_meta(meta, export_dir, fix), meta
+        return *_with_weights(cfg, state, export_dir), tokenizer_from_meta(meta, export_dir, fix), meta
     tag_dir = checkpoint.find_checkpoint(out_dir, tag)
     run_state = checkpoint.read_run_state(tag_dir)
     meta, data_dir = run_dataset(tag_dir, run_state)
     cfg = run_model(tag_dir, run_state)
     _check_head(cfg, head, tag_dir)
-    return cfg, _with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir), tokenizer_from_meta(meta, data_dir), meta
+    return *_with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir), tokenizer_from_meta(meta, data_dir), meta
 
 
 def _check_head(cfg: ModelConfig, head: str, source: str) -> None:
@@ -260,8 +263,11 @@ def _check_head(cfg: ModelConfig, head: str, source: str) -> None:
                       f"export of a train.objective=reward run (model.head=score)")
 
 
-def _with_weights(cfg: ModelConfig, state: dict, source: str) -> torch.nn.Module:
-    """The model of `cfg` holding `state`, the weights read from `source`."""
+def _with_weights(cfg: ModelConfig, state: dict, source: str) -> tuple[ModelConfig, torch.nn.Module]:
+    """The model of `cfg` holding `state`, the weights read from `source`, LoRA's adapters merged into the weights
+    they adapt (sampling and serving run it as one model, its linear maps packed where oneDNN is faster); and its
+    config."""
+    cfg, state = merged(cfg, state)
     model = build_model(cfg)
     try:
         model.load_state_dict(state)
@@ -269,7 +275,7 @@ def _with_weights(cfg: ModelConfig, state: dict, source: str) -> torch.nn.Module
         why = " ".join(str(e).split())[:300]
         raise ConfigError(f"the weights of {source} do not fit its model settings ({why}); fix: export the "
                           f"checkpoint again with python -m scripts.export") from None
-    return model
+    return cfg, model
 
 
 def _read_weights(path: str, fix: str) -> dict:

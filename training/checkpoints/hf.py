@@ -19,6 +19,7 @@ from common.checks import ConfigError, existing_file, json_file
 from model import ARCHITECTURES, architecture, build_model, layer_names, model_layers
 from model.architecture import TRANSPOSED, VOCAB_ROWS
 from model.config import ModelConfig
+from model.lora import is_adapter
 from model.moe import global_expert_names
 from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
 
@@ -269,6 +270,8 @@ def load_into(model: torch.nn.Module, folder: str, cfg: ModelConfig, tp: TensorP
     fresh = sorted(name for name in FRESH if name in {theirs for theirs, _ in pairs.values()} and name not in files)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if is_adapter(name):  # LoRA's adapters keep their initialization: the folder's model is the one adapted
+                continue
             theirs, how = pairs[experts.get(name, name)]
             if theirs in fresh:
                 continue

@@ -190,10 +190,11 @@ def leave_process_group() -> None:
     """The clean end of a rank: wait for every rank, then tear down the process group while the peers are
     still there (left to interpreter shutdown, a rank whose peers had gone could abort in gloo's
     destructors: "terminate called without an active exception"). Rank 0's store goes with it, so the
-    watcher stops polling first."""
+    watcher stops polling first. Through DeepSpeed's teardown, which lets go of the groups it keeps (a world's
+    clone, the data-parallel group) with it: a later world in the same process (the tests') would find them stale."""
     JOB.stop_watching()
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    deepspeed.comm.destroy_process_group()
 
 
 def exit_now(code: int) -> None:

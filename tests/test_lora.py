@@ -1,0 +1,236 @@
+"""LoRA (model.lora_rank, model/lora.py): the adapted model starts as the model it adapts (the same weights from the
+same seed, the same logits); only the adapters train, through the real DeepSpeed engine at every ZeRO stage (the
+frozen weights bitwise as they were, the optimizer holding the adapters alone); the merged model computes what the
+adapted one does; the memory plan and the FLOPs count the frozen weights as such. Through train.py: a fine-tune of a
+transformers-built Llama with adapters equals one process under ZeRO-3 over two ranks and over two pipeline stages;
+its checkpoint holds the folder's weights untouched, and its export (merged) equals the adapted model in
+transformers."""
+import dataclasses
+import json
+import os
+from unittest import mock
+
+import deepspeed
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from chats import reverse_tasks
+from common.checks import ConfigError
+from data.prepare_chat import prepare_chat
+from harness import FP32, export, free_port, grad_norms, launch, train_losses
+from hf_check import load_in_transformers, transformers_model
+from model import build_model
+from model.config import ModelConfig
+from model.lora import LoRALinear, is_adapter, merged
+from model.tensor_parallel import TensorParallel
+from model_checks import SMALL_GPT
+from training.checkpoints.export import consolidated_state_dict, load_trained
+from training.checkpoints.hf import from_hf, weight_files
+from training.config import RunConfig
+from training.engines import training_engine
+from training.launch.failure import join_process_group, leave_process_group
+from training.memory_plan import layer_params, plan
+from training.metrics import flops_per_token
+from training.optim import optimizer_and_schedule
+from training.steps import lm_loss
+
+SMALL_LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=16,
+                          vocab_size=65)
+RANK = 4
+
+
+def adapted(cfg: ModelConfig, **lora) -> ModelConfig:
+    return dataclasses.replace(cfg, lora_rank=RANK, **lora)
+
+
+def random_adapters(model: torch.nn.Module) -> None:
+    """B away from its zero start, so that the adapters change what the model computes."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+
+
+@pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_LLAMA], ids=["gpt", "llama"])
+def test_the_adapted_model_starts_as_the_model_it_adapts(cfg):
+    plain, lora = build_model(cfg, seed=3), build_model(adapted(cfg), seed=3)
+    ours, theirs = plain.state_dict(), lora.state_dict()
+    assert set(theirs) - set(ours) == {n for n in theirs if is_adapter(n)}
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    idx = torch.randint(0, 65, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(plain(idx), lora(idx))
+    # Every linear map of every block is adapted ("all"), and nothing but the adapters trains: r x (in + out) each.
+    maps = [m for m in lora.modules() if isinstance(m, LoRALinear)]
+    assert len(maps) == cfg.n_layer * (4 if cfg.arch == "gpt" else 7)
+    trained = {n: p.numel() for n, p in lora.named_parameters() if p.requires_grad}
+    assert set(trained) == {n for n in theirs if is_adapter(n)}
+    assert sum(trained.values()) == sum(RANK * (m.in_features + m.out_features) for m in maps)
+
+
+def test_the_targets_name_the_maps_adapted():
+    lora = build_model(adapted(SMALL_LLAMA, lora_targets="attn.q,attn.v"))
+    assert sorted(n for n, m in lora.named_modules() if isinstance(m, LoRALinear)) == \
+        ["1.attn.q", "1.attn.v", "2.attn.q", "2.attn.v"]
+
+
+@pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_LLAMA], ids=["gpt", "llama"])
+def test_the_merged_model_computes_what_the_adapted_one_does(cfg):
+    lora = build_model(adapted(cfg, lora_alpha=8.0), seed=3)
+    random_adapters(lora)
+    merged_cfg, state = merged(adapted(cfg, lora_alpha=8.0), lora.state_dict())
+    assert merged_cfg == cfg and not any(is_adapter(name) for name in state)
+    plain = build_model(merged_cfg)
+    plain.load_state_dict(state)
+    idx = torch.randint(0, 65, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    difference = (plain(idx) - lora(idx)).abs().max().item()
+    assert 0 < difference <= 1e-5  # merged, not the same computation
+    unmerged = build_model(cfg, seed=3)(idx)
+    assert (unmerged - lora(idx)).abs().max().item() > 1e-2  # the adapters count
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-rank gloo world while this module's engine tests run, and torch's own F.linear back after them, which
+    ZeRO-3's zero.Init replaces for the rest of the process."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    linear = F.linear
+    with mock.patch.dict(os.environ, env):
+        join_process_group()
+        yield
+        leave_process_group()
+    F.linear = linear
+
+
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, True), (2, False), (3, False)])
+def test_only_the_adapters_train_through_deepspeed(stage, bf16, process_group):
+    """Three steps at a rate that moves every trained weight: the adapters change (A once B has left zero), nothing
+    else by a bit; the optimizer DeepSpeed builds holds the adapters alone."""
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {"optim": {"lr": 1e-2}}))
+    cfg.model = adapted(SMALL_GPT)
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "steps_per_print": 10**9, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+    ds.update(optimizer_and_schedule(cfg, ds))
+    model = build_model(cfg.model, seed=1)
+    engine = training_engine(model, cfg, ds)  # bf16: the weights in 16 bits from here
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adapters = {n for n in before if is_adapter(n)}
+    for step in range(3):
+        idx = torch.randint(0, 65, (2, 17), generator=torch.Generator().manual_seed(step))
+        engine.backward(lm_loss(engine(idx[:, :-1]), idx[:, 1:]))
+        engine.step()
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed == adapters
+    numel = sum(p.ds_numel if stage == 3 else p.numel() for n, p in model.named_parameters() if n in adapters)
+    assert numel == 2 * RANK * (32 + 96 + 32 + 32 + 32 + 128 + 128 + 32)  # qkv, proj, fc, proj; two blocks
+    torch_adamw = getattr(engine.optimizer, "optimizer", engine.optimizer)  # inside ZeRO's wrapper, where there is one
+    moments = sum(state["exp_avg"].numel() for state in torch_adamw.state.values())
+    assert moments == numel
+    engine.destroy()
+
+
+def test_the_memory_plan_keeps_optimizer_states_for_the_adapters_alone():
+    """The frozen weights at 16 bits, their gradients and optimizer states not there: ZeRO-0 and ZeRO-1 over two
+    ranks (DeepSpeed's fp16 optimizer wrappers under bf16)."""
+    cfg = adapted(SMALL_LLAMA)
+    every, trained = sum(layer_params(cfg)), sum(layer_params(cfg, trainable=True))
+    assert every == sum(layer_params(SMALL_LLAMA)) + trained
+    assert trained == sum(p.numel() for n, p in build_model(cfg).named_parameters() if is_adapter(n))
+    ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}
+    for stage, dp, gradients in ((0, 1, 0), (1, 2, 2 * trained + 4 * trained / 2)):
+        ds["zero_optimization"] = {"stage": stage, "contiguous_gradients": False}
+        parts = plan(cfg, ds, dp)["parts"]
+        assert (parts["weights"], parts["gradients"], parts["optimizer"]) == (2 * every, gradients, 12 * trained / dp)
+
+
+def test_flops_count_the_frozen_weights_without_their_gradients():
+    cfg = adapted(SMALL_LLAMA)
+    adapters = sum(p.numel() for n, p in build_model(cfg).named_parameters() if is_adapter(n))
+    scores = 12 * cfg.n_layer * cfg.q_width * cfg.block_size
+    assert flops_per_token(cfg) == (flops_per_token(SMALL_LLAMA) - scores) * 4 / 6 + 6 * adapters + scores
+
+
+def test_tensor_parallelism_is_refused_with_adapters():
+    with pytest.raises(ConfigError, match="model.lora_rank=4 with tensor_model_parallel_size=2: the adapters are not "
+                                          "split over tensor ranks; fix: train LoRA at tensor_model_parallel_size=1"):
+        build_model(adapted(SMALL_LLAMA), tp=TensorParallel(2))
+
+
+# A fine-tune with adapters from a transformers-built Llama, through train.py's ranks (launch: several processes).
+CONTEXT = 64
+FINETUNE = ["model.arch=llama", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
+            "model.ffn_hidden=64", f"model.block_size={CONTEXT}", "model.document_masking=true",
+            f"model.lora_rank={RANK}", "train.max_steps=4", "train.save_interval=2", "train.eval_interval=2",
+            "train.eval_windows=8", "optim.warmup_steps=2", "optim.lr=3e-2", *FP32]
+LAYOUTS = {  # name: (processes, ds_config, overrides); global batch 4
+    "one": (1, "zero0.json", ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=1"]),
+    "zero3_dp2": (2, "zero3.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=1"]),
+    "pp2": (2, "pipe2.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=4"]),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora_finetune")
+    (folder / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in reverse_tasks(300, seed=1)))
+    prepare_chat([str(folder / "tasks.jsonl")], str(folder / "data"), "char", context=CONTEXT, val_fraction=0.1)
+    vocab = json.loads((folder / "data" / "meta.json").read_text())["vocab_size"]
+    shape = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64,
+                        block_size=CONTEXT, vocab_size=vocab)
+    transformers_model(shape, folder / "llama")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hf_folder):
+    done = {}
+
+    def get(name: str):
+        if name not in done:
+            procs, ds_config, overrides = LAYOUTS[name]
+            out = tmp_path_factory.mktemp(name)
+            launch(procs, ds_config, out, str(hf_folder / "data"),
+                   [*FINETUNE, *overrides, f"train.init_from={hf_folder / 'llama'}"])
+            done[name] = out
+        return done[name]
+    return get
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", ["zero3_dp2", "pp2"])
+def test_adapters_train_on_every_layout_as_in_one_process(runs, layout):
+    out, reference = runs(layout), runs("one")
+    assert train_losses(out) == pytest.approx(train_losses(reference), abs=1e-5)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), abs=1e-5)
+    assert train_losses(reference)[-1] < train_losses(reference)[0] - 0.03  # the adapters alone really train
+
+
+@pytest.mark.launch
+def test_the_checkpoint_keeps_the_folders_weights_and_the_export_is_the_adapted_model(runs, hf_folder):
+    """The checkpoint's weights bitwise the folder's, the adapters trained beside them; the export merges them, and
+    transformers' forward of it, sample.py's model (merged on reading) and the adapted model agree."""
+    out = runs("one")
+    state = consolidated_state_dict(str(out / "checkpoints" / "step_000004"))
+    folder = str(hf_folder / "llama")
+    run_cfg = load_trained(str(out))[0]
+    assert run_cfg.lora_rank == 0  # read merged
+    cfg = adapted(dataclasses.replace(run_cfg, block_size=CONTEXT))
+    base = from_hf({k: v for path in set(weight_files(folder).values()) for k, v in load_file(path).items()}, cfg)
+    assert set(state) - set(base) == {n for n in state if is_adapter(n)}
+    assert all(torch.equal(state[name], base[name]) for name in base)
+    assert all(state[name].abs().max() > 0 for name in state if name.endswith("lora_b"))
+    lora = build_model(cfg)
+    lora.load_state_dict(state)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = lora.eval()(idx)[..., : cfg.vocab_size]
+    exported = load_in_transformers(export(out, "step_000004"))
+    assert (exported(idx).logits - expected).abs().max().item() <= 1e-5
+    sampled = load_trained(str(out))[1].eval()(idx)[..., : cfg.vocab_size]
+    assert (sampled - expected).abs().max().item() <= 1e-5
+    assert (build_model(run_cfg).eval()(idx)[..., : cfg.vocab_size] - expected).abs().max().item() > 1e-3
