@@ -44,6 +44,21 @@ def test_a_mixture_of_experts_is_planned_where_train_py_takes_it():
         spread.accum * moe.n_layer * 4 * 3 / 4 * routes / (a.intra_gbps * 1e9))
 
 
+def test_lora_is_planned_without_tensor_parallelism_and_moves_the_adapters_gradients_alone():
+    """Under LoRA the data-parallel traffic is the adapters' fp32 gradients and 16-bit updates (ZeRO-1), and ZeRO-3
+    still gathers every weight; no layout splits the model over tensor ranks (train.py refuses it)."""
+    lora = dataclasses.replace(QUICK, lora_rank=4)
+    layouts = [r["layout"] for r in plan_layouts(lora, 8, 8, 64, Assumptions())]
+    assert layouts and all(c.tp == 1 for c in layouts)
+    a = dataclasses.replace(Assumptions(), intra_gbps=1.0)
+    params, trained = sum(layer_params(lora)), sum(layer_params(lora, trainable=True))
+    for zero, moved in ((1, 2 * 4 * trained + 2 * trained), (3, 4 * trained + 2 * 2 * params)):
+        spread = Candidate(tp=1, sp=1, pp=1, dp=8, zero=zero, micro=4, accum=2, recompute="none")
+        alone = dataclasses.replace(spread, dp=1)
+        compute = step_seconds(lora, alone, 8, a)  # each GPU computes as many tokens; one moves nothing
+        assert step_seconds(lora, spread, 8, a) - compute == pytest.approx(7 / 8 * moved / 1e9)
+
+
 def test_each_row_is_the_memory_plan_of_its_ds_config():
     rows = plan_layouts(QUICK, 8, 8, 64, Assumptions())
     assert len(rows) == len(list(candidates(QUICK, 8, 8, 64)))

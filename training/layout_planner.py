@@ -18,7 +18,9 @@ The step time is a stated model, its assumptions printed with every table and ea
 - data parallelism, once a step over the data and sequence ranks: under ZeRO-1/2 an all-reduce of the fp32
   gradients (the shipped ds_configs' communication_data_type) and an all-gather of the updated 16-bit weights,
   under ZeRO-3 a reduce-scatter of the gradients and an all-gather of the weights for the forward and another for
-  the backward; over the network between nodes (`inter_gbps`) when the group leaves a node;
+  the backward; over the network between nodes (`inter_gbps`) when the group leaves a node; under LoRA
+  (model.lora_rank) the gradients and updated weights are the adapters' alone, and the layouts with tensor
+  parallelism are refused;
 - expert parallelism: 4 all-to-alls a mixture-of-experts layer and micro-batch (dispatch and combine, forward and
   backward) of each token's k routes, as if the routing were even, inside a node when the expert group is;
 - the pipeline's activations passed between stages, over the network;
@@ -150,12 +152,14 @@ def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float
         comm += c.accum * layers * 4 * (c.sp - 1) / c.sp * slice_bytes / (
             (a.intra_gbps if inside else a.inter_gbps) * 1e9)
     params = sum(layer_params(cfg)) / (c.tp * c.pp)  # a rank's share of the weights before ZeRO
+    # What has gradients and optimizer states: the adapters alone under LoRA (model.lora_rank)
+    trained = sum(layer_params(cfg, trainable=True)) / (c.tp * c.pp) if cfg.lora_rank else params
     data_bw = (a.intra_gbps if c.dp * c.tp * c.sp <= gpus_per_node else a.inter_gbps) * 1e9
     gather = (c.dp * c.sp - 1) / (c.dp * c.sp)  # of the bytes, what a ring's all-gather moves through a GPU
     if c.zero == 3:
-        comm += gather * (4 * params + 2 * 2 * params) / data_bw
+        comm += gather * (4 * trained + 2 * 2 * params) / data_bw
     else:
-        comm += gather * (2 * 4 * params + 2 * params) / data_bw
+        comm += gather * (2 * 4 * trained + 2 * trained) / data_bw
     if c.ep > 1:
         moe_layers = layers / cfg.moe_every
         bandwidth = a.intra_gbps if c.ep <= gpus_per_node else a.inter_gbps
@@ -163,7 +167,7 @@ def step_seconds(cfg, c: Candidate, gpus_per_node: int, a: Assumptions) -> float
     if c.pp > 1:
         comm += 2 * (c.accum * slice_bytes * c.sp) / (a.inter_gbps * 1e9)  # forward activations, backward gradients
     if c.offload:
-        partition = params / (c.dp * c.sp)
+        partition = trained / (c.dp * c.sp)
         comm += (4 + 2) * partition / (a.pcie_gbps * 1e9) + partition / (a.cpu_adam_gparams * 1e9)
     return per_gpu + comm
 
