@@ -2,6 +2,7 @@
 the rank server (launch), as one process without a launcher (train_py), through the real `deepspeed` launcher
 (deepspeed_launch) or one launcher per simulated node (launch_nodes); any command (run); and what a run
 leaves behind: metrics.jsonl, exports, universal checkpoints."""
+import contextlib
 import fcntl
 import glob
 import json
@@ -34,6 +35,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_world():
+    """A one-rank gloo world in this process, with the launcher's variables set only inside it; and torch's own
+    F.linear back after it, which ZeRO-3's zero.Init replaces for the rest of the process (its memory-efficient
+    linear)."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    from training.launch.failure import join_process_group, leave_process_group
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    linear = F.linear
+    with mock.patch.dict(os.environ, env):
+        join_process_group()
+        yield
+        leave_process_group()
+    F.linear = linear
 
 
 def fresh_clone(folder) -> str:

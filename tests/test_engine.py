@@ -16,7 +16,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from omegaconf import OmegaConf
 
 from common.checks import ConfigError
-from harness import REPO, expected_lr, free_port
+from harness import REPO, expected_lr, one_rank_world
 from model import build_model
 from model.config import ModelConfig
 from model.gpt import Block
@@ -25,7 +25,6 @@ from training.checkpoints import background_save, checkpoint
 from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.ds_config import load_ds_config
-from training.launch.failure import join_process_group, leave_process_group
 from training.optim import check_schedule, client_schedule, optimizer_and_schedule, param_groups, start_schedule
 from training.startup import effective_ds_config
 from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_reduce_over_one_rank
@@ -33,17 +32,8 @@ from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_r
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    """A one-rank gloo world, with the launcher's variables set only while this module runs; and torch's own
-    F.linear back after it, which ZeRO-3's zero.Init replaces for the rest of the process (its memory-efficient
-    linear)."""
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    linear = F.linear
-    with mock.patch.dict(os.environ, env):
-        join_process_group()
+    with one_rank_world():
         yield
-        leave_process_group()
-    F.linear = linear
 
 
 def run_config(**sections) -> RunConfig:

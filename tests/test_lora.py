@@ -7,20 +7,17 @@ its checkpoint holds the folder's weights untouched, and its export (merged) equ
 transformers."""
 import dataclasses
 import json
-import os
-from unittest import mock
 
 import deepspeed
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from chats import reverse_tasks
 from common.checks import ConfigError
 from data.prepare_chat import prepare_chat
-from harness import FP32, export, free_port, grad_norms, launch, train_losses
+from harness import FP32, export, grad_norms, launch, one_rank_world, train_losses
 from hf_check import load_in_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
@@ -31,7 +28,6 @@ from training.checkpoints.export import consolidated_state_dict, load_trained
 from training.checkpoints.hf import from_hf, weight_files
 from training.config import RunConfig
 from training.engines import training_engine
-from training.launch.failure import join_process_group, leave_process_group
 from training.memory_plan import layer_params, plan
 from training.metrics import flops_per_token
 from training.optim import optimizer_and_schedule
@@ -93,16 +89,8 @@ def test_the_merged_model_computes_what_the_adapted_one_does(cfg):
 
 @pytest.fixture(scope="module")
 def process_group():
-    """A one-rank gloo world while this module's engine tests run, and torch's own F.linear back after them, which
-    ZeRO-3's zero.Init replaces for the rest of the process."""
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    linear = F.linear
-    with mock.patch.dict(os.environ, env):
-        join_process_group()
+    with one_rank_world():
         yield
-        leave_process_group()
-    F.linear = linear
 
 
 @pytest.mark.parametrize("stage,bf16", [(0, False), (1, True), (2, False), (3, False)])
