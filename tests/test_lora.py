@@ -24,7 +24,8 @@ from model.config import ModelConfig
 from model.lora import LoRALinear, is_adapter, merged
 from model.tensor_parallel import TensorParallel
 from model_checks import SMALL_GPT
-from training.checkpoints.export import consolidated_state_dict, load_trained
+from training.checkpoints.adapter import write_adapter
+from training.checkpoints.export import consolidated_state_dict, load_trained, write_export
 from training.checkpoints.hf import from_hf, weight_files
 from training.config import RunConfig
 from training.engines import training_engine
@@ -123,6 +124,28 @@ def test_only_the_adapters_train_through_deepspeed(stage, bf16, process_group):
     engine.destroy()
 
 
+@pytest.mark.parametrize("cfg,targets", [(SMALL_GPT, "attn.qkv,attn.proj"), (SMALL_LLAMA, "all")],
+                         ids=["gpt", "llama"])
+def test_the_adapters_load_in_peft_over_the_model_they_adapt(cfg, targets, tmp_path):
+    """scripts.export --adapter's folder in PEFT over the transformers model of the weights adapted computes what the
+    adapted model does; the GPT's attention c_proj adapted, its MLP's c_proj (the same short name) not, and its
+    Conv1D maps transposed."""
+    import peft
+
+    lora = build_model(adapted(cfg, lora_targets=targets), seed=3)
+    random_adapters(lora)
+    state = lora.state_dict()
+    base = write_export(str(tmp_path / "base"), cfg, {n: t for n, t in state.items() if not is_adapter(n)},
+                        {"format": 2, "tokenizer": "char", "vocab_size": 65}, step=0)
+    folder = write_adapter(str(tmp_path / "adapter"), adapted(cfg, lora_targets=targets), state, base)
+    theirs = peft.PeftModel.from_pretrained(load_in_transformers(base), folder).eval()
+    assert theirs.peft_config["default"].base_model_name_or_path == base
+    idx = torch.randint(0, 65, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    expected = lora.eval()(idx)[..., :65]
+    assert (theirs(idx).logits - expected).abs().max().item() <= 1e-5
+    assert (load_in_transformers(base)(idx).logits - expected).abs().max().item() > 1e-2  # the adapters count
+
+
 def test_the_memory_plan_keeps_optimizer_states_for_the_adapters_alone():
     """The frozen weights at 16 bits, their gradients and optimizer states not there: ZeRO-0 and ZeRO-1 over two
     ranks (DeepSpeed's fp16 optimizer wrappers under bf16)."""
@@ -197,6 +220,11 @@ def test_adapters_train_on_every_layout_as_in_one_process(runs, layout):
     assert train_losses(out) == pytest.approx(train_losses(reference), abs=1e-5)
     assert grad_norms(out) == pytest.approx(grad_norms(reference), abs=1e-5)
     assert train_losses(reference)[-1] < train_losses(reference)[0] - 0.03  # the adapters alone really train
+    # what an export reads: the adapters from the optimizer's files, the frozen weights from the module's (ZeRO-3's
+    # fragments of each rank, a pipeline's layer files)
+    ours, theirs = (consolidated_state_dict(str(run / "checkpoints" / "step_000004")) for run in (out, reference))
+    assert set(ours) == set(theirs)
+    assert max((ours[name] - theirs[name]).abs().max().item() for name in ours) <= 1e-5
 
 
 @pytest.mark.launch

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -40,28 +41,57 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     rules = {name: split_rule(p) for name, p in sliced.named_parameters()}
     if cfg.n_experts:
         return _with_experts(tag_dir, tp_size, rules)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
+    # What the optimizer holds: every weight, or under LoRA the adapters alone (the frozen weights come apart)
+    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
+    frozen = _frozen_weights(tag_dir, run_state, cfg) if cfg.lora_rank else {}
     if run_state.get("universal"):
-        return _from_universal(tag_dir, shapes)
+        return {**_from_universal(tag_dir, shapes), **frozen}
     if glob.glob(os.path.join(tag_dir, "*optim_states.pt")):  # ZeRO 1-3, or any bf16 pipeline
         scratch = f"{tag_dir}_export_tmp"
         shutil.rmtree(scratch, ignore_errors=True)
         try:
             universal.convert(tag_dir, scratch)
-            return _from_universal(scratch, shapes)
+            return {**_from_universal(scratch, shapes), **frozen}
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if run_state["layout"]["pp"] > 1:  # fp32 pipeline without ZeRO: the layer files hold fp32 weights
-        prefixes = layer_names(model_layers(cfg))
-        slices = [{} for _ in range(tp_size)]  # per tensor rank: layer_<index>-model_<tensor rank>-model_states.pt
-        for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))):
-            index, rank = (int(part.split("_")[1]) for part in os.path.basename(path).split("-")[:2])
-            for name, tensor in checkpoint.load_state_file(path).items():
-                slices[rank].setdefault(f"{prefixes[index]}.{name}", tensor.float())
+        slices = _layer_files(tag_dir, cfg, tp_size)
     else:  # ZeRO-0: one file per tensor rank with the module (fp32, or bf16 beside the optimizer's fp32 masters)
         slices = [_module_state(os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"), sliced)
                   for rank in range(tp_size)]
-    return {name: merge_parameter([s[name] for s in slices], rules[name]) for name in slices[0]}
+    return {**{name: merge_parameter([s[name] for s in slices], rules[name]) for name in slices[0]}, **frozen}
+
+
+def _layer_files(tag_dir: str, cfg: ModelConfig, tp_size: int) -> list[dict[str, torch.Tensor]]:
+    """A pipeline's module as its layer files hold it (in the dtype it computed in), per tensor rank."""
+    prefixes = layer_names(model_layers(cfg))
+    slices = [{} for _ in range(tp_size)]  # per tensor rank: layer_<index>-model_<tensor rank>-model_states.pt
+    for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt"))):
+        index, rank = (int(part.split("_")[1]) for part in os.path.basename(path).split("-")[:2])
+        for name, tensor in checkpoint.load_state_file(path).items():
+            slices[rank].setdefault(f"{prefixes[index]}.{name}", tensor.float())
+    return slices
+
+
+def _frozen_weights(tag_dir: str, run_state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """LoRA's frozen weights, which no optimizer holds and DeepSpeed's universal converter, reading the optimizer's
+    files, leaves out: the module's own copies (tensor parallelism is refused with adapters: one slice). A pipeline's
+    layer files; under ZeRO-3 each rank's fragment of each (DeepSpeed's frozen_param_fragments, in rank order);
+    else the module's file."""
+    with torch.device("meta"):
+        names = [name for name, p in build_model(cfg).named_parameters() if not p.requires_grad]
+    if run_state["layout"]["pp"] > 1:
+        module = _layer_files(tag_dir, cfg, 1)[0]
+    elif run_state["layout"].get("zero_stage") == 3:
+        ranks = [checkpoint.load_state_file(path) for path in
+                 sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")),
+                        key=lambda path: int(os.path.basename(path).split("_")[3]))]
+        shapes = ranks[0]["frozen_param_shapes"]
+        module = {name: torch.cat([r["frozen_param_fragments"][name].flatten() for r in ranks])[: shape.numel()]
+                  .view(shape) for name, shape in shapes.items()}
+    else:
+        module = checkpoint.load_state_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))["module"]
+    return {name: module[name].float() for name in names}
 
 
 def _with_experts(tag_dir: str, tp_size: int, rules: dict) -> dict[str, torch.Tensor]:
@@ -171,21 +201,30 @@ def write_export(output: str, cfg: ModelConfig, state: dict, meta: dict, step: i
     config = hf_config(cfg, meta) if in_hf_layout else {}
     config["megalite"] = {"model": dataclasses.asdict(cfg), "tokenizer": meta, "step": step,
                           **({"source": source} if source else {})}
+
+    def write(folder: str) -> None:
+        weights = to_hf(state, cfg) if in_hf_layout else state
+        save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        for file in TOKENIZER_FILES:
+            if data_dir and os.path.isfile(os.path.join(data_dir, file)):
+                shutil.copyfile(os.path.join(data_dir, file), os.path.join(folder, file))
+        if "chat" in meta:  # the template the model was fine-tuned with, for apply_chat_template
+            with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+                json.dump(chat_tokenizer_config(meta), f, indent=1)
+    return write_whole(output, write)
+
+
+def write_whole(output: str, write: Callable[[str], None]) -> str:
+    """`write(folder)` into a scratch folder beside `output`, then renamed into place: `output` holds all of it or,
+    where writing failed, what it held before."""
     parent, name = os.path.split(os.path.abspath(output))
     scratch = os.path.join(parent, f".{name}.tmp{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     try:
-        weights = to_hf(state, cfg) if in_hf_layout else state
-        save_file(weights, os.path.join(scratch, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(scratch, "config.json"), "w") as f:
-            json.dump(config, f, indent=1)
-        for file in TOKENIZER_FILES:
-            if data_dir and os.path.isfile(os.path.join(data_dir, file)):
-                shutil.copyfile(os.path.join(data_dir, file), os.path.join(scratch, file))
-        if "chat" in meta:  # the template the model was fine-tuned with, for apply_chat_template
-            with open(os.path.join(scratch, "tokenizer_config.json"), "w") as f:
-                json.dump(chat_tokenizer_config(meta), f, indent=1)
+        write(scratch)
         _replace_folder(scratch, output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
