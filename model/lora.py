@@ -4,45 +4,88 @@ other weight of the model but a reward model's score head. B starts at zero, so 
 model it adapts.
 
 The adapters are added to each layer as it is built, after the layer's own seeded initialization (so its weights
-are those of the same seed without adapters), in every build alike: the plain module, a pipeline's stages, ZeRO-3's
-layers (partitioned after), a checkpoint's reader. A map keeps its weight's name (`attn.q.weight`), so checkpoints,
-Hugging Face's tables and `train.init_from` read the model's weights as they would without adapters; the
-adapters are `attn.q.lora_a` and `attn.q.lora_b`. An export merges them into the weights (`merged`).
+are those of the same seed without adapters) and tensor parallelism's split, in every build alike: the plain module,
+a pipeline's stages, ZeRO-3's layers (partitioned after), a tensor rank's slice, a checkpoint's reader. A map
+keeps its weight's name (`attn.q.weight`), so checkpoints, Hugging Face's tables and `train.init_from` read the
+model's weights as they would without adapters; the adapters are `attn.q.lora_a` and `attn.q.lora_b`. An export
+merges them into the weights (`merged`).
 """
 import dataclasses
+import functools
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from model.config import ModelConfig
 from model.layers import ScoreHead
-from model.stack import spec_as
-from model.tensor_parallel import COLUMN, ROW
+from model.recompute import recomputed
+from model.stack import built_then
+from model.tensor_parallel import (
+    COLUMN,
+    ROW,
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    from_row_split,
+    row_slice,
+    sum_over_tensor_ranks,
+    to_split_input,
+)
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
 ALL = "all"
 
 
 class LoRALinear(nn.Module):
-    """An nn.Linear's frozen weight and bias, under their own names, beside its trained adapters."""
+    """A linear map's frozen weight and bias, under their own names, beside its trained adapters. Under tensor
+    parallelism (the map one of model/tensor_parallel.py's) each adapter splits as the map does: a column-split
+    map's B by its output rows, A whole, whose gradient, each rank's part of the sum, is summed over the tensor
+    ranks; a row-split map's A by its input columns, B whole, after the partial sums, likewise summed. Both terms
+    go through the map's one collective. Drawn whole and then split, as the map's weights are, so a seed gives the
+    same adapters at every degree."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+    def __init__(self, base: nn.Module, rank: int, alpha: float):
         super().__init__()
-        self.in_features, self.out_features, self.scale = base.in_features, base.out_features, alpha / rank
+        self.scale, self.tp, self.split = alpha / rank, getattr(base, "tp", SINGLE), None
         self.weight, self.bias = base.weight, base.bias
+        self.out_features, self.in_features = out_features, in_features = base.weight.shape  # this rank's
         like = {"dtype": base.weight.dtype, "device": base.weight.device}
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, **like))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # nn.Linear's own initialization, as PEFT's
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, **like))
+        a = torch.empty(rank, in_features * (self.tp.size if isinstance(base, RowParallelLinear) else 1), **like)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's own initialization, as PEFT's
+        b = torch.zeros(out_features, rank, **like)
+        self.lora_a, self.lora_b = nn.Parameter(a), nn.Parameter(b)
+        if isinstance(base, ColumnParallelLinear):
+            self.split = COLUMN
+            self.lora_b = _mark_as(self.lora_b, base.weight)
+            self._sum_gradient(self.lora_a)
+        elif isinstance(base, RowParallelLinear):
+            self.split = ROW
+            self.lora_a = row_slice(a, self.tp)
+            self._sum_gradient(self.lora_b)
+
+    def _sum_gradient(self, p: nn.Parameter) -> None:
+        p.register_hook(lambda grad: sum_over_tensor_ranks(grad.clone(), self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+        if self.split == ROW:
+            with recomputed():  # as RowParallelLinear's: partial sums and their sum, neither kept
+                y = from_row_split(self._maps(x, None), self.tp)
+            return y if self.bias is None else y + self.bias
+        return self._maps(to_split_input(x, self.tp) if self.split == COLUMN else x, self.bias)
+
+    def _maps(self, x: torch.Tensor, bias) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.lora_a.size(0)}"
+        return f"rank={self.lora_a.size(0)}, split={self.split}"
+
+
+def _mark_as(p: nn.Parameter, like: nn.Parameter) -> nn.Parameter:
+    """p, whose rows are already this rank's (zeros), marked with the split rule of `like`."""
+    p.tensor_model_parallel, p.partition_dim, p.fused_parts = True, 0, like.fused_parts
+    return p
 
 
 def linear_maps(plan: dict, block: type) -> list[str]:
@@ -68,29 +111,12 @@ def check_targets(cfg: ModelConfig, maps: list[str], title: str, c) -> None:
 
 
 def with_adapters(specs: list, cfg: ModelConfig, maps: list[str]) -> list:
-    """The layer list whose layers get their adapters as they are built (PipelineModule builds each stage's layers
-    itself, so the adapters travel with the specs); as it is without model.lora_rank."""
+    """The layer list whose layers get their adapters as they are built, after tensor parallelism's split; as it
+    is without model.lora_rank."""
     if not cfg.lora_rank:
         return specs
-    out = []
-    for spec in specs:
-        spec = spec_as(spec, _AdaptedLayerSpec, _AdaptedTiedLayerSpec)
-        spec.targets, spec.cfg = lora_targets(cfg, maps), cfg
-        out.append(spec)
-    return out
-
-
-class _AdaptOnBuild:
-    def build(self, log=False) -> nn.Module:
-        return add_adapters(super().build(log), self.targets, self.cfg)
-
-
-class _AdaptedLayerSpec(_AdaptOnBuild, LayerSpec):
-    pass
-
-
-class _AdaptedTiedLayerSpec(_AdaptOnBuild, TiedLayerSpec):
-    pass
+    step = functools.partial(add_adapters, targets=lora_targets(cfg, maps), cfg=cfg)
+    return [built_then(spec, step) for spec in specs]
 
 
 def add_adapters(layer: nn.Module, targets: list[str], cfg: ModelConfig) -> nn.Module:
@@ -105,7 +131,7 @@ def add_adapters(layer: nn.Module, targets: list[str], cfg: ModelConfig) -> nn.M
             owner = layer.get_submodule(parent) if parent else layer
         except AttributeError:  # a part some layers of the class lack, or another class of layer
             continue
-        if type(getattr(owner, child, None)) is nn.Linear:
+        if type(getattr(owner, child, None)) in (nn.Linear, ColumnParallelLinear, RowParallelLinear):
             setattr(owner, child, LoRALinear(getattr(owner, child), cfg.lora_rank, cfg.lora_alpha))
     return layer
 

@@ -9,14 +9,15 @@ Under Megatron's sequence parallelism the first block cuts the hidden state to t
 the split maps gather and scatter it, and every layer from there on sums the gradients of its replicated weights
 over the tensor ranks, each of which saw a slice.
 """
+import functools
+
 import torch.nn as nn
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from common.checks import ConfigError
 from model.config import ModelConfig
 from model.moe import MoEFeedForward
 from model.registry import architecture
-from model.stack import spec_as
+from model.stack import built_then
 from model.tensor_parallel import (
     COLUMN,
     PER_HEAD,
@@ -38,10 +39,6 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     under grouped-query attention), an equal share of the MLP's features and of the padded vocabulary."""
     if size == 1:
         return
-    if cfg.lora_rank:
-        raise ConfigError(f"model.lora_rank={cfg.lora_rank} with tensor_model_parallel_size={size}: the adapters are "
-                          f"not split over tensor ranks; fix: train LoRA at tensor_model_parallel_size=1 (ZeRO-3 or "
-                          f"pipeline stages share a large model's frozen weights out)")
     arch = architecture(cfg)
     shares = {"model.n_head": cfg.n_head, "the padded vocabulary (model.vocab_size rounded up to model."
               "vocab_multiple)": cfg.padded_vocab_size, "the MLP width (model.ffn_hidden)": arch.mlp_hidden(cfg)}
@@ -72,43 +69,23 @@ def check_sequence_split(cfg: ModelConfig, tp_size: int, sp_size: int) -> None:
 
 
 def parallelize(specs: list, plan: dict, tp: TensorParallel, block: type) -> list:
-    """The layer list whose layers split themselves over `tp` as they are built (PipelineModule builds each
-    stage's layers itself, so the plan travels with the specs). plan: the Architecture's, per layer class;
-    block: its block class, where the sequence is cut under sequence parallelism."""
+    """The layer list whose layers split themselves over `tp` as they are built. plan: the Architecture's, per layer
+    class; block: its block class, where the sequence is cut under sequence parallelism."""
     if tp.size == 1:
         return specs
     first = next(i for i, spec in enumerate(specs) if spec.typename is block) if tp.sequence else len(specs)
-    out = []
-    for i, spec in enumerate(specs):
-        if spec.typename in plan or i >= first:
-            spec = _split_spec(spec, plan.get(spec.typename, {}), tp)
-            spec.cuts_sequence, spec.sliced = i == first, i >= first
-        out.append(spec)
-    return out
+    return [built_then(spec, functools.partial(_split, plan=plan.get(spec.typename, {}), tp=tp,
+                                               cuts_sequence=i == first, sliced=i >= first))
+            if spec.typename in plan or i >= first else spec for i, spec in enumerate(specs)]
 
 
-class _SplitOnBuild:
-    def build(self, log=False) -> nn.Module:
-        layer = apply_plan(super().build(log), self.plan, self.tp)
-        if self.cuts_sequence:
-            layer.register_forward_pre_hook(lambda _, args: (split_sequence(args[0], self.tp), *args[1:]))
-        if self.sliced:  # every replicated weight from here on sees a slice of the sequence
-            sum_gradients_over_tensor_ranks(layer, self.tp)
-        return layer
-
-
-class _SplitLayerSpec(_SplitOnBuild, LayerSpec):
-    pass
-
-
-class _SplitTiedLayerSpec(_SplitOnBuild, TiedLayerSpec):
-    pass
-
-
-def _split_spec(spec: LayerSpec, plan: dict, tp: TensorParallel) -> LayerSpec:
-    split = spec_as(spec, _SplitLayerSpec, _SplitTiedLayerSpec)
-    split.plan, split.tp, split.cuts_sequence, split.sliced = plan, tp, False, False
-    return split
+def _split(layer: nn.Module, plan: dict, tp: TensorParallel, cuts_sequence: bool, sliced: bool) -> nn.Module:
+    layer = apply_plan(layer, plan, tp)
+    if cuts_sequence:
+        layer.register_forward_pre_hook(lambda _, args: (split_sequence(args[0], tp), *args[1:]))
+    if sliced:  # every replicated weight from here on sees a slice of the sequence
+        sum_gradients_over_tensor_ranks(layer, tp)
+    return layer
 
 
 def apply_plan(layer: nn.Module, plan: dict, tp: TensorParallel) -> nn.Module:

@@ -24,13 +24,37 @@ def layer_names(specs: list) -> list[str]:
     return [f"tied_modules.{spec.key}" if isinstance(spec, TiedLayerSpec) else str(i) for i, spec in enumerate(specs)]
 
 
-def spec_as(spec: LayerSpec, plain: type, tied: type) -> LayerSpec:
-    """`spec` as an instance of `plain` (a TiedLayerSpec as `tied`), subclasses whose build() does more to the
-    layer: the same layer class, arguments and tie."""
-    if isinstance(spec, TiedLayerSpec):
-        return tied(spec.key, spec.typename, *spec.module_args, forward_fn=spec.forward_fn,
-                    tied_weight_attr=spec.tied_weight_attr, **spec.module_kwargs)
-    return plain(spec.typename, *spec.module_args, **spec.module_kwargs)
+class _BuiltThen:
+    """A LayerSpec whose build() passes the new layer through its steps in order, each `step(layer) -> layer`:
+    tensor parallelism's split (model/parallelize.py), then LoRA's adapters (model/lora.py). PipelineModule builds
+    each stage's layers itself, so the steps travel with the specs."""
+    def build(self, log=False) -> nn.Module:
+        layer = super().build(log)
+        for step in self.steps:
+            layer = step(layer)
+        return layer
+
+
+class _LayerSpecThen(_BuiltThen, LayerSpec):
+    pass
+
+
+class _TiedLayerSpecThen(_BuiltThen, TiedLayerSpec):
+    pass
+
+
+def built_then(spec: LayerSpec, step) -> LayerSpec:
+    """`spec`, its layer passed through `step` once built, after the steps it has: the same layer class,
+    arguments and tie."""
+    if not isinstance(spec, _BuiltThen):
+        if isinstance(spec, TiedLayerSpec):
+            spec = _TiedLayerSpecThen(spec.key, spec.typename, *spec.module_args, forward_fn=spec.forward_fn,
+                                      tied_weight_attr=spec.tied_weight_attr, **spec.module_kwargs)
+        else:
+            spec = _LayerSpecThen(spec.typename, *spec.module_args, **spec.module_kwargs)
+        spec.steps = ()
+    spec.steps = (*spec.steps, step)
+    return spec
 
 
 class LayerStack(nn.Module):

@@ -242,6 +242,12 @@ def column_slice(full: torch.Tensor, tp: TensorParallel, parts: int = 1) -> nn.P
     return _mark_split(nn.Parameter(_rows(full.detach(), tp, parts)), 0, parts)
 
 
+def row_slice(full: torch.Tensor, tp: TensorParallel) -> nn.Parameter:
+    """This rank's columns (input features) of a weight used as a row-parallel map outside an nn.Linear."""
+    start, stop = tp.shard(full.size(1))
+    return _mark_split(nn.Parameter(full.detach()[:, start:stop].clone()), 1)
+
+
 def shard_parameter(full: torch.Tensor, rule, tp: TensorParallel) -> torch.Tensor:
     """This rank's slice of a whole parameter, by its split rule (loading whole weights into a split model)."""
     if rule is None or tp.size == 1:

@@ -2,9 +2,9 @@
 same seed, the same logits); only the adapters train, through the real DeepSpeed engine at every ZeRO stage (the
 frozen weights bitwise as they were, the optimizer holding the adapters alone); the merged model computes what the
 adapted one does; the memory plan and the FLOPs count the frozen weights as such. Through train.py: a fine-tune of a
-transformers-built Llama with adapters equals one process under ZeRO-3 over two ranks and over two pipeline stages;
-its checkpoint holds the folder's weights untouched, and its export (merged) equals the adapted model in
-transformers."""
+transformers-built Llama with adapters equals one process under ZeRO-3 over two ranks, over two pipeline stages and
+over two tensor ranks (the adapters split as their maps); its checkpoint holds the folder's weights untouched, and
+its export (merged, or the adapters alone in PEFT's layout) equals the adapted model in transformers."""
 import dataclasses
 import json
 
@@ -15,14 +15,13 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from chats import reverse_tasks
-from common.checks import ConfigError
 from data.prepare_chat import prepare_chat
 from harness import FP32, export, grad_norms, launch, one_rank_world, train_losses
 from hf_check import load_in_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
 from model.lora import LoRALinear, is_adapter, merged
-from model.tensor_parallel import TensorParallel
+from model.tensor_parallel import COLUMN, ROW, TensorParallel, shard_parameter, split_rule
 from model_checks import SMALL_GPT
 from training.checkpoints.adapter import write_adapter
 from training.checkpoints.export import consolidated_state_dict, load_trained, write_export
@@ -167,10 +166,19 @@ def test_flops_count_the_frozen_weights_without_their_gradients():
     assert flops_per_token(cfg) == (flops_per_token(SMALL_LLAMA) - scores) * 4 / 6 + 6 * adapters + scores
 
 
-def test_tensor_parallelism_is_refused_with_adapters():
-    with pytest.raises(ConfigError, match="model.lora_rank=4 with tensor_model_parallel_size=2: the adapters are not "
-                                          "split over tensor ranks; fix: train LoRA at tensor_model_parallel_size=1"):
-        build_model(adapted(SMALL_LLAMA), tp=TensorParallel(2))
+@pytest.mark.parametrize("cfg", [SMALL_GPT, SMALL_LLAMA], ids=["gpt", "llama"])
+def test_the_adapters_split_as_their_maps_from_the_same_draws(cfg):
+    """At tp 2 each rank holds its slice of the adapters a one-rank model draws from the seed: a column-split map's
+    B by rows (the GPT's fused q|k|v in its three blocks), a row-split map's A by columns, the other whole."""
+    whole = dict(build_model(adapted(cfg), seed=3).named_parameters())
+    for rank in (0, 1):
+        tp = TensorParallel(2, rank)
+        for name, p in build_model(adapted(cfg), seed=3, tp=tp).named_parameters():
+            if is_adapter(name):
+                assert torch.equal(p, shard_parameter(whole[name], split_rule(p), tp)), name
+    rules = {n: split_rule(p) for n, p in build_model(adapted(cfg), tp=TensorParallel(2)).named_parameters()}
+    assert rules["2.mlp." + ("fc" if cfg.arch == "gpt" else "up") + ".lora_b"] == COLUMN
+    assert rules["2.attn." + ("proj" if cfg.arch == "gpt" else "o") + ".lora_a"] == ROW
 
 
 # A fine-tune with adapters from a transformers-built Llama, through train.py's ranks (launch: several processes).
@@ -183,6 +191,7 @@ LAYOUTS = {  # name: (processes, ds_config, overrides); global batch 4
     "one": (1, "zero0.json", ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=1"]),
     "zero3_dp2": (2, "zero3.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=1"]),
     "pp2": (2, "pipe2.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=4"]),
+    "tp2_zero1": (2, "tp2.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"]),
 }
 
 
@@ -214,7 +223,7 @@ def runs(tmp_path_factory, hf_folder):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("layout", ["zero3_dp2", "pp2"])
+@pytest.mark.parametrize("layout", ["zero3_dp2", "pp2", "tp2_zero1"])
 def test_adapters_train_on_every_layout_as_in_one_process(runs, layout):
     out, reference = runs(layout), runs("one")
     assert train_losses(out) == pytest.approx(train_losses(reference), abs=1e-5)

@@ -19,8 +19,7 @@ The step time is a stated model, its assumptions printed with every table and ea
   gradients (the shipped ds_configs' communication_data_type) and an all-gather of the updated 16-bit weights,
   under ZeRO-3 a reduce-scatter of the gradients and an all-gather of the weights for the forward and another for
   the backward; over the network between nodes (`inter_gbps`) when the group leaves a node; under LoRA
-  (model.lora_rank) the gradients and updated weights are the adapters' alone, and the layouts with tensor
-  parallelism are refused;
+  (model.lora_rank) the gradients and updated weights are the adapters' alone;
 - expert parallelism: 4 all-to-alls a mixture-of-experts layer and micro-batch (dispatch and combine, forward and
   backward) of each token's k routes, as if the routing were even, inside a node when the expert group is;
 - the pipeline's activations passed between stages, over the network;

@@ -43,7 +43,7 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
         return _with_experts(tag_dir, tp_size, rules)
     # What the optimizer holds: every weight, or under LoRA the adapters alone (the frozen weights come apart)
     shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
-    frozen = _frozen_weights(tag_dir, run_state, cfg) if cfg.lora_rank else {}
+    frozen = _frozen_weights(tag_dir, run_state, cfg, rules) if cfg.lora_rank else {}
     if run_state.get("universal"):
         return {**_from_universal(tag_dir, shapes), **frozen}
     if glob.glob(os.path.join(tag_dir, "*optim_states.pt")):  # ZeRO 1-3, or any bf16 pipeline
@@ -73,25 +73,31 @@ def _layer_files(tag_dir: str, cfg: ModelConfig, tp_size: int) -> list[dict[str,
     return slices
 
 
-def _frozen_weights(tag_dir: str, run_state: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _frozen_weights(tag_dir: str, run_state: dict, cfg: ModelConfig, rules: dict) -> dict[str, torch.Tensor]:
     """LoRA's frozen weights, which no optimizer holds and DeepSpeed's universal converter, reading the optimizer's
-    files, leaves out: the module's own copies (tensor parallelism is refused with adapters: one slice). A pipeline's
-    layer files; under ZeRO-3 each rank's fragment of each (DeepSpeed's frozen_param_fragments, in rank order);
+    files, leaves out: the module's own copies, each tensor rank's slice merged by `rules`. A pipeline's layer files;
+    under ZeRO-3 each rank's fragment of each (DeepSpeed's frozen_param_fragments, in data-parallel rank order);
     else the module's file."""
     with torch.device("meta"):
         names = [name for name, p in build_model(cfg).named_parameters() if not p.requires_grad]
-    if run_state["layout"]["pp"] > 1:
-        module = _layer_files(tag_dir, cfg, 1)[0]
-    elif run_state["layout"].get("zero_stage") == 3:
-        ranks = [checkpoint.load_state_file(path) for path in
-                 sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")),
-                        key=lambda path: int(os.path.basename(path).split("_")[3]))]
-        shapes = ranks[0]["frozen_param_shapes"]
-        module = {name: torch.cat([r["frozen_param_fragments"][name].flatten() for r in ranks])[: shape.numel()]
-                  .view(shape) for name, shape in shapes.items()}
+    layout = run_state["layout"]
+    if layout["pp"] > 1:
+        slices = _layer_files(tag_dir, cfg, layout["tp"])
+    elif layout.get("zero_stage") == 3:
+        slices = [_zero3_frozen(tag_dir, rank) for rank in range(layout["tp"])]
     else:
-        module = checkpoint.load_state_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))["module"]
-    return {name: module[name].float() for name in names}
+        slices = [checkpoint.load_state_file(os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"))["module"]
+                  for rank in range(layout["tp"])]
+    return {name: merge_parameter([s[name].float() for s in slices], rules[name]) for name in names}
+
+
+def _zero3_frozen(tag_dir: str, tensor_rank: int) -> dict[str, torch.Tensor]:
+    """A tensor rank's frozen weights under ZeRO-3, from its data-parallel ranks' fragments."""
+    paths = glob.glob(os.path.join(tag_dir, f"zero_pp_rank_*_mp_rank_{tensor_rank:02d}_model_states.pt"))
+    ranks = [checkpoint.load_state_file(path) for path in
+             sorted(paths, key=lambda path: int(os.path.basename(path).split("_")[3]))]
+    return {name: torch.cat([r["frozen_param_fragments"][name].flatten() for r in ranks])[: shape.numel()].view(shape)
+            for name, shape in ranks[0]["frozen_param_shapes"].items()}
 
 
 def _with_experts(tag_dir: str, tp_size: int, rules: dict) -> dict[str, torch.Tensor]:

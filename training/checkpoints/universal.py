@@ -46,9 +46,11 @@ def universal_info(named_parameters: list, tp_size: int) -> dict:
     stage, and only one copy must be kept; under tensor parallelism each parameter's rule (model/tensor_parallel.py)
     as DeepSpeed's patterns: replicated ones keep one slice, row-parallel ones join on dim 1, fused q|k|v
     join block by block, the rest (column-parallel, vocabulary rows) on dim 0. The loader cuts them again
-    for the resuming run's degree."""
+    for the resuming run's degree. Only what the optimizer holds, which the converter reads: not LoRA's frozen
+    weights, whose patterns it would find unused."""
     info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"]}
+    named_parameters = [(name, p) for name, p in named_parameters if p.requires_grad]
     rules = {name: split_rule(p) for name, p in named_parameters}
     if all(rule is None for rule in rules.values()):
         return info  # tp = 1: nothing to join
