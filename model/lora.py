@@ -121,7 +121,8 @@ def with_adapters(specs: list, cfg: ModelConfig, maps: list[str]) -> list:
 
 def add_adapters(layer: nn.Module, targets: list[str], cfg: ModelConfig) -> nn.Module:
     """Freeze the layer's weights (a score head's excepted) and put adapters on its maps named in `targets` (those
-    it has as nn.Linear: a mixture of experts' feed-forward maps are DeepSpeed's experts, left frozen)."""
+    it has as linear maps, whole or split: a mixture of experts' feed-forward maps are DeepSpeed's experts, left
+    frozen)."""
     if isinstance(layer, ScoreHead):
         return layer
     layer.requires_grad_(False)

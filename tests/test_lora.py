@@ -7,6 +7,7 @@ over two tensor ranks (the adapters split as their maps); its checkpoint holds t
 its export (merged, or the adapters alone in PEFT's layout) equals the adapted model in transformers."""
 import dataclasses
 import json
+import sys
 
 import deepspeed
 import pytest
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 
 from chats import reverse_tasks
 from data.prepare_chat import prepare_chat
-from harness import FP32, export, grad_norms, launch, one_rank_world, train_losses
+from harness import FP32, export, grad_norms, launch, one_rank_world, run, train_losses
 from hf_check import load_in_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
@@ -259,3 +260,15 @@ def test_the_checkpoint_keeps_the_folders_weights_and_the_export_is_the_adapted_
     sampled = load_trained(str(out))[1].eval()(idx)[..., : cfg.vocab_size]
     assert (sampled - expected).abs().max().item() <= 1e-5
     assert (build_model(run_cfg).eval()(idx)[..., : cfg.vocab_size] - expected).abs().max().item() > 1e-3
+
+
+@pytest.mark.launch
+def test_a_lora_checkpoint_is_not_converted_to_the_universal_format(runs):
+    """DeepSpeed's universal format holds what the optimizer holds: a resume at another layout would start from
+    frozen weights it does not find. Refused in one line, nothing written."""
+    out = runs("one")
+    proc = run([sys.executable, "-m", "scripts.convert_checkpoint", "universal", "--out_dir", str(out)], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"step_000004 is a LoRA run's checkpoint (model.lora_rank={RANK}): the universal format holds what the " \
+           f"optimizer holds" in proc.stderr
+    assert not (out / "checkpoints" / "step_000004_universal").exists()

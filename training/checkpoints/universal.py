@@ -142,6 +142,14 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
     """Why the checkpoint (`saved`: its run state) cannot be converted to the universal format, with what to do
     instead; None if it can."""
     layout, tag = saved["layout"], os.path.basename(os.path.normpath(tag_dir))
+    if saved["config"]["model"].get("lora_rank"):
+        out_dir = os.path.dirname(os.path.dirname(os.path.normpath(tag_dir)))
+        return (f"{tag_dir} is a LoRA run's checkpoint (model.lora_rank={saved['config']['model']['lora_rank']}): "
+                f"the universal format holds what the optimizer holds, its adapters, and a resume at another layout "
+                f"would not find the frozen weights. Resume it on its own layout (pp={layout['pp']}, "
+                f"tp={layout['tp']}, ZeRO-{layout['zero_stage']}), or start a new run from its weights, the "
+                f"adapters merged: python -m scripts.export --out_dir {out_dir} --tag {tag}, then "
+                f"train.init_from={out_dir}/export/{tag}")
     if saved["config"]["model"].get("n_experts"):
         return _unconvertible_experts(tag_dir, layout)
     if layout["tp"] > 1 and layout["zero_stage"] == 3:
