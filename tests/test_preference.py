@@ -104,6 +104,16 @@ def test_a_run_reads_the_reference_its_model_scored_before(runs):
     assert "reference log-probabilities read from" in proc.stdout
 
 
+def test_adapters_start_at_the_reference_they_adapt(setup, runs):
+    """DPO with LoRA's adapters from the reference's own folder: its reference read as the plain run scored it, and
+    the adapted policy, which starts as that folder's model, at ln 2 with rewards 0; the adapters' gradient is not."""
+    proc, step = run_dpo(setup, "lora", setup["reference"], ["model.lora_rank=4"])
+    assert "reference log-probabilities read from" in proc.stdout
+    assert step["loss"] == pytest.approx(math.log(2), abs=1e-6) and step["grad_norm"] > 0
+    for name in ("rewards_chosen", "rewards_rejected", "rewards_margin"):
+        assert step[name] == pytest.approx(0, abs=1e-6)
+
+
 def trl_step(setup, records, beta: float = 0.1, **settings) -> dict:
     """TRL's DPOTrainer on the same pairs, policy and reference: its loss and logged figures of one batch."""
     from datasets import Dataset

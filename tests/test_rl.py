@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from chats import CHATML, WORDS, chatml_folder, write_jsonl
 from harness import FP32, TINY, launch, metrics, tool
@@ -132,6 +133,26 @@ def test_layouts_sample_and_train_alike(setup):
         for step in (1, 2, 3):
             for k in FIGURES:
                 assert other[step][k] == pytest.approx(one[step][k], rel=1e-5, abs=1e-6), (name, step, k)
+
+
+def test_adapters_sample_and_train_with_every_row_checked(setup):
+    """GRPO with LoRA's adapters (model.lora_rank): the sampler's key/value cache runs through the adapted maps (the
+    rollouts' log-probabilities are the training forward's), tests/rl_check.py finds every row as it should be, and
+    the folder's weights stay as they were while the adapters learn."""
+    from safetensors.torch import load_file
+
+    from model.lora import is_adapter
+    from training.checkpoints.export import consolidated_state_dict
+    from training.checkpoints.hf import from_hf
+
+    out = grpo(setup, "lora", ["model.lora_rank=4", "optim.lr=3e-2"], env=CHECKED)
+    figures = steps(out)
+    assert sorted(figures) == [1, 2, 3]
+    assert all(figures[s]["mismatch"] < 1e-5 for s in (1, 2, 3)) and figures[1]["grad_norm"] > 0
+    state = consolidated_state_dict(str(out / "checkpoints" / "step_000003"))
+    base = from_hf(load_file(os.path.join(setup["policy"], "model.safetensors")), SHAPE)
+    assert all(torch.equal(state[name], base[name]) for name in base)
+    assert all(state[name].abs().max() > 0 for name in state if name.endswith("lora_b") and is_adapter(name))
 
 
 def test_a_reward_model_rewards_as_its_score_of_prompt_and_answer(setup):
