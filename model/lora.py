@@ -28,6 +28,7 @@ from model.tensor_parallel import (
     SINGLE,
     ColumnParallelLinear,
     RowParallelLinear,
+    column_slice,
     from_row_split,
     row_slice,
     sum_over_tensor_ranks,
@@ -48,22 +49,19 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, rank: int, alpha: float):
         super().__init__()
-        self.scale, self.tp, self.split = alpha / rank, getattr(base, "tp", SINGLE), None
+        self.split = COLUMN if isinstance(base, ColumnParallelLinear) else ROW if isinstance(base, RowParallelLinear) \
+            else None
+        self.scale, self.tp = alpha / rank, getattr(base, "tp", SINGLE)
         self.weight, self.bias = base.weight, base.bias
-        self.out_features, self.in_features = out_features, in_features = base.weight.shape  # this rank's
+        self.out_features, self.in_features = base.weight.shape  # this rank's
         like = {"dtype": base.weight.dtype, "device": base.weight.device}
-        a = torch.empty(rank, in_features * (self.tp.size if isinstance(base, RowParallelLinear) else 1), **like)
+        a = torch.empty(rank, self.in_features * (self.tp.size if self.split == ROW else 1), **like)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's own initialization, as PEFT's
-        b = torch.zeros(out_features, rank, **like)
-        self.lora_a, self.lora_b = nn.Parameter(a), nn.Parameter(b)
-        if isinstance(base, ColumnParallelLinear):
-            self.split = COLUMN
-            self.lora_b = _mark_as(self.lora_b, base.weight)
-            self._sum_gradient(self.lora_a)
-        elif isinstance(base, RowParallelLinear):
-            self.split = ROW
-            self.lora_a = row_slice(a, self.tp)
-            self._sum_gradient(self.lora_b)
+        b = torch.zeros(self.out_features * (self.tp.size if self.split == COLUMN else 1), rank, **like)
+        self.lora_a = row_slice(a, self.tp) if self.split == ROW else nn.Parameter(a)
+        self.lora_b = column_slice(b, self.tp, base.weight.fused_parts) if self.split == COLUMN else nn.Parameter(b)
+        if self.split:
+            self._sum_gradient(self.lora_a if self.split == COLUMN else self.lora_b)
 
     def _sum_gradient(self, p: nn.Parameter) -> None:
         p.register_hook(lambda grad: sum_over_tensor_ranks(grad.clone(), self.tp))
@@ -80,12 +78,6 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.lora_a.size(0)}, split={self.split}"
-
-
-def _mark_as(p: nn.Parameter, like: nn.Parameter) -> nn.Parameter:
-    """p, whose rows are already this rank's (zeros), marked with the split rule of `like`."""
-    p.tensor_model_parallel, p.partition_dim, p.fused_parts = True, 0, like.fused_parts
-    return p
 
 
 def linear_maps(plan: dict, block: type) -> list[str]:

@@ -264,11 +264,12 @@ def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda"
 
     dp = layout.data_axis  # ZeRO partitions over the data-parallel replicas and their sequence ranks
     partitioned = stage == 3 and pipe.stages == 1
-    local = held(counts) / dp if partitioned else held(counts)
-    trained = held(layer_params(cfg, tp_size, ep_size, trainable=True)) if cfg.lora_rank else held(counts)
+    every = held(counts)
+    local = every / dp if partitioned else every
+    trained = held(layer_params(cfg, tp_size, ep_size, trainable=True)) if cfg.lora_rank else every
     states = model_states(trained, stage, dp, ds, offload, pipe.stages > 1, max(counts))
-    if trained < held(counts):  # frozen weights: 16 bits each, without gradients or optimizer states
-        frozen = (held(counts) - trained) * 2 / (dp if partitioned else 1)
+    if trained < every:  # frozen weights: 16 bits each, without gradients or optimizer states
+        frozen = (every - trained) * 2 / (dp if partitioned else 1)
         states = dataclasses.replace(states, weights=states.weights + frozen)
     if cfg.n_experts and not cfg.lora_rank and ep_size > 1 and 1 <= stage <= 2 and pipe.stages == 1:
         # The experts' fp32 gradients and optimizer states are partitioned over their dp / ep copies, not over dp.

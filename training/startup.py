@@ -41,7 +41,7 @@ from training.device import (
 from training.ds_config import load_ds_config
 from training.evaluation.multiple_choice import open_tasks
 from training.launch.launcher_env import ranks_on_this_node, set_distributed_env, threads_per_rank
-from training.memory_plan import GB, plan
+from training.memory_plan import GB, layer_params, plan
 from training.moe import check_experts, expert_parallel_size
 from training.objectives import Objective, choose_objective
 from training.optim import optimizer_and_schedule, schedule_note
@@ -361,15 +361,9 @@ def describe_model(model) -> str:
     lora = ""
     if model.lora_rank:
         lora = (f"; LoRA rank {model.lora_rank} (alpha {model.lora_alpha:g}) on {model.lora_targets}: "
-                f"{trained_parameters(model):,} parameters train")
+                f"{sum(layer_params(model, trainable=True)):,} parameters train")
     return (f"{model.arch}: {model.n_layer} layers, {heads}, width {model.n_embd}, context {model.block_size}, "
             f"vocabulary {model.vocab_size:,}{experts}{lora}")
-
-
-def trained_parameters(model) -> int:
-    """The parameters that train: all but those LoRA freezes (model.lora_rank)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_model(model).parameters() if p.requires_grad)
 
 
 def describe_data(data) -> str:

@@ -43,7 +43,8 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
         return _with_experts(tag_dir, tp_size, rules)
     # What the optimizer holds: every weight, or under LoRA the adapters alone (the frozen weights come apart)
     shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
-    frozen = _frozen_weights(tag_dir, run_state, cfg, rules) if cfg.lora_rank else {}
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    frozen = _frozen_weights(tag_dir, run_state, cfg, frozen, rules) if frozen else {}
     if run_state.get("universal"):
         return {**_from_universal(tag_dir, shapes), **frozen}
     if glob.glob(os.path.join(tag_dir, "*optim_states.pt")):  # ZeRO 1-3, or any bf16 pipeline
@@ -73,13 +74,12 @@ def _layer_files(tag_dir: str, cfg: ModelConfig, tp_size: int) -> list[dict[str,
     return slices
 
 
-def _frozen_weights(tag_dir: str, run_state: dict, cfg: ModelConfig, rules: dict) -> dict[str, torch.Tensor]:
-    """LoRA's frozen weights, which no optimizer holds and DeepSpeed's universal converter, reading the optimizer's
-    files, leaves out: the module's own copies, each tensor rank's slice merged by `rules`. A pipeline's layer files;
-    under ZeRO-3 each rank's fragment of each (DeepSpeed's frozen_param_fragments, in data-parallel rank order);
-    else the module's file."""
-    with torch.device("meta"):
-        names = [name for name, p in build_model(cfg).named_parameters() if not p.requires_grad]
+def _frozen_weights(tag_dir: str, run_state: dict, cfg: ModelConfig, names: list[str],
+                    rules: dict) -> dict[str, torch.Tensor]:
+    """LoRA's frozen weights (`names`), which no optimizer holds and DeepSpeed's universal converter, reading the
+    optimizer's files, leaves out: the module's own copies, each tensor rank's slice merged by `rules`. A pipeline's
+    layer files; under ZeRO-3 each rank's fragment of each (DeepSpeed's frozen_param_fragments, in data-parallel
+    rank order); else the module's file."""
     layout = run_state["layout"]
     if layout["pp"] > 1:
         slices = _layer_files(tag_dir, cfg, layout["tp"])
