@@ -7,6 +7,7 @@ over two tensor ranks (the adapters split as their maps); its checkpoint holds t
 its export (merged, or the adapters alone in PEFT's layout) equals the adapted model in transformers."""
 import dataclasses
 import json
+import os
 import sys
 
 import deepspeed
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from chats import reverse_tasks
+from common.checks import ConfigError
 from data.prepare_chat import prepare_chat
 from harness import FP32, export, grad_norms, launch, one_rank_world, run, train_losses
 from hf_check import load_in_transformers, transformers_model
@@ -144,6 +146,25 @@ def test_the_adapters_load_in_peft_over_the_model_they_adapt(cfg, targets, tmp_p
     expected = lora.eval()(idx)[..., :65]
     assert (theirs(idx).logits - expected).abs().max().item() <= 1e-5
     assert (load_in_transformers(base)(idx).logits - expected).abs().max().item() > 1e-2  # the adapters count
+
+
+def test_an_adapter_export_is_refused_where_it_would_not_hold_the_model(tmp_path):
+    """No adapters to write, a reward model's trained score head, an earlier folder: each refused in one line naming
+    the fix, nothing written."""
+    folder = str(tmp_path / "adapter")
+    with pytest.raises(ConfigError, match=r"^the checkpoint holds no adapters \(its model.lora_rank is 0\); fix: "
+                                          r"export it without --adapter, as the whole model$"):
+        write_adapter(folder, SMALL_LLAMA, build_model(SMALL_LLAMA).state_dict(), None)
+    reward = adapted(dataclasses.replace(SMALL_LLAMA, head="score"))
+    with pytest.raises(ConfigError, match=r"^the checkpoint is a reward model's \(model.head=score\), whose score "
+                                          r"head trains beside the adapters; fix: export it without --adapter"):
+        write_adapter(folder, reward, build_model(reward).state_dict(), None)
+    assert not (tmp_path / "adapter").exists()
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"already exists and would be overwritten; fix: pass another --output"):
+        write_adapter(folder, adapted(SMALL_LLAMA), build_model(adapted(SMALL_LLAMA)).state_dict(), None, force=True)
+    assert sorted(os.listdir(folder)) == ["notes.txt"]
 
 
 def test_the_memory_plan_keeps_optimizer_states_for_the_adapters_alone():
