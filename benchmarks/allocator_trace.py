@@ -26,10 +26,16 @@ def stop() -> list[dict]:
     return trace
 
 
+# the probe's own dispatch mode, on the stack of every allocation made under it
+INSTRUMENTS = ("benchmarks/live_tensors.py",)
+
+
 def origin(frames: list[dict]) -> str:
-    """The innermost frame of the code that asked for the memory (this repo's, DeepSpeed's), not torch's own."""
+    """The innermost frame of the code that asked for the memory (this repo's, DeepSpeed's), not torch's own nor the
+    probe's."""
     for frame in frames:
-        if "/torch/" not in frame.get("filename", ""):
+        filename = frame.get("filename", "")
+        if "/torch/" not in filename and not filename.endswith(INSTRUMENTS):
             return f"{frame['filename'].rsplit('site-packages/', 1)[-1]}:{frame['line']} {frame['name']}"
     return "?"
 

@@ -41,8 +41,10 @@ def tier_result(results: str) -> str:
 def plan_beside(plan: dict | None, throughput: dict, stage: str) -> dict:
     """The memory plan's probe of the same settings as a throughput row (train.compile aside), else nothing: a probe
     left from a run at other settings (record.sh's MEMORY=0) is not that row's."""
-    settings = [o for o in throughput["overrides"] if not o.startswith("train.compile=")]
-    return plan["results"].get(f"{stage}.json", {}) if plan and plan["overrides"] == settings else {}
+    def settings(overrides: list[str]) -> list[str]:
+        return [o for o in overrides if not o.startswith("train.compile=")]
+    same = plan and settings(plan["overrides"]) == settings(throughput["overrides"])
+    return plan["results"].get(f"{stage}.json", {}) if same else {}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,15 +5,15 @@
 # beside the measured peak and per-rank memory against the ZeRO theory (MEMORY=0 leaves both out: the tier checks
 # the plan at ZeRO 0-3); for the presets of $SWEEP (default gpt2_124m; empty for none) the step's levers, a train.py
 # run each (benchmarks/sweep.py: the micro-batches of $SWEEP_MICRO, default 16 32 64, at 64 windows a step, then
-# compiled, ZeRO-0 and the flash and cuDNN attention kernels first at the fastest). $SETTINGS adds run-config
+# eager (the presets compile), ZeRO-0 and the flash and cuDNN attention kernels first at the fastest). $SETTINGS adds run-config
 # overrides to the throughput rows and the memory plan (ds.* for the ds_config).
 # As JSON under benchmarks/results/<device>/ (device name, software versions and date are in each file), and a
-# markdown table of it at the end. On one H200 the tier took about 5.5 minutes in one process, a throughput row 30
-# to 40 s.
+# markdown table of it at the end. On one H200 the tier took 3 min 20 s, a throughput row 30 s eager and 50 s
+# compiled, a sweep row 30 to 40 s.
 #
 #   bash benchmarks/record.sh [PRESET ...]      # default: gpt2_124m llama_124m, context 1024, ZeRO-1
 #   DS_CONFIG=ds_configs/zero2.json TEXT=path/to/tinyshakespeare.txt bash benchmarks/record.sh gpt2_350m encoder_1b
-#   SWEEP= MEMORY=0 SETTINGS="ds.train_micro_batch_size_per_gpu=64" bash benchmarks/record.sh   # in 8 minutes
+#   SWEEP= MEMORY=0 SETTINGS="ds.train_micro_batch_size_per_gpu=64" bash benchmarks/record.sh   # in 7 minutes
 #
 # The character-level Shakespeare data stands in for the BPE data (the BPE needs a download; the presets keep
 # their vocabulary, a bpe:N tokenizer's as N ids, so parameter counts and FLOPs are the real ones). It is prepared
@@ -81,14 +81,15 @@ for preset in "${presets[@]}"; do
         "$python" benchmarks/throughput.py --config "configs/$preset.yaml" --ds_config "$ds_config" \
             --precisions bf16 --steps 20 --json "$results/$name.json" "${overrides[@]}" train.compile=$compiled
     done
-    if [ "${MEMORY:-1}" != 0 ]; then
-        probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" "${overrides[@]}"
+    if [ "${MEMORY:-1}" != 0 ]; then  # eager, as the tier checks the plan: the live-tensor count runs the loss eagerly
+        probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" "${overrides[@]}" \
+            train.compile=false
         "$python" benchmarks/memory.py --config "configs/$preset.yaml" --nprocs 1 --stages "$stage" \
-            --json "$results/memory_${preset}_$stage.json" "${overrides[@]}"
+            --json "$results/memory_${preset}_$stage.json" "${overrides[@]}" train.compile=false
     fi
     if [[ " ${SWEEP-gpt2_124m} " == *" $preset "* ]]; then
         "$python" benchmarks/sweep.py --config "configs/$preset.yaml" --ds_config "$ds_config" --global_batch 64 \
-            --micro "${sweep_micro[@]}" --steps 20 --levers train.compile=true ds_config=ds_configs/zero0.json \
+            --micro "${sweep_micro[@]}" --steps 20 --levers train.compile=false ds_config=ds_configs/zero0.json \
             train.sdpa_backend=flash train.sdpa_backend=cudnn \
             --work_dir out/benchmarks/sweep --json "$results/sweep_${preset}_$stage.json" "${data_overrides[@]}" || true
     fi

@@ -77,7 +77,9 @@ class _MatchKeptOperators(_CachedTorchDispatchMode):
 
 def _contexts():
     caching, cached = create_selective_checkpoint_contexts(_keep_matmuls)
-    return caching, _MatchKeptOperators(None, cached.storage)
+    # torch 2.11 (the GPU images') asks the policy again in the recomputation and requires the flag; later versions
+    # ignore the one and default the other
+    return caching, _MatchKeptOperators(_keep_matmuls, cached.storage, cached.allow_cache_entry_mutation)
 
 
 def selective_checkpoint(function, *args):

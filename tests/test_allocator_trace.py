@@ -6,6 +6,7 @@ SITE = "/venv/lib/python3.12/site-packages/"
 TORCH = {"filename": SITE + "torch/nn/functional.py", "line": 3, "name": "linear"}
 GATHER = {"filename": SITE + "deepspeed/runtime/zero/partition_parameters.py", "line": 10, "name": "all_gather"}
 REDUCE = {"filename": SITE + "deepspeed/runtime/zero/stage3.py", "line": 20, "name": "reduce"}
+PROBE = {"filename": "/work/repo/benchmarks/live_tensors.py", "line": 43, "name": "__torch_dispatch__"}
 
 
 def event(action: str, addr: int, size: int, stream: int = 0, frames=()) -> dict:
@@ -34,3 +35,10 @@ def test_allocations_from_one_place_and_stream_are_summed():
     trace = [event("alloc", a, 10, frames=[REDUCE]) for a in range(5)] + [event("alloc", 9, 20, stream=7)]
     assert at_peak(trace, n=1) == {"peak": 70, "largest": [[50, 0, "deepspeed/runtime/zero/stage3.py:20 reduce",
                                                             "live"]]}
+
+
+def test_the_probes_own_dispatch_mode_is_not_an_origin():
+    """The live-tensor count runs as a dispatch mode, whose frame is innermost in every allocation under it."""
+    trace = [event("alloc", 1, 10, frames=[TORCH, PROBE, TORCH, GATHER]), event("alloc", 2, 5, frames=[PROBE])]
+    assert at_peak(trace)["largest"] == [[10, 0, "deepspeed/runtime/zero/partition_parameters.py:10 all_gather",
+                                          "live"], [5, 0, "?", "live"]]

@@ -402,7 +402,7 @@ def test_the_gpu_figures_set_a_throughput_row_beside_the_plan_of_its_own_setting
     (tmp_path / "throughput_gpt2_124m_zero1_compiled.json").write_text(json.dumps(
         {"date": "2026-11-28", "device": "GPU", "overrides": [*settings, "train.compile=true"], "results": [row]}))
     plan = {"overrides": settings, "results": {"zero1.json": {"measured": 3 * 2**30, "plan": 2**31}}}
-    for probed, shown in ((settings, True), (settings[:1], False)):
+    for probed, shown in ((settings, True), ([*settings, "train.compile=false"], True), (settings[:1], False)):
         (tmp_path / "memory_plan_gpt2_124m_zero1.json").write_text(json.dumps({**plan, "overrides": probed}))
         main([str(tmp_path), "gpt2_124m"])
         line = capsys.readouterr().out.splitlines()[-1]

@@ -25,7 +25,9 @@ from training.checkpoints import background_save, checkpoint
 from training.checkpoints.background_save import BackgroundWriter
 from training.config import RunConfig
 from training.ds_config import load_ds_config
+from training.engines import training_engine
 from training.optim import check_schedule, client_schedule, optimizer_and_schedule, param_groups, start_schedule
+from training.parallelize import parallelize
 from training.startup import effective_ds_config
 from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_reduce_over_one_rank
 
@@ -176,6 +178,33 @@ def test_shipped_configs_reduce_bf16_gradients_in_fp32(name):
         assert engine.get_data_types() == (torch.bfloat16, torch.float32)
         assert type(engine.optimizer).__name__ == "BF16_Optimizer"
     assert train_steps(engine, 2)[1] > 0
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_zero3_partitions_and_computes_in_the_configs_precision(bf16):
+    """ZeRO-3 partitions each layer as it is built (training/parallelize.py, zero.Init(module=)), which keeps the
+    weights' type, and DeepSpeed's engine casts no partitioned weight: under a bf16 ds_config the partitions are
+    bf16, and so are the logits, which equal ZeRO-0's within bf16's rounding; under fp32 both stay fp32."""
+    cfg = run_config(model=dataclasses.asdict(SMALL_GPT), train={"max_steps": 2})
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    idx = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    with mock.patch.object(F, "linear", F.linear):  # zero.Init swaps in its own for the rest of the process
+        for stage in (0, 3):
+            loaded = load_ds_config(os.path.join(REPO, "ds_configs", f"zero{stage}.json"),
+                                    [f"bf16.enabled={str(bf16).lower()}", "train_micro_batch_size_per_gpu=2",
+                                     "gradient_accumulation_steps=1"])
+            settings = effective_ds_config(loaded, cfg, 1, torch.device("cpu"))
+            model, _ = parallelize(cfg, settings.pipe, settings.ds)
+            engine = training_engine(model, cfg, settings.ds)
+            if stage == 3:
+                assert {p.ds_tensor.dtype for p in model.parameters()} == {dtype}
+            with torch.no_grad():
+                logits[stage] = engine(idx)
+            engine.destroy()
+    assert logits[3].dtype == logits[0].dtype == dtype
+    torch.testing.assert_close(logits[3].float(), logits[0].float(), rtol=0.02 if bf16 else 1e-5,
+                               atol=0.02 if bf16 else 1e-5)
 
 
 @pytest.mark.parametrize("stage, bf16", [(0, False), (0, True), (1, True)])

@@ -33,8 +33,8 @@ experts, whose optimizer states ZeRO partitions over the ranks that hold the sam
 shared expert whole.
 ZeRO-3 adds its gradient bucket, allocated whole at start; ZeRO-1/2 allocate theirs at each backward pass.
 Allocator fragmentation and the CUDA context come on top. At ZeRO-0 to 2 the plan is within 5% of a step's peak
-of live tensors (tests/test_gpu.py); under ZeRO-3 a GPU's peak runs above this count of the activations
-(docs/performance.md, "The memory plan on a GPU").
+of live tensors (tests/test_gpu.py); under ZeRO-3 a GPU's peak ran above this count of the activations while
+ZeRO-3 computed in fp32 (docs/performance.md, "The memory plan on a GPU").
 """
 import dataclasses
 from dataclasses import dataclass
@@ -236,13 +236,16 @@ def model_states(params: float, stage: int, dp: int, ds: dict, offload: bool, pi
     if stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=dp, cpu_offload=True)
         return ModelStates(gpu, backward_bucket=gradient_buckets(ds, 2), cpu=cpu)
-    cpu, gpu, gathered = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=dp,
-                                                               cpu_offload=offload, cpu_offload_params=False)
     if offload:  # a partition of the 16-bit weights and the largest layer gathered
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=dp,
+                                                            cpu_offload=True, cpu_offload_params=False)
         return ModelStates(gpu, bucket=gradient_buckets(ds, 3), cpu=cpu)
-    # DeepSpeed's 18 bytes a parameter over the ranks: 16-bit weights, fp32 gradients, master weights and moments
-    return ModelStates(2 * params / dp + gathered, (gpu - gathered) - 14 * params / dp, 12 * params / dp,
-                       bucket=gradient_buckets(ds, 3))
+    # 16 bytes a parameter over the ranks, as measured (DeepSpeed's estimator says 18, fp32 gradients): the 16-bit
+    # weights and gradients, fp32 master weights and moments; the largest layer gathered in 16 bits; and at the step
+    # an fp32 copy of a sub-group's gradients
+    sub_group = int(float(ds.get("zero_optimization", {}).get("sub_group_size", 1e9)))
+    return ModelStates(2 * params / dp + 2 * largest_layer, 2 * params / dp, 12 * params / dp,
+                       step=4 * min(params / dp, sub_group), bucket=gradient_buckets(ds, 3))
 
 
 def plan(cfg, ds: dict, gpus: int, mlp_tiles: int = 1, device_type: str = "cuda", compiled: bool = False) -> dict:

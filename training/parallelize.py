@@ -58,8 +58,16 @@ def zero3_partition(ds: dict, tp: TensorParallel, grid):
     by the GPU's generator, other weights for a seed. Under tensor parallelism it is partitioned over the
     data-parallel replicas of each slice."""
     group = grid.get_data_parallel_group() if tp.size > 1 else None
+    sixteen = torch.float16 if ds.get("fp16", {}).get("enabled") else \
+        torch.bfloat16 if ds.get("bf16", {}).get("enabled") else None
 
     def partition(layer: torch.nn.Module) -> None:
+        # The engine casts a module's parameters to the 16-bit type, but not those zero.Init partitioned, which it
+        # takes for made in that type inside zero.Init's context; zero.Init(module=) partitions them as they are,
+        # so they are cast first (the buffers stay, as the engine leaves them), or ZeRO-3 would compute in fp32.
+        for param in layer.parameters():
+            if sixteen is not None and param.is_floating_point():
+                param.data = param.data.to(sixteen)
         deepspeed.zero.Init(module=layer, config_dict_or_path=ds, data_parallel_group=group,
                             mpu=grid if tp.size > 1 else None)
         # zero.Init(module=) places the parameters only, and the engine moves no partitioned module to the
