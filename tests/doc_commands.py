@@ -163,3 +163,18 @@ def check_in_order(commands: list[str], cwd: str) -> None:
                     ours = [line for line in noise if text in line]
                     noise = [line for line in noise if text not in line] + ours[count:]
             assert not noise, f"{command}\n{noise}"
+
+
+def train_settings(argv: list[str]):
+    """A train.py line's run config as far as one machine can check it without its data: its settings load, and
+    what they ask of their layout holds (the check train.py makes at start, training/startup.py)."""
+    from training.config import load_run_config, parse_args, split_overrides
+    from training.ds_config import load_ds_config
+    from training.startup import check_layout_settings
+    from training.topology import pipeline_settings, sequence_parallel_size
+    args = parse_args(argv[argv.index("train.py") + 1:])
+    run, ds_overrides = split_overrides(args.overrides)
+    cfg = load_run_config(os.path.join(REPO, args.config), run)
+    ds = load_ds_config(os.path.join(REPO, args.ds_config), ds_overrides)
+    check_layout_settings(cfg, ds, pipeline_settings(ds), sequence_parallel_size(ds))
+    return cfg

@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from doc_commands import bash_blocks, check_in_order
+from doc_commands import bash_blocks, check_in_order, train_settings
 from harness import REPO, fresh_clone
 
 DOCS = ["docs/preference.md", "docs/rl.md", "docs/moe.md", "docs/evaluation.md"]
@@ -39,16 +39,11 @@ def test_a_docs_command_blocks_work_in_order_after_the_quickstart(after_quicksta
 
 
 def test_the_blocks_not_run_here_name_settings_that_load():
-    from training.config import load_run_config, parse_args, split_overrides
-    from training.ds_config import load_ds_config
     elsewhere = [command for doc in DOCS for reason, block in bash_blocks(doc) if reason for command in block]
     assert len(elsewhere) >= 2, elsewhere
     for argv in map(shlex.split, elsewhere):
         if "train.py" in argv:
-            args = parse_args(argv[argv.index("train.py") + 1:])
-            run, ds = split_overrides(args.overrides)
-            load_run_config(os.path.join(REPO, args.config), run)
-            load_ds_config(os.path.join(REPO, args.ds_config), ds)
+            train_settings(argv)
         else:
             assert argv[:3] == ["python", "-m", "scripts.evaluate"], argv
             from scripts.evaluate import parse_args as evaluate_args

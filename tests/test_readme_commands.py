@@ -4,13 +4,12 @@ offline). What cannot run on one CPU machine (a cluster's hostfile, 8 GPUs' wort
 which tiktoken downloads) is in the README's second block, whose lines are checked by what they start (their
 settings load and their refusal on a fresh clone names the fix), and tested for real elsewhere
 (test_multinode.py, test_train.py)."""
-import os
 import shlex
 
 import pytest
 
-from doc_commands import bash_blocks, check_in_order
-from harness import REPO, fresh_clone
+from doc_commands import bash_blocks, check_in_order, train_settings
+from harness import fresh_clone
 
 
 def readme_commands(section: str, blocks: slice = slice(None)) -> list[str]:
@@ -27,9 +26,8 @@ def test_the_quickstart_running_and_configuration_blocks_work_in_order(tmp_path)
 
 def test_the_at_scale_block_names_settings_that_load_and_data_it_prepares():
     """What the second block of the Running section cannot run here is checked as far as one machine can: each
-    train.py line's settings load, and its data is what the block (or the quickstart) prepares."""
-    from training.config import load_run_config, parse_args, split_overrides
-    from training.ds_config import load_ds_config
+    train.py line's settings load and suit its layout, and its data is what the block (or the quickstart)
+    prepares."""
     commands = readme_commands("Running", blocks=slice(1, 2))
     prepared = {"data/shakespeare_char"}  # the quickstart's
     prepared |= {argv[argv.index("--out_dir") + 1] for argv in map(shlex.split, commands)
@@ -37,8 +35,5 @@ def test_the_at_scale_block_names_settings_that_load_and_data_it_prepares():
     trains = [argv for argv in map(shlex.split, commands) if "train.py" in argv]
     assert len(trains) >= 3, commands
     for argv in trains:
-        args = parse_args(argv[argv.index("train.py") + 1:])
-        run, ds = split_overrides(args.overrides)
-        cfg = load_run_config(os.path.join(REPO, args.config), run)
-        load_ds_config(os.path.join(REPO, args.ds_config), ds)
+        cfg = train_settings(argv)
         assert cfg.data.dir in prepared, f"{' '.join(argv)} trains on {cfg.data.dir}, which no command prepares"
