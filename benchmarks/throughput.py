@@ -50,9 +50,9 @@ class Reference:
         self.compiled = cfg.train.compile  # the loss as train.py's objective computes it
         self.mixed = dtype != torch.float32
         names = [name for name, _ in self.model.named_parameters()]
-        if self.mixed:
-            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model.parameters()]
+        if self.mixed:  # the masters from the 16-bit weights, as DeepSpeed makes them once it has cast the model
             self.model.to(dtype)
+            self.master = [p.detach().float().requires_grad_(True) for p in self.model.parameters()]
         else:
             self.master = list(self.model.parameters())
         adam = ds["optimizer"]["params"]

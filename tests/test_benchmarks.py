@@ -62,8 +62,9 @@ def test_tensor_parallel_theory_is_megatrons_arithmetic():
 
 def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
     report = tmp_path / "throughput.json"
-    run([sys.executable, "benchmarks/throughput.py", "--config", "configs/quickstart.yaml", "--steps", "4",
-         "--warmup", "1", "--chunk", "2", "--profile", "1", "--json", str(report), f"data.dir={char_data}"])
+    run([sys.executable, "benchmarks/throughput.py", "--config", "configs/quickstart.yaml", "--ds_config",
+         "ds_configs/zero1.json", "--steps", "4", "--warmup", "1", "--chunk", "2", "--profile", "1", "--json",
+         str(report), f"data.dir={char_data}"])
     written = json.loads(report.read_text())
     results = {r["precision"]: r for r in written["results"]}
     for result in results.values():  # both loops profiled, each step's matmuls among its top operators
@@ -71,10 +72,11 @@ def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
             assert "aten::mm" in [o["op"] for o in ops] and sum(o["share"] for o in ops) <= 1 + 1e-9
     assert set(results) == {"bf16", "fp32"}
     fp32, bf16 = results["fp32"], results["bf16"]
-    # fp32: the same arithmetic in both loops; bf16: DeepSpeed and the loop round the master weights alike, but
-    # not every kernel sums in the same order.
-    assert fp32["deepspeed"]["final_loss"] == pytest.approx(fp32["reference"]["final_loss"], rel=1e-5)
-    assert bf16["deepspeed"]["final_loss"] == pytest.approx(bf16["reference"]["final_loss"], rel=1e-2)
+    # ZeRO-1 at one process is the plain loop's arithmetic: in bf16 to the bit (DeepSpeed's bf16 optimizer: fp32
+    # masters made from the bf16 weights, fp32 gradients, the step on the device, training/steps.py), in fp32 to
+    # the order its flat partition sums the gradient norm in
+    assert bf16["deepspeed"]["final_loss"] == bf16["reference"]["final_loss"]
+    assert fp32["deepspeed"]["final_loss"] == pytest.approx(fp32["reference"]["final_loss"], rel=1e-6)
     for result in results.values():
         # MFU is against the peak the script measured on this machine, for this precision
         assert result["peak_tflops"] > 0
