@@ -40,8 +40,7 @@ def settings(stages: int, micro_batches: int, args) -> list[str]:
     return ["train.resume=none", f"train.max_steps={args.steps}", f"train.log_interval={args.steps // 2}",
             "train.eval_interval=1000000", "train.eval_windows=1", "train.save_interval=0", "sample.max_new_tokens=1",
             f"ds.pipeline.stages={stages}", f"ds.gradient_accumulation_steps={micro_batches}",
-            f"ds.train_micro_batch_size_per_gpu={args.micro_batch}",
-            "train.compile=false", *args.overrides]  # compiling takes the plain module only: both sides eager
+            f"ds.train_micro_batch_size_per_gpu={args.micro_batch}", *args.overrides]
 
 
 def check(args) -> None:

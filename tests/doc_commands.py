@@ -170,11 +170,11 @@ def train_settings(argv: list[str]):
     what they ask of their layout holds (the check train.py makes at start, training/startup.py)."""
     from training.config import load_run_config, parse_args, split_overrides
     from training.ds_config import load_ds_config
-    from training.startup import check_layout_settings
-    from training.topology import pipeline_settings, sequence_parallel_size
+    from training.startup import check_recompute
+    from training.topology import pipeline_settings
     args = parse_args(argv[argv.index("train.py") + 1:])
     run, ds_overrides = split_overrides(args.overrides)
     cfg = load_run_config(os.path.join(REPO, args.config), run)
     ds = load_ds_config(os.path.join(REPO, args.ds_config), ds_overrides)
-    check_layout_settings(cfg, ds, pipeline_settings(ds), sequence_parallel_size(ds))
+    check_recompute(pipeline_settings(ds), cfg, ds)
     return cfg

@@ -93,8 +93,6 @@ def test_a_layout_over_the_gpus_memory_names_the_planners_choice():
                                                        "unset (a run takes it from its dataset); fix: pass "
                                                        "model.vocab_size=N"),
     ([*LLAMA_405B, "ds.pipeline.stages=200"], 8, "error: 200 pipeline stages"),
-    ([*LLAMA_405B, "train.compile=true"], 8, "error: train.compile=true works on the plain module without sequence "
-                                             "parallelism only"),
     ([*LLAMA_405B, "--gpu_gb", "0"], 8, "error: --gpu_gb 0.0: must be > 0 (a GPU's memory in GB); fix: e.g. "
                                         "--gpu_gb 80, or leave it out to take the GPU's own"),
 ])

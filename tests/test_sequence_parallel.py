@@ -42,6 +42,7 @@ LAYOUTS = {  # name: (processes, ds_config, overrides)
     "sp2_dp2": (4, "zero1.json", [SP2, "ds.gradient_accumulation_steps=2"]),
     "tp2_sp2": (4, "tp2.json", [SP2, "ds.gradient_accumulation_steps=4"]),
     "pp2_sp2": (4, "pipe2.json", [SP2, "ds.gradient_accumulation_steps=4"]),
+    "pp2_sp2_compiled": (4, "pipe2.json", [SP2, "ds.gradient_accumulation_steps=4", "train.compile=true"]),
     # The MLP in tiles along each rank's slice (DeepSpeed's TiledMLP), computed again in the backward.
     "sp2_tiled": (2, "zero0.json", [SP2, "ds.gradient_accumulation_steps=4", "train.mlp_tiles=4"]),
 }
@@ -98,6 +99,15 @@ def test_layouts_train_as_their_reference_does(runs, arch, layout):
     assert "sequence groups" in stdout and "sp 2" in stdout
     assert_trains_alike(out, reference)
     assert sample(stdout) == sample(reference_stdout)
+
+
+def test_compiled_blocks_train_the_eager_losses_in_pipeline_stages_over_sequence_ranks(runs):
+    """train.compile with pp 2 x sp 2: each stage compiles its block around Ulysses' all-to-alls, and the last
+    stage's loss its chunks; one eager process's losses (compiled kernels sum in their own order)."""
+    (out, stdout), (reference, _) = runs("llama", "pp2_sp2_compiled"), runs("llama", "one")
+    assert "compiling 1 blocks (torch.compile)" in stdout and "pp 2" in stdout and "sp 2" in stdout
+    assert len(train_losses(out)) == 4 and train_losses(out) == pytest.approx(train_losses(reference), abs=1e-4)
+    assert grad_norms(out) == pytest.approx(grad_norms(reference), abs=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

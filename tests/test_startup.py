@@ -31,15 +31,6 @@ def test_cli_missing_data_says_how_to_prepare(tmp_path):
                                   f"{tmp_path}/none")
 
 
-@pytest.mark.parametrize("ds_config,extra", [("pipe2.json", []), ("zero0.json", ["ds.sequence_parallel_size=2"])],
-                         ids=["pipeline", "sequence-parallel"])
-def test_cli_compile_with_pipeline_stages_or_sequence_ranks_is_refused(char_data, tmp_path, ds_config, extra):
-    proc = cli(f"data.dir={char_data}", f"train.out_dir={tmp_path}", "train.compile=true", *extra, ds_config=ds_config)
-    assert_refused_at_start(proc, "train.compile=true works on the plain module without sequence parallelism only: "
-                                  "use a ds_config without pipeline stages or sequence_parallel_size, or set "
-                                  "train.compile=false")
-
-
 def test_cli_malformed_override(char_data, tmp_path):
     proc = cli(f"data.dir={char_data}", "train.max_steps")
     assert_refused_at_start(proc, "override 'train.max_steps' is not key=value")

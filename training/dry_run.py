@@ -10,7 +10,7 @@ from training.config import RunConfig
 from training.layout_planner import Assumptions, plan_layouts
 from training.memory_plan import ALLOWANCE, GB, fits, layer_params, plan, repeated_ties, stages_of
 from training.moe import check_experts, expert_parallel_size
-from training.startup import check_layout_settings
+from training.startup import check_recompute
 from training.topology import (
     group_lists,
     pipeline_settings,
@@ -32,7 +32,7 @@ def dry_run(cfg: RunConfig, ds: dict, world: int, gpus_per_node: int, gpu_gb: fl
         expert_parallel_size(ds)
     layout = resolve_layout(dict(ds), world, pipe.stages, tp, sp, ep)
     zero = zero_stage(ds)
-    check_layout_settings(cfg, ds, pipe, sp)
+    check_recompute(pipe, cfg, ds)
     check_experts(cfg.model, layout, zero, ds.get("fp16", {}).get("enabled") is True, cfg.train.compile,
                   cfg.train.mlp_tiles)
     groups = group_lists(topology(layout), sp)

@@ -40,8 +40,9 @@ def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorP
     inside = cfg.train.compile and pipe.recompute == "selective"
     interval = 0 if inside else pipe.checkpoint_interval
     if pipe.stages > 1:
-        model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, functools.partial(lm_loss, tp=tp),
-                               interval, tp, sp, ep, pipe.recompute)
+        loss = functools.partial(lm_loss, tp=tp, compiled=cfg.train.compile)
+        model = build_pipeline(cfg.model, cfg.train.seed, topo, pipe.partition, loss, interval, tp, sp, ep,
+                               pipe.recompute)
     elif zero_stage(ds) == 3:
         model = build_model(cfg.model, cfg.train.seed, interval, partition=zero3_partition(ds, tp, grid), tp=tp,
                             sp=sp, recompute=pipe.recompute)

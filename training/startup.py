@@ -86,7 +86,7 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
     dtype, precision_note = compute_dtype(ds, device, cfg.model.n_embd)
     pipe = pipeline_settings(ds)
     tp_size, sp_size = tensor_parallel_size(ds), sequence_parallel_size(ds)
-    check_layout_settings(cfg, ds, pipe, sp_size)
+    check_recompute(pipe, cfg, ds)
     layout = resolve_layout(ds, world_size, pipe.stages, tp_size, sp_size, expert_parallel_size(ds))
     check_experts(cfg.model, layout, zero_stage(ds), dtype == torch.float16,
                   cfg.train.compile, cfg.train.mlp_tiles)
@@ -107,19 +107,11 @@ def effective_ds_config(ds: dict, cfg: RunConfig, world_size: int, device: torch
                           onednn_matmuls(ds, device, cfg.model.n_embd))
 
 
-def check_layout_settings(cfg: RunConfig, ds: dict, pipe: Pipeline, sp_size: int) -> None:
-    """What the run config asks of the layout that it cannot give: train.py's start and the dry run check it alike."""
-    if cfg.train.compile and (pipe.stages > 1 or sp_size > 1):
-        raise ConfigError("train.compile=true works on the plain module without sequence parallelism only: use a "
-                          "ds_config without pipeline stages or sequence_parallel_size, or set train.compile=false")
-    check_recompute(pipe, cfg, ds)
-
-
 def check_recompute(pipe: Pipeline, cfg: RunConfig, ds: dict) -> None:
     """Selective recomputation keeps the matmuls' outputs (model/recompute.py): which MLP tiles exist to drop, and
     to which ZeRO-3's memory-efficient linear (DeepSpeed's F.linear under ZeRO-3 by default) adds the bias in place
     through a view torch's checkpoint does not see, so that the kept output would carry the bias twice; under
-    selective recomputation the effective ds_config turns it off."""
+    selective recomputation the effective ds_config turns it off. train.py's start and the dry run check it alike."""
     if pipe.recompute != "selective":
         return
     if zero_stage(ds) == 3 and ds["zero_optimization"].get("memory_efficient_linear") is True:
