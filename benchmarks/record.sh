@@ -5,11 +5,11 @@
 # beside the measured peak and per-rank memory against the ZeRO theory (MEMORY=0 leaves both out: the tier checks
 # the plan at ZeRO 0-3); for the presets of $SWEEP (default gpt2_124m; empty for none) the step's levers, a train.py
 # run each (benchmarks/sweep.py: the micro-batches of $SWEEP_MICRO, default 16 32 64, at 64 windows a step, then
-# eager (the presets compile), ZeRO-0 and the flash and cuDNN attention kernels first at the fastest). $SETTINGS adds run-config
-# overrides to the throughput rows and the memory plan (ds.* for the ds_config).
+# eager (the presets compile), ZeRO-0 and the flash and cuDNN attention kernels first at the fastest). $SETTINGS
+# adds run-config overrides to the throughput rows and the memory plan (ds.* for the ds_config).
 # As JSON under benchmarks/results/<device>/ (device name, software versions and date are in each file), and a
 # markdown table of it at the end. On one H200 the tier took 3 min 20 s, a throughput row 30 s eager and 50 s
-# compiled, a sweep row 30 to 40 s.
+# compiled, a sweep row 30 to 40 s. PROFILE=N profiles N more steps of each compiled row: its top kernels, in its JSON.
 #
 #   bash benchmarks/record.sh [PRESET ...]      # default: gpt2_124m llama_124m, context 1024, ZeRO-1
 #   DS_CONFIG=ds_configs/zero2.json TEXT=path/to/tinyshakespeare.txt bash benchmarks/record.sh gpt2_350m encoder_1b
@@ -78,12 +78,14 @@ for preset in "${presets[@]}"; do
     overrides=("${data_overrides[@]}" "${settings[@]}")
     for compiled in false true; do
         name=throughput_${preset}_$stage$([ "$compiled" = true ] && echo _compiled || true)
+        profile=$([ "$compiled" = true ] && echo "${PROFILE:-0}" || echo 0)
         "$python" benchmarks/throughput.py --config "configs/$preset.yaml" --ds_config "$ds_config" \
-            --precisions bf16 --steps 20 --json "$results/$name.json" "${overrides[@]}" train.compile=$compiled
+            --precisions bf16 --steps 20 --profile "$profile" --json "$results/$name.json" "${overrides[@]}" \
+            train.compile=$compiled
     done
     if [ "${MEMORY:-1}" != 0 ]; then  # eager, as the tier checks the plan: the live-tensor count runs the loss eagerly
-        probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" "${overrides[@]}" \
-            train.compile=false
+        probe memory "$results/memory_plan_${preset}_$stage.json" "configs/$preset.yaml" "$ds_config" \
+            "${overrides[@]}" train.compile=false
         "$python" benchmarks/memory.py --config "configs/$preset.yaml" --nprocs 1 --stages "$stage" \
             --json "$results/memory_${preset}_$stage.json" "${overrides[@]}" train.compile=false
     fi
