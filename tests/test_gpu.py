@@ -412,9 +412,9 @@ def test_a_second_run_reuses_the_compiled_graphs(runs, device):
 
 # The presets on a GPU; on a CPU, narrower shapes of them with the vocabulary kept, each ZeRO stage a few seconds.
 # Eager: the presets compile, and under the probe's live-tensor count (a dispatch mode) the loss runs eagerly.
-MEMORY_SHAPES = {"cuda": ["train.compile=false"],
-                 "cpu": ["train.compile=false", "model.n_layer=2", "model.n_embd=192", "model.n_head=6",
-                         "model.block_size=128", "ds.train_micro_batch_size_per_gpu=4", *BF16]}
+EAGER = ["train.compile=false"]
+MEMORY_SHAPES = {"cuda": EAGER, "cpu": [*EAGER, "model.n_layer=2", "model.n_embd=192", "model.n_head=6",
+                                        "model.block_size=128", "ds.train_micro_batch_size_per_gpu=4", *BF16]}
 
 
 @pytest.mark.parametrize("device", DEVICES)

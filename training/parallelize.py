@@ -26,7 +26,7 @@ from model.tiling import tile_mlps
 from training.config import RunConfig
 from training.moe import expert_groups, expert_parallel_size, weigh_router_losses
 from training.steps import lm_loss
-from training.topology import ACCUM, Pipeline, zero_stage
+from training.topology import ACCUM, Pipeline, sixteen_bit_type, zero_stage
 
 
 def parallelize(cfg: RunConfig, pipe: Pipeline, ds: dict, topo=None, tp: TensorParallel = SINGLE, grid=None,
@@ -59,8 +59,7 @@ def zero3_partition(ds: dict, tp: TensorParallel, grid):
     by the GPU's generator, other weights for a seed. Under tensor parallelism it is partitioned over the
     data-parallel replicas of each slice."""
     group = grid.get_data_parallel_group() if tp.size > 1 else None
-    sixteen = torch.float16 if ds.get("fp16", {}).get("enabled") else \
-        torch.bfloat16 if ds.get("bf16", {}).get("enabled") else None
+    sixteen = sixteen_bit_type(ds)
 
     def partition(layer: torch.nn.Module) -> None:
         # The engine casts a module's parameters to the 16-bit type, but not those zero.Init partitioned, which it

@@ -15,6 +15,8 @@ batch triple counts the data-parallel ranks; DeepSpeed is given the data axis's 
 import re
 from dataclasses import dataclass
 
+import torch
+
 from common.checks import ConfigError
 
 MICRO = "train_micro_batch_size_per_gpu"
@@ -136,6 +138,12 @@ def resolve_layout(ds: dict, world_size: int, pipeline_stages: int = 1, tp_size:
 
 def zero_stage(ds: dict) -> int:
     return ds.get("zero_optimization", {}).get("stage", 0)
+
+
+def sixteen_bit_type(ds: dict) -> torch.dtype | None:
+    """The 16-bit type the engine casts the weights to, by an effective ds_config (bf16 "auto" resolved); None: fp32."""
+    return torch.float16 if ds.get("fp16", {}).get("enabled") else \
+        torch.bfloat16 if ds.get("bf16", {}).get("enabled") else None
 
 
 def layout_record(layout: Layout, zero: int) -> dict:

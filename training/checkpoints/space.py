@@ -10,7 +10,7 @@ import torch
 from common.checks import ConfigError
 from training.checkpoints import checkpoint
 from training.device import memory_capacity
-from training.topology import zero_stage
+from training.topology import sixteen_bit_type, zero_stage
 
 
 def size(n_bytes: float) -> str:
@@ -34,14 +34,10 @@ def saves_between(start: int, last_step: int, interval: int) -> int:
     return periodic + (0 if interval and last_step % interval == 0 else 1)
 
 
-def sixteen_bit(ds: dict) -> bool:
-    return any(ds.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
-
-
 def weight_bytes(ds: dict) -> int:
     """What the model files hold a parameter's weight in: the compute dtype, or nothing under ZeRO-3, which keeps
     the weights in its partitions."""
-    return 0 if zero_stage(ds) == 3 else (2 if sixteen_bit(ds) else 4)
+    return 0 if zero_stage(ds) == 3 else (2 if sixteen_bit_type(ds) else 4)
 
 
 def bytes_per_parameter(ds: dict) -> int:
@@ -51,7 +47,7 @@ def bytes_per_parameter(ds: dict) -> int:
     16.03 (ZeRO-1 fp32), 14.03 (ZeRO-1, ZeRO-2 and offload in bf16), 12.04 (ZeRO-3), the rest a few kB of each
     file's own. A pipeline's tied weights and tensor parallelism's replicated ones are written more than once:
     more."""
-    master = 0 if zero_stage(ds) == 0 and not sixteen_bit(ds) else 4
+    master = 0 if zero_stage(ds) == 0 and not sixteen_bit_type(ds) else 4
     return weight_bytes(ds) + master + 8
 
 
