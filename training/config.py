@@ -12,18 +12,17 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
-import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from common.checks import Checks, ConfigError, ToolParser, existing_file
+from common.checks import REPO_ROOT, Checks, ConfigError, ToolParser
 from data.tasks import task_name
 from model.config import ModelConfig
 from model.registry import check_architecture
 from training.device import SDPA_BACKENDS
 from training.overrides import explain_omegaconf_error, read_overrides
+from training.presets import read_presets
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
 # On a GPU, ZeRO-1: in bf16, ZeRO-0 steps through DeepSpeed's unfused optimizer, which checks every gradient
 # tensor for overflow with a host synchronization each (about 150 a step for GPT-2 124M); ZeRO-1 with fp32
@@ -35,7 +34,6 @@ def default_ds_config(cuda: bool) -> str:
 
 DEFAULT_DS_CONFIG = default_ds_config(torch.cuda.is_available())
 DS_PREFIX = "ds."
-BASE = "base"  # the key of a run YAML that names the preset it starts from
 
 
 @dataclass
@@ -334,12 +332,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     """Dataclass defaults <- YAML preset <- command line; returns the typed RunConfig object."""
-    sections = [o.partition("=")[0] for o in overrides if o.partition("=")[0] in {f.name for f in fields(RunConfig)}]
-    if sections:  # OmegaConf's own error names no key
-        raise ConfigError(f"'{sections[0]}' in the command line is a section of settings, not a setting; fix: set one "
-                          f"of its keys, e.g. {sections[0]}.{fields(getattr(RunConfig(), sections[0]))[0].name}=...")
+    sections = {f.name for f in fields(RunConfig)}
+    whole = [key for key in (o.partition("=")[0] for o in overrides) if key in sections]
+    if whole:  # OmegaConf's own error names no key
+        raise ConfigError(f"'{whole[0]}' in the command line is a section of settings, not a setting; fix: set one "
+                          f"of its keys, e.g. {whole[0]}.{fields(getattr(RunConfig(), whole[0]))[0].name}=...")
     cfg = OmegaConf.structured(RunConfig)
-    for source, layer in ((path, lambda: _read_presets(path)), ("the command line", lambda: read_overrides(overrides))):
+    for source, layer in ((path, lambda: read_presets(path, sections)),
+                          ("the command line", lambda: read_overrides(overrides))):
         try:
             cfg = OmegaConf.merge(cfg, layer())
         except OmegaConfBaseException as e:
@@ -347,53 +347,6 @@ def load_run_config(path: str, overrides: list[str]) -> RunConfig:
     cfg = OmegaConf.to_object(cfg)
     check_run_config(cfg)
     return cfg
-
-
-def _read_presets(path: str, derived: tuple[str, ...] = ()) -> DictConfig:
-    """A run config file over the preset it names as its `base` (a name in configs/, or a path from the file's
-    folder), and that one over its own: a new YAML states what differs from a preset, not every setting."""
-    layer = _read_yaml(path)
-    base = layer.pop(BASE, None)
-    if base is None:
-        return layer
-    if not isinstance(base, str) or not base.strip():
-        raise ConfigError(f"{path}: {BASE}: {base!r} is not a preset; fix: name one of configs/ (e.g. {BASE}: "
-                          f"quickstart) or a YAML file")
-    named = os.path.join(REPO_ROOT, "configs", f"{base}.yaml")
-    base_path = named if os.path.isfile(named) else os.path.join(os.path.dirname(os.path.abspath(path)), base)
-    if not os.path.isfile(base_path):
-        presets = sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(REPO_ROOT, "configs"))
-                         if f.endswith(".yaml"))
-        raise ConfigError(f"{path}: {BASE}: {base} is neither a preset of configs/ nor a file ({base_path}); fix: "
-                          f"name one of {', '.join(presets)}, or a YAML file beside {path}")
-    chain = (*derived, os.path.realpath(path))
-    if os.path.realpath(base_path) in chain:
-        raise ConfigError(f"{path}: {BASE}: {base} leads back to {path}: the presets' bases go round in a circle; "
-                          f"fix: remove one {BASE}")
-    return OmegaConf.merge(_read_presets(base_path, chain), layer)
-
-
-def _read_yaml(path: str) -> DictConfig:
-    """A run config file: a YAML mapping of sections (model, data, ...) to mappings of settings."""
-    existing_file(path, "run config", f"pass a YAML preset, e.g. one of {os.path.join(REPO_ROOT, 'configs')}")
-    try:
-        layer = OmegaConf.load(path)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, as every error here
-        raise ConfigError(f"{path}{where}: malformed YAML: {problem}; fix: correct the "
-                          f"file (a mapping of sections, as in configs/quickstart.yaml)") from None
-    sections = {f.name for f in fields(RunConfig)}
-    if not isinstance(layer, DictConfig):
-        raise ConfigError(f"{path} holds a YAML {type(layer).__name__.removesuffix('Config').lower()}, not a "
-                          f"mapping: a run config maps {', '.join(sorted(sections))} to their settings, as in "
-                          f"configs/quickstart.yaml")
-    for section, value in layer.items_ex(resolve=False):
-        if section != BASE and section in sections and not isinstance(value, DictConfig):
-            raise ConfigError(f"{path}: '{section}' holds {value!r}, not a mapping of settings; fix: write its "
-                              f"settings under it, e.g. {section}: {{key: value}}")
-    return layer
 
 
 def check_run_config(cfg: RunConfig) -> None:
