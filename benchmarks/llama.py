@@ -1,10 +1,11 @@
 """The Llama beside the GPT, in one run: quality at the quickstart size, throughput and MFU at the baby size.
 
-    python benchmarks/llama.py quality        # both quickstart presets, 2000 steps each: val loss side by side
+    python benchmarks/llama.py quality        # both quickstart models at the Llama's recipe: val loss side by side
     python benchmarks/llama.py throughput     # baby GPT and baby Llama engines in one process, bf16, ZeRO-0
 
-quality runs `train.py` with configs/quickstart.yaml and configs/llama_quickstart.yaml (same data, batch,
-schedule and steps; 817,920 and 820,352 parameters) one after the other and prints their final val losses.
+quality runs `train.py` with configs/quickstart.yaml and configs/llama_quickstart.yaml (817,920 and 820,352
+parameters) one after the other, both at the Llama preset's learning rates and steps (the GPT's own recipe is a
+shorter one: configs/quickstart.yaml), and prints their final val losses.
 throughput builds both models in DeepSpeed engines (as train.py does) in one process and lets them take
 turns every --chunk steps on the same batches after --warmup untimed steps each, so a slow spell of the
 machine hits both; MFU is model FLOP/s (training.metrics.flops_per_token, which counts grouped-query
@@ -43,12 +44,15 @@ def check(args) -> dict:
             for arch, extra in THROUGHPUT.items()}
 
 
-def quality(args) -> dict:
+def quality(args, inputs: dict) -> dict:
+    llama = inputs["llama"][0]
+    recipe = [f"optim.lr={llama.optim.lr}", f"optim.min_lr={llama.optim.min_lr}",
+              f"optim.warmup_steps={llama.optim.warmup_steps}", f"train.max_steps={llama.train.max_steps}"]
     results = {}
     for arch, config in QUICKSTARTS.items():
         out_dir = os.path.join(args.out_dir, arch)
         cmd = [sys.executable, "train.py", "--config", config, f"train.out_dir={out_dir}", "train.resume=none",
-               *args.overrides]
+               *recipe, *args.overrides]
         print(" ".join(cmd), flush=True)
         start = time.perf_counter()
         run_tool(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
@@ -116,7 +120,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="run-config key=value for both models")
     args = parser.parse_intermixed_args()  # key=value overrides after --options too
     inputs = check(args)
-    results = quality(args) if args.what == "quality" else throughput(args, inputs)
+    results = quality(args, inputs) if args.what == "quality" else throughput(args, inputs)
     os.makedirs(os.path.join(REPO, args.out_dir), exist_ok=True)
     with open(os.path.join(REPO, args.out_dir, f"{args.what}.json"), "w") as f:
         json.dump(results, f, indent=1)

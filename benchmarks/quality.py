@@ -3,7 +3,7 @@
     python benchmarks/quality.py [--ds_config ds_configs/zero0.json] [--target 1.90] [key=value ...]
 
 Runs `train.py --config configs/quickstart.yaml` (4 layers, 4 heads, 128 wide, context 64, batch 12,
-lr 1e-3 cosine to 1e-4 over 2000 steps, warmup 100, dropout 0, beta2 0.99) on the prepared
+lr 3e-3 cosine to 1e-4 over 1,400 steps, warmup 100, dropout 0, beta2 0.99) on the prepared
 character-level tinyshakespeare, then prints the final val loss, wall time and mean tokens/s and
 writes them to <out_dir>/quality.json. Exits 1 if the val loss misses the target.
 """

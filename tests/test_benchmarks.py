@@ -72,10 +72,11 @@ def test_throughput_reference_trains_the_same_model(char_data, tmp_path):
             assert "aten::mm" in [o["op"] for o in ops] and sum(o["share"] for o in ops) <= 1 + 1e-9
     assert set(results) == {"bf16", "fp32"}
     fp32, bf16 = results["fp32"], results["bf16"]
-    # ZeRO-1 at one process is the plain loop's arithmetic: in bf16 to the bit (DeepSpeed's bf16 optimizer: fp32
-    # masters made from the bf16 weights, fp32 gradients, the step on the device, training/steps.py), in fp32 to
-    # the order its flat partition sums the gradient norm in
-    assert bf16["deepspeed"]["final_loss"] == bf16["reference"]["final_loss"]
+    # ZeRO-1 at one process is the plain loop's arithmetic (in bf16 DeepSpeed's bf16 optimizer: fp32 masters made
+    # from the bf16 weights, fp32 gradients, the step on the device, training/steps.py) but for the order its flat
+    # partition sums the gradient norm in: the clipped gradients differ in their last bits, which round a few bf16
+    # weights apart once the steps are large (masters from the fp32 initialization end 1e-2 apart)
+    assert bf16["deepspeed"]["final_loss"] == pytest.approx(bf16["reference"]["final_loss"], rel=1e-5)
     assert fp32["deepspeed"]["final_loss"] == pytest.approx(fp32["reference"]["final_loss"], rel=1e-6)
     for result in results.values():
         # MFU is against the peak the script measured on this machine, for this precision

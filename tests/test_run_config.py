@@ -86,7 +86,7 @@ BAD_SETTINGS = [
     (["optim.lr=-1e-3"], "optim.lr=-0.001: must be > 0"),
     (["optim.lr=0"], "optim.lr=0.0: must be > 0"),
     (["optim.min_lr=-1"], "optim.min_lr=-1.0: must be >= 0 (0 decays to zero)"),
-    (["optim.min_lr=0.01"], "optim.min_lr=0.01: must be <= optim.lr=0.001; fix: lower optim.min_lr or raise optim.lr"),
+    (["optim.min_lr=0.01"], "optim.min_lr=0.01: must be <= optim.lr=0.003; fix: lower optim.min_lr or raise optim.lr"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1: must be >= 1"),
     (["optim.schedule=linear"], "optim.schedule='linear': must be one of cosine, wsd; fix: set optim.schedule to one "
                                 "of them"),
@@ -116,7 +116,7 @@ BAD_SETTINGS = [
     (["train.keep_checkpoints=0"], "train.keep_checkpoints=0: must be >= 1"),
     (["train.resume=''"], "train.resume='': must not be empty"),
     (["train.stop_at_step=0"], "train.stop_at_step=0: must be >= 1"),
-    (["train.stop_at_step=3000"], "train.stop_at_step=3000: must be <= train.max_steps=2000; fix: lower "
+    (["train.stop_at_step=3000"], "train.stop_at_step=3000: must be <= train.max_steps=1400; fix: lower "
                                   "train.stop_at_step or raise train.max_steps"),
     (["train.dist_timeout_s=0"], "train.dist_timeout_s=0: must be >= 1"),
     (["train.mlp_tiles=0"], "train.mlp_tiles=0: must be >= 1"),

@@ -58,7 +58,7 @@ def test_the_start_up_says_what_matters_in_a_handful_of_lines(short_run, char_da
 def test_a_run_within_its_warmup_says_so_once_and_deepspeed_not(short_run):
     output = short_run[1].stdout + short_run[1].stderr
     assert output.count("schedule: train.max_steps=2 ends within optim.warmup_steps=100: the learning rate warms up "
-                        "to 2.00e-05 at step 2") == 1
+                        "to 6.00e-05 at step 2") == 1
     assert "is less than warmup_num_steps" not in output
 
 
