@@ -4,8 +4,9 @@
 # against the plain-PyTorch loop, MFU against the datasheet peak), eager and with train.compile; the memory plan
 # beside the measured peak and per-rank memory against the ZeRO theory (MEMORY=0 leaves both out: the tier checks
 # the plan at ZeRO 0-3); for the presets of $SWEEP (default gpt2_124m; empty for none) the step's levers, a train.py
-# run each (benchmarks/sweep.py: the micro-batches of $SWEEP_MICRO, default 16 32 64, at 64 windows a step, then
-# eager (the presets compile), ZeRO-0 and the flash and cuDNN attention kernels first at the fastest). $SETTINGS
+# run each (benchmarks/sweep.py: the micro-batches of $SWEEP_MICRO, default 16 32 64, at $SWEEP_GLOBAL windows a step,
+# default 64, then eager (the presets compile), ZeRO-0, the flash and cuDNN attention kernels first and inductor's
+# autotuned matmuls at the fastest). $SETTINGS
 # adds run-config overrides to the throughput rows and the memory plan (ds.* for the ds_config).
 # As JSON under benchmarks/results/<device>/ (device name, software versions and date are in each file), and a
 # markdown table of it at the end. On one H200 the tier took 3 min 20 s, a throughput row 30 s eager and 50 s
@@ -27,6 +28,7 @@ presets=("$@")
 ds_config=${DS_CONFIG:-ds_configs/zero1.json}
 read -r -a settings <<< "${SETTINGS:-}"
 read -r -a sweep_micro <<< "${SWEEP_MICRO:-16 32 64}"
+sweep_global=${SWEEP_GLOBAL:-64}
 data=data/shakespeare_char
 python=${PYTHON:-python3}
 
@@ -90,9 +92,10 @@ for preset in "${presets[@]}"; do
             --json "$results/memory_${preset}_$stage.json" "${overrides[@]}" train.compile=false
     fi
     if [[ " ${SWEEP-gpt2_124m} " == *" $preset "* ]]; then
-        "$python" benchmarks/sweep.py --config "configs/$preset.yaml" --ds_config "$ds_config" --global_batch 64 \
-            --micro "${sweep_micro[@]}" --steps 20 --levers train.compile=false ds_config=ds_configs/zero0.json \
-            train.sdpa_backend=flash train.sdpa_backend=cudnn \
+        "$python" benchmarks/sweep.py --config "configs/$preset.yaml" --ds_config "$ds_config" \
+            --global_batch "$sweep_global" --micro "${sweep_micro[@]}" --steps 20 --levers train.compile=false \
+            ds_config=ds_configs/zero0.json train.sdpa_backend=flash train.sdpa_backend=cudnn \
+            env:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 \
             --work_dir out/benchmarks/sweep --json "$results/sweep_${preset}_$stage.json" "${data_overrides[@]}" || true
     fi
     echo "record.sh: $preset ended at ${SECONDS}s"

@@ -1,6 +1,7 @@
 """The step's levers on one device, each row a whole `python train.py` run of its own: the micro-batch swept at a
 fixed global batch (accumulation making up the rest), up to one past the largest the memory plan says fits; then,
-at the fastest micro-batch that ran, each lever of --levers flipped (train.compile=true, ZeRO-0 for ZeRO-1, ...).
+at the fastest micro-batch that ran, each lever of --levers flipped (train.compile=true, ZeRO-0 for ZeRO-1, inductor's
+autotuned matmuls through env:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1, ...).
 
     python benchmarks/sweep.py --config configs/gpt2_124m.yaml --global_batch 48 --levers train.compile=true \
         ds_config=ds_configs/zero0.json
@@ -16,6 +17,7 @@ memory train.py refuses at start ("over the plan"). Prints a table and writes JS
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from common.checks import ConfigError, ToolParser
 from training.memory_plan import GB, fits, plan
 
 OUT_OF_MEMORY = ("out of memory", "OutOfMemoryError")
+ENV_LEVER = "env:"  # a lever that sets an environment variable of its row's process, not a setting
 OVER_THE_PLAN = "error: the memory plan needs"  # train.py's refusal of a run whose plan is over the device's memory
 
 
@@ -48,26 +51,32 @@ def default_micros(plan_fits: dict[int, bool]) -> list[int]:
     return [m for m in powers if m <= last] + [m for m in powers if m > last][:1]
 
 
-def row_settings(args, lever: str | None) -> tuple[str, list[str]]:
-    """A row's ds_config and run-config overrides: the sweep's, with its lever applied."""
-    ds_config, overrides = args.ds_config, list(args.overrides)
+def row_settings(args, lever: str | None) -> tuple[str, list[str], dict[str, str]]:
+    """A row's ds_config, run-config overrides and environment: the sweep's, with its lever applied."""
+    ds_config, overrides, env = args.ds_config, list(args.overrides), {}
     if lever and lever.startswith("ds_config="):
         ds_config = lever.split("=", 1)[1]
+    elif lever and lever.startswith(ENV_LEVER):
+        name, _, value = lever.removeprefix(ENV_LEVER).partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or not value:
+            raise ConfigError(f"--levers {lever}: an environment lever is {ENV_LEVER}NAME=VALUE; fix: e.g. "
+                              f"{ENV_LEVER}TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1")
+        env[name] = value
     elif lever:
         overrides.append(lever)
-    return ds_config, overrides
+    return ds_config, overrides, env
 
 
 def planned_bytes(args, micro: int, lever: str | None) -> float:
     """The memory plan's total for a row, its lever applied (train.compile's loss holds no fp32 chunk)."""
-    ds_config, overrides = row_settings(args, lever)
+    ds_config, overrides, _ = row_settings(args, lever)
     cfg, ds, _ = load_inputs(args.config, ds_config, overrides)
     ds = dict(ds, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=args.global_batch // micro)
     return plan(cfg.model, ds, 1, cfg.train.mlp_tiles, compiled=cfg.train.compile)["total"]
 
 
 def command(args, micro: int, lever: str | None, out_dir: str) -> list[str]:
-    ds_config, overrides = row_settings(args, lever)
+    ds_config, overrides, _ = row_settings(args, lever)
     return [sys.executable, "train.py", "--config", args.config, "--ds_config", ds_config, *overrides,
             f"ds.train_micro_batch_size_per_gpu={micro}",
             f"ds.gradient_accumulation_steps={args.global_batch // micro}", f"train.out_dir={out_dir}",
@@ -97,8 +106,9 @@ def run_row(args, row: dict, work: str) -> dict:
     name = f"micro{row['micro']}" + (f"_{row['lever'].replace('/', '_').replace('=', '_')}" if row["lever"] else "")
     out_dir = os.path.join(work, name)
     shutil.rmtree(out_dir, ignore_errors=True)
+    env = {**os.environ, "WANDB_MODE": "disabled", **row_settings(args, row["lever"])[2]}
     proc = subprocess.run(command(args, row["micro"], row["lever"], out_dir), capture_output=True, text=True,
-                          timeout=args.timeout, env={**os.environ, "WANDB_MODE": "disabled"})
+                          timeout=args.timeout, env=env)
     return {**row, **measured(proc, out_dir)}
 
 
@@ -109,7 +119,8 @@ def main() -> int:
     parser.add_argument("--global_batch", type=int, required=True, help="windows a step, the same in every row")
     parser.add_argument("--micro", type=int, nargs="+", help="default: powers of two to one past the plan's largest")
     parser.add_argument("--levers", nargs="*", default=[],
-                        help="overrides flipped one at a time at the fastest micro-batch (ds_config=PATH for another)")
+                        help="overrides flipped one at a time at the fastest micro-batch (ds_config=PATH for another "
+                             "ds_config, env:NAME=VALUE for an environment variable of the row's process)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--log_interval", type=int, default=5)
     parser.add_argument("--gpu_gb", type=float, help="the plan's budget (default: the GPU's memory, else 80)")

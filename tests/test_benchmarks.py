@@ -208,12 +208,14 @@ def test_memory_measures_one_stage(char_data, tmp_path):
 
 
 def test_the_sweep_runs_train_py_per_row_and_holds_the_plan_beside_it(char_data, tmp_path):
-    """Each micro-batch at the same global batch, then the lever at the faster one; each row's figures are its
+    """Each micro-batch at the same global batch, then the levers at the faster one (an environment lever in its
+    row's process alone: an accelerator DeepSpeed has not, which ends that row); each row's figures are its
     run's own metrics.jsonl (the intervals after the first); a plan over --gpu_gb is marked, and a run that ended
     out of memory is told from one that failed otherwise."""
     report = tmp_path / "sweep.json"
     proc = benchmark("sweep.py", "--config", "configs/quickstart.yaml", "--global_batch", "8", "--micro", "4", "8",
                      "--steps", "4", "--log_interval", "2", "--levers", "ds_config=ds_configs/zero0.json",
+                     "env:DS_ACCELERATOR=none_such",
                      "--gpu_gb", "0.0001", "--work_dir", str(tmp_path / "work"), "--json", str(report),
                      f"data.dir={char_data}", *TINY)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -222,6 +224,8 @@ def test_the_sweep_runs_train_py_per_row_and_holds_the_plan_beside_it(char_data,
     assert [(r["micro"], r["lever"], r["status"]) for r in rows[:2]] == [(4, None, "ok"), (8, None, "ok")]
     faster = max(rows[:2], key=lambda r: r["tokens_per_s"])["micro"]
     assert (rows[2]["micro"], rows[2]["lever"], rows[2]["status"]) == (faster, "ds_config=ds_configs/zero0.json", "ok")
+    assert (rows[3]["micro"], rows[3]["lever"], rows[3]["status"]) == (faster, "env:DS_ACCELERATOR=none_such", "failed")
+    assert 'Value "none_such" is not supported' in rows[3]["error"][0]
     logged = [json.loads(line) for line in (tmp_path / "work" / "micro4" / "metrics.jsonl").read_text().splitlines()]
     intervals = [r for r in logged if "tokens_per_s" in r][1:]
     assert rows[0]["tokens_per_s"] == sum(r["tokens_per_s"] for r in intervals) / len(intervals)
@@ -340,6 +344,9 @@ BAD_INPUTS = [
      "--micro 5 does not divide --global_batch 12: pick divisors"),
     ("sweep.py", ["--config", "configs/quickstart.yaml", "--global_batch", "12", "--steps", "5", "data.dir={data}"],
      "--steps 5: needs two logged intervals of --log_interval 5; fix: raise --steps"),
+    ("sweep.py", ["--config", "configs/quickstart.yaml", "--global_batch", "12", "data.dir={data}", "--levers",
+                  "env:MAX AUTOTUNE=1"], "--levers env:MAX AUTOTUNE=1: an environment lever is env:NAME=VALUE; fix: "
+                                         "e.g. env:TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1"),
     ("cpu_attention.py", ["--shapes", "12x6x256"], "--shapes 12x6x256: must be batch x heads x context x head_dim"),
     ("cpu_attention.py", ["--rounds", "0"], "--rounds=0: must be >= 1"),
     ("cpu_attention.py", ["--json", "{file}/a.json"], "--json file {file}/a.json cannot be created"),
