@@ -7,6 +7,7 @@ import struct
 import pytest
 
 from harness import BF16, FP32, REPO, TINY, expected_lr, launch, metrics, train_losses, train_py
+from training.config import DEFAULT_CONFIG, load_run_config
 
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
@@ -103,7 +104,7 @@ def test_zero_3_trains(zero_runs):
     assert losses[0] == pytest.approx(train_losses(zero_runs[0])[0], abs=1e-5)  # same init, same data
 
 
-def test_metrics_jsonl_records_every_measure(zero_runs):
+def test_metrics_jsonl_records_every_measure(zero_runs, char_data):
     records = metrics(zero_runs[2])
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
@@ -112,9 +113,10 @@ def test_metrics_jsonl_records_every_measure(zero_runs):
     for key in ("tokens_per_s", "mfu"):  # every step but the first, which is warm-up (see assert_in_range)
         assert all(isinstance(r[key], float) and math.isfinite(r[key]) for r in steps[1:]), key
     assert_in_range(steps)
-    # optim.lr=1e-3 and min_lr=1e-4 from the quickstart preset, warmup 2 of 6 steps
-    assert [r["lr"] for r in steps] == pytest.approx([expected_lr(k, 1e-3, 1e-4, 2, 6) for k in range(1, 7)])
-    assert steps[0]["lr"] == pytest.approx(5e-4) and steps[-1]["lr"] == pytest.approx(1e-4)
+    optim = load_run_config(DEFAULT_CONFIG, [f"data.dir={char_data}"]).optim  # the preset's rates; warmup 2 of 6
+    expected = [expected_lr(k, optim.lr, optim.min_lr, 2, 6) for k in range(1, 7)]
+    assert [r["lr"] for r in steps] == pytest.approx(expected)
+    assert steps[0]["lr"] == pytest.approx(optim.lr / 2) and steps[-1]["lr"] == pytest.approx(optim.min_lr)
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 6]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
