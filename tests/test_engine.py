@@ -24,7 +24,13 @@ from training.engines import training_engine
 from training.optim import check_schedule, optimizer_and_schedule
 from training.parallelize import parallelize
 from training.startup import effective_ds_config
-from training.steps import adjust_engine, keep_fp32_grad_norm, lm_loss, no_all_reduce_over_one_rank
+from training.steps import (
+    adjust_engine,
+    keep_fp32_grad_norm,
+    lm_loss,
+    no_all_reduce_over_one_rank,
+    no_step_before_the_first,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -189,7 +195,11 @@ def test_one_rank_skips_the_all_reduce_and_trains_the_same_bits(stage, bf16):
     weights = {}
     for adjusted in (False, True):
         engine = engine_for(cfg, ds)
-        (adjust_engine if adjusted else keep_fp32_grad_norm)(engine)
+        if adjusted:
+            adjust_engine(engine)
+        else:  # the rest of adjust_engine that changes the arithmetic
+            keep_fp32_grad_norm(engine)
+            no_step_before_the_first(engine)
         with mock.patch.object(engine, "allreduce_gradients", wraps=engine.allreduce_gradients) as reduce:
             train_steps(engine, 3)
         assert reduce.call_count == (0 if adjusted else 3)
@@ -255,7 +265,11 @@ def test_bf16_without_zero_skips_a_non_finite_step_without_the_overflow_scan():
     cfg, ds = run_config(), {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}
     engines = {scan: engine_for(cfg, ds) for scan in (True, False)}
     for scan, engine in engines.items():
-        (keep_fp32_grad_norm if scan else adjust_engine)(engine)
+        if scan:
+            keep_fp32_grad_norm(engine)
+            no_step_before_the_first(engine)
+        else:
+            adjust_engine(engine)
         with mock.patch.object(engine.optimizer.overflow_checker, "has_overflow",
                                wraps=engine.optimizer.overflow_checker.has_overflow) as scanned:
             train_steps(engine, 3)
@@ -270,6 +284,27 @@ def test_bf16_without_zero_skips_a_non_finite_step_without_the_overflow_scan():
     engine.step()
     assert engine.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(weights[False], engine.module.parameters()))
+
+
+def test_bf16_without_zero_trains_zero1s_weights_from_the_first_step():
+    """DeepSpeed's ZeRO-0 optimizer in bf16 steps once on zero gradients as it is built (its AdamW then decays the
+    masters and counts a step); after adjust_engine it holds no state, its masters are the bf16 weights, and three
+    unclipped steps train ZeRO-1's bf16 weights bit for bit (the same fp32 masters, gradients and fused AdamW)."""
+    cfg = run_config(optim={"weight_decay": 0.1})
+    weights = {}
+    for stage in (0, 1):
+        ds = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}, "gradient_clipping": 100.0,
+              **({"data_types": {"grad_accum_dtype": "fp32"}} if stage else {})}
+        engine = engine_for(cfg, ds)
+        adjust_engine(engine)
+        if stage == 0:
+            optimizer = engine.optimizer
+            assert not optimizer.optimizer.state
+            assert all(torch.equal(master, weight.float()) for masters, lps in
+                       zip(optimizer.fp32_groups, optimizer.fp16_groups) for master, weight in zip(masters, lps))
+        train_steps(engine, 3)
+        weights[stage] = [p.detach().clone() for p in engine.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[1]))
 
 
 def test_activation_checkpointing_recomputes_every_block_with_equal_gradients():

@@ -126,6 +126,7 @@ def adjust_engine(engine) -> None:
     fp32_step_skips_nonfinite(engine)
     no_all_reduce_over_one_rank(engine)
     no_overflow_scan_in_bf16(engine)
+    no_step_before_the_first(engine)
     bf16_step_on_the_device(engine)
 
 
@@ -204,6 +205,23 @@ def no_overflow_scan_in_bf16(engine) -> None:
     if (engine.bfloat16_enabled() and isinstance(engine.optimizer, FP16_UnfusedOptimizer)
             and not engine.has_moe_layers):
         engine.optimizer.overflow_checker.check = lambda *_, **__: False
+
+
+def no_step_before_the_first(engine) -> None:
+    """Work around DeepSpeed's 16-bit optimizer without ZeRO (FP16_UnfusedOptimizer: ZeRO-0 in bf16 or fp16): as it
+    is built it makes its Adam states by stepping once on zero gradients, which AdamW does not take for nothing: the
+    masters decay once at the base rate (optim.lr x weight_decay) and the step count starts at 1, so that the first
+    real step is corrected as a second (its update about 0.74 of a first's). ZeRO-1 and after take no such step.
+    The masters are made again from the 16-bit weights, as the optimizer made them, and the states dropped: AdamW
+    makes them at the first step, and a checkpoint's load puts its own."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return
+    with torch.no_grad():
+        for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+            for master, weight in zip(masters, weights):
+                master.copy_(weight)
+    optimizer.optimizer.state.clear()
 
 
 def no_all_reduce_over_one_rank(engine) -> None:
