@@ -39,8 +39,8 @@ from common.checks import ConfigError, ToolParser
 from training.memory_plan import GB, fits, plan
 
 OUT_OF_MEMORY = ("out of memory", "OutOfMemoryError")
-ENV_LEVER = "env:"  # a lever that sets an environment variable of its row's process, not a setting
 OVER_THE_PLAN = "error: the memory plan needs"  # train.py's refusal of a run whose plan is over the device's memory
+ENV_LEVER = "env:"  # a lever that sets an environment variable of its row's process, not a setting
 
 
 def default_micros(plan_fits: dict[int, bool]) -> list[int]:
