@@ -6,8 +6,8 @@
 # the plan at ZeRO 0-3); for the presets of $SWEEP (default gpt2_124m; empty for none) the step's levers, a train.py
 # run each (benchmarks/sweep.py: the micro-batches of $SWEEP_MICRO, default 16 32 64, at $SWEEP_GLOBAL windows a step,
 # default 64, then eager (the presets compile), ZeRO-0, the flash and cuDNN attention kernels first and inductor's
-# autotuned matmuls at the fastest). $SETTINGS
-# adds run-config overrides to the throughput rows and the memory plan (ds.* for the ds_config).
+# autotuned matmuls at the fastest). $SETTINGS adds run-config overrides to the throughput rows and the memory plan
+# (ds.* for the ds_config).
 # As JSON under benchmarks/results/<device>/ (device name, software versions and date are in each file), and a
 # markdown table of it at the end. On one H200 the tier took 3 min 20 s, a throughput row 30 s eager and 50 s
 # compiled, a sweep row 30 to 40 s. PROFILE=N profiles N more steps of each compiled row: its top kernels, in its JSON.
