@@ -76,10 +76,12 @@ class ModelConfig:
     head: str = "lm"
     # Low-rank adapters (model/lora.py): 0 trains every weight. Otherwise each of the blocks' linear maps named in
     # lora_targets ("all", or a comma-separated list such as "attn.q,attn.v") gets rank-lora_rank adapters scaled
-    # by lora_alpha / lora_rank, and the adapters alone train (a reward model's score head too).
+    # by lora_alpha / lora_rank, and the adapters alone train (a reward model's score head too). lora_dropout
+    # drops the adapters' input while training (PEFT's), the frozen map's input kept whole.
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: str = "all"
+    lora_dropout: float = 0.0
 
     def check(self, c) -> None:
         """Range checks (c: common.checks.Checks), run by load_run_config; the architecture's own are
@@ -116,6 +118,10 @@ class ModelConfig:
         c.at_least("lora_rank", 0, "0 trains every weight")
         c.above("lora_alpha", 0)
         c.not_empty("lora_targets")
+        c.in_range("lora_dropout", 0.0, 1.0, high_open=True)
+        c.that(not self.lora_dropout or self.lora_rank, "lora_dropout",
+               "be 0 without adapters (model.lora_rank=0): it drops the adapters' input",
+               "set model.lora_rank, or model.lora_dropout=0")
         c.that(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
                f"be above model.rope_low_freq_factor={self.rope_low_freq_factor}", "raise it (Llama 3.1: 4 and 1)")
 
@@ -151,7 +157,8 @@ class ModelConfig:
 
 
 # Settings that change how the model trains, not the weights it holds: a checkpoint resumes under others.
-TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef",
+                     "lora_dropout")
 
 
 # The settings a record written before they existed lacks, at the defaults that record's model had: dense MLPs
@@ -159,7 +166,7 @@ TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_a
 EARLIER_DEFAULTS = {name: getattr(ModelConfig, name) for name in (
     "n_experts", "experts_per_token", "moe_every", "expert_hidden", "capacity_factor", "router_aux_loss_coef",
     "router_z_loss_coef", "router_bias_rate", "n_shared_experts", "activation", "head", "head_dim", "qkv_bias",
-    "qk_norm", "lora_rank", "lora_alpha", "lora_targets")}
+    "qk_norm", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")}
 
 
 def saved_settings_gaps(settings: dict) -> tuple[list[str], list[str]]:

@@ -1,7 +1,8 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a model's linear maps (model.lora_rank > 0): each targeted map
 computes x W^T + b + (alpha / r) (x A^T) B^T with A (r x in) and B (out x r) trained and W, b frozen, as is every
 other weight of the model but a reward model's score head. B starts at zero, so the adapted model starts as the
-model it adapts.
+model it adapts. While training, model.lora_dropout drops the adapters' x (PEFT's lora_dropout), not the frozen
+map's.
 
 The adapters are added to each layer as it is built, after the layer's own seeded initialization (so its weights
 are those of the same seed without adapters) and tensor parallelism's split, in every build alike: the plain module,
@@ -45,10 +46,11 @@ class LoRALinear(nn.Module):
     map's B by its output rows, A whole, whose gradient, each rank's part of the sum, is summed over the tensor
     ranks; a row-split map's A by its input columns, B whole, after the partial sums, likewise summed. Both terms
     go through the map's one collective. Drawn whole and then split, as the map's weights are, so a seed gives the
-    same adapters at every degree."""
+    same adapters at every degree; a row-split map's dropout mask likewise (`_dropped`)."""
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float):
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
+        self.dropout = dropout
         self.split = COLUMN if isinstance(base, ColumnParallelLinear) else ROW if isinstance(base, RowParallelLinear) \
             else None
         self.scale, self.tp = alpha / rank, getattr(base, "tp", SINGLE)
@@ -74,10 +76,24 @@ class LoRALinear(nn.Module):
         return self._maps(to_split_input(x, self.tp) if self.split == COLUMN else x, self.bias)
 
     def _maps(self, x: torch.Tensor, bias) -> torch.Tensor:
-        return F.linear(x, self.weight, bias) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+        adapted = F.linear(F.linear(self._dropped(x), self.lora_a), self.lora_b)
+        return F.linear(x, self.weight, bias) + adapted * self.scale
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapters' input under dropout. A row-split map's ranks hold slices of one input, and a replica's
+        tensor ranks draw from one generator state (train.py): each draws the whole input's mask, as one process
+        would, and keeps a copy of its slice's columns (the whole mask freed), as F.dropout computes on a CPU (mask /
+        (1 - p), times x)."""
+        if not (self.training and self.dropout):
+            return x
+        if self.split != ROW:
+            return F.dropout(x, self.dropout)
+        start, stop = self.tp.shard(x.size(-1) * self.tp.size)
+        mask = x.new_empty(*x.shape[:-1], x.size(-1) * self.tp.size).bernoulli_(1 - self.dropout)
+        return x * mask[..., start:stop].div(1 - self.dropout)
 
     def extra_repr(self) -> str:
-        return f"rank={self.lora_a.size(0)}, split={self.split}"
+        return f"rank={self.lora_a.size(0)}, split={self.split}, dropout={self.dropout}"
 
 
 def linear_maps(plan: dict, block: type) -> list[str]:
@@ -125,7 +141,7 @@ def add_adapters(layer: nn.Module, targets: list[str], cfg: ModelConfig) -> nn.M
         except AttributeError:  # a part some layers of the class lack, or another class of layer
             continue
         if type(getattr(owner, child, None)) in (nn.Linear, ColumnParallelLinear, RowParallelLinear):
-            setattr(owner, child, LoRALinear(getattr(owner, child), cfg.lora_rank, cfg.lora_alpha))
+            setattr(owner, child, LoRALinear(getattr(owner, child), cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout))
     return layer
 
 

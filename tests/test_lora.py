@@ -3,8 +3,9 @@ same seed, the same logits); only the adapters train, through the real DeepSpeed
 frozen weights bitwise as they were, the optimizer holding the adapters alone); the merged model computes what the
 adapted one does; the memory plan and the FLOPs count the frozen weights as such. Through train.py: a fine-tune of a
 transformers-built Llama with adapters equals one process under ZeRO-3 over two ranks, over two pipeline stages and
-over two tensor ranks (the adapters split as their maps); its checkpoint holds the folder's weights untouched, and
-its export (merged, or the adapters alone in PEFT's layout) equals the adapted model in transformers."""
+over two tensor ranks (the adapters split as their maps, and lora_dropout's masks as one process draws them); its
+checkpoint holds the folder's weights untouched, and its export (merged, or the adapters alone in PEFT's layout)
+equals the adapted model in transformers, and in PEFT while training too (lora_dropout's masks)."""
 import dataclasses
 import json
 import os
@@ -134,18 +135,30 @@ def test_the_adapters_load_in_peft_over_the_model_they_adapt(cfg, targets, tmp_p
     Conv1D maps transposed."""
     import peft
 
-    lora = build_model(adapted(cfg, lora_targets=targets), seed=3)
+    lora_cfg = adapted(cfg, lora_targets=targets, lora_dropout=0.25)
+    lora = build_model(lora_cfg, seed=3)
     random_adapters(lora)
     state = lora.state_dict()
     base = write_export(str(tmp_path / "base"), cfg, {n: t for n, t in state.items() if not is_adapter(n)},
                         {"format": 2, "tokenizer": "char", "vocab_size": 65}, step=0)
-    folder = write_adapter(str(tmp_path / "adapter"), adapted(cfg, lora_targets=targets), state, base)
+    folder = write_adapter(str(tmp_path / "adapter"), lora_cfg, state, base)
     theirs = peft.PeftModel.from_pretrained(load_in_transformers(base), folder).eval()
-    assert theirs.peft_config["default"].base_model_name_or_path == base
+    settings = theirs.peft_config["default"]
+    assert (settings.base_model_name_or_path, settings.lora_dropout) == (base, 0.25)
     idx = torch.randint(0, 65, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
     expected = lora.eval()(idx)[..., :65]
     assert (theirs(idx).logits - expected).abs().max().item() <= 1e-5
     assert (load_in_transformers(base)(idx).logits - expected).abs().max().item() > 1e-2  # the adapters count
+    # Training, each adapter's input is dropped as PEFT drops it: the same masks from the same seed, map by map.
+    dropped = [logits(model.train(), idx, seed=5) for model in (lora, theirs)]
+    assert (dropped[0][..., :65] - dropped[1]).abs().max().item() <= 1e-5
+    assert (dropped[0][..., :65] - expected).abs().max().item() > 1e-2
+
+
+def logits(model: torch.nn.Module, idx: torch.Tensor, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    out = model(idx)
+    return getattr(out, "logits", out)
 
 
 def test_an_adapter_export_is_refused_where_it_would_not_hold_the_model(tmp_path):
@@ -203,6 +216,24 @@ def test_the_adapters_split_as_their_maps_from_the_same_draws(cfg):
     assert rules["2.attn." + ("proj" if cfg.arch == "gpt" else "o") + ".lora_a"] == ROW
 
 
+def test_a_row_split_maps_ranks_drop_their_slices_of_one_processs_mask():
+    """lora_dropout at tp 2: the tensor ranks of a replica draw from one generator state (train.py), and a row-split
+    map's ranks, each holding a slice of the input, keep their slices of the mask one process draws for the whole."""
+    cfg = adapted(SMALL_LLAMA, lora_dropout=0.5)
+    whole = build_model(cfg).get_submodule("1.attn.o").train()
+    x = torch.randn(2, 16, whole.in_features, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(7)
+    expected = whole._dropped(x)
+    assert 0 < (expected == 0).float().mean().item() < 1 and (x != 0).all()
+    for rank in (0, 1):
+        split = build_model(cfg, tp=TensorParallel(2, rank)).get_submodule("1.attn.o").train()
+        assert split.split == ROW
+        start, stop = split.tp.shard(x.size(-1))
+        torch.manual_seed(7)
+        assert torch.equal(split._dropped(x[..., start:stop]), expected[..., start:stop])
+        assert torch.equal(split.eval()._dropped(x[..., start:stop]), x[..., start:stop])
+
+
 # A fine-tune with adapters from a transformers-built Llama, through train.py's ranks (launch: several processes).
 CONTEXT = 64
 FINETUNE = ["model.arch=llama", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
@@ -213,8 +244,16 @@ LAYOUTS = {  # name: (processes, ds_config, overrides); global batch 4
     "one": (1, "zero0.json", ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=1"]),
     "zero3_dp2": (2, "zero3.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=1"]),
     "pp2": (2, "pipe2.json", ["ds.train_micro_batch_size_per_gpu=1", "ds.gradient_accumulation_steps=4"]),
-    "tp2_zero1": (2, "tp2.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"]),
+    # with lora_dropout: one process drawing the masks of tp 2's micro-batches, whose tensor ranks draw alike
+    "one_dropout": (1, "zero0.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2",
+                                      "model.lora_dropout=0.1"]),
+    "tp2_zero1": (2, "tp2.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2",
+                                  "model.lora_dropout=0.1"]),
 }
+REFERENCE = {"tp2_zero1": "one_dropout"}  # else "one"
+# Adam divides each element's step by the size of its own gradients: with masks, one element of A in 128 of two MLP
+# maps ended 2.4e-5 apart (the others within 1e-6), its small gradient summed over the tensor ranks in another order.
+WEIGHT_TOLERANCE = {"tp2_zero1": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -247,15 +286,18 @@ def runs(tmp_path_factory, hf_folder):
 @pytest.mark.launch
 @pytest.mark.parametrize("layout", ["zero3_dp2", "pp2", "tp2_zero1"])
 def test_adapters_train_on_every_layout_as_in_one_process(runs, layout):
-    out, reference = runs(layout), runs("one")
+    out, reference = runs(layout), runs(REFERENCE.get(layout, "one"))
     assert train_losses(out) == pytest.approx(train_losses(reference), abs=1e-5)
     assert grad_norms(out) == pytest.approx(grad_norms(reference), abs=1e-5)
     assert train_losses(reference)[-1] < train_losses(reference)[0] - 0.03  # the adapters alone really train
+    if layout in REFERENCE:  # the masks count
+        assert abs(train_losses(reference)[-1] - train_losses(runs("one"))[-1]) > 1e-3
     # what an export reads: the adapters from the optimizer's files, the frozen weights from the module's (ZeRO-3's
     # fragments of each rank, a pipeline's layer files)
     ours, theirs = (consolidated_state_dict(str(run / "checkpoints" / "step_000004")) for run in (out, reference))
     assert set(ours) == set(theirs)
-    assert max((ours[name] - theirs[name]).abs().max().item() for name in ours) <= 1e-5
+    print(sorted(((ours[name] - theirs[name]).abs().max().item(), name) for name in ours)[-6:])
+    assert max((ours[name] - theirs[name]).abs().max().item() for name in ours) <= WEIGHT_TOLERANCE.get(layout, 1e-5)
 
 
 @pytest.mark.launch

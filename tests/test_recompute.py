@@ -103,6 +103,30 @@ def test_a_selectively_recomputed_block_keeps_what_the_plan_counts(arch, tp_size
     assert selective < 0.75 * memory_plan.layer_activation_bytes(cfg, tp_size)
 
 
+@pytest.mark.parametrize("arch,tp_size", [("gpt", 1), ("llama", 1), ("gpt", 2), ("llama", 2)])
+def test_adapters_keep_what_the_plan_counts(arch, tp_size):
+    """LoRA on every map of a block, in bf16 on the CPU: under selective recomputation the adapters' matmul outputs
+    but a row-split map's, to the byte; unchecked, the GPT's r-wide x A^T, to the byte (a Llama keeps less than the
+    model it adapts: its frozen norms' weights want no gradient), and under lora_dropout at most the plan's bound,
+    less no more than each map's input (2 bytes an element) under it; to the byte on the attention's output map,
+    whose input the attention's backward keeps anyway (at tp 2 a row-split map's slice of the whole mask)."""
+    plain, tp = SHAPES[arch], TensorParallel(tp_size, 0, None)
+    lora, dropped = (dataclasses.replace(plain, lora_rank=4, lora_dropout=p) for p in (0.0, 0.5))
+    selective = kept_per_block(lora, "selective", tp) - kept_per_block(plain, "selective", tp)
+    assert selective == memory_plan.adapter_bytes(lora, tp_size, "cpu", selective=True) > 0
+    if arch == "gpt":
+        assert kept_per_block(lora, "none", tp) - kept_per_block(plain, "none", tp) == \
+            memory_plan.adapter_bytes(lora, tp_size, "cpu") == 2 * 4 * 4
+    masks = kept_per_block(dropped, "none", tp) - kept_per_block(lora, "none", tp)
+    planned = memory_plan.adapter_bytes(dropped, tp_size, "cpu") - memory_plan.adapter_bytes(lora, tp_size, "cpu")
+    inputs = sum(width for _, width, _ in memory_plan.adapted_maps(lora, tp_size))
+    assert planned - 2 * inputs <= masks <= planned, (masks, planned, inputs)
+    output_map = {"lora_targets": "attn.proj" if arch == "gpt" else "attn.o"}
+    lora, dropped = (dataclasses.replace(plain, lora_rank=4, lora_dropout=p, **output_map) for p in (0.0, 0.5))
+    masks = kept_per_block(dropped, "none", tp) - kept_per_block(lora, "none", tp)
+    assert masks == memory_plan.adapter_bytes(dropped, tp_size, "cpu") - memory_plan.adapter_bytes(lora, tp_size, "cpu")
+
+
 def test_the_plan_counts_selective_recomputation_between_none_and_full():
     """A ZeRO-1 Llama at micro-batch 2: checkpointed blocks keep their inputs (full) and their kept outputs
     (selective); the block the backward pass recomputes holds what its recomputation makes."""

@@ -70,6 +70,10 @@ BAD_SETTINGS = [
                                                   "computes with its projections' weights, not through the maps)"),
     (["model.lora_alpha=0"], "model.lora_alpha=0.0: must be > 0"),
     (["model.lora_targets=''"], "model.lora_targets='': must not be empty"),
+    (["model.lora_rank=4", "model.lora_dropout=1"], "model.lora_dropout=1.0: must be in [0.0, 1.0); fix: set "
+                                                    "model.lora_dropout between 0.0 and 1.0"),
+    (["model.lora_dropout=0.1"], "model.lora_dropout=0.1: must be 0 without adapters (model.lora_rank=0): it drops "
+                                 "the adapters' input; fix: set model.lora_rank, or model.lora_dropout=0"),
     (["model.lora_rank=4", "model.lora_targets=attn.q,mlp.fc"], "model.lora_targets='attn.q,mlp.fc': must name linear "
      "maps of the GPT's blocks, not attn.q; fix: name some of attn.qkv, attn.proj, mlp.fc, mlp.proj, or set it to all"),
     (["model.norm_eps=0"], "model.norm_eps=0.0: must be > 0"),

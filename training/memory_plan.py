@@ -30,7 +30,8 @@ SwiGLU), each route's dispatched input and expert output (2 d each) and the rout
 counted as if the routing were even, and what its shared expert keeps (8 x its width, its output, 2 d, for the
 product with its gate's sigmoid, and that sigmoid, 2 bytes); a rank holds n_experts / expert_parallel_size
 experts, whose optimizer states ZeRO partitions over the ranks that hold the same experts (dp / ep), and the
-shared expert whole.
+shared expert whole. LoRA's adapters keep their r-wide products, and under model.lora_dropout each map's dropped
+input and mask (adapter_bytes).
 ZeRO-3 adds its gradient bucket, allocated whole at start; ZeRO-1/2 allocate theirs at each backward pass.
 Allocator fragmentation and the CUDA context come on top. At ZeRO-0 to 2 the plan is within 5% of a step's peak
 of live tensors (tests/test_gpu.py); under ZeRO-3 a GPU's peak ran above this count of the activations while
@@ -47,7 +48,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from model import ExpertParallel, architecture, model_layers
 from model.documents import document_kernel
-from model.tensor_parallel import TensorParallel
+from model.lora import LoRALinear
+from model.tensor_parallel import ROW, TensorParallel
 from training.moe import expert_parallel_size
 from training.steps import LOSS_CHUNK_ROWS
 from training.topology import (
@@ -159,6 +161,38 @@ def selective_layer_bytes(cfg, tp_size: int = 1, sequence_split: bool = False, c
     hidden = 2 * (arch.mlp_matrices - 1) * arch.mlp_hidden(cfg)
     split = 2 * cfg.q_width + 4 * cfg.kv_heads * cfg.head_width + 2 * cfg.q_width + 4 * cfg.n_head + hidden
     return split / tp_size + ((2 if compiled else 4) * cfg.n_embd if tp_size == 1 else 0)
+
+
+def adapted_maps(cfg, tp_size: int = 1) -> tuple[tuple[str | None, int, int], ...]:
+    """(split, inputs, outputs) on one tensor rank of each linear map LoRA adapts in a block (model.lora_rank; of
+    the block with the most, where blocks differ)."""
+    def maps() -> tuple:
+        block, found = architecture(cfg).block, [()]
+        with torch.device("meta"):
+            for spec in model_layers(cfg, TensorParallel(tp_size)):
+                if spec.typename is block:
+                    found.append(tuple((m.split, m.in_features, m.out_features) for m in spec.build().modules()
+                                       if isinstance(m, LoRALinear)))
+        return max(found, key=len)
+    return _once(("adapted", repr(cfg), tp_size), maps) if cfg.lora_rank else ()
+
+
+def adapter_bytes(cfg, tp_size: int = 1, device_type: str = "cuda", selective: bool = False) -> float:
+    """16-bit bytes per token a block's adapters keep beside its frozen maps. Unchecked: each map's r-wide x A^T,
+    which B's gradient reads; under model.lora_dropout also the dropped copy of its input, which A's gradient reads,
+    and the mask (1 byte an element where F.dropout's GPU kernel keeps a boolean one; 2 on a CPU, and for a
+    row-split map, whose mask is drawn whole and a slice kept). A bound: where nothing else keeps a map's input
+    (a norm's output, which a norm's backward does not read), the dropped copy takes its place, 2 bytes an element
+    fewer (on a CPU, the GPT's: 1,024 bytes a block where this counts 1,792). Under selective recomputation, the
+    adapters' matmul outputs, x A^T and its product with B, of each map not row-split (a row-split map's run again,
+    model/recompute.py's `recomputed`); under full recomputation, none."""
+    maps, rank = adapted_maps(cfg, tp_size), cfg.lora_rank
+    if selective:
+        return sum(2 * rank + 2 * outputs for split, _, outputs in maps if split != ROW)
+    dropped = 0
+    if cfg.lora_dropout:
+        dropped = sum((2 + (1 if device_type == "cuda" and split != ROW else 2)) * inputs for split, inputs, _ in maps)
+    return 2 * rank * len(maps) + dropped
 
 
 def repeated_ties(specs: list) -> list[int]:
@@ -309,10 +343,12 @@ def activation_bytes(cfg, layout, pipe, specs, parts, tp_size, sp_size, mlp_tile
     fp32 copy in place, and returns an fp32 gradient cast to 16 bits; none where inductor's kernels make one rank's
     loss straight from the 16-bit logits), which ZeRO-1/2's bucket comes after."""
     tokens = layout.micro_batch * cfg.block_size // sp_size
-    full_layer = tokens * layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence, device_type, compiled)
+    full_layer = tokens * (layer_activation_bytes(cfg, tp_size, mlp_tiles, layout.tp_sequence, device_type, compiled)
+                           + adapter_bytes(cfg, tp_size, device_type))
     kept = 0  # what a checkpointed block keeps beside its input; in the backward pass, it makes the rest again
     if pipe.checkpoint_interval and pipe.recompute == "selective":
-        kept = tokens * selective_layer_bytes(cfg, tp_size, layout.tp_sequence, compiled)
+        kept = tokens * (selective_layer_bytes(cfg, tp_size, layout.tp_sequence, compiled)
+                         + adapter_bytes(cfg, tp_size, device_type, selective=True))
     block_input = tokens * 2 * cfg.n_embd / (tp_size if layout.tp_sequence else 1)
     per_layer = block_input + kept if pipe.checkpoint_interval else full_layer
     block = architecture(cfg).block

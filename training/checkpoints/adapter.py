@@ -45,7 +45,7 @@ def peft_adapter(cfg: ModelConfig, state: dict, base: str | None) -> tuple[dict,
         tensors[f"base_model.model.{module}.lora_A.weight"] = state[name].contiguous()
         tensors[f"base_model.model.{module}.lora_B.weight"] = state[f"{prefix}lora_b"].contiguous()
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
-              "lora_dropout": 0.0, "bias": "none", "target_modules": modules, "fan_in_fan_out": transposed,
+              "lora_dropout": cfg.lora_dropout, "bias": "none", "target_modules": modules, "fan_in_fan_out": transposed,
               "base_model_name_or_path": base, "inference_mode": True}
     return config, tensors
 
