@@ -51,7 +51,7 @@ from training.launch.failure import (
 from training.metrics import MetricsLog, Throughput, flops_per_token
 from training.noise import silence_known_noise
 from training.observers import Observer, Observers
-from training.parallelize import parallelize, whole_model_parameters
+from training.parallelize import parallelize
 from training.startup import (
     Run,
     check_run,
@@ -127,7 +127,7 @@ def build_engine(run: Run, observers: Observers) -> Rank:
     if cfg.train.background_save:
         # DeepSpeed's plug point for its writers
         engine.checkpoint_engine = BackgroundWriter(engine._config)
-    universal_info = universal.universal_info(whole_model_parameters(cfg, layout.tp_size), layout.tp_size)
+    universal_info = universal.universal_info(cfg.model, layout.tp_size)
     driver = drive(engine, tp, groups.sp)
     assert getattr(model, "parts", run.parts) == run.parts, \
         f"PipelineModule chose stage boundaries {model.parts}, expected {run.parts}"

@@ -10,6 +10,7 @@ import shutil
 from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from training.checkpoints import checkpoint, experts, universal
+from training.checkpoints.export import frozen_weights
 
 
 def main(argv=None) -> None:
@@ -60,6 +61,7 @@ def to_universal(out_dir: str, tag: str | None) -> str:
             universal.convert_zero0(source, target, saved, states)
         except ValueError as e:
             raise ConfigError(f"{e}; fix: {checkpoint.elsewhere(source, 'convert another tag')}") from None
+    universal.write_entries(target, frozen_weights(source))  # LoRA's, which no optimizer holds
     checkpoint.mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
     where = ("under ZeRO-3 at any data-parallel size" if layout["zero_stage"] == 3 else
              "at any data-parallel size, pipeline stage count or ZeRO stage from 0 to 2"

@@ -4,12 +4,12 @@ frozen weights bitwise as they were, the optimizer holding the adapters alone); 
 adapted one does; the memory plan and the FLOPs count the frozen weights as such. Through train.py: a fine-tune of a
 transformers-built Llama with adapters equals one process under ZeRO-3 over two ranks, over two pipeline stages and
 over two tensor ranks (the adapters split as their maps, and lora_dropout's masks as one process draws them); its
-checkpoint holds the folder's weights untouched, and its export (merged, or the adapters alone in PEFT's layout)
-equals the adapted model in transformers, and in PEFT while training too (lora_dropout's masks)."""
+checkpoint holds the folder's weights untouched and, converted to the universal format, resumes at another layout;
+its export (merged, or the adapters alone in PEFT's layout) equals the adapted model in transformers, and in PEFT
+while training too (lora_dropout's masks)."""
 import dataclasses
 import json
 import os
-import sys
 
 import deepspeed
 import pytest
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from chats import reverse_tasks
 from common.checks import ConfigError
 from data.prepare_chat import prepare_chat
-from harness import FP32, export, grad_norms, launch, one_rank_world, run, train_losses
+from harness import FP32, export, grad_norms, launch, metrics, one_rank_world, train_losses, universal
 from hf_check import load_in_transformers, transformers_model
 from model import build_model
 from model.config import ModelConfig
@@ -325,13 +325,43 @@ def test_the_checkpoint_keeps_the_folders_weights_and_the_export_is_the_adapted_
     assert (build_model(run_cfg).eval()(idx)[..., : cfg.vocab_size] - expected).abs().max().item() > 1e-3
 
 
+RESUMED = {  # the run whose step 2 resumes through the universal format, and the layout it resumes at
+    "tp2-to-one": ("tp2_zero1", 1, "zero1.json", ["ds.train_micro_batch_size_per_gpu=2",
+                                                  "ds.gradient_accumulation_steps=2", "model.lora_dropout=0.1"]),
+    "one-to-tp2": ("one", 2, "tp2.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"]),
+}
+
+
 @pytest.mark.launch
-def test_a_lora_checkpoint_is_not_converted_to_the_universal_format(runs):
-    """DeepSpeed's universal format holds what the optimizer holds: a resume at another layout would start from
-    frozen weights it does not find. Refused in one line, nothing written."""
-    out = runs("one")
-    proc = run([sys.executable, "-m", "scripts.convert_checkpoint", "universal", "--out_dir", str(out)], check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"step_000004 is a LoRA run's checkpoint (model.lora_rank={RANK}): the universal format holds what the " \
-           f"optimizer holds" in proc.stderr
-    assert not (out / "checkpoints" / "step_000004_universal").exists()
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_lora_run_resumes_on_another_layout_through_the_universal_format(runs, hf_folder, tmp_path, case):
+    """The universal format holds what the optimizer holds, the adapters: the converter writes the frozen weights
+    beside them, whole, and the resuming run (without train.init_from) reads them, cut for its tensor ranks. Steps 3
+    and 4 as the uninterrupted run's (1e-5); the frozen weights of its last checkpoint, and of the universal one,
+    bitwise the folder's."""
+    source, procs, ds_config, overrides = RESUMED[case]
+    run_dir = runs(source)
+    converted = universal(run_dir, "step_000002")
+    launch(procs, ds_config, tmp_path, str(hf_folder / "data"), [*FINETUNE, *overrides, f"train.resume={converted}"])
+    steps, uninterrupted = ([m for m in metrics(out) if "loss" in m] for out in (tmp_path, run_dir))
+    assert [m["step"] for m in steps] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in steps] == pytest.approx([m[key] for m in uninterrupted[2:]], abs=1e-5)
+    folder = consolidated_state_dict(str(run_dir / "checkpoints" / "step_000002"))
+    for checkpoint_dir in (converted, str(tmp_path / "checkpoints" / "step_000004")):
+        state = consolidated_state_dict(checkpoint_dir)
+        assert set(state) == set(folder)
+        assert [name for name in folder if not is_adapter(name) and not torch.equal(state[name], folder[name])] == []
+
+
+def test_a_lora_run_over_experts_is_not_converted():
+    """Its frozen experts are neither in the optimizer nor in the module's files the experts' converter reads."""
+    from training.checkpoints import universal
+
+    saved = {"layout": {"pp": 1, "tp": 1, "zero_stage": 1},
+             "config": {"model": {"lora_rank": RANK, "n_experts": 4, "arch": "llama"}}}
+    assert universal.unconvertible("out/checkpoints/step_000002", saved) == (
+        "out/checkpoints/step_000002 is a LoRA run's checkpoint over a mixture of experts, whose frozen experts the "
+        "experts' converter does not read. Resume it on its own layout (pp=1, tp=1, ZeRO-1), or start a new run from "
+        "its weights, the adapters merged: python -m scripts.export --out_dir out --tag step_000002, then "
+        "train.init_from=out/export/step_000002")

@@ -1,11 +1,12 @@
 """Tensor parallelism: the split layers against the whole model in-process (GPT, Llama with grouped-query
 attention, the encoder), then training through the real launcher, fp32 and dropout 0: tp 2, tp 2 x dp 2 and
 pp 2 x tp 2 give the losses and gradient norms of one process; replicated weights stay bitwise equal; a
-tp 2 checkpoint resumes exactly at tp 2 and, through the universal format, at tp 1 (from pp 2 x tp 2 too);
-export merges the slices into weights transformers loads; bad layouts stop at start."""
+tp 2 checkpoint resumes exactly at tp 2 and, through the universal format, at tp 1 (from pp 2 x tp 2 too), and a
+tp 1 one at tp 2; export merges the slices into weights transformers loads; bad layouts stop at start."""
 import dataclasses
 import itertools
 import os
+import shutil
 
 import pytest
 import torch
@@ -163,6 +164,7 @@ SEQ = "ds.tensor_sequence_parallel=true"
 SELECTIVE = ["ds.pipeline.activation_checkpoint_interval=1", "ds.pipeline.recompute=selective"]
 RUNS = {
     "gpt_tp1": ("gpt", 1, "zero1.json", ["ds.gradient_accumulation_steps=4"]),
+    "gpt_zero0_tp1": ("gpt", 1, "zero0.json", ["ds.gradient_accumulation_steps=4"]),  # converted by this repo
     "gpt_tp2": ("gpt", 2, "tp2.json", ["ds.gradient_accumulation_steps=4"]),
     "gpt_tp2_dp2_seq": ("gpt", 4, "tp2.json", ["ds.gradient_accumulation_steps=2", "ds.zero_optimization.stage=2",
                                                SEQ, *SELECTIVE]),
@@ -231,17 +233,43 @@ def resume(char_data, out, checkpoint_dir, procs: int, ds_config: str, extra=())
 
 
 @pytest.mark.parametrize("source,procs,ds_config", [("gpt_tp2", 2, "tp2.json"), ("gpt_tp2", 1, "zero1.json"),
-                                                    ("gpt_pp2_tp2", 1, "zero1.json")],
-                         ids=["tp2-exact", "tp2-to-tp1-universal", "pp2xtp2-to-pp1-universal"])
+                                                    ("gpt_pp2_tp2", 1, "zero1.json"), ("gpt_tp1", 2, "tp2.json"),
+                                                    ("gpt_zero0_tp1", 2, "tp2.json")],
+                         ids=["tp2-exact", "tp2-to-tp1-universal", "pp2xtp2-to-pp1-universal", "tp1-to-tp2-universal",
+                              "tp1-zero0-to-tp2-universal"])
 def test_resumed_runs_continue_the_uninterrupted_one(runs, tmp_path, char_data, source, procs, ds_config):
     run_dir = runs(source)[0]
-    checkpoint_dir = (os.path.join(run_dir, "checkpoints", "step_000002") if procs == 2
+    same_layout = (source, procs) == ("gpt_tp2", 2)
+    checkpoint_dir = (os.path.join(run_dir, "checkpoints", "step_000002") if same_layout
                       else universal(run_dir, "step_000002"))
     steps = resume(char_data, tmp_path, checkpoint_dir, procs, ds_config)
     uninterrupted = [m for m in metrics(run_dir) if "loss" in m][2:]
     assert [m["step"] for m in steps] == [3, 4]
     assert [m["loss"] for m in steps] == pytest.approx([m["loss"] for m in uninterrupted], abs=1e-5)
     assert [m["grad_norm"] for m in steps] == pytest.approx([m["grad_norm"] for m in uninterrupted], abs=1e-5)
+
+
+def test_a_tp1_checkpoint_without_the_split_rules_is_not_converted(runs, tmp_path):
+    """A checkpoint of one tensor rank saved before checkpoints recorded the split rules at tp 1 (its universal
+    info without the patterns) would resume at tp 2 with its row-parallel and fused weights cut on the wrong
+    dimension: refused in one line, with the way on. This version's checkpoints record them."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    from training.checkpoints import checkpoint, universal
+
+    source = os.path.join(runs("gpt_tp1")[0], "checkpoints", "step_000002")
+    saved = checkpoint.read_run_state(source)
+    assert universal.records_split_rules(source, saved) and universal.unconvertible(source, saved) is None
+    old = tmp_path / "step_000002"
+    shutil.copytree(source, old)
+    states = checkpoint.load_state_file(str(old / "mp_rank_00_model_states.pt"))
+    states[UNIVERSAL_CHECKPOINT_INFO] = {k: v for k, v in states[UNIVERSAL_CHECKPOINT_INFO].items()
+                                         if k.startswith(("universal_checkpoint_version", "pipeline_replicated"))}
+    torch.save(states, old / "mp_rank_00_model_states.pt")
+    assert universal.unconvertible(str(old), saved) == (
+        f"{old} was saved at tp=1 before checkpoints recorded how each parameter splits over tensor ranks: converted, "
+        f"it would resume at tp > 1 with its row-parallel and fused weights cut wrongly. Resume it on its own layout "
+        f"(pp=1, tp=1, ZeRO-1) and convert a checkpoint saved after that")
 
 
 def test_export_merges_the_slices_into_weights_transformers_loads(runs):

@@ -75,10 +75,3 @@ def zero3_partition(ds: dict, tp: TensorParallel, grid):
         for buffer in layer.buffers():
             buffer.data = buffer.data.to(get_accelerator().current_device_name())
     return partition
-
-
-def whole_model_parameters(cfg: RunConfig, tp_size: int) -> list:
-    """Every layer's parameters as one tensor rank holds them, on the meta device: a pipeline stage holds only
-    its own, and DeepSpeed's universal converter reads one stage's file for the whole model's rules."""
-    with torch.device("meta"):
-        return list(build_model(cfg.model, tp=TensorParallel(tp_size)).named_parameters())

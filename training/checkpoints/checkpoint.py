@@ -233,10 +233,11 @@ def check_pickles(tag_dir: str, manifest: dict) -> None:
                                       f"code. Load only checkpoints you trust, from their own writer")
 
 
-def load_state_file(path: str):
-    """One torch file of a checkpoint, weights_only (tensors, containers and SAFE_GLOBALS only), on the CPU."""
+def load_state_file(path: str, mmap: bool = False):
+    """One torch file of a checkpoint, weights_only (tensors, containers and SAFE_GLOBALS only), on the CPU; `mmap`:
+    its tensors mapped from the file, read only if used."""
     with torch.serialization.safe_globals(SAFE_GLOBALS):
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def load(engine, tag_dir: str) -> dict:
@@ -251,7 +252,7 @@ def load(engine, tag_dir: str) -> dict:
         with names:
             path = _load_into(engine, tag_dir, universal_form)
         if universal_form:
-            universal.load_buffers(engine.module, tag_dir)
+            universal.load_module_entries(engine, tag_dir)
     except Exception as e:  # a file that passed the size check but does not unpickle
         raise ConfigError(f"could not load checkpoint {tag_dir}: {type(e).__name__}: {e}") from None
     if path is None:

@@ -90,7 +90,7 @@ def convert_zero0(source: str, target: str, saved: dict, ep: int, load) -> None:
     state is a file of its own (expp_rank_<e>_mp_rank_00_optim_states.pt), in the order its optimizer took the
     parameters: the dense matrices, the dense vectors, then that rank's experts (DeepSpeed moves them to a group of
     their own). Each expert is written under its global index."""
-    order = universal.optimizer_order(saved, source)
+    order, info = universal.optimizer_order(saved, source), universal.one_rank_info(saved, source)
     dense, routed = [p for p in order if EXPERTS not in p[0]], [p for p in order if EXPERTS in p[0]]
     local = saved["config"]["model"]["n_experts"] // ep
     states = load(os.path.join(source, _model_states(0)))
@@ -100,7 +100,7 @@ def convert_zero0(source: str, target: str, saved: dict, ep: int, load) -> None:
         for rank in range(ep):
             mine = [p for p in routed if rank * local <= _expert_index(p[0]) < (rank + 1) * local]
             optimizer = load(os.path.join(source, f"expp_rank_{rank}_mp_rank_00_optim_states.pt"))["optimizer"]
-            adam = universal.write_parameters(target, dense + mine, optimizer, weights, source,
+            adam = universal.write_parameters(target, dense + mine, optimizer, weights, source, info,
                                               skip=frozenset(name for name, _ in dense) if rank else frozenset())
             if rank == 0:
                 torch.save({"ds_version": states["ds_version"], PARAM_GROUPS: _layout_free(adam[PARAM_GROUPS])},
@@ -141,9 +141,8 @@ def _convert_stage(source: str, target: str, states: dict, shards: list, ep: int
 
 def _save_buffers(target: str, states: dict) -> None:
     """A model-states file's buffers (a biased router's bias), which are not the optimizer's and which DeepSpeed's
-    loader does not read: universal.load_buffers does."""
-    for name in states["buffer_names"]:
-        _save(target, name, FP32_WEIGHT_KEY, {PARAM: states["module"][name]})
+    loader does not read."""
+    universal.write_entries(target, {name: states["module"][name] for name in states["buffer_names"]})
 
 
 def _model_states(stage: int) -> str:

@@ -41,12 +41,12 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     rules = {name: split_rule(p) for name, p in sliced.named_parameters()}
     if cfg.n_experts:
         return _with_experts(tag_dir, tp_size, rules)
+    if run_state.get("universal"):  # LoRA's frozen weights among its module entries (universal.write_entries)
+        return _from_universal(tag_dir, {name: p.shape for name, p in model.named_parameters()})
     # What the optimizer holds: every weight, or under LoRA the adapters alone (the frozen weights come apart)
     shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    frozen = _frozen_weights(tag_dir, run_state, cfg, frozen, rules) if frozen else {}
-    if run_state.get("universal"):
-        return {**_from_universal(tag_dir, shapes), **frozen}
+    frozen = _frozen_weights(tag_dir, run_state, cfg, [n for n, p in model.named_parameters() if not p.requires_grad],
+                             rules)
     if glob.glob(os.path.join(tag_dir, "*optim_states.pt")):  # ZeRO 1-3, or any bf16 pipeline
         scratch = f"{tag_dir}_export_tmp"
         shutil.rmtree(scratch, ignore_errors=True)
@@ -74,12 +74,25 @@ def _layer_files(tag_dir: str, cfg: ModelConfig, tp_size: int) -> list[dict[str,
     return slices
 
 
+def frozen_weights(tag_dir: str) -> dict[str, torch.Tensor]:
+    """A LoRA run's frozen weights, whole (fp32, this repo's names), which the universal converter must write
+    itself; none without LoRA."""
+    run_state = checkpoint.read_run_state(tag_dir)
+    cfg, tp_size = run_model(tag_dir, run_state), run_state["layout"]["tp"]
+    with torch.device("meta"):
+        names = [name for name, p in build_model(cfg).named_parameters() if not p.requires_grad]
+        rules = {name: split_rule(p) for name, p in build_model(cfg, tp=TensorParallel(tp_size)).named_parameters()}
+    return _frozen_weights(tag_dir, run_state, cfg, names, rules) if names else {}
+
+
 def _frozen_weights(tag_dir: str, run_state: dict, cfg: ModelConfig, names: list[str],
                     rules: dict) -> dict[str, torch.Tensor]:
     """LoRA's frozen weights (`names`), which no optimizer holds and DeepSpeed's universal converter, reading the
     optimizer's files, leaves out: the module's own copies, each tensor rank's slice merged by `rules`. A pipeline's
     layer files; under ZeRO-3 each rank's fragment of each (DeepSpeed's frozen_param_fragments, in data-parallel
     rank order); else the module's file."""
+    if not names:
+        return {}
     layout = run_state["layout"]
     if layout["pp"] > 1:
         slices = _layer_files(tag_dir, cfg, layout["tp"])

@@ -21,52 +21,82 @@ from deepspeed.checkpoint.constants import (
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     PARAMETER_WITH_SUB_PARAMS,
     PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    SUB_PARAM_SHAPE,
     SUB_PARAM_SHARD_WIDTHS,
     TP_REPLICATED_PARAMETER_PATTERNS,
+    UNIVERSAL_CHECKPOINT_INFO,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
-from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+from deepspeed.checkpoint.universal_checkpoint import SubparamShape, load_hp_checkpoint_state
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.zero import GatheredParameters
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model_parallel_world_size
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from common.checks import ConfigError
 from model import build_model
-from model.config import model_config
+from model.config import ModelConfig, model_config
 from model.registry import ARCHITECTURES
-from model.tensor_parallel import ROW, split_rule
+from model.tensor_parallel import ROW, TensorParallel, shard_parameter, split_rule
 from training.optim import decay_split
 
 
-def universal_info(named_parameters: list, tp_size: int) -> dict:
-    """What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint, from this run's model
-    (its parameters as one rank holds them): the tied embedding is held by the first and the last pipeline
-    stage, and only one copy must be kept; under tensor parallelism each parameter's rule (model/tensor_parallel.py)
-    as DeepSpeed's patterns: replicated ones keep one slice, row-parallel ones join on dim 1, fused q|k|v
-    join block by block, the rest (column-parallel, vocabulary rows) on dim 0. The loader cuts them again
-    for the resuming run's degree. Only what the optimizer holds, which the converter reads: not LoRA's frozen
-    weights, whose patterns it would find unused."""
+def universal_info(cfg: ModelConfig, tp_size: int) -> dict:
+    """What DeepSpeed's universal-checkpoint converter needs to merge a checkpoint, from the model (every layer's
+    parameters as one tensor rank holds them, on the meta device: a pipeline stage holds only its own, and the
+    converter reads one stage's file for the whole model's rules): the tied embedding is held by the first and the
+    last pipeline stage, and only one copy must be kept; each parameter's tensor-parallel rule (split_rules) as
+    DeepSpeed's patterns: replicated ones keep one slice, row-parallel ones join on dim 1, fused q|k|v join block by
+    block, the rest (column-parallel, vocabulary rows) on dim 0. The loader cuts them again for the resuming run's
+    degree, so they are recorded at tp = 1 too, where there is nothing to join. Only what the optimizer holds, which
+    the converter reads: not LoRA's frozen weights, whose patterns it would find unused."""
     info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"]}
-    named_parameters = [(name, p) for name, p in named_parameters if p.requires_grad]
-    rules = {name: split_rule(p) for name, p in named_parameters}
-    if all(rule is None for rule in rules.values()):
-        return info  # tp = 1: nothing to join
-    exact = {name: f"^{re.escape(name)}$" for name in rules}
-    info[TP_REPLICATED_PARAMETER_PATTERNS] = [exact[n] for n, rule in rules.items() if rule is None]
-    info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [exact[n] for n, rule in rules.items() if rule == ROW]
-    fused = {n: rule for n, rule in rules.items() if isinstance(rule, tuple)}
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in build_model(cfg, tp=TensorParallel(tp_size)).named_parameters()
+                  if p.requires_grad}
+    rules = split_rules(cfg)
+    if not rules:
+        return info  # a model that splits over no tensor ranks
+    exact = {name: f"^{re.escape(name)}$" for name in shapes}
+    info[TP_REPLICATED_PARAMETER_PATTERNS] = [exact[n] for n in shapes if rules[n] is None]
+    info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [exact[n] for n in shapes if rules[n] == ROW]
     info[PARAMETER_WITH_SUB_PARAMS], info[SUB_PARAM_SHARD_WIDTHS] = [], {}
-    shapes = {name: p.shape for name, p in named_parameters}
-    for name, (_, parts) in fused.items():
-        param = shapes[name]
-        block = param[0] // parts * tp_size  # rows of one of q, k, v in the whole weight
-        info[PARAMETER_WITH_SUB_PARAMS].append(
-            {"patterns": [exact[name]], "shape": ((block,) * parts, *param[1:]), "partition_dim": 0})
-        info[SUB_PARAM_SHARD_WIDTHS][exact[name]] = [[block // tp_size] * tp_size for _ in range(parts)]
+    for name in shapes:
+        if isinstance(rules[name], tuple):  # (COLUMN, parts)
+            parts, param = rules[name][1], shapes[name]
+            block = param[0] // parts * tp_size  # rows of one of q, k, v in the whole weight
+            info[PARAMETER_WITH_SUB_PARAMS].append(
+                {"patterns": [exact[name]], "shape": ((block,) * parts, *param[1:]), "partition_dim": 0})
+            info[SUB_PARAM_SHARD_WIDTHS][exact[name]] = [[block // tp_size] * tp_size for _ in range(parts)]
     return info
+
+
+def split_rules(cfg: ModelConfig) -> dict:
+    """Each parameter's tensor-parallel split rule, which the architecture's plan gives it at every degree: read
+    from the model built on the meta device at the smallest degree it splits at (none if it splits at none up to
+    8)."""
+    for size in range(2, 9):
+        try:
+            with torch.device("meta"):
+                return {name: split_rule(p) for name, p in build_model(cfg, tp=TensorParallel(size)).named_parameters()}
+        except ConfigError:
+            continue
+    return {}
+
+
+def _entry(name: str, tensor: torch.Tensor, info: dict) -> dict:
+    """A parameter's (or one of its Adam moments') universal file as DeepSpeed's converter writes it for a
+    checkpoint of one tensor rank, by `info`'s patterns: what tells the loader how to cut it for another degree."""
+    exact = f"^{re.escape(name)}$"
+    for sub in info.get(PARAMETER_WITH_SUB_PARAMS, []):
+        if exact in sub["patterns"]:
+            return {PARAM: tensor, SUB_PARAM_SHAPE: SubparamShape(**sub)}
+    if exact in info.get(TP_REPLICATED_PARAMETER_PATTERNS, []):
+        return {PARAM: tensor}
+    return {PARAM: tensor, CAT_DIM: 1 if exact in info.get(PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, []) else 0}
 
 
 class _WholeFragment:
@@ -121,15 +151,33 @@ def load_universal_without_zero(engine, tag_dir: str, saved_groups: list):
     return copy_masters
 
 
-def load_buffers(model: torch.nn.Module, tag_dir: str) -> None:
-    """A universal checkpoint's buffers (a biased router's, training/checkpoints/experts.py) into the model:
-    DeepSpeed's loader restores the optimizer's parameters only. The converters write each module entry without
-    optimizer state as zero/<name>/fp32.pt."""
+def write_entries(target: str, tensors: dict) -> None:
+    """Module entries the optimizer does not hold, whole, as zero/<name>/fp32.pt (load_module_entries reads them):
+    a biased router's buffers (training/checkpoints/experts.py), LoRA's frozen weights."""
+    for name, tensor in tensors.items():
+        folder = os.path.join(target, "zero", name)
+        os.makedirs(folder, exist_ok=True)
+        torch.save({PARAM: tensor}, os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"))
+
+
+def load_module_entries(engine, tag_dir: str) -> None:
+    """A universal checkpoint's module entries into the engine's model, which DeepSpeed's loader, restoring the
+    optimizer's parameters only, leaves: buffers, and LoRA's frozen weights, each cut for this tensor rank (and,
+    under ZeRO-3, written whole and partitioned again) as train.init_from's are."""
+    model = engine.module
     saved = model.state_dict()  # persistent buffers only
     for name, buffer in model.named_buffers():
         path = os.path.join(tag_dir, "zero", name, f"{FP32_WEIGHT_KEY}.pt")
         if name in saved and os.path.exists(path):
             buffer.copy_(torch.load(path, map_location="cpu", weights_only=True)[PARAM])
+    tp = TensorParallel(bwc_tensor_model_parallel_world_size(engine.mpu), bwc_tensor_model_parallel_rank(engine.mpu))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                path = os.path.join(tag_dir, "zero", name, f"{FP32_WEIGHT_KEY}.pt")
+                whole = torch.load(path, map_location="cpu", weights_only=True)[PARAM]
+                with GatheredParameters([param], modifier_rank=0):
+                    param.copy_(shard_parameter(whole, split_rule(param), tp))
 
 
 def has_optimizer_shards(tag_dir: str) -> bool:
@@ -142,14 +190,12 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
     """Why the checkpoint (`saved`: its run state) cannot be converted to the universal format, with what to do
     instead; None if it can."""
     layout, tag = saved["layout"], os.path.basename(os.path.normpath(tag_dir))
-    if saved["config"]["model"].get("lora_rank"):
+    if saved["config"]["model"].get("lora_rank") and saved["config"]["model"].get("n_experts"):
         out_dir = os.path.dirname(os.path.dirname(os.path.normpath(tag_dir)))
-        return (f"{tag_dir} is a LoRA run's checkpoint (model.lora_rank={saved['config']['model']['lora_rank']}): "
-                f"the universal format holds what the optimizer holds, its adapters, and a resume at another layout "
-                f"would not find the frozen weights. Resume it on its own layout (pp={layout['pp']}, "
-                f"tp={layout['tp']}, ZeRO-{layout['zero_stage']}), or start a new run from its weights, the "
-                f"adapters merged: python -m scripts.export --out_dir {out_dir} --tag {tag}, then "
-                f"train.init_from={out_dir}/export/{tag}")
+        return (f"{tag_dir} is a LoRA run's checkpoint over a mixture of experts, whose frozen experts the experts' "
+                f"converter does not read. Resume it on its own layout (pp={layout['pp']}, tp={layout['tp']}, "
+                f"ZeRO-{layout['zero_stage']}), or start a new run from its weights, the adapters merged: python -m "
+                f"scripts.export --out_dir {out_dir} --tag {tag}, then train.init_from={out_dir}/export/{tag}")
     if saved["config"]["model"].get("n_experts"):
         return _unconvertible_experts(tag_dir, layout)
     if layout["tp"] > 1 and layout["zero_stage"] == 3:
@@ -166,7 +212,23 @@ def unconvertible(tag_dir: str, saved: dict) -> str | None:
             f"train.init_from={out_dir}/export/{tag}")
         return (f"{tag_dir} is a ZeRO-0 checkpoint {where}, whose optimizer state no converter reads: resume it on "
                 f"its own layout (pp={layout['pp']}, tp={layout['tp']}){weights}")
+    if layout["tp"] == 1 and has_optimizer_shards(tag_dir) and not records_split_rules(tag_dir, saved):
+        return (f"{tag_dir} was saved at tp=1 before checkpoints recorded how each parameter splits over tensor "
+                f"ranks: converted, it would resume at tp > 1 with its row-parallel and fused weights cut wrongly. "
+                f"Resume it on its own layout (pp={layout['pp']}, tp=1, ZeRO-{layout['zero_stage']}) and convert a "
+                f"checkpoint saved after that")
     return None
+
+
+def records_split_rules(tag_dir: str, saved: dict) -> bool:
+    """Whether a checkpoint's universal_info (in its model-states file, which DeepSpeed's converter reads) holds
+    the split rules its model has."""
+    from training.checkpoints.checkpoint import load_state_file  # which imports this module
+
+    path = sorted(glob.glob(os.path.join(tag_dir, "*mp_rank_00_model_states.pt")))[0]
+    info = load_state_file(path, mmap=True).get(UNIVERSAL_CHECKPOINT_INFO, {})  # the tensors mapped, not read
+    model = model_config(saved["config"]["model"], f"the run state of {tag_dir}")
+    return TP_REPLICATED_PARAMETER_PATTERNS in info or not split_rules(model)
 
 
 def _unconvertible_experts(tag_dir: str, layout: dict) -> str | None:
@@ -204,9 +266,9 @@ def convert_zero0(source: str, target: str, saved: dict, states: dict) -> None:
     its loaders read it, zero/<name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt per parameter and
     zero/optimizer_state.pt, beside the model-states file without its optimizer entry (`states`: that file,
     read safely)."""
-    order = optimizer_order(saved, source)
+    order, info = optimizer_order(saved, source), one_rank_info(saved, source)
     try:
-        adam = write_parameters(target, order, states["optimizer"], states["module"], source)
+        adam = write_parameters(target, order, states["optimizer"], states["module"], source, info)
         torch.save({"ds_version": states["ds_version"], "param_groups": adam["param_groups"]},
                    os.path.join(target, "zero", "optimizer_state.pt"))
         torch.save({**states, "optimizer": None}, os.path.join(target, "mp_rank_00_model_states.pt"))
@@ -224,12 +286,17 @@ def optimizer_order(saved: dict, source: str) -> list[tuple[str, torch.Size]]:
     return [(name, p.shape) for name, p in decay + no_decay]
 
 
-def write_parameters(target: str, order: list, optimizer: dict, module: dict, source: str,
+def one_rank_info(saved: dict, source: str) -> dict:
+    """universal_info of a checkpoint of one tensor rank (`saved`: its run state)."""
+    return universal_info(model_config(saved["config"]["model"], f"the run state of {source}"), 1)
+
+
+def write_parameters(target: str, order: list, optimizer: dict, module: dict, source: str, info: dict,
                      skip: frozenset = frozenset()) -> dict:
     """Each parameter of `order` ((name, shape) in the optimizer's order) but those in `skip`, from a ZeRO-0
     optimizer's whole state (torch's, or bf16's beside its fp32 masters; the weights of an fp32 run are the
-    `module`'s): its fp32 weight and Adam states, as DeepSpeed's universal loaders read them. Returns torch's
-    optimizer state dict."""
+    `module`'s): its fp32 weight and Adam states, as DeepSpeed's universal loaders read them (`info`: the model's
+    universal_info at one tensor rank). Returns torch's optimizer state dict."""
     masters = optimizer.get("fp32_groups")  # bf16: DeepSpeed's unfused optimizer keeps fp32 masters
     adam = optimizer["optimizer_state_dict"] if masters is not None else optimizer
     weights = [t for group in masters for t in group] if masters is not None else \
@@ -242,7 +309,7 @@ def write_parameters(target: str, order: list, optimizer: dict, module: dict, so
             continue
         folder = os.path.join(target, "zero", name)
         os.makedirs(folder)
-        torch.save({PARAM: weight.float(), CAT_DIM: 0}, os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"))
+        torch.save(_entry(name, weight.float(), info), os.path.join(folder, f"{FP32_WEIGHT_KEY}.pt"))
         for key, value in adam["state"].get(index, {}).items():  # step, exp_avg, exp_avg_sq
-            torch.save(value if key == "step" else {PARAM: value, CAT_DIM: 0}, os.path.join(folder, f"{key}.pt"))
+            torch.save(value if key == "step" else _entry(name, value, info), os.path.join(folder, f"{key}.pt"))
     return adam
