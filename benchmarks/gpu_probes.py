@@ -1,4 +1,4 @@
-"""What the GPU tier of the tests (tests/test_gpu.py) measures, inside a child process on the device under test:
+"""What the GPU tier of the tests (tests/test_gpu*.py) measures, inside a child process on the device under test:
 the tests' own process hides its GPUs (tests/conftest.py), and DeepSpeed picks its accelerator once per process,
 so each probe runs where DS_ACCELERATOR and CUDA_VISIBLE_DEVICES say (cuda, or cpu for the CPU stand-ins).
 

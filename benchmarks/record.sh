@@ -50,7 +50,7 @@ device=$("$python" -c "from benchmarks.report import device_slug; print(device_s
 results=benchmarks/results/$device
 mkdir -p "$results"
 
-# The GPU tier (tests/test_gpu.py) prepares its own dataset from $SHAKESPEARE_TXT (else $TEXT, else where
+# The GPU tier (tests/test_gpu*.py) prepares its own dataset from $SHAKESPEARE_TXT (else $TEXT, else where
 # tests/conftest.py looks).
 [ -n "${TEXT:-}" ] && export SHAKESPEARE_TXT=${SHAKESPEARE_TXT:-$TEXT}
 # First the checks that time the device, alone on it; then the rest over $GPU_WORKERS workers (default 4), which
@@ -58,7 +58,7 @@ mkdir -p "$results"
 tier=0 workers=${GPU_WORKERS:-4}
 tier_pass() {
     local rc=0
-    "$python" -m pytest tests/test_gpu.py -p no:cacheprovider -q --durations=8 "$@" 2>&1 \
+    "$python" -m pytest tests/test_gpu.py tests/test_gpu_probes.py -p no:cacheprovider -q --durations=8 "$@" 2>&1 \
         | tee -a "$results/gpu_tests.log" || rc=$?
     summary+=("$(tail -n 1 "$results/gpu_tests.log")")
     return $rc

@@ -82,6 +82,14 @@ def run(cmd: list[str], timeout: int = 600, check: bool = True, env: dict | None
     return _checked(proc, " ".join(cmd), check)
 
 
+def benchmark(script: str, *args: str, env: dict | None = None):
+    """`python benchmarks/SCRIPT ARGS` (or bash, for a shell script), its exit code not checked."""
+    shell = ["bash"] if script.endswith(".sh") else [sys.executable]
+    # PYTHON: the shell scripts' interpreter, this one (with torch and DeepSpeed) rather than the first python3
+    return run([*shell, os.path.join("benchmarks", script), *args], check=False, timeout=120,
+               env={"PYTHON": sys.executable, **(env or {})})
+
+
 def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
     """A folder that `make(folder)` fills once in the whole run, for a session fixture that several test files use:
     xdist's workers, each of which builds its own session fixtures, share it. The first to ask makes it under a

@@ -34,7 +34,7 @@ shared expert whole. LoRA's adapters keep their r-wide products, and under model
 input and mask (adapter_bytes).
 ZeRO-3 adds its gradient bucket, allocated whole at start; ZeRO-1/2 allocate theirs at each backward pass.
 Allocator fragmentation and the CUDA context come on top. At ZeRO-0 to 2 the plan is within 5% of a step's peak
-of live tensors (tests/test_gpu.py); under ZeRO-3 a GPU's peak ran above this count of the activations while
+of live tensors (tests/test_gpu_probes.py); under ZeRO-3 a GPU's peak ran above this count of the activations while
 ZeRO-3 computed in fp32 (docs/performance.md, "The memory plan on a GPU").
 """
 import dataclasses
