@@ -24,6 +24,7 @@ RUN = ["train.max_steps=6", "train.save_interval=3", "optim.warmup_steps=2", "op
 LAYOUTS = {  # name: (ds_config, processes, overrides)
     "zero1": ("zero1.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
     "zero2": ("zero2.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
+    "zero3": ("zero3.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
     "pp2": ("pipe2.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]),
     # Dropout masks drawn from (seed, rank, step), bf16 master weights in the checkpoint; only the newest
     # checkpoint kept.
@@ -109,18 +110,20 @@ def test_pipeline_checkpoint_resumes_on_another_layout(pp2_dp2, tmp_path, char_d
     assert [lr for _, _, lr in resumed] == pytest.approx([lr for _, _, lr in uninterrupted])
 
 
-@pytest.mark.parametrize("ds_config,nprocs,accum", [("zero2.json", 1, 2), ("zero1.json", 2, 1)],
-                         ids=["zero2-dp1", "zero1-dp2"])
-def test_zero2_checkpoint_resumes_at_another_size_or_zero_stage(straight, tmp_path, char_data, ds_config, nprocs,
-                                                                 accum):
-    """ZeRO-2 at dp=2, resumed at dp=1, or under ZeRO-1 (another partitioning of the optimizer states)."""
-    universal = universal_copy(straight["zero2"], tmp_path / "converted")
+@pytest.mark.parametrize("source,ds_config,nprocs,accum", [
+    ("zero2", "zero2.json", 1, 2), ("zero2", "zero1.json", 2, 1), ("zero2", "pipe2.json", 2, 2),
+    ("zero3", "zero3.json", 1, 2)], ids=["zero2-to-dp1", "zero2-to-zero1", "zero2-to-pp2", "zero3-to-dp1"])
+def test_a_universal_checkpoint_resumes_at_another_size_zero_stage_or_pipeline(straight, tmp_path, char_data, source,
+                                                                               ds_config, nprocs, accum):
+    """ZeRO-2 at dp=2, resumed at dp=1, under ZeRO-1 (another partitioning of the optimizer states), or over two
+    pipeline stages (the tied embedding held by both); ZeRO-3 at dp=2 under ZeRO-3 at dp=1."""
+    universal = universal_copy(straight[source], tmp_path / "converted")
     out = tmp_path / "resumed"
     proc = launch(nprocs, ds_config, out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=4",
                                                       f"ds.gradient_accumulation_steps={accum}",
                                                       f"train.resume={universal}"])
     assert_resumed(proc, out, universal)
-    resumed, uninterrupted = steps(out), steps(straight["zero2"])
+    resumed, uninterrupted = steps(out), steps(straight[source])
     assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], abs=1e-5)
     assert [lr for _, _, lr in resumed] == pytest.approx([lr for _, _, lr in uninterrupted], rel=1e-12)
 

@@ -21,7 +21,7 @@ import re
 import shutil
 
 import torch
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.checkpoint.universal_checkpoint import SubparamShape
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -278,7 +278,23 @@ def _load_into(engine, tag_dir: str, universal_form: bool) -> str | None:
     finally:
         if copy_masters and engine.optimizer.update_lp_params is copy_masters:
             del engine.optimizer.update_lp_params
+    if universal_form and engine.zero_optimization_stage() == 3:
+        _mend_zero3_universal_load(engine.optimizer, tag_dir)
     return path
+
+
+def _mend_zero3_universal_load(optimizer, tag_dir: str) -> None:
+    """What DeepSpeed's ZeRO-3 universal loader leaves wrong (ZeRO 1-2's sets both right): it gives every parameter
+    group the first one's settings, the matrices' weight decay to the biases and gains too; and one step tensor to
+    every sub-group's state, which torch's fused AdamW then counts once per sub-group a step (the second group's
+    moments corrected as a step later's). Each group's own settings from the checkpoint, each state its own step."""
+    saved = load_state_file(os.path.join(tag_dir, "zero", "optimizer_state.pt"))[OPTIMIZER_STATE_DICT]
+    for group, own in zip(optimizer.optimizer.param_groups, saved["param_groups"], strict=True):
+        group.update({key: value for key, value in own.items() if key != "params"})
+    for flat in optimizer.fp32_partitioned_groups_flat:
+        state = optimizer.optimizer.state[flat]
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 if __name__ == "__main__":
