@@ -144,13 +144,19 @@ def test_without_document_masking_each_slice_takes_its_window_positions(runs, ar
     assert_trains_alike(runs(arch, "sp2", masked=False)[0], runs(arch, "one", masked=False)[0])
 
 
-@pytest.mark.parametrize("at", ["sp2", "sp1"])
+# (the run a checkpoint of step 2 comes from, the layout it resumes at): exactly at its own, else through the
+# universal format (one process's by this repo's ZeRO-0 converter)
+RESUMES = {"sp2": ("sp2_zero1", "sp2_zero1"), "sp1": ("sp2_zero1", "one_zero1"), "sp1_to_sp2": ("one", "sp2_zero1")}
+
+
+@pytest.mark.parametrize("at", RESUMES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_an_sp2_checkpoint_resumes_exactly_and_at_sp1_through_the_universal_format(runs, tmp_path, speech_data,
-                                                                                 shakespeare_task, arch, at):
-    run_dir = runs(arch, "sp2_zero1")[0]
+def test_checkpoints_resume_exactly_at_sp2_and_across_sp_degrees(runs, tmp_path, speech_data, shakespeare_task, arch,
+                                                                 at):
+    source, layout = RESUMES[at]
+    run_dir = runs(arch, source)[0]
     config, shape = ARCHS[arch]
-    procs, ds_config, overrides = LAYOUTS["sp2_zero1" if at == "sp2" else "one_zero1"]
+    procs, ds_config, overrides = LAYOUTS[layout]
     tag = os.path.join(run_dir, "checkpoints", "step_000002") if at == "sp2" else universal(run_dir, "step_000002")
     resumed = launch(procs, ds_config, tmp_path, speech_data,
                      [*SMALL, *shape, *overrides, "model.document_masking=true", f"eval.tasks=[{shakespeare_task}]",
