@@ -329,6 +329,8 @@ RESUMED = {  # the run whose step 2 resumes through the universal format, and th
     "tp2-to-one": ("tp2_zero1", 1, "zero1.json", ["ds.train_micro_batch_size_per_gpu=2",
                                                   "ds.gradient_accumulation_steps=2", "model.lora_dropout=0.1"]),
     "one-to-tp2": ("one", 2, "tp2.json", ["ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"]),
+    # a pipeline's frozen weights, from its stages' layer files
+    "pp2-to-one": ("pp2", 1, "zero1.json", ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=1"]),
     # ZeRO-3's frozen weights, partitioned, written whole through DeepSpeed's gather
     "zero3-dp2-to-one": ("zero3_dp2", 1, "zero3.json", ["ds.train_micro_batch_size_per_gpu=4",
                                                         "ds.gradient_accumulation_steps=1"]),
