@@ -183,7 +183,7 @@ def adapter_bytes(cfg, tp_size: int = 1, device_type: str = "cuda", selective: b
     and the mask (1 byte an element where F.dropout's GPU kernel keeps a boolean one; 2 on a CPU, and for a
     row-split map, whose mask is drawn whole and a slice kept). A bound: where nothing else keeps a map's input
     (a norm's output, which a norm's backward does not read), the dropped copy takes its place, 2 bytes an element
-    fewer (on a CPU, the GPT's: 1,024 bytes a block where this counts 1,792). Under selective recomputation, the
+    fewer (on a CPU, a GPT 64 wide: 1,024 bytes a block where this counts 1,792). Under selective recomputation, the
     adapters' matmul outputs, x A^T and its product with B, of each map not row-split (a row-split map's run again,
     model/recompute.py's `recomputed`); under full recomputation, none."""
     maps, rank = adapted_maps(cfg, tp_size), cfg.lora_rank
