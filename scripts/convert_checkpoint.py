@@ -65,7 +65,8 @@ def to_universal(out_dir: str, tag: str | None) -> str:
     checkpoint.mark_complete(target, {**saved, "tag": f"{tag}_universal", "universal": True})
     where = ("under ZeRO-3 at any data-parallel size" if layout["zero_stage"] == 3 else
              "at any data-parallel size, pipeline stage count or ZeRO stage from 0 to 2"
-             + (" and any expert-parallel degree" if saved["config"]["model"].get("n_experts") else ""))
+             + (" and any expert-parallel degree" if saved["config"]["model"].get("n_experts") else
+                " and any tensor-parallel degree"))
     print(f"wrote {target}: resume it {where} with train.resume={tag}_universal")
     return target
 
