@@ -25,6 +25,8 @@ LAYOUTS = {  # name: (ds_config, processes, overrides)
     "zero1": ("zero1.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
     "zero2": ("zero2.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
     "zero3": ("zero3.json", 2, ["ds.train_micro_batch_size_per_gpu=4"]),
+    "zero3_bf16": ("zero3.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "ds.bf16.enabled=true"]),
+    "zero1_bf16": ("zero1.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "ds.bf16.enabled=true"]),
     "pp2": ("pipe2.json", 2, ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]),
     # Dropout masks drawn from (seed, rank, step), bf16 master weights in the checkpoint; only the newest
     # checkpoint kept.
@@ -112,16 +114,20 @@ def test_pipeline_checkpoint_resumes_on_another_layout(pp2_dp2, tmp_path, char_d
 
 @pytest.mark.parametrize("source,ds_config,nprocs,accum", [
     ("zero2", "zero2.json", 1, 2), ("zero2", "zero1.json", 2, 1), ("zero2", "pipe2.json", 2, 2),
-    ("zero3", "zero3.json", 1, 2)], ids=["zero2-to-dp1", "zero2-to-zero1", "zero2-to-pp2", "zero3-to-dp1"])
+    ("zero3", "zero3.json", 1, 2), ("zero3_bf16", "zero3.json", 2, 1), ("zero1_bf16", "zero1.json", 2, 1)],
+    ids=["zero2-to-dp1", "zero2-to-zero1", "zero2-to-pp2", "zero3-to-dp1", "zero3-bf16", "zero1-bf16"])
 def test_a_universal_checkpoint_resumes_at_another_size_zero_stage_or_pipeline(straight, tmp_path, char_data, source,
                                                                                ds_config, nprocs, accum):
     """ZeRO-2 at dp=2, resumed at dp=1, under ZeRO-1 (another partitioning of the optimizer states), or over two
-    pipeline stages (the tied embedding held by both); ZeRO-3 at dp=2 under ZeRO-3 at dp=1."""
+    pipeline stages (the tied embedding held by both); ZeRO-3 at dp=2 under ZeRO-3 at dp=1; in bf16 (the fp32
+    masters converted, the 16-bit weights made from them) ZeRO-3 and ZeRO-1 (DeepSpeed's bf16 optimizer) at their own
+    layouts, where bf16 keeps the losses of the run uninterrupted."""
     universal = universal_copy(straight[source], tmp_path / "converted")
     out = tmp_path / "resumed"
+    precision = [o for o in LAYOUTS[source][2] if o.startswith("ds.bf16")]
     proc = launch(nprocs, ds_config, out, char_data, [*RUN, "ds.train_micro_batch_size_per_gpu=4",
                                                       f"ds.gradient_accumulation_steps={accum}",
-                                                      f"train.resume={universal}"])
+                                                      f"train.resume={universal}", *precision])
     assert_resumed(proc, out, universal)
     resumed, uninterrupted = steps(out), steps(straight[source])
     assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in uninterrupted], abs=1e-5)
