@@ -82,7 +82,7 @@ def frozen_weights(tag_dir: str) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         names = [name for name, p in build_model(cfg).named_parameters() if not p.requires_grad]
         rules = {name: split_rule(p) for name, p in build_model(cfg, tp=TensorParallel(tp_size)).named_parameters()}
-    return _frozen_weights(tag_dir, run_state, cfg, names, rules) if names else {}
+    return _frozen_weights(tag_dir, run_state, cfg, names, rules)
 
 
 def _frozen_weights(tag_dir: str, run_state: dict, cfg: ModelConfig, names: list[str],

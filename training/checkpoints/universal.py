@@ -55,9 +55,9 @@ def universal_info(cfg: ModelConfig, tp_size: int) -> dict:
     info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"]}
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in build_model(cfg, tp=TensorParallel(tp_size)).named_parameters()
-                  if p.requires_grad}
-    rules = split_rules(cfg)
+        named = list(build_model(cfg, tp=TensorParallel(tp_size)).named_parameters())
+    shapes = {name: p.shape for name, p in named if p.requires_grad}
+    rules = {name: split_rule(p) for name, p in named} if tp_size > 1 else split_rules(cfg)
     if not rules:
         return info  # a model that splits over no tensor ranks
     exact = {name: f"^{re.escape(name)}$" for name in shapes}
