@@ -4,8 +4,10 @@ token a step; `WindowDecoder` for a model that cannot cache (a pipeline, sequenc
 by a forward pass over the whole window for every token. Both read a sequence the same way, so they draw the same
 tokens: its last block_size tokens (a longer one slides, dropping its oldest token and filling the cache again),
 each at its position within its document when `documents` says where documents start (data/documents.py), else
-at its index in the window.
+at its index in the window. With `adapters` (model/lora_batch.py), each sequence runs through the LoRA adapter it
+started with, or through none.
 """
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,22 +69,24 @@ class WindowDecoder:
     `forward` maps token ids (1, T) on `device`, or (ids, positions) when `documents` is given, to logits."""
 
     def __init__(self, forward, block_size: int, vocab_size: int, device: torch.device, slots: int = 1,
-                 documents=None):
+                 documents=None, adapters=None):
         self.forward, self.block_size, self.vocab_size, self.documents = forward, block_size, vocab_size, documents
-        self.device = device
+        self.device, self.adapters = device, adapters
         self.windows: dict[int, list[int]] = {}
+        self.adapter_of: dict[int, object] = {}  # each slot's adapter (None: the model alone)
         self.free = list(range(slots))
 
-    def start(self, prompt: list[int], every: bool = False) -> tuple[int, torch.Tensor]:
-        """A slot for a sequence beginning with `prompt` (at least one token), and its next-token logits; with
-        `every`, the logits after each of the window's tokens, (tokens, vocab_size), the last row the next one's."""
-        slot = self._claim()
+    def start(self, prompt: list[int], every: bool = False, adapter=None) -> tuple[int, torch.Tensor]:
+        """A slot for a sequence beginning with `prompt` (at least one token) run through `adapter`, and its
+        next-token logits; with `every`, the logits after each of the window's tokens, (tokens, vocab_size), the last
+        row the next one's."""
+        slot = self._claim(adapter)
         window = self.windows[slot] = list(prompt)[-self.block_size:]
-        return slot, self._window_logits(window, every)
+        return slot, self._window_logits(slot, window, every)
 
     def fork(self, slot: int) -> int:
         """A new slot holding a copy of the slot's sequence: several samples of one prompt prefilled once."""
-        new = self._claim()
+        new = self._claim(self.adapter_of[slot])
         self.windows[new] = list(self.windows[slot])
         return new
 
@@ -91,21 +95,31 @@ class WindowDecoder:
         out = {}
         for slot, tokens in new.items():
             window = self.windows[slot] = (self.windows[slot] + tokens)[-self.block_size:]
-            out[slot] = self._window_logits(window, every=False)
+            out[slot] = self._window_logits(slot, window, every=False)
         return out
 
     def release(self, slot: int) -> None:
-        del self.windows[slot]
+        del self.windows[slot], self.adapter_of[slot]
         self.free.append(slot)
 
-    def _claim(self) -> int:
+    def _claim(self, adapter) -> int:
         if not self.free:
             raise RuntimeError("every slot holds a sequence")
-        return self.free.pop(0)
+        if adapter is not None and self.adapters is None:
+            raise ValueError("an adapter for a decoder built without adapters")
+        slot = self.free.pop(0)
+        self.adapter_of[slot] = adapter
+        return slot
 
-    def _window_logits(self, window: list[int], every: bool) -> torch.Tensor:
+    def _selected(self, slots: list[int]):
+        """The model's passes inside run each of `slots`, in order, through its adapter."""
+        return nullcontext() if self.adapters is None else self.adapters.selected([self.adapter_of[s] for s in slots])
+
+    def _window_logits(self, slot: int, window: list[int], every: bool) -> torch.Tensor:
         ids = torch.tensor([window], device=self.device)
-        logits = self.forward(ids if self.documents is None else (ids, self.positions(window)))[0, :, :self.vocab_size]
+        with self._selected([slot]):
+            logits = self.forward(ids if self.documents is None else (ids, self.positions(window)))
+        logits = logits[0, :, :self.vocab_size]
         return logits if every else logits[-1]
 
     def positions(self, window: list[int]) -> torch.Tensor:
@@ -123,14 +137,15 @@ class CachedDecoder(WindowDecoder):
     prompt's beginning prefilled before is copied from there, not computed again."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, vocab_size: int, slots: int = 1, documents=None,
-                 forward=None, prefix_cache: PrefixCache | None = None):
-        super().__init__(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents)
+                 forward=None, prefix_cache: PrefixCache | None = None, adapters=None):
+        super().__init__(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents,
+                         adapters)
         self.model, self.cache, self.prefix_cache = model, KVCache(slots, block_size), prefix_cache
         self.attentions = attention_modules(model)
         self.window_positions: dict[int, list[int]] = {}
 
-    def start(self, prompt: list[int], every: bool = False) -> tuple[int, torch.Tensor]:
-        slot = self._claim()
+    def start(self, prompt: list[int], every: bool = False, adapter=None) -> tuple[int, torch.Tensor]:
+        slot = self._claim(adapter)
         window = self.windows[slot] = list(prompt)[-self.block_size:]
         # Every position's logits need every position computed: such a prefill neither reads nor fills the cache.
         return slot, self._prefill(slot, window, every, self.prefix_cache if not every else None)
@@ -165,14 +180,15 @@ class CachedDecoder(WindowDecoder):
         positions = self.positions(window)
         self.window_positions[slot] = positions[0].tolist()
         self.cache.free(slot)
-        reused = 0
-        if prefix_cache is not None and (chain := prefix_cache.lookup(window)):
+        reused, adapter = 0, self.adapter_of[slot]
+        root = None if adapter is None else ("adapter", adapter.serial)  # an adapter's keys and values are its own
+        if prefix_cache is not None and (chain := prefix_cache.lookup(window, root)):
             reused = len(chain) * prefix_cache.block
             self.cache.write(slot, torch.cat([block.kv for block in chain], dim=3), positions[0, :reused])
         ids = torch.tensor([window[reused:]], device=self.device)
         logits = self._forward([slot], ids, positions[:, reused:], every)[0]
         if prefix_cache is not None:
-            prefix_cache.store(window, lambda start, end: self.cache.read(slot, start, end))
+            prefix_cache.store(window, lambda start, end: self.cache.read(slot, start, end), root)
         return logits if every else logits[-1]
 
     def release(self, slot: int) -> None:
@@ -184,7 +200,7 @@ class CachedDecoder(WindowDecoder):
                  every: bool = False) -> torch.Tensor:
         """The logits (rows, t, vocab_size) of each row's tokens, appended to its slot: t is 1, the last
         position's, unless `every`."""
-        with self.cache.attached(self.attentions):
+        with self.cache.attached(self.attentions), self._selected(slots):
             logits = self.cache.forward(lambda inputs: self.forward(inputs, last_position=not every), slots, ids,
                                         positions)
             return logits[:, :, :self.vocab_size]
@@ -197,12 +213,13 @@ class CachedDecoder(WindowDecoder):
 
 
 def decoder_for(model: torch.nn.Module, block_size: int, vocab_size: int, slots: int = 1, documents=None,
-                forward=None, prefix_cache: PrefixCache | None = None) -> WindowDecoder:
+                forward=None, prefix_cache: PrefixCache | None = None, adapters=None) -> WindowDecoder:
     """A CachedDecoder where the model's attention can be cached (with the prefix cache, if given), else a
     WindowDecoder over `forward`."""
     if attention_modules(model):
-        return CachedDecoder(model, block_size, vocab_size, slots, documents, forward, prefix_cache)
-    return WindowDecoder(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents)
+        return CachedDecoder(model, block_size, vocab_size, slots, documents, forward, prefix_cache, adapters)
+    return WindowDecoder(forward or model, block_size, vocab_size, next(model.parameters()).device, slots, documents,
+                         adapters)
 
 
 @torch.no_grad()

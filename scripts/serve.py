@@ -3,11 +3,14 @@
     python -m scripts.serve --out_dir out/llama_quickstart_sft              # the newest checkpoint of a run
     python -m scripts.serve --export out/llama_quickstart_export --port 8001
     python -m scripts.serve --out_dir out/llama_quickstart_sft --host 0.0.0.0 --api_key KEY  # from other machines
+    python -m scripts.serve --export out/base_export --lora_modules pirate=out/pirate_lora tutor=adapters/tutor
 
 Then open http://127.0.0.1:8000/ for the chat page, or point any OpenAI client at http://127.0.0.1:8000/v1.
 `--slots` sequences decode together (each a slot of the key/value cache); up to `--max_queue` more wait for one,
-and past that a request is answered 429. Without --api_key (or MEGALITE_API_KEY) the server listens on loopback
-only, unless --host names another address. Prompts and keys are never logged. Ctrl-C stops it.
+and past that a request is answered 429. Each `--lora_modules` NAME=PATH (a LoRA run's out_dir, or an adapter
+folder in PEFT's layout) is served over the same weights as the model NAME. Without --api_key (or MEGALITE_API_KEY)
+the server listens on loopback only, unless --host names another address. Prompts and keys are never logged.
+Ctrl-C stops it.
 
 If the model's worker dies, the traceback is printed once, every request is answered 500 and /health 503 for
 FAILURE_LINGER_S (so clients and a load balancer learn it), and the process exits 1 for its supervisor to restart.
@@ -25,6 +28,7 @@ import torch
 from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.tokenizers import TokenizerError
+from serving.adapters import lora_module
 from serving.engine import DTYPES
 from training.checkpoints.export import add_trained_arguments, load_trained
 
@@ -54,6 +58,9 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefix_cache_mb", type=int, default=512, help="keys and values of prompts seen before, "
                         "reused by a prompt that begins the same way (0: off)")
     parser.add_argument("--name", help="the model's id in the API (default: the folder's name)")
+    parser.add_argument("--lora_modules", nargs="+", default=[], type=lora_module, metavar="NAME=PATH",
+                        help="LoRA adapters served beside the model, each as the model NAME: a LoRA run's "
+                             "out_dir (its newest checkpoint) or a folder in PEFT's layout (scripts.export --adapter)")
     parser.add_argument("--api_key", default=os.environ.get(KEY_VARIABLE),
                         help=f"require 'Authorization: Bearer KEY' (default: ${KEY_VARIABLE})")
     return parser.parse_args(argv)
@@ -69,6 +76,7 @@ def main(argv=None) -> None:
     except ImportError as e:
         exit_bad_input(f"python -m scripts.serve needs its ASGI stack ({e}); fix: pip install '.[serve]'")
     cfg, model, tokenizer, meta = checked_model(args)
+    from serving.adapters import Adapters
     from serving.engine import start_engine
     from serving.weights import Weights
 
@@ -79,9 +87,17 @@ def main(argv=None) -> None:
     scheduler.observe = metrics.observe
     name = args.name or os.path.basename(os.path.normpath(args.export or args.out_dir))
     weights = Weights(cfg, meta, engine.load, engine.prefix_cache)
-    app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights, args.api_key))
+    adapters = Adapters(name, cfg, meta, engine.adapters, weights.check_model)
+    try:
+        for lora_name, path in args.lora_modules:
+            adapters.add(adapters.read(lora_name, path))
+    except (ConfigError, TokenizerError) as e:
+        exit_bad_input(f"--lora_modules: {e}")
+    app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights=weights,
+                            adapters=adapters, api_key=args.api_key))
     print(f"serving {name} ({engine.parameters:,} parameters, {engine.dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
+          + (f"; LoRA adapters {', '.join(adapters.by_name)}" if adapters.by_name else "")
           + ("; API key required" if args.api_key else ""), flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=FAILURE_LINGER_S))

@@ -1,16 +1,17 @@
 """OpenAI's HTTP API over a Scheduler, as its clients use it: GET /v1/models, POST /v1/completions and
 /v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), vLLM's POST
-/tokenize, /detokenize and GET /tokenizer_info, POST /v1/load_weights (new weights between requests), GET /health,
-GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the server going on; if the
-model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py then stops the process,
-for its supervisor to restart)."""
+/tokenize, /detokenize and GET /tokenizer_info, POST /v1/load_weights (new weights between requests), vLLM's POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters served beside the model, each a model of its own
+name), GET /health, GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the server
+going on; if the model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py then
+stops the process, for its supervisor to restart)."""
 import asyncio
 import os
 import secrets
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from common.checks import ConfigError
@@ -36,6 +37,7 @@ class Served:
     scheduler: Scheduler
     metrics: Metrics
     weights: object = None  # serving/weights.py's Weights: what /v1/load_weights reads and swaps in
+    adapters: object = None  # serving/adapters.py's Adapters: the LoRA adapters requests may name as their model
     api_key: str | None = None
     mailbox: object = None  # the event loop's Mailbox, made on its first request
 
@@ -98,23 +100,29 @@ async def metrics(request: Request):
 
 @routes.get("/v1/models")
 async def models(request: Request):
+    """The model, then its adapters (vLLM's entries: `parent` the model, `root` where the adapter was read)."""
     served = served_by(request)
-    return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "megalite",
-                                        "max_model_len": served.block_size}]}
+    model = {"id": served.name, "object": "model", "created": 0, "owned_by": "megalite",
+             "max_model_len": served.block_size}
+    adapters = [{**model, "id": name, "root": adapter.source, "parent": served.name}
+                for name, adapter in served.adapters.by_name.items()]
+    return {"object": "list", "data": [model, *adapters]}
 
 
 @routes.post("/v1/completions")
 async def completions(request: Request):
     served, body = served_by(request), json_body(await request.body())
+    adapter = requested(served, body)
     prompts, stop_ids = completion_prompts(body, served.tokenizer)
-    return await respond(served, request, body, prompts, stop_ids, chat=False)
+    return await respond(served, request, body, adapter, prompts, stop_ids, chat=False)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     served, body = served_by(request), json_body(await request.body())
-    ids, stop_ids = conversation_prompt(body, served.meta, served.tokenizer)
-    return await respond(served, request, body, [ids], stop_ids, chat=True)
+    adapter = requested(served, body)
+    ids, stop_ids = conversation_prompt(body, served.adapters.meta(adapter), served.tokenizer)
+    return await respond(served, request, body, adapter, [ids], stop_ids, chat=True)
 
 
 @routes.post("/v1/load_weights")
@@ -134,14 +142,48 @@ async def load_weights(request: Request):
     return {"status": "ok", "path": source, "step": step}
 
 
+@routes.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request):
+    """vLLM's: `{"lora_name", "lora_path"}` (and this server's optional `tag` of a run's checkpoint) read beside the
+    running requests and served from the next one on under its name."""
+    served, body = served_by(request), json_body(await request.body())
+    name = body.get("lora_name")
+    try:
+        served.adapters.check_name(name)
+    except ConfigError as e:
+        raise APIError(400, str(e), "lora_name") from None
+    try:  # read on the model's thread, which hooks the adapter's maps between two steps
+        adapter = await asyncio.wrap_future(served.scheduler.between_steps(
+            lambda: served.adapters.read(name, body.get("lora_path"), body.get("tag"))))
+        served.adapters.add(adapter)
+    except (ConfigError, TokenizerError) as e:
+        raise APIError(400, str(e), "lora_path") from None
+    except SchedulerFailed as e:
+        raise worker_failed(str(e)) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@routes.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request):
+    """vLLM's: `{"lora_name"}` no longer served; the requests already admitted with it run to their end."""
+    served, body = served_by(request), json_body(await request.body())
+    name = body.get("lora_name")
+    try:
+        served.adapters.remove(name)
+    except (KeyError, TypeError):
+        raise APIError(404, f"the lora adapter {name!r} cannot be found (GET /v1/models lists those served)",
+                       "lora_name", code="model_not_found") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
 @routes.post("/tokenize")
 async def tokenize(request: Request):
     """vLLM's: the ids of a prompt or of a conversation's prompt, which a client fits to the context (the chat page
     keeps a conversation's newest turns that leave room for an answer)."""
     served, body = served_by(request), json_body(await request.body())
-    check_model(served, body)
+    adapter = requested(served, body)
     if "messages" in body:
-        ids, _ = conversation_prompt(body, served.meta, served.tokenizer)
+        ids, _ = conversation_prompt(body, served.adapters.meta(adapter), served.tokenizer)
     else:
         ids = completion_prompts(body, served.tokenizer)[0][0]
     return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
@@ -151,7 +193,7 @@ async def tokenize(request: Request):
 async def detokenize(request: Request):
     """vLLM's: the text of token ids."""
     served, body = served_by(request), json_body(await request.body())
-    check_model(served, body)
+    requested(served, body)
     return {"prompt": served.tokenizer.decode(token_ids(body.get("tokens"), served.tokenizer, "tokens"))}
 
 
@@ -172,18 +214,25 @@ async def tokenizer_info(request: Request):
             "model_max_length": served.block_size}
 
 
-def check_model(served: Served, body: dict) -> None:
-    if body.get("model", served.name) != served.name:
-        raise APIError(404, f"the model {body['model']!r} is not served here: {served.name!r} is (GET /v1/models)",
+def requested(served: Served, body: dict):
+    """The adapter the body's `model` names (None: the model itself, named or not)."""
+    name = body.get("model", served.name)
+    if name == served.name:
+        return None
+    adapter = served.adapters.by_name.get(name) if isinstance(name, str) else None
+    if adapter is None:
+        also = "".join(f", {n!r}" for n in served.adapters.by_name)
+        raise APIError(404, f"the model {name!r} is not served here: {served.name!r}{also} (GET /v1/models)",
                        "model", code="model_not_found")
+    return adapter
 
 
-async def respond(served: Served, request: Request, body: dict, prompts: list[list[int]], stop_ids: tuple,
+async def respond(served: Served, request: Request, body: dict, adapter, prompts: list[list[int]], stop_ids: tuple,
                   chat: bool):
-    check_model(served, body)
     asked = read_request(body, prompts, stop_ids, served.tokenizer, served.block_size, chat)
-    sequences = submit(served, asked)
-    reply = Reply(served, chat, asked, sequences, body.get("stream_options") or {})
+    sequences = submit(served, asked, adapter)
+    reply = Reply(served, chat, asked, sequences, body.get("stream_options") or {},
+                  served.name if adapter is None else adapter.name)
     if body.get("stream"):
         # The status goes out with the first byte: a request still waiting for a slot when the worker fails is
         # answered 500, one already streaming gets OpenAI's error event.
@@ -198,7 +247,7 @@ async def respond(served: Served, request: Request, body: dict, prompts: list[li
             served.scheduler.cancel(sequence)
 
 
-def submit(served: Served, asked: Asked) -> list[Sequence]:
+def submit(served: Served, asked: Asked, adapter=None) -> list[Sequence]:
     """A sequence for each of the request's choices, all queued or none."""
     sequences = []
     if served.mailbox is None or served.mailbox.loop is not asyncio.get_running_loop():
@@ -208,7 +257,7 @@ def submit(served: Served, asked: Asked) -> list[Sequence]:
         for ids in asked.prompts:
             for i in range(asked.n):
                 sequence = Sequence(ids, asked.sampling, None if asked.seed is None else asked.seed + i,
-                                    asked.logprobs, scored)
+                                    asked.logprobs, scored, adapter)
                 sequence.events = Events(served.mailbox)
                 sequences.append(served.scheduler.submit(sequence))
     except (QueueFull, SchedulerFailed) as e:

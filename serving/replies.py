@@ -34,8 +34,9 @@ class Delta:
 
 
 class Reply:
-    def __init__(self, served, chat: bool, asked: Asked, sequences: list, stream_options: dict):
-        self.served, self.chat, self.asked, self.sequences = served, chat, asked, sequences
+    def __init__(self, served, chat: bool, asked: Asked, sequences: list, stream_options: dict, model: str):
+        """model: the name the request gave (the served model's, or an adapter's)."""
+        self.served, self.chat, self.asked, self.sequences, self.model = served, chat, asked, sequences, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created, self.completion_tokens = int(time.time()), 0
         self.include_usage = bool(stream_options.get("include_usage"))
@@ -171,7 +172,7 @@ class Reply:
 
     def head(self, streamed: bool = False) -> dict:
         kind = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.served.name}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def chunk(self, choice: dict, **extra) -> str:
         return f"data: {json.dumps({**self.head(streamed=True), 'choices': [choice], **extra})}\n\n"

@@ -53,12 +53,14 @@ class Sequence:
     slot; ("prompt", [(log-probability, top)] of the prompt's tokens after its first) where `prompt_logprobs` asks;
     ("token", Drawn) for each token and finally ("done", reason), reason "stop" (a stop id drawn), "length"
     (max_new_tokens) or "cancelled"; or at any point ("failed", why) if the scheduler died. `logprobs` and
-    `prompt_logprobs`: how many of the most likely tokens to give beside each token's own score (None: no scores)."""
+    `prompt_logprobs`: how many of the most likely tokens to give beside each token's own score (None: no scores).
+    `adapter`: the LoRA adapter it runs through (model/lora_batch.py), None for the model alone."""
     prompt: list[int]
     sampling: Sampling
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    adapter: object = None
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.monotonic)
     cancelled: str | None = None  # why it was stopped from outside
@@ -188,14 +190,14 @@ class Scheduler:
 
     def _start(self, request: Sequence, prefilled: dict) -> tuple[int, torch.Tensor]:
         """The request's slot and the logits of its first draw: its prompt prefilled, or copied from the slot of an
-        earlier request of this step with the same prompt (`prefilled`, by prompt)."""
+        earlier request of this step with the same prompt and adapter (`prefilled`, by both)."""
         every = request.prompt_logprobs is not None
-        key = (tuple(request.prompt), every)
+        key = (tuple(request.prompt), every, request.adapter)
         if key in prefilled:
             source, logits = prefilled[key]
             slot = self.decoder.fork(source)
         else:
-            slot, logits = prefilled[key] = self.decoder.start(request.prompt, every)
+            slot, logits = prefilled[key] = self.decoder.start(request.prompt, every, request.adapter)
         with self.changed:
             self.running[slot] = request
             self.admitting.remove(request)

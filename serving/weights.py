@@ -33,15 +33,7 @@ class Weights:
             raise ConfigError("tag names a checkpoint of a run's out_dir (a string), not of an export")
         cfg, model, _, meta = load_trained(None if export else path, tag, path if export else None)
         source, step, _ = where(None if export else path, tag, path if export else None, None)
-        ours, theirs = self._shape(self.cfg), self._shape(cfg)
-        if ours != theirs:
-            differ = ", ".join(f"{k}={theirs[k]} (served: {ours[k]})" for k in ours if ours[k] != theirs[k])
-            raise ConfigError(f"path {path}: another model ({differ}); fix: load weights of the served architecture "
-                              f"and shape, or start a server for this one")
-        chats = [{k: m["chat"].get(k) for k in CHAT} if "chat" in m else None for m in (meta, self.meta)]
-        if any(meta.get(k) != self.meta.get(k) for k in TOKENIZER) or chats[0] != chats[1]:
-            raise ConfigError(f"path {path}: trained with another tokenizer or chat template than the served "
-                              f"model's; fix: start a server for it")
+        self.check_model(path, cfg, meta)
         return model.state_dict(), source, step
 
     def swap(self, state: dict) -> None:
@@ -50,6 +42,20 @@ class Weights:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    @staticmethod
-    def _shape(cfg) -> dict:
-        return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_ONLY}
+    def check_model(self, path: str, cfg, meta: dict, chat: bool = True) -> None:
+        """A ConfigError where `cfg` and `meta` (of weights or adapters at `path`) are another model's than the served
+        one: another architecture or shape, another tokenizer, or (`chat`) another chat template."""
+        ours, theirs = _shape(self.cfg), _shape(cfg)
+        if ours != theirs:
+            differ = ", ".join(f"{k}={theirs[k]} (served: {ours[k]})" for k in ours if ours[k] != theirs[k])
+            raise ConfigError(f"path {path}: another model ({differ}); fix: load weights of the served architecture "
+                              f"and shape, or start a server for this one")
+        chats = [{k: m["chat"].get(k) for k in CHAT} if "chat" in m else None for m in (meta, self.meta)]
+        if any(meta.get(k) != self.meta.get(k) for k in TOKENIZER) or (chat and chats[0] != chats[1]):
+            raise ConfigError(f"path {path}: trained with another tokenizer{' or chat template' if chat else ''} than "
+                              f"the served model's; fix: start a server for it")
+
+
+def _shape(cfg) -> dict:
+    """The model settings that decide what weights compute (LoRA's: an adapted run's model is the one it adapts)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_ONLY and not k.startswith("lora_")}
