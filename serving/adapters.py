@@ -40,7 +40,7 @@ class Adapters:
         self.metas: dict[Adapter, dict] = {}  # the dataset meta (its chat template) a run's adapters were tuned on
         self._pairs = None
 
-    def meta(self, adapter: Adapter | None) -> dict:
+    def meta_of(self, adapter: Adapter | None) -> dict:
         """The meta whose chat template renders the conversations of the adapter's requests (None: the base's)."""
         return self.metas.get(adapter, self.meta)
 

@@ -121,7 +121,7 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     served, body = served_by(request), json_body(await request.body())
     adapter = requested(served, body)
-    ids, stop_ids = conversation_prompt(body, served.adapters.meta(adapter), served.tokenizer)
+    ids, stop_ids = conversation_prompt(body, served.adapters.meta_of(adapter), served.tokenizer)
     return await respond(served, request, body, adapter, [ids], stop_ids, chat=True)
 
 
@@ -183,7 +183,7 @@ async def tokenize(request: Request):
     served, body = served_by(request), json_body(await request.body())
     adapter = requested(served, body)
     if "messages" in body:
-        ids, _ = conversation_prompt(body, served.adapters.meta(adapter), served.tokenizer)
+        ids, _ = conversation_prompt(body, served.adapters.meta_of(adapter), served.tokenizer)
     else:
         ids = completion_prompts(body, served.tokenizer)[0][0]
     return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
