@@ -1,5 +1,6 @@
 """Shared fixtures: the real Shakespeare text and its prepared dataset, the run and the input files that the
-tools' tables damage. How tests start runs of train.py and read them is tests/harness.py."""
+tools' tables damage, and the headless browser the chat page's tests drive. How tests start runs of train.py and
+read them is tests/harness.py."""
 import gzip
 import json
 import os
@@ -121,3 +122,28 @@ def inputs(tmp_path_factory) -> Path:
     (folder / "empty.jsonl").write_bytes(b"")
     (folder / "tokenizer_folder").mkdir()
     return folder
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Debian's headless Chromium driven through its ChromeDriver (Selenium), with no network beyond loopback. Its
+    temporary folders in the test's own (Chromium leaves its singleton socket's folder in TMPDIR when it quits)."""
+    missing = [name for name, path in [("chromium", "/usr/bin/chromium"), ("chromedriver", "/usr/bin/chromedriver")]
+               if not shutil.which(path)]
+    try:
+        from selenium import webdriver
+    except ImportError:
+        missing.append("selenium (pip install '.[dev]')")
+    if missing:  # CI installs them (.ci/run): there a missing one is a broken machine, not a reason to skip
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(
+            f"the chat page test needs {', '.join(missing)}; .ci/run installs chromium and chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"):
+        options.add_argument(flag)
+    service = webdriver.ChromeService("/usr/bin/chromedriver",
+                                      env={**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium"))})
+    driver = webdriver.Chrome(options=options, service=service)
+    yield driver
+    driver.quit()

@@ -5,7 +5,6 @@ a batch, OpenAI's error body for each bad input with the server going on, refusa
 last tokens, and the chat page in headless Chromium at a 64-token context (tests/servers.py starts them)."""
 import json
 import os
-import shutil
 import sys
 
 import httpx
@@ -180,31 +179,6 @@ def test_completions_continue_a_prompt_as_sample_does(server, chat_export):
                    "0", "--max_new_tokens", "5"]).stdout
     assert "Reverse: a b" + reply.choices[0].text == sampled[:-1]
     assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens == len("Reverse: a b")
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """Debian's headless Chromium driven through its ChromeDriver (Selenium), with no network beyond loopback. Its
-    temporary folders in the test's own (Chromium leaves its singleton socket's folder in TMPDIR when it quits)."""
-    missing = [name for name, path in [("chromium", "/usr/bin/chromium"), ("chromedriver", "/usr/bin/chromedriver")]
-               if not shutil.which(path)]
-    try:
-        from selenium import webdriver
-    except ImportError:
-        missing.append("selenium (pip install '.[dev]')")
-    if missing:  # CI installs them (.ci/run): there a missing one is a broken machine, not a reason to skip
-        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(
-            f"the chat page test needs {', '.join(missing)}; .ci/run installs chromium and chromium-driver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"):
-        options.add_argument(flag)
-    service = webdriver.ChromeService("/usr/bin/chromedriver",
-                                      env={**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium"))})
-    driver = webdriver.Chrome(options=options, service=service)
-    yield driver
-    driver.quit()
 
 
 @pytest.fixture(scope="module")

@@ -106,3 +106,21 @@ def test_start_refuses_an_adapter_that_is_no_adapter_in_one_line(folders):
         f"weights, not adapters; fix: load it with /v1/load_weights, or name the run's adapters (python -m " \
         f"scripts.export --adapter)"
 
+
+
+def test_the_chat_page_chats_with_the_adapter_chosen(server, browser):
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser.get(f"{server.url}/")
+    chooser = WebDriverWait(browser, 30).until(lambda b: Select(b.find_element("id", "model")) if len(
+        Select(b.find_element("id", "model")).options) == 2 else None)
+    assert [o.text for o in chooser.options] == ["export", "tuned"] and chooser.first_selected_option.text == "export"
+    chooser.select_by_visible_text("tuned")
+    browser.find_element("id", "message").send_keys(MESSAGE)
+    browser.find_element("id", "go").click()
+    WebDriverWait(browser, 60).until(lambda b: b.find_elements("css selector", "[data-done=true]"))
+    shown = browser.find_elements("css selector", "#log .assistant")[-1].get_attribute("textContent")
+    api = server.client().chat.completions.create(model="tuned", messages=[{"role": "user", "content": MESSAGE}],
+                                                  temperature=0)
+    assert shown == api.choices[0].message.content and shown
+    assert Select(browser.find_element("id", "model")).first_selected_option.text == "tuned"  # kept
