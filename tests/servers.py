@@ -36,6 +36,18 @@ def chat_model_export(folder, block_size: int, seed: int = 1) -> str:
     return write_export(str(folder / "export"), cfg, model.state_dict(), meta, step=0, data_dir=str(folder / "data"))
 
 
+def adapter_folder(export: str, folder) -> str:
+    """A LoRA adapter of rank 2 on every map of the export's model, in PEFT's layout (scripts.export --adapter's)."""
+    import dataclasses
+
+    from model import build_model
+    from training.checkpoints.adapter import write_adapter
+    from training.checkpoints.export import load_trained
+
+    cfg = dataclasses.replace(load_trained(None, None, export)[0], lora_rank=2)
+    return write_adapter(str(folder), cfg, build_model(cfg, seed=2).state_dict(), export)
+
+
 class Server:
     def __init__(self, export: str, *args: str, script=("-m", "scripts.serve"), env: dict | None = None):
         """`script`: how the server is started (tests/fault_serve.py slows or breaks its decoder, through env)."""

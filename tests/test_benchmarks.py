@@ -150,6 +150,17 @@ def test_generation_times_the_cache_the_window_and_transformers(tmp_path):
         assert result[way]["first_token_s"] > 0 and result[way]["decode_tokens_per_s"] > 0
 
 
+def test_lora_serving_times_no_adapter_one_and_each_its_own(tmp_path):
+    report = tmp_path / "lora.json"
+    run([sys.executable, "benchmarks/lora_serving.py", "--presets", "quickstart", "--clients", "2", "--prompt", "8",
+         "--new", "2", "--rank", "2", "--rounds", "1", "--json", str(report)])
+    result = json.loads(report.read_text())["results"]["quickstart"]
+    # rank 2 on the 4 blocks' q|k|v, attention output, MLP in and out maps: r x (in + out) each
+    assert result["adapter_parameters"] == 4 * 2 * ((128 + 384) + (128 + 128) + (128 + 512) + (512 + 128))
+    for way in ("none", "one adapter", "own adapters"):
+        assert result[way]["prefill_tokens_per_s"] > 0 and result[way]["decode_tokens_per_s"] > 0
+
+
 @pytest.mark.launch  # a server process
 def test_serving_times_the_server_and_its_scheduler_in_process(tmp_path, shakespeare_path):
     report = tmp_path / "serving.json"

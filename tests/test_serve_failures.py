@@ -7,7 +7,7 @@ import threading
 import httpx
 import pytest
 
-from servers import BAD, KEY, MESSAGE, Server, chat, chat_model_export, metric, wait_for
+from servers import BAD, KEY, MESSAGE, Server, adapter_folder, chat, chat_model_export, metric, wait_for
 
 pytestmark = pytest.mark.launch  # server processes
 
@@ -56,11 +56,14 @@ GOOD_BODIES = {"/v1/completions": {"model": "export", "prompt": "Reverse: a", "m
                                         "max_tokens": 2},
                "/tokenize": {"model": "export", "prompt": "Reverse: a"},
                "/detokenize": {"model": "export", "tokens": [1, 2]},
-               "/v1/load_weights": {"path": "{export}"}}  # the served export again
+               "/v1/load_weights": {"path": "{export}"},  # the served export again
+               "/v1/load_lora_adapter": {"lora_name": "tuned", "lora_path": "{adapter}"},
+               "/v1/unload_lora_adapter": {"lora_name": "tuned"}}  # after its load: the routes go in order
 
 
-def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wrong_one(chat_export):
+def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wrong_one(chat_export, tmp_path):
     routes = guarded_routes()
+    adapter = adapter_folder(chat_export, tmp_path / "adapter")
     assert {("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
             ("POST", "/v1/load_weights")} <= set(routes)
@@ -68,7 +71,7 @@ def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wro
     try:
         for method, path in routes:
             body = GOOD_BODIES.get(path) if method == "POST" else None
-            body = body and json.loads(json.dumps(body).replace("{export}", chat_export))
+            body = body and json.loads(json.dumps(body).replace("{export}", chat_export).replace("{adapter}", adapter))
             assert method == "GET" or body, f"{method} {path}: a new route needs a body in GOOD_BODIES"
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 response = httpx.request(method, served.url + path, json=body, headers=headers, timeout=30)
