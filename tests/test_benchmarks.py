@@ -17,9 +17,9 @@ from training.config import load_run_config
 
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
 SCRIPTS = ["checkpoint_stall.py", "cpu_attention.py", "data.py", "documents.py", "finetune.py", "generation.py",
-           "llama.py", "lora_serving.py", "memory.py", "moe.py", "pipeline.py", "preference.py", "quality.py", "quickstart_race.py",
-           "reward_model.py", "rl.py", "sequence_parallel.py", "serving.py", "sweep.py", "tensor_parallel.py",
-           "throughput.py", "record.sh", "wheelhouse.sh"]
+           "llama.py", "lora_serving.py", "memory.py", "moe.py", "pipeline.py", "preference.py", "quality.py",
+           "quickstart_race.py", "reward_model.py", "rl.py", "sequence_parallel.py", "serving.py", "sweep.py",
+           "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
 
