@@ -29,7 +29,7 @@ def adapters_for(batch, rank: int, count: int) -> list:
     generator = torch.Generator().manual_seed(0)
     return [batch.prepare(Adapter(f"adapter{i}", {name: (torch.randn(rank, inner, generator=generator) * 0.02,
                                                           torch.randn(out, rank, generator=generator) * 0.02)
-                                                  for name, (out, inner) in batch.shapes().items()}, rank))
+                                                  for name, (out, inner) in batch.shapes().items()}))
             for i in range(count)]
 
 

@@ -23,7 +23,6 @@ class Adapter:
     times its scale."""
     name: str
     maps: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    rank: int
     source: str = ""  # where it was read
     serial: int = field(default_factory=itertools.count(1).__next__)  # never reused, unlike a name
 

@@ -80,7 +80,9 @@ class Adapters:
 
     def remove(self, name) -> Adapter:
         """The adapter no new request may name (KeyError: none of that name); those admitted keep it."""
-        return self.by_name.pop(name)
+        adapter = self.by_name.pop(name)
+        self.metas.pop(adapter, None)  # read as a request is, before it is admitted
+        return adapter
 
     def _run_adapter(self, path: str, tag) -> tuple[dict, dict, dict]:
         """A LoRA run's adapters, as its adapter export would write them, and its dataset's meta."""
@@ -127,7 +129,7 @@ class Adapters:
             maps[module] = (a.float(), b.float() * scale)
         if not maps:
             raise ConfigError(f"lora_path {path}: {ADAPTER_WEIGHTS} holds no adapters")
-        return Adapter(name, maps, rank, path)
+        return Adapter(name, maps, path)
 
     def _our_names(self) -> dict[str, str]:
         """Hugging Face's module names of the served model's maps, each to the model's own."""
