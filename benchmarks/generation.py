@@ -40,6 +40,17 @@ def model_config(preset: str, prompt: int | None, new: int):
     return cfg
 
 
+def checked_presets(args) -> list[str]:
+    """--presets' names, each preset's shape against --prompt and --new and --json's file checked before the first
+    is measured."""
+    presets = args.presets.split(",")
+    for preset in presets:
+        model_config(preset, args.prompt, args.new)
+    if args.json:
+        results_file(args.json)
+    return presets
+
+
 def timed(decoder, prompt: list[int], new: int) -> tuple[float, float]:
     """(seconds to the first token's logits, decode tokens/s of the rest) of one greedy continuation."""
     start = time.perf_counter()
@@ -112,11 +123,7 @@ def main() -> int:
     args = parser.parse_args()
     at_least(args, 1, "repeats", *(["prompt"] if args.prompt is not None else []))
     at_least(args, 2, "new")
-    presets = args.presets.split(",")
-    for preset in presets:
-        model_config(preset, args.prompt, args.new)  # every preset checked before the first is measured
-    if args.json:
-        results_file(args.json)
+    presets = checked_presets(args)
     report = {"device": device_description(torch.device("cpu")), "results": {}}
     rows = []
     for preset in presets:

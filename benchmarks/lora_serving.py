@@ -15,8 +15,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.generation import model_config
-from benchmarks.report import at_least, device_description, print_table, results_file, run_main, write_json
+from benchmarks.generation import checked_presets, model_config
+from benchmarks.report import at_least, device_description, print_table, run_main, write_json
 from common.checks import ToolParser
 
 WAYS = ("none", "one adapter", "own adapters")
@@ -84,11 +84,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     at_least(args, 1, "clients", "new", "rank", "rounds", *(["prompt"] if args.prompt is not None else []))
-    presets = args.presets.split(",")
-    for preset in presets:
-        model_config(preset, args.prompt, args.new)  # every preset checked before the first is measured
-    if args.json:
-        results_file(args.json)
+    presets = checked_presets(args)
     report = {"device": device_description(torch.device("cpu")), "results": {}}
     rows = []
     for preset in presets:
