@@ -6,11 +6,13 @@ import dataclasses
 import os
 
 from common.checks import ConfigError
+from data.documents import documents_seen
 from training.checkpoints.export import load_trained
 from training.evaluation.evaluate import where
 
-# Settings of training alone: weights trained with other values of these serve the same way.
-TRAINING_ONLY = ("dropout", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate")
+# Settings of training alone: weights trained with other values of these serve the same way. document_masking is
+# compared as generation reads it (_documents): a dataset without a delimiter is one document either way.
+TRAINING_ONLY = ("dropout", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate", "document_masking")
 TOKENIZER = ("tokenizer_fingerprint", "vocab_size")  # what the API's encoding reads
 CHAT = ("template", "chat_template", "end_of_turn_id")  # what its chat prompts read (not the data's statistics)
 
@@ -50,10 +52,24 @@ class Weights:
             differ = ", ".join(f"{k}={theirs[k]} (served: {ours[k]})" for k in ours if ours[k] != theirs[k])
             raise ConfigError(f"path {path}: another model ({differ}); fix: load weights of the served architecture "
                               f"and shape, or start a server for this one")
+        theirs, ours = _documents(cfg, meta), _documents(self.cfg, self.meta)
+        if theirs != ours:
+            raise ConfigError(f"path {path}: trained to see documents begin {_told(theirs)}, where the served model "
+                              f"sees them {_told(ours)}; fix: start a server for it")
         chats = [{k: m["chat"].get(k) for k in CHAT} if "chat" in m else None for m in (meta, self.meta)]
         if any(meta.get(k) != self.meta.get(k) for k in TOKENIZER) or (chat and chats[0] != chats[1]):
             raise ConfigError(f"path {path}: trained with another tokenizer{' or chat template' if chat else ''} than "
                               f"the served model's; fix: start a server for it")
+
+
+def _documents(cfg, meta: dict) -> tuple | None:
+    """Where generation sees a document begin (data/documents.py): (the delimiter, its id), None for nowhere."""
+    seen = documents_seen(cfg.document_masking, meta)
+    return None if seen is None else (seen.delimiter, seen.delimiter_id)
+
+
+def _told(documents: tuple | None) -> str:
+    return "nowhere (a window is one document)" if documents is None else f"at its {documents[0]} id {documents[1]}"
 
 
 def _shape(cfg) -> dict:

@@ -210,3 +210,17 @@ def test_an_adapter_export_of_this_repo_serves_as_the_adapted_model(tmp_path):
     with torch.no_grad(), adapters.batch.selected([adapters.by_name["tuned"]] * 2):
         got = adapters.batch.model(idx)[..., :LLAMA.vocab_size]
     assert (got - lora(idx)[..., :LLAMA.vocab_size]).abs().max().item() <= 1e-5
+
+
+def test_a_run_is_served_where_it_sees_documents_as_the_model_does():
+    """document_masking is compared as generation reads it: without a delimiter in the dataset a window is one
+    document either way (the README's LoRA fine-tune over the pretrained quickstart); with one, refused."""
+    weights = Weights(LLAMA, META, load=None)
+    masked = dataclasses.replace(LLAMA, document_masking=True)
+    weights.check_model("run", masked, META)
+    with pytest.raises(ConfigError) as refused:
+        weights.check_model("run", masked, {**META, "delimiter": "eot", "eot_id": 3})
+    assert str(refused.value) == "path run: trained to see documents begin at its eot id 3, where the served model " \
+        "sees them nowhere (a window is one document); fix: start a server for it"
+    with pytest.raises(ConfigError, match="another model \\(n_layer=3 \\(served: 2\\)\\)"):
+        weights.check_model("run", dataclasses.replace(masked, n_layer=3), META)
