@@ -1,8 +1,8 @@
 """The command blocks of the docs a newcomer follows after the README (preference tuning, online RL, mixture of
-experts, evaluation), each run in order on a fresh clone where the README's quickstart has run, as pasted, shortened and
-offline as tests/doc_commands.py makes them: a doc line that fails after the one before it, or prints a traceback
-or known noise, turns the suite red. A block that needs a download or a GPU is marked in its doc, and checked here
-as far as one machine can: its train.py settings load."""
+experts, evaluation, serving a LoRA fine-tune), each run in order on a fresh clone where the README's quickstart has
+run, as pasted, shortened and offline as tests/doc_commands.py makes them: a doc line that fails after the one before
+it, or prints a traceback or known noise, turns the suite red. A block that needs a download or a GPU is marked in
+its doc, and checked here as far as one machine can: its train.py settings load."""
 import os
 import re
 import shlex
@@ -34,6 +34,19 @@ def test_a_docs_command_blocks_work_in_order_after_the_quickstart(after_quicksta
     clone, ran = after_quickstart
     commands = [command for elsewhere, block in bash_blocks(doc) if elsewhere is None for command in block]
     assert commands, doc
+    check_in_order([command for command in commands if command not in ran], clone)
+    ran.update(commands)
+
+
+@pytest.mark.launch
+def test_serving_a_lora_fine_tune_works_after_the_readmes_fine_tuning(after_quickstart):
+    """docs/serving.md's LoRA block after the README's fine-tuning lines it follows (run here where no doc ran them):
+    the fine-tune's adapters trained and served by name beside the model they adapt."""
+    clone, ran = after_quickstart
+    readme = next(block for _, block in bash_blocks("README.md") if "python -m data.reverse_task" in block)
+    lora = [block for _, block in bash_blocks("docs/serving.md") if any("--lora_modules" in c for c in block)]
+    assert len(lora) == 1, lora
+    commands = readme + lora[0]
     check_in_order([command for command in commands if command not in ran], clone)
     ran.update(commands)
 
