@@ -83,9 +83,9 @@ def main(argv=None) -> None:
     engine = start_engine(cfg, model, meta, args.device, args.dtype, args.slots, args.max_queue, args.prefix_cache_mb,
                           thread=False)
     scheduler = engine.scheduler
-    metrics = Metrics(scheduler.stats, engine.prefix_cache)
-    scheduler.observe = metrics.observe
     name = args.name or os.path.basename(os.path.normpath(args.export or args.out_dir))
+    metrics = Metrics(scheduler.stats, engine.prefix_cache, name)
+    scheduler.observe = metrics.observe
     weights = Weights(cfg, meta, engine.load, engine.prefix_cache)
     adapters = Adapters(name, cfg, meta, engine.adapters, weights.check_model)
     try:

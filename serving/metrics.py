@@ -1,7 +1,8 @@
-"""The server's Prometheus metrics (GET /metrics, prometheus_client's text format): requests by how they ended,
-tokens in and out, time to first token, inter-token latency, and at each scrape the queue's length, the slots in
-use and the prefix cache's tokens looked up and found (vLLM's prefix_cache_queries and prefix_cache_hits: their
-ratio is the hit rate). The scheduler reports through `observe`."""
+"""The server's Prometheus metrics (GET /metrics, prometheus_client's text format): requests by how they ended and
+by the model they named (the served model's name or a LoRA adapter's), tokens in and out, time to first token,
+inter-token latency, and at each scrape the queue's length, the slots in use and the prefix cache's tokens looked up
+and found (vLLM's prefix_cache_queries and prefix_cache_hits: their ratio is the hit rate). The scheduler reports
+through `observe`."""
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -11,13 +12,16 @@ LATENCIES = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
-    def __init__(self, stats, prefix_cache=None):
-        """stats(): (requests waiting, slots in use), read at each scrape, as the prefix cache's counts are."""
-        self.registry = CollectorRegistry()
+    def __init__(self, stats, prefix_cache=None, served: str = ""):
+        """stats(): (requests waiting, slots in use), read at each scrape, as the prefix cache's counts are;
+        served: the model's name, which its requests without an adapter count under."""
+        self.registry, self.served = CollectorRegistry(), served
         if prefix_cache is not None:
             self.registry.register(PrefixCacheCounts(prefix_cache))
         self.finished = Counter("megalite_requests", "Requests finished, by reason (stop, length, cancelled)",
                                 ["reason"], registry=self.registry)
+        self.by_model = Counter("megalite_model_requests", "Requests finished, by the model or LoRA adapter named",
+                                ["model"], registry=self.registry)
         self.refused = Counter("megalite_requests_refused", "Requests refused with a 4xx, by status", ["status"],
                                registry=self.registry)
         self.prompt_tokens = Counter("megalite_prompt_tokens", "Prompt tokens of admitted requests",
@@ -48,6 +52,7 @@ class Metrics:
             self.last_token[id(request)] = now
         elif event == "finished":
             self.finished.labels(reason=value).inc()
+            self.by_model.labels(model=self.served if request.adapter is None else request.adapter.name).inc()
             self.last_token.pop(id(request), None)
 
     def text(self) -> bytes:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from harness import FP32, free_port, launch, run
-from servers import MESSAGE, Server, at_once, chat_model_export
+from servers import MESSAGE, Server, at_once, chat_model_export, metric, wait_for
 
 pytestmark = pytest.mark.launch  # train.py and a server process
 
@@ -68,7 +68,15 @@ def test_the_model_and_the_adapter_decode_together_as_each_alone(server):
             model=model, messages=[{"role": "user", "content": message}], temperature=0, max_tokens=16, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
+    def finished() -> dict:
+        return {model: metric(server, f'megalite_model_requests_total{{model="{model}"}}') for model in
+                ("tuned", "export")}
+
+    before = finished()
     assert at_once([lambda a=a: stream(*a) for a in asked]) == alone
+    # counted on the model's thread just after each stream's end
+    wait_for(lambda: {model: count - before[model] for model, count in finished().items()} == {"tuned": 2, "export": 2},
+             "two requests of each model counted")
 
 
 def test_adapters_load_and_unload_while_serving(server, folders):
