@@ -33,6 +33,8 @@ class BatchAdapters:
         self.linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
         self.hooked: set[str] = set()
         self.rows: list[Adapter | None] | None = None  # the pass under way's adapter of each row, None: none
+        self.stacks: dict[str, tuple | None] = {}  # each map's adapters of the rows' order, stacked (_stacked)
+        self.stacked_for: tuple = ()
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each linear map an adapter may adapt, by its module name."""
@@ -61,26 +63,39 @@ class BatchAdapters:
         def add_adapters(module, args, output):
             if self.rows is None:
                 return output
-            x = args[0]
-            for adapter, rows in _by_adapter(self.rows, x.size(0), x.device):
-                if name not in adapter.maps:
-                    continue
-                a, b = adapter.maps[name]
-                if rows is None:  # every row: no gathering
-                    output = output + (x @ a.T) @ b.T
-                else:
-                    output = output.index_add(0, rows, (x[rows] @ a.T) @ b.T)
-            return output
+            x, first = args[0], self.rows[0]
+            if len(self.rows) != x.size(0):
+                raise ValueError(f"{len(self.rows)} rows' adapters selected for a batch of {x.size(0)}")
+            if all(adapter is first for adapter in self.rows):  # one adapter, every row: its two matmuls
+                if name not in first.maps:
+                    return output
+                a, b = first.maps[name]
+                return output + (x @ a.T) @ b.T
+            stacked = self._stacked(name)
+            return output if stacked is None else output + (x @ stacked[0]) @ stacked[1]
         return add_adapters
 
-
-def _by_adapter(rows: list[Adapter | None], batch: int, device) -> list[tuple[Adapter, torch.Tensor | None]]:
-    """Each adapter of the batch with the indices of its rows (None: all of them)."""
-    if len(rows) != batch:
-        raise ValueError(f"{len(rows)} rows' adapters selected for a batch of {batch}")
-    groups: dict[Adapter, list[int]] = {}
-    for i, adapter in enumerate(rows):
-        if adapter is not None:
-            groups.setdefault(adapter, []).append(i)
-    return [(adapter, None if len(index) == batch else torch.tensor(index, device=device))
-            for adapter, index in groups.items()]
+    def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A^T, B^T) of each row's adapter on the map, (rows, in, r) and (rows, r, out), zeros for a row without
+        one (its output untouched) and past an adapter's rank: one batched pair of matmuls for the whole batch.
+        Made once for the rows' adapters in their order and kept while they decode together (a copy of their
+        weights: rows x an adapter's), made again when a sequence joins or leaves."""
+        key = tuple(0 if adapter is None else adapter.serial for adapter in self.rows)
+        if key != self.stacked_for:
+            self.stacks, self.stacked_for = {}, key
+        if name not in self.stacks:
+            pairs = [None if adapter is None else adapter.maps.get(name) for adapter in self.rows]
+            ranks = [a.size(0) for a, _ in filter(None, pairs)]
+            if not ranks:
+                self.stacks[name] = None
+            else:
+                out, inner = self.linears[name].out_features, self.linears[name].in_features
+                like = next(p for p in pairs if p is not None)[0]
+                a_t = like.new_zeros(len(pairs), inner, max(ranks))
+                b_t = like.new_zeros(len(pairs), max(ranks), out)
+                for row, pair in enumerate(pairs):
+                    if pair is not None:
+                        a_t[row, :, :pair[0].size(0)] = pair[0].T
+                        b_t[row, :pair[1].size(1)] = pair[1].T
+                self.stacks[name] = (a_t, b_t)
+        return self.stacks[name]
