@@ -4,11 +4,11 @@ fine-tunes of it, a few megabytes each.
 
 The model has no code for this. Forward hooks on the adapted linear maps add each row's (x A^T) B^T, alpha / r
 folded into B, to the map's output: a batch of one adapter through its two matmuls, a batch of several through one
-batched pair over the rows' adapters stacked in their order (zeros for a row without one, kept while the same rows
-decode together). Rows of the base model keep the map's output as it is, bit for bit, and rows of an adapter
-compute what its weights merged in would, to rounding. model/lora.py's LoRALinear trains one adapter inside the map (tensor-parallel splits, dropout); this
-serves many beside a plain module's maps, packed ones too (model/onednn.py), and adds nothing to a step whose
-rows all run the base model.
+pair over all of the batch's adapters side by side, each row masked to its own adapter's columns (kept while the
+same rows decode together). Rows of the base model keep the map's output as it is, bit for bit, and rows of an
+adapter compute what its weights merged in would, to rounding. model/lora.py's LoRALinear trains one adapter inside
+the map (tensor-parallel splits, dropout); this serves many beside a plain module's maps, packed ones too
+(model/onednn.py), and adds nothing to a step whose rows all run the base model.
 """
 import itertools
 from contextlib import contextmanager
@@ -73,30 +73,31 @@ class BatchAdapters:
                 a, b = first.maps[name]
                 return output + (x @ a.T) @ b.T
             stacked = self._stacked(name)
-            return output if stacked is None else output + (x @ stacked[0]) @ stacked[1]
+            if stacked is None:
+                return output
+            a_t, b_t, mask = stacked
+            return output + ((x @ a_t) * mask) @ b_t
         return add_adapters
 
-    def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A^T, B^T) of each row's adapter on the map, (rows, in, r) and (rows, r, out), zeros for a row without
-        one (its output untouched) and past an adapter's rank: one batched pair of matmuls for the whole batch.
-        Made once for the rows' adapters in their order and kept while they decode together (a copy of their
-        weights: rows x an adapter's), made again when a sequence joins or leaves."""
+    def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(A^T, B^T, mask) of the batch's adapters on the map: their A^T side by side (in, R), their B^T one above
+        the other (R, out), and for each row the columns of its own adapter (rows, 1, R), none for a row without
+        one (its output untouched). Made once for the rows' adapters in their order, kept while they decode
+        together (a copy of each adapter's weights, however many rows share it)."""
         key = tuple(0 if adapter is None else adapter.serial for adapter in self.rows)
         if key != self.stacked_for:
             self.stacks, self.stacked_for = {}, key
         if name not in self.stacks:
-            pairs = [None if adapter is None else adapter.maps.get(name) for adapter in self.rows]
-            ranks = [a.size(0) for a, _ in filter(None, pairs)]
-            if not ranks:
+            adapters = list(dict.fromkeys(a for a in self.rows if a is not None and name in a.maps))
+            if not adapters:
                 self.stacks[name] = None
             else:
-                out, inner = self.linears[name].out_features, self.linears[name].in_features
-                like = next(p for p in pairs if p is not None)[0]
-                a_t = like.new_zeros(len(pairs), inner, max(ranks))
-                b_t = like.new_zeros(len(pairs), max(ranks), out)
-                for row, pair in enumerate(pairs):
-                    if pair is not None:
-                        a_t[row, :, :pair[0].size(0)] = pair[0].T
-                        b_t[row, :pair[1].size(1)] = pair[1].T
-                self.stacks[name] = (a_t, b_t)
+                a_t = torch.cat([adapter.maps[name][0] for adapter in adapters]).T.contiguous()
+                b_t = torch.cat([adapter.maps[name][1] for adapter in adapters], dim=1).T.contiguous()
+                starts = dict(zip(adapters, itertools.accumulate([0] + [a.maps[name][0].size(0) for a in adapters])))
+                mask = a_t.new_zeros(len(self.rows), 1, a_t.size(1))
+                for row, adapter in enumerate(self.rows):
+                    if adapter in starts:
+                        mask[row, 0, starts[adapter]:starts[adapter] + adapter.maps[name][0].size(0)] = 1
+                self.stacks[name] = (a_t, b_t, mask)
         return self.stacks[name]
