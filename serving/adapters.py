@@ -17,7 +17,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from common.checks import ConfigError, json_file
+from model import architecture
 from model.config import ModelConfig
+from model.lora import linear_maps
 from model.lora_batch import Adapter, BatchAdapters
 from training.checkpoints import checkpoint
 from training.checkpoints.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter
@@ -110,10 +112,12 @@ class Adapters:
             raise ConfigError(f"lora_path {path}: {ADAPTER_CONFIG} needs r (at least 1) and lora_alpha")
         scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         ours, shapes, halves = self._our_names(), self.batch.shapes(), {}
+        arch = architecture(self.cfg)
+        targets = set(linear_maps(arch.plan, arch.block))  # what LoRA adapts: a block's maps, not its experts
         for key, tensor in tensors.items():
             found = TENSOR.fullmatch(key)
             module = ours.get(found.group(1)) if found else None
-            if module not in shapes:
+            if module not in shapes or module.partition(".")[2] not in targets:
                 raise ConfigError(f"lora_path {path}: {key} adapts no linear map of the served model's blocks; fix: "
                                   f"serve adapters trained on this model")
             halves.setdefault(module, {})[found.group(2)] = tensor

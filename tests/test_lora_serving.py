@@ -228,3 +228,22 @@ def test_a_run_is_served_where_it_sees_documents_as_the_model_does():
         "sees them nowhere (a window is one document); fix: start a server for it"
     with pytest.raises(ConfigError, match="another model \\(n_layer=3 \\(served: 2\\)\\)"):
         weights.check_model("run", dataclasses.replace(masked, n_layer=3), META)
+
+
+def test_an_adapter_of_a_mixture_of_experts_experts_is_refused(tmp_path):
+    """The experts see the tokens routed to them, not the batch's rows: LoRA adapts the blocks' own maps only."""
+    from training.checkpoints.hf import tensor_pairs
+
+    moe = dataclasses.replace(LLAMA, n_experts=2, experts_per_token=2)
+    base = write_export(str(tmp_path / "base"), moe, decisive_model(moe, seed=3).state_dict(), META, step=0)
+    adapters = served(base, {})
+    module = next(theirs for ours, theirs, _ in tensor_pairs(moe) if ".experts." in ours and ours.endswith(".up.weight")
+                  ).removesuffix(".weight")
+    path = tmp_path / "expert_adapter"
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    save_file({f"base_model.model.{module}.lora_A.weight": torch.zeros(2, 32),
+               f"base_model.model.{module}.lora_B.weight": torch.zeros(64, 2)}, str(path / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match=f"base_model.model.{module}.lora_A.weight adapts no linear map of the served "
+                                          f"model's blocks"):
+        adapters.read("experts", str(path))
