@@ -55,7 +55,8 @@ class Adapters:
                               f"python -m scripts.export --adapter (PEFT's layout) or a LoRA run's out_dir")
         if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
             if tag is not None:
-                raise ConfigError("tag names a checkpoint of a run's out_dir, not of an adapter folder")
+                raise ConfigError(f"lora_path {path}: an adapter folder, whose tag has no meaning (a tag names a "
+                                  f"checkpoint of a run's out_dir); fix: leave tag out")
             config = json_file(os.path.join(path, ADAPTER_CONFIG), "adapter config", "save the adapter again")
             tensors = _read_tensors(os.path.join(path, ADAPTER_WEIGHTS))
             return self.batch.prepare(self._adapter(name, path, config, tensors))

@@ -180,6 +180,7 @@ def test_an_adapter_the_server_cannot_run_is_refused_in_one_line(folders, tmp_pa
         (("new", str(tmp_path / "nowhere")), "no such folder on the server's machine"),
         (("new", folders["base"]), "an export of whole weights, not adapters; fix: load it with /v1/load_weights"),
         (("new", folder("dora", {"use_dora": True})), "DoRA are not supported by this server"),
+        (("new", folders["mlp"], "step_000004"), "an adapter folder, whose tag has no meaning"),
         (("new", folder("head", tensors={"base_model.model.lm_head.lora_A.weight": a,
                                          "base_model.model.lm_head.lora_B.weight": torch.zeros(40, 4)})),
          "base_model.model.lm_head.lora_A.weight adapts no linear map of the served model's blocks"),
@@ -188,9 +189,9 @@ def test_an_adapter_the_server_cannot_run_is_refused_in_one_line(folders, tmp_pa
                                              torch.zeros(64, 4)})),
          "1.attn.q's lora_A and lora_B are (4, 32) and (64, 4) where the served model needs (4, 32) and (32, 4)"),
     ]
-    for (name, path), message in cases:
+    for asked, message in cases:
         with pytest.raises(ConfigError) as refused:
-            adapters.read(name, path)
+            adapters.read(*asked)
         assert message in str(refused.value) and "\n" not in str(refused.value)
     assert sorted(adapters.by_name) == ["attention", "mlp"]
 
