@@ -34,8 +34,11 @@ class BatchAdapters:
         self.linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
         self.hooked: set[str] = set()
         self.rows: list[Adapter | None] | None = None  # the pass under way's adapter of each row, None: none
-        self.stacks: dict[str, tuple | None] = {}  # each map's adapters of the rows' order, stacked (_stacked)
-        self.stacked_for: tuple = ()
+        # Per map, the batch's adapters side by side (_stacked), kept while the batch holds the same adapters, and
+        # each row's columns among them, kept while its rows hold the same adapters in the same order.
+        self.stacks: dict[str, tuple | None] = {}
+        self.masks: dict[str, torch.Tensor] = {}
+        self.stacked_for, self.masked_for = (), ()
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each linear map an adapter may adapt, by its module name."""
@@ -82,22 +85,33 @@ class BatchAdapters:
     def _stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(A^T, B^T, mask) of the batch's adapters on the map: their A^T side by side (in, R), their B^T one above
         the other (R, out), and for each row the columns of its own adapter (rows, 1, R), none for a row without
-        one (its output untouched). Made once for the rows' adapters in their order, kept while they decode
-        together (a copy of each adapter's weights, however many rows share it)."""
-        key = tuple(0 if adapter is None else adapter.serial for adapter in self.rows)
-        if key != self.stacked_for:
-            self.stacks, self.stacked_for = {}, key
+        one (its output untouched). The stacks (a copy of each adapter's weights, however many rows share it) are
+        made again only when an adapter joins or leaves the batch; the masks whenever its rows change."""
+        adapters = sorted({a for a in self.rows if a is not None}, key=lambda a: a.serial)
+        held, rows = tuple(a.serial for a in adapters), tuple(0 if a is None else a.serial for a in self.rows)
+        if held != self.stacked_for:
+            self.stacks, self.masks, self.stacked_for = {}, {}, held
+        if rows != self.masked_for:
+            self.masks, self.masked_for = {}, rows
         if name not in self.stacks:
-            adapters = list(dict.fromkeys(a for a in self.rows if a is not None and name in a.maps))
-            if not adapters:
-                self.stacks[name] = None
-            else:
-                a_t = torch.cat([adapter.maps[name][0] for adapter in adapters]).T.contiguous()
-                b_t = torch.cat([adapter.maps[name][1] for adapter in adapters], dim=1).T.contiguous()
-                starts = dict(zip(adapters, itertools.accumulate([0] + [a.maps[name][0].size(0) for a in adapters])))
-                mask = a_t.new_zeros(len(self.rows), 1, a_t.size(1))
-                for row, adapter in enumerate(self.rows):
-                    if adapter in starts:
-                        mask[row, 0, starts[adapter]:starts[adapter] + adapter.maps[name][0].size(0)] = 1
-                self.stacks[name] = (a_t, b_t, mask)
-        return self.stacks[name]
+            self.stacks[name] = _side_by_side([a for a in adapters if name in a.maps], name)
+        if self.stacks[name] is None:
+            return None
+        a_t, b_t, columns = self.stacks[name]
+        if name not in self.masks:
+            mask = a_t.new_zeros(len(self.rows), 1, a_t.size(1))
+            for row, adapter in enumerate(self.rows):
+                if adapter in columns:
+                    mask[row, 0, columns[adapter]] = 1
+            self.masks[name] = mask
+        return a_t, b_t, self.masks[name]
+
+
+def _side_by_side(adapters: list[Adapter], name: str) -> tuple | None:
+    """(A^T (in, R), B^T (R, out), each adapter's columns among the R) of the adapters' pairs on the map."""
+    if not adapters:
+        return None
+    a_t = torch.cat([adapter.maps[name][0] for adapter in adapters]).T.contiguous()
+    b_t = torch.cat([adapter.maps[name][1] for adapter in adapters], dim=1).T.contiguous()
+    ends = list(itertools.accumulate(adapter.maps[name][0].size(0) for adapter in adapters))
+    return a_t, b_t, {adapter: slice(end - adapter.maps[name][0].size(0), end) for adapter, end in zip(adapters, ends)}

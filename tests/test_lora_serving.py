@@ -90,7 +90,8 @@ def test_sequences_of_the_model_and_two_adapters_decode_together_as_each_alone_a
     adapters = peft_served(folders)
     model, batch = adapters.batch.model, adapters.batch
     attention, mlp = adapters.by_name["attention"], adapters.by_name["mlp"]
-    prompts = [([1, 5, 7, 2, 9], None), ([1, 5, 7, 2, 9], attention), ([4, 4, 11, 3], mlp), ([8, 1], attention)]
+    prompts = [([1, 5, 7, 2, 9], None), ([1, 5, 7, 2, 9], attention), ([4, 4, 11, 3], attention), ([8, 1], None),
+               ([3, 6, 2, 2], mlp)]
     greedy = Sampling(max_new_tokens=12, temperature=0)
     alone = []
     for prompt, adapter in prompts:
@@ -107,7 +108,9 @@ def test_sequences_of_the_model_and_two_adapters_decode_together_as_each_alone_a
     scheduler = Scheduler(CachedDecoder(model, LLAMA.block_size, LLAMA.vocab_size, slots=4, adapters=batch), slots=4,
                           max_waiting=4)
     try:
-        with scheduler.changed:  # all four admitted in one step: the first two's one prompt prefilled apart
+        # four admitted in one step (the first two's one prompt prefilled apart), the fifth, of another adapter, once
+        # the second has left
+        with scheduler.changed:
             sequences = [scheduler.submit(Sequence(prompt, Sampling(max_new_tokens=n, temperature=0), adapter=adapter))
                          for (prompt, adapter), n in zip(prompts, LENGTHS)]
         drawn = [[value.id for kind, value in events(s) if kind == "token"] for s in sequences]
@@ -116,7 +119,7 @@ def test_sequences_of_the_model_and_two_adapters_decode_together_as_each_alone_a
     assert drawn == [tokens[:n] for tokens, n in zip(alone, LENGTHS)]
 
 
-LENGTHS = (12, 5, 9, 12)  # sequences leaving the batch at different steps: the rows' adapters change under it
+LENGTHS = (12, 5, 9, 12, 8)  # sequences leaving and joining the batch: the rows' adapters change under it
 
 
 def merged_model(folders, adapter) -> torch.nn.Module:
