@@ -39,6 +39,9 @@ class BatchAdapters:
         self.stacks: dict[str, tuple | None] = {}
         self.masks: dict[str, torch.Tensor] = {}
         self.stacked_for, self.masked_for = (), ()
+        self.adapters: list[Adapter] = []  # a mixed batch's adapters, by serial
+        self.keys: tuple = ((), ())  # their serials, and each row's (0: none)
+        self.mixed = False  # whether the pass's rows run through more than one adapter (or none)
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each linear map an adapter may adapt, by its module name."""
@@ -58,6 +61,10 @@ class BatchAdapters:
     def selected(self, rows: list[Adapter | None]):
         """The model's forward passes inside run row i through rows[i]."""
         self.rows = rows if any(rows) else None
+        self.mixed = bool(self.rows) and any(adapter is not rows[0] for adapter in rows)
+        if self.mixed:  # the stacks' keys, once a pass
+            self.adapters = sorted({a for a in rows if a is not None}, key=lambda a: a.serial)
+            self.keys = tuple(a.serial for a in self.adapters), tuple(0 if a is None else a.serial for a in rows)
         try:
             yield
         finally:
@@ -70,7 +77,7 @@ class BatchAdapters:
             x, first = args[0], self.rows[0]
             if len(self.rows) != x.size(0):
                 raise ValueError(f"{len(self.rows)} rows' adapters selected for a batch of {x.size(0)}")
-            if all(adapter is first for adapter in self.rows):  # one adapter, every row: its two matmuls
+            if not self.mixed:  # one adapter, every row: its two matmuls
                 if name not in first.maps:
                     return output
                 a, b = first.maps[name]
@@ -87,14 +94,13 @@ class BatchAdapters:
         the other (R, out), and for each row the columns of its own adapter (rows, 1, R), none for a row without
         one (its output untouched). The stacks (a copy of each adapter's weights, however many rows share it) are
         made again only when an adapter joins or leaves the batch; the masks whenever its rows change."""
-        adapters = sorted({a for a in self.rows if a is not None}, key=lambda a: a.serial)
-        held, rows = tuple(a.serial for a in adapters), tuple(0 if a is None else a.serial for a in self.rows)
+        held, rows = self.keys
         if held != self.stacked_for:
             self.stacks, self.masks, self.stacked_for = {}, {}, held
         if rows != self.masked_for:
             self.masks, self.masked_for = {}, rows
         if name not in self.stacks:
-            self.stacks[name] = _side_by_side([a for a in adapters if name in a.maps], name)
+            self.stacks[name] = _side_by_side([a for a in self.adapters if name in a.maps], name)
         if self.stacks[name] is None:
             return None
         a_t, b_t, columns = self.stacks[name]
