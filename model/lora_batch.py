@@ -5,7 +5,7 @@ fine-tunes of it, a few megabytes each.
 The model has no code for this. Forward hooks on the adapted linear maps add each row's (x A^T) B^T, alpha / r
 folded into B, to the map's output: a batch of one adapter through its two matmuls, a batch of several through one
 pair over all of the batch's adapters side by side, each row masked to its own adapter's columns (kept while the
-same rows decode together). Rows of the base model keep the map's output as it is, bit for bit, and rows of an
+batch holds the same adapters). Rows of the base model keep the map's output as it is, bit for bit, and rows of an
 adapter compute what its weights merged in would, to rounding. model/lora.py's LoRALinear trains one adapter inside
 the map (tensor-parallel splits, dropout); this serves many beside a plain module's maps, packed ones too
 (model/onednn.py), and adds nothing to a step whose rows all run the base model.
