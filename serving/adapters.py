@@ -12,10 +12,6 @@ import math
 import os
 import re
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
 from common.checks import ConfigError, json_file
 from model import architecture
 from model.config import ModelConfig
@@ -23,7 +19,7 @@ from model.lora import linear_maps
 from model.lora_batch import Adapter, BatchAdapters
 from training.checkpoints import checkpoint
 from training.checkpoints.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter
-from training.checkpoints.export import consolidated_state_dict, run_dataset, run_model
+from training.checkpoints.export import consolidated_state_dict, read_weights, run_dataset, run_model
 from training.checkpoints.hf import tensor_pairs
 
 TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
@@ -58,7 +54,7 @@ class Adapters:
                 raise ConfigError(f"lora_path {path}: an adapter folder, whose tag has no meaning (a tag names a "
                                   f"checkpoint of a run's out_dir); fix: leave tag out")
             config = json_file(os.path.join(path, ADAPTER_CONFIG), "adapter config", "save the adapter again")
-            tensors = _read_tensors(os.path.join(path, ADAPTER_WEIGHTS))
+            tensors = read_weights(os.path.join(path, ADAPTER_WEIGHTS), "adapter weights", "save the adapter again")
             return self.batch.prepare(self._adapter(name, path, config, tensors))
         if os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"lora_path {path}: an export of whole weights, not adapters; fix: load it with "
@@ -142,14 +138,6 @@ class Adapters:
             self._pairs = {theirs.removesuffix(".weight"): ours.removesuffix(".weight")
                            for ours, theirs, _ in tensor_pairs(self.cfg) if theirs.endswith(".weight")}
         return self._pairs
-
-
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise ConfigError(f"adapter weights {path} cannot be read as safetensors ({e}); fix: save the adapter "
-                          f"again") from None
 
 
 def lora_module(entry: str) -> tuple[str, str]:

@@ -274,7 +274,7 @@ def load_export(folder: str) -> tuple[ModelConfig, dict, dict]:
     path = os.path.join(folder, "config.json")
     record = json_file(path, "export config", fix, keys=("megalite.model", "megalite.tokenizer"))["megalite"]
     cfg = model_config(record["model"], f"export config {path}")
-    weights = _read_weights(os.path.join(folder, "model.safetensors"), fix)
+    weights = read_weights(os.path.join(folder, "model.safetensors"), "export weights", fix)
     try:
         state = from_hf(weights, cfg) if architecture(cfg).hf_layout(cfg) is not None else weights
     except KeyError as e:
@@ -336,12 +336,13 @@ def _with_weights(cfg: ModelConfig, state: dict, source: str) -> tuple[ModelConf
     return cfg, model
 
 
-def _read_weights(path: str, fix: str) -> dict:
-    existing_file(path, "export weights", fix)
+def read_weights(path: str, what: str, fix: str) -> dict:
+    """The tensors of a safetensors file; `what` names it in the ConfigError of a missing or unreadable one."""
+    existing_file(path, what, fix)
     try:
         return load_file(path)
     except (SafetensorError, OSError) as e:
-        raise ConfigError(f"export weights {path} are not a safetensors file ({e}); fix: {fix}") from None
+        raise ConfigError(f"{what} {path} are not a safetensors file ({e}); fix: {fix}") from None
 
 
 if __name__ == "__main__":
