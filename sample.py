@@ -29,12 +29,17 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_k", type=int, default=200)
     parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--min_p", type=float, default=0.0,
+                        help="draw among tokens at least min_p times as likely as the most likely one")
+    parser.add_argument("--repetition_penalty", type=float, default=1.0,
+                        help="above 1, tokens of the prompt and the text so far are less likely (transformers')")
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     try:
-        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty)
     except ValueError as e:
         exit_bad_input(f"--{e}")
     try:

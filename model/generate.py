@@ -17,31 +17,87 @@ from model.kv_cache import KVCache, attention_modules
 from model.prefix_cache import PrefixCache
 
 
+class SamplingError(ValueError):
+    """A sampling setting out of range; `setting` names it."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How one sequence draws its tokens."""
+    """How one sequence draws its tokens, each option as OpenAI's and vLLM's APIs mean it, applied in vLLM's order:
+    min_tokens, logit_bias and the penalties change the logits (`shaped`); greedy takes the most likely token there;
+    else the logits are divided by the temperature and the token drawn among min_p's, top_k's and top_p's."""
     max_new_tokens: int
     temperature: float = 1.0  # 0: the most likely token
     top_k: int | None = None  # draw among the k most likely only
     top_p: float = 1.0  # draw among the fewest most likely tokens whose probabilities add up to top_p
     stop_ids: tuple = ()  # a drawn id that ends the sequence (an end of turn or of text), kept as its last token
+    min_p: float = 0.0  # draw among the tokens at least min_p times as likely as the most likely one
+    repetition_penalty: float = 1.0  # a token of the prompt or the answer: its logit divided by it (times it if < 0)
+    frequency_penalty: float = 0.0  # taken from a token's logit once for each time the answer holds it
+    presence_penalty: float = 0.0  # taken from the logit of each token the answer holds
+    logit_bias: tuple = ()  # (id, bias) pairs, each bias added to its token's logit
+    min_tokens: int = 0  # no stop id drawn before the answer has this many tokens
 
     def __post_init__(self):
-        """A ValueError naming the first setting out of range."""
-        for ok, setting, rule in [(self.max_new_tokens >= 0, "max_new_tokens", ">= 0"),
-                                  (self.temperature >= 0, "temperature", ">= 0 (0: greedy)"),
-                                  (self.top_k is None or self.top_k >= 1, "top_k", "at least 1"),
-                                  (0 < self.top_p <= 1, "top_p", "in (0, 1]")]:
+        """A SamplingError naming the first setting out of range."""
+        for ok, setting, rule in [
+                (self.max_new_tokens >= 0, "max_new_tokens", ">= 0"),
+                (self.temperature >= 0, "temperature", ">= 0 (0: greedy)"),
+                (self.top_k is None or self.top_k >= 1, "top_k", "at least 1"),
+                (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
+                (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
+                (self.repetition_penalty > 0, "repetition_penalty", "above 0 (1: none)"),
+                (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]"),
+                (-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]"),
+                (0 <= self.min_tokens <= self.max_new_tokens, "min_tokens",
+                 f"in [0, {self.max_new_tokens}] (at most the tokens asked for)")]:
             if not ok:
-                raise ValueError(f"{setting}={getattr(self, setting)}: must be {rule}")
+                raise SamplingError(setting, f"{setting}={getattr(self, setting)}: must be {rule}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise SamplingError("logit_bias", f"logit_bias: token id {token} must be at least 0")
+            if not -100 <= bias <= 100:
+                raise SamplingError("logit_bias", f"logit_bias: token {token}'s bias {bias} must be in [-100, 100]")
 
 
-def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """The next token from a row of logits over the real vocabulary (padding ids already cut off)."""
-    logits = logits.float()
+def shaped(logits: torch.Tensor, sampling: Sampling, prompt=(), answer=()) -> torch.Tensor:
+    """The fp32 logits (vocab,) as min_tokens, logit_bias and the penalties leave them after `prompt` and the
+    `answer` drawn so far: the stop ids ruled out while the answer is shorter than min_tokens; each bias added;
+    the repetition penalty on every token of the prompt and the answer; the frequency and presence penalties
+    (OpenAI's) on the answer's."""
+    s, logits = sampling, logits.float()
+    if len(answer) < s.min_tokens and s.stop_ids:
+        logits = logits.index_fill(0, torch.tensor(s.stop_ids, device=logits.device), float("-inf"))
+    if s.logit_bias:
+        ids, biases = zip(*s.logit_bias)
+        logits = logits.index_add(0, torch.tensor(ids, device=logits.device),
+                                  torch.tensor(biases, dtype=logits.dtype, device=logits.device))
+    if s.repetition_penalty != 1:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[torch.tensor([*prompt, *answer], dtype=torch.long, device=logits.device)] = True
+        penalized = torch.where(logits > 0, logits / s.repetition_penalty, logits * s.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if (s.frequency_penalty or s.presence_penalty) and answer:
+        counts = torch.bincount(torch.tensor(answer, device=logits.device), minlength=logits.numel()).float()
+        logits = logits - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None, prompt=(),
+           answer=()) -> int:
+    """The next token from a row of logits over the real vocabulary (padding ids already cut off), after `prompt`
+    and the tokens of the `answer` drawn so far."""
+    logits = shaped(logits, sampling, prompt, answer)
     if sampling.temperature == 0:
         return int(logits.argmax())
     logits = logits / sampling.temperature
+    if sampling.min_p:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.max(), float("-inf"))
     if sampling.top_k is not None:
         kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -232,7 +288,7 @@ def generate(decoder: WindowDecoder, prompt: list[int], sampling: Sampling,
     out = []
     try:
         while len(out) < sampling.max_new_tokens:
-            out.append(choose(logits, sampling, generator))
+            out.append(choose(logits, sampling, generator, prompt, out))
             if out[-1] in sampling.stop_ids or len(out) == sampling.max_new_tokens:
                 break
             logits = decoder.step({slot: [out[-1]]})[slot]

@@ -48,7 +48,7 @@ class Reply:
     async def deltas(self, index: int):
         """The choice's deltas as its sequence's events arrive; the echoed prompt first where asked."""
         sequence, asked = self.sequences[index], self.asked
-        text, held = TextStream(self.served.tokenizer, asked.stops), []
+        text, held = TextStream(self.served.tokenizer, asked.stops, sequence.sampling.min_tokens), []
         while True:
             kind, value = await sequence.events.get()
             if kind == "failed":

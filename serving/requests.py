@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from data.chat import ChatError, chat_prompt, prompt_turns
 from data.tokenizers import delimiter_id
-from model.generate import Sampling
+from model.generate import Sampling, SamplingError
 from serving.errors import APIError
 
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each token (vLLM's default bound)
@@ -14,9 +14,7 @@ MAX_N = 16
 # OpenAI's options this server does not implement, refused where a request sets them (0, empty or false is their
 # default) rather than answered as if they were not there.
 UNSUPPORTED = {"tools": "tools", "tool_choice": "tools", "functions": "function calling",
-               "function_call": "function calling", "response_format": "response formats",
-               "frequency_penalty": "frequency penalties", "presence_penalty": "presence penalties",
-               "logit_bias": "logit biases", "suffix": "suffixes"}
+               "function_call": "function calling", "response_format": "response formats", "suffix": "suffixes"}
 
 
 @dataclass
@@ -126,14 +124,6 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
     if max_tokens > room:
         raise APIError(400, f"max_tokens={max_tokens} and the prompt's {longest} tokens exceed the model's context "
                             f"of {block_size}: ask for at most {room}", "max_tokens", code="context_length_exceeded")
-    temperature, top_p = number("temperature", 1.0), number("top_p", 1.0)
-    if not 0 <= temperature <= 2:
-        raise APIError(400, f"temperature must be in [0, 2], not {temperature}", "temperature")
-    if not 0 < top_p <= 1:
-        raise APIError(400, f"top_p must be in (0, 1], not {top_p}", "top_p")
-    top_k = number("top_k", -1, int)  # vLLM's option: -1 (or 0) draws from the whole vocabulary
-    if top_k < -1:
-        raise APIError(400, f"top_k must be -1 or 0 (off) or at least 1, not {top_k}", "top_k")
     n, seed = number("n", 1, int), number("seed", None, int)
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], not {n}", "n")
@@ -147,9 +137,39 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
     if echo and chat:
         raise APIError(400, "echo is an option of /v1/completions", "echo")
     texts = [tokenizer.decode(ids) for ids in prompts]
-    sampling = Sampling(max_tokens, temperature, top_k if top_k > 0 else None, top_p, stop_ids)
+    sampling = _sampling(body, number, tokenizer, max_tokens, stop_ids)
     return Asked(prompts, texts, sampling, seed, n, stops, _logprobs(body, number, chat), echo,
                  bool(body.get("return_token_ids")))
+
+
+def _sampling(body: dict, number, tokenizer, max_tokens: int, stop_ids: tuple) -> Sampling:
+    """OpenAI's sampling options and vLLM's (top_k, min_p, repetition_penalty, min_tokens), each checked."""
+    temperature = number("temperature", 1.0)
+    if not 0 <= temperature <= 2:
+        raise APIError(400, f"temperature must be in [0, 2], not {temperature}", "temperature")
+    top_k = number("top_k", -1, int)  # -1 (or 0) draws from the whole vocabulary
+    if top_k < -1:
+        raise APIError(400, f"top_k must be -1 or 0 (off) or at least 1, not {top_k}", "top_k")
+    try:
+        return Sampling(max_tokens, temperature, top_k if top_k > 0 else None, number("top_p", 1.0), stop_ids,
+                        number("min_p", 0.0), number("repetition_penalty", 1.0), number("frequency_penalty", 0.0),
+                        number("presence_penalty", 0.0), _logit_bias(body, tokenizer), number("min_tokens", 0, int))
+    except SamplingError as e:
+        raise APIError(400, str(e), e.setting) from None
+
+
+def _logit_bias(body: dict, tokenizer) -> tuple:
+    """OpenAI's logit_bias, {"token id": bias}, as (id, bias) pairs."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise APIError(400, "logit_bias must map token ids to biases", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(400, f"logit_bias must map token ids to biases, not {key!r}: {value!r}", "logit_bias")
+        pairs.append((int(key), value))
+    token_ids([i for i, _ in pairs], tokenizer, "logit_bias")
+    return tuple(pairs)
 
 
 def _logprobs(body: dict, number, chat: bool) -> int | None:

@@ -64,7 +64,7 @@ class Sequence:
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.monotonic)
     cancelled: str | None = None  # why it was stopped from outside
-    drawn: int = 0
+    answer: list[int] = field(default_factory=list)  # the tokens drawn so far
     pending: int | None = None  # the last token drawn, fed to the model at the next step
     generator: torch.Generator = field(default=None)
 
@@ -228,14 +228,14 @@ class Scheduler:
                 done.set_exception(error)
 
     def _draw(self, slot: int, request: Sequence, logits: torch.Tensor) -> None:
-        token = choose(logits, request.sampling, request.generator)
-        request.drawn += 1
+        token = choose(logits, request.sampling, request.generator, request.prompt, request.answer)
+        request.answer.append(token)
         scores = () if request.logprobs is None else logprobs(logits[None], [token], request.logprobs)[0]
         request.events.put(("token", Drawn(token, *scores)))
         self.observe("token", request, token)
         if token in request.sampling.stop_ids:
             self._finish(slot, request, "stop")
-        elif request.drawn == request.sampling.max_new_tokens:
+        elif len(request.answer) == request.sampling.max_new_tokens:
             self._finish(slot, request, "length")
         else:
             request.pending = token

@@ -1,19 +1,23 @@
 """A generated sequence as text, piece by piece as its tokens arrive: what is safe to send now (never the start of
 a possible stop string, never half a UTF-8 character a byte-level tokenizer has only begun), and where a stop
-string ends it."""
+string ends it (never within the text of the answer's first `min_tokens` tokens, vLLM's rule)."""
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0):
+        self.tokenizer, self.stops, self.min_tokens = tokenizer, [s for s in stops if s], min_tokens
         self.tokens: list[int] = []
         self.text, self.sent = "", 0
+        self.floor = 0  # the length of the first min_tokens tokens' text: a stop string must end past it
 
     def add(self, token: int) -> tuple[str, bool]:
         """(the text to send now, whether a stop string ended the sequence: the text stops before it)."""
         self.tokens.append(token)
         self.text = self.tokenizer.decode(self.tokens)
-        found = [i for i in (self.text.find(stop) for stop in self.stops) if i >= 0]
+        if len(self.tokens) <= self.min_tokens:
+            self.floor = len(self.text)
+        found = [i for i in (self.text.find(stop, max(0, self.floor - len(stop) + 1)) for stop in self.stops)
+                 if i >= 0]
         if found:
             self.text = self.text[:min(found)]
             return self._send(len(self.text)), True

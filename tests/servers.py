@@ -78,9 +78,9 @@ class Server:
         return self.proc.returncode, output
 
 
-def chat(server, message: str = MESSAGE, **options):
+def chat(server, message: str = MESSAGE, temperature: float = 0, **options):
     return server.client().chat.completions.create(model="export", messages=[{"role": "user", "content": message}],
-                                                   temperature=0, **options)
+                                                   temperature=temperature, **options)
 
 
 def at_once(calls: list) -> list:
@@ -122,11 +122,26 @@ BAD = [  # (body or raw bytes, status, the error message's start)
     ({"model": "export", "messages": [{"role": "user", "content": "hi " * 60}]}, 400, "the prompt has"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
      "temperature must be in [0, 2]"),
-    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400,
+     "top_p=0: must be in (0, 1]"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
      "tools are not supported"),
-    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0.5}, 400,
-     "frequency penalties are not supported by this server"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     400, "response formats are not supported by this server"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 2.5}, 400,
+     "frequency_penalty=2.5: must be in [-2, 2]"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, 400,
+     "repetition_penalty=0: must be above 0 (1: none)"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, 400,
+     "min_p=1.5: must be in [0, 1]"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 5}, 400,
+     "min_tokens=5: must be in [0, 4] (at most the tokens asked for)"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, 400,
+     "logit_bias: token 5's bias 101 must be in [-100, 100]"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999": 1}}, 400,
+     "the token id 999 is outside the vocabulary"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"king": 1}}, 400,
+     "logit_bias must map token ids to biases, not 'king': 1"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "best_of": 3}, 400,
      "best_of is not supported by this server: ask for n answers"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "top_k": -2}, 400,

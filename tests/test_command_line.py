@@ -56,6 +56,8 @@ BAD_COMMAND_LINES = [
                                         "without starting a rank; fix: add --dry_run, or leave it out (a launched "
                                         "preflight's world is the launcher's)"),
     ("sample.py", [], "error: sample.py: one of the arguments --out_dir --export is required"),
+    ("sample.py", ["--export", "x", "--repetition_penalty", "0"], "error: --repetition_penalty=0.0: must be above 0 "
+                                                                 "(1: none)"),
     ("-m data.prepare", ["--workers", "x"], "error: python -m data.prepare: argument --workers: invalid int value: "
                                             "'x'; fix: see python -m data.prepare --help"),
     ("-m scripts.export", [], "error: python -m scripts.export: the following arguments are required: --out_dir"),

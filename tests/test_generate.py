@@ -1,8 +1,10 @@
-"""Generation: the sampling rules (temperature, top-k, top-p, over the real vocabulary only); the key/value cache,
+"""Generation: the sampling rules (temperature, top-k, top-p, over the real vocabulary only; min_p, the penalties,
+logit biases and min_tokens as transformers' logits processors and OpenAI's formula give them); the key/value cache,
 whose logits equal a forward pass over the whole window at every step (fp32, 1e-5) for the GPT and the Llama with
 grouped-query attention, several sequences of different lengths at once, a prompt of several documents, a
 sequence sliding past block_size; and greedy text equal to transformers' generate on the export (the GPT, the Llama,
-Mixtral, Qwen2-MoE)."""
+Mixtral, Qwen2-MoE), with a repetition penalty, biases and min_tokens too, and the frequency and presence
+penalties as a plain loop over the transformers model gives them."""
 import dataclasses
 
 import numpy as np
@@ -13,7 +15,7 @@ from data.documents import Documents
 from hf_check import load_in_transformers
 from model import build_model
 from model.config import ModelConfig
-from model.generate import CachedDecoder, Sampling, WindowDecoder, decoder_for, generate
+from model.generate import CachedDecoder, Sampling, WindowDecoder, decoder_for, generate, shaped
 from training.checkpoints.export import write_export
 
 CPU = torch.device("cpu")
@@ -79,6 +81,55 @@ def test_a_stop_id_ends_the_sequence_and_stays_its_last_token():
     assert generate(decoder, [0], Sampling(0)) == []
 
 
+def test_penalties_biases_and_min_tokens_change_the_logits_as_transformers_and_openai_say():
+    from transformers import (
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3
+    prompt, answer = [4, 9, 9, 17], [9, 21, 30, 21, 21]
+    ids = torch.tensor([prompt + answer])
+
+    def ours(**options):
+        return shaped(logits, Sampling(16, stop_ids=(2, 40), **options), prompt, answer)
+
+    def theirs(processor):
+        return processor(ids, logits[None].clone())[0]
+
+    assert torch.equal(ours(), logits)
+    assert torch.equal(ours(repetition_penalty=1.7), theirs(RepetitionPenaltyLogitsProcessor(1.7)))
+    assert torch.equal(ours(logit_bias=((3, 5.0), (21, -100))),
+                       theirs(SequenceBiasLogitsProcessor({(3,): 5.0, (21,): -100.0})))
+    for min_tokens in (5, 6):  # the answer has 5 tokens: a sixth may not end it yet
+        assert torch.equal(ours(min_tokens=min_tokens),
+                           theirs(MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, [2, 40])))
+    expected = logits.clone()  # OpenAI's formula: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty
+    for token in set(answer):
+        expected[token] -= answer.count(token) * 0.6 + 1.1
+    assert torch.allclose(ours(frequency_penalty=0.6, presence_penalty=1.1), expected, rtol=0, atol=1e-6)
+    # vLLM's order: the bias first, then the penalty (3 / 2 + 0, not 1 / 2 + 2)
+    one = torch.ones(50)
+    assert shaped(one, Sampling(1, logit_bias=((4, 2.0),), repetition_penalty=2.0), [4], [])[4] == 1.5
+
+
+def test_min_p_draws_among_tokens_near_the_most_likely_after_the_temperature():
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
+    for temperature in (1.0, 3.0):
+        kept = MinPLogitsWarper(0.3)(None, TemperatureLogitsWarper(temperature)(None, ROW[None].clone()))[0]
+        expected = set(torch.nonzero(kept > float("-inf"))[:, 0].tolist())
+        assert 1 < len(expected) < 8
+        assert draws(Sampling(1, temperature=temperature, min_p=0.3)) == expected
+    assert draws(Sampling(1, min_p=1.0), n=50) == {1}
+
+
+def test_min_tokens_holds_back_the_stop_id_then_lets_it_end_the_answer():
+    decoder = WindowDecoder(FixedLogits(ROW), 8, 8, CPU)
+    assert generate(decoder, [0], Sampling(10, temperature=0, stop_ids=(1,), min_tokens=3)) == [5, 5, 5, 1]
+    assert generate(decoder, [0], Sampling(10, temperature=0, stop_ids=(1,), frequency_penalty=0.5,
+                                                min_tokens=2)) == [5, 3, 1]
+
+
 def model_of(cfg: ModelConfig) -> torch.nn.Module:
     """Random weights large enough that the next token is clear (greedy paths never hang on a near tie)."""
     model = build_model(cfg, seed=1)
@@ -142,6 +193,37 @@ def test_greedy_text_equals_transformers_generate_on_the_export(tmp_path, name):
                                                           pad_token_id=0)
     assert ours == theirs[0, len(prompt):].tolist()
     assert len(set(ours)) > 3  # not one token repeated: the comparison has a text to tell apart
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama_gqa"])
+@torch.no_grad()
+def test_penalized_greedy_text_equals_transformers_generate_and_a_plain_loop(tmp_path, name):
+    """repetition_penalty, logit_bias and min_tokens against transformers' generate (its order of the three gives
+    vLLM's logits); the frequency and presence penalties against OpenAI's formula over the transformers model."""
+    cfg = dataclasses.replace(MODELS[name], vocab_size=65, block_size=48)
+    model = model_of(cfg)
+    write_export(str(tmp_path), cfg, model.state_dict(), {"format": 2, "tokenizer": "char", "vocab_size": 65,
+                                                          "chars": [chr(32 + i) for i in range(65)]}, step=0)
+    hf, prompt = load_in_transformers(str(tmp_path)), [5, 17, 33, 2]
+    plain = generate(decoder_for(model, 48, 65), prompt, Sampling(40, temperature=0))
+    stop = plain[3]  # greedy draws it fourth: min_tokens holds it back
+    sampling = Sampling(40, temperature=0, stop_ids=(stop,), repetition_penalty=1.8, logit_bias=((7, 2.5),),
+                        min_tokens=10)
+    ours = generate(decoder_for(model, 48, 65), prompt, sampling)
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.8,
+                         sequence_bias={(7,): 2.5}, min_new_tokens=10, eos_token_id=stop, pad_token_id=stop)
+    assert ours == theirs[0, len(prompt):].tolist() and ours != plain[:len(ours)]
+    assert len(ours) > 10 and stop not in ours[:10]
+
+    sampling = Sampling(40, temperature=0, frequency_penalty=0.7, presence_penalty=0.4)
+    ours = generate(decoder_for(model, 48, 65), prompt, sampling)
+    answer = []
+    for _ in range(40):
+        logits = hf(torch.tensor([prompt + answer])).logits[0, -1].float()
+        for token in set(answer):
+            logits[token] -= 0.7 * answer.count(token) + 0.4
+        answer.append(int(logits.argmax()))
+    assert ours == answer and ours != plain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

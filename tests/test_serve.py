@@ -116,6 +116,33 @@ def test_seeded_samples_are_the_same_alone_twice_and_in_a_batch(server):
     assert at_once([lambda i=i: sample(10 + i)[0] for i in range(4)]) == alone  # four requests batched together
 
 
+def test_penalties_biases_and_min_tokens_answer_as_transformers_and_as_alone_in_a_batch(server, chat_export):
+    """A chat request's repetition_penalty, logit_bias and min_tokens (greedy) answer as transformers' generate with
+    the same three; frequency and presence penalties and min_p (seeded) each draw beside the others what they draw
+    alone."""
+    from data.chat import chat_prompt
+    from training.checkpoints.export import load_trained
+
+    _, _, tokenizer, meta = load_trained(None, None, chat_export)
+    ids, end_of_turn = chat_prompt([{"role": "user", "content": MESSAGE}], meta, tokenizer, "", "")
+    king = tokenizer.encode("k")[0]
+    options = {"logit_bias": {str(king): 3.0}, "extra_body": {"repetition_penalty": 1.6, "min_tokens": 12}}
+    reply = chat(server, max_tokens=40, extra_body={**options["extra_body"], "return_token_ids": True},
+                 logit_bias=options["logit_bias"])
+    out = load_in_transformers(chat_export).generate(
+        torch.tensor([ids]), max_new_tokens=40, do_sample=False, repetition_penalty=1.6, sequence_bias={(king,): 3.0},
+        min_new_tokens=12, eos_token_id=end_of_turn, pad_token_id=end_of_turn)
+    new = out[0, len(ids):].tolist()
+    assert reply.choices[0].token_ids == new
+    assert reply.choices[0].message.content != chat(server, max_tokens=40).choices[0].message.content
+
+    asks = [{"frequency_penalty": 1.5}, {"presence_penalty": -1.0}, {"extra_body": {"min_p": 0.2}}, options]
+    alone = [chat(server, max_tokens=24, temperature=1, seed=3, **ask).choices[0].message.content for ask in asks]
+    assert len(set(alone)) == 4
+    assert at_once([lambda ask=ask: chat(server, max_tokens=24, temperature=1, seed=3, **ask).choices[0].message.content
+                    for ask in asks]) == alone
+
+
 @pytest.mark.parametrize("body,status,message", BAD, ids=[f"{i}" for i in range(len(BAD))])
 def test_bad_input_gets_openais_error_body_and_the_server_goes_on(server, body, status, message):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
