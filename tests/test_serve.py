@@ -126,21 +126,27 @@ def test_penalties_biases_and_min_tokens_answer_as_transformers_and_as_alone_in_
     _, _, tokenizer, meta = load_trained(None, None, chat_export)
     ids, end_of_turn = chat_prompt([{"role": "user", "content": MESSAGE}], meta, tokenizer, "", "")
     king = tokenizer.encode("k")[0]
-    options = {"logit_bias": {str(king): 3.0}, "extra_body": {"repetition_penalty": 1.6, "min_tokens": 12}}
+    bias = {king: 1.0, end_of_turn: 100.0}  # the end of turn drawn the moment min_tokens lets it
+    options = {"logit_bias": {str(t): b for t, b in bias.items()},
+               "extra_body": {"repetition_penalty": 1.6, "min_tokens": 12}}
     reply = chat(server, max_tokens=40, extra_body={**options["extra_body"], "return_token_ids": True},
                  logit_bias=options["logit_bias"])
     out = load_in_transformers(chat_export).generate(
-        torch.tensor([ids]), max_new_tokens=40, do_sample=False, repetition_penalty=1.6, sequence_bias={(king,): 3.0},
-        min_new_tokens=12, eos_token_id=end_of_turn, pad_token_id=end_of_turn)
+        torch.tensor([ids]), max_new_tokens=40, do_sample=False, repetition_penalty=1.6,
+        sequence_bias={(t,): b for t, b in bias.items()}, min_new_tokens=12, eos_token_id=end_of_turn,
+        pad_token_id=end_of_turn)
     new = out[0, len(ids):].tolist()
-    assert reply.choices[0].token_ids == new
-    assert reply.choices[0].message.content != chat(server, max_tokens=40).choices[0].message.content
+    assert reply.choices[0].token_ids == new and len(new) == 13 and reply.choices[0].finish_reason == "stop"
+    unpenalized = chat(server, max_tokens=40, extra_body={"min_tokens": 12}, logit_bias=options["logit_bias"])
+    assert reply.choices[0].message.content != unpenalized.choices[0].message.content
+
+    def seeded(**ask) -> str:
+        return chat(server, max_tokens=24, temperature=1, seed=3, **ask).choices[0].message.content
 
     asks = [{"frequency_penalty": 1.5}, {"presence_penalty": -1.0}, {"extra_body": {"min_p": 0.2}}, options]
-    alone = [chat(server, max_tokens=24, temperature=1, seed=3, **ask).choices[0].message.content for ask in asks]
-    assert len(set(alone)) == 4
-    assert at_once([lambda ask=ask: chat(server, max_tokens=24, temperature=1, seed=3, **ask).choices[0].message.content
-                    for ask in asks]) == alone
+    alone = [seeded(**ask) for ask in asks]
+    assert len({seeded(), *alone}) == 5  # each option changes what the seed draws
+    assert at_once([lambda ask=ask: seeded(**ask) for ask in asks]) == alone
 
 
 @pytest.mark.parametrize("body,status,message", BAD, ids=[f"{i}" for i in range(len(BAD))])
