@@ -8,7 +8,7 @@ stops the process, for its supervisor to restart)."""
 import asyncio
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -22,6 +22,7 @@ from serving.metrics import Metrics
 from serving.replies import Reply
 from serving.requests import Asked, completion_prompts, conversation_prompt, json_body, read_request, token_ids
 from serving.scheduler import QueueFull, Scheduler, SchedulerFailed, Sequence
+from serving.structured import Grammars
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat.html")
 OPEN_PATHS = ("/", "/health")  # the page (it asks for the key itself) and the probe of a load balancer
@@ -40,6 +41,10 @@ class Served:
     adapters: object = None  # serving/adapters.py's Adapters: the LoRA adapters requests may name as their model
     api_key: str | None = None
     mailbox: object = None  # the event loop's Mailbox, made on its first request
+    grammars: Grammars = field(init=False)  # structured outputs over the tokenizer
+
+    def __post_init__(self):
+        self.grammars = Grammars(self.tokenizer)
 
 
 def create_app(served: Served) -> FastAPI:
@@ -253,11 +258,14 @@ def submit(served: Served, asked: Asked, adapter=None) -> list[Sequence]:
     if served.mailbox is None or served.mailbox.loop is not asyncio.get_running_loop():
         served.mailbox = Mailbox(asyncio.get_running_loop())
     scored = asked.logprobs if asked.echo and asked.logprobs is not None else None
+    # Each choice's own matcher of the grammar, all made (or refused) before any is queued.
+    constraints = [None if asked.grammar is None else served.grammars.constraint(asked.grammar, asked.sampling.stop_ids)
+                   for _ in range(len(asked.prompts) * asked.n)]
     try:
-        for ids in asked.prompts:
+        for p, ids in enumerate(asked.prompts):
             for i in range(asked.n):
                 sequence = Sequence(ids, asked.sampling, None if asked.seed is None else asked.seed + i,
-                                    asked.logprobs, scored, adapter)
+                                    asked.logprobs, scored, adapter, constraints[p * asked.n + i])
                 sequence.events = Events(served.mailbox)
                 sequences.append(served.scheduler.submit(sequence))
     except (QueueFull, SchedulerFailed) as e:

@@ -8,13 +8,14 @@ from data.chat import ChatError, chat_prompt, prompt_turns
 from data.tokenizers import delimiter_id
 from model.generate import Sampling, SamplingError
 from serving.errors import APIError
+from serving.structured import grammar_of
 
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each token (vLLM's default bound)
 MAX_N = 16
 # OpenAI's options this server does not implement, refused where a request sets them (0, empty or false is their
 # default) rather than answered as if they were not there.
 UNSUPPORTED = {"tools": "tools", "tool_choice": "tools", "functions": "function calling",
-               "function_call": "function calling", "response_format": "response formats", "suffix": "suffixes"}
+               "function_call": "function calling", "suffix": "suffixes"}
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Asked:
     logprobs: int | None  # the most likely tokens given beside each token's log-probability; None: none
     echo: bool  # the prompt's text (and its tokens' log-probabilities) before each answer
     token_ids: bool  # vLLM's return_token_ids: the prompt's and the answer's ids in the reply
+    grammar: str | None  # the grammar every answer follows (serving/structured.py), None for free text
 
 
 def json_body(raw: bytes) -> dict:
@@ -137,9 +139,11 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
     if echo and chat:
         raise APIError(400, "echo is an option of /v1/completions", "echo")
     texts = [tokenizer.decode(ids) for ids in prompts]
-    sampling = _sampling(body, number, tokenizer, max_tokens, stop_ids)
+    sampling, grammar = _sampling(body, number, tokenizer, max_tokens, stop_ids), grammar_of(body)
+    if grammar is not None and sampling.min_tokens:  # the grammar may end where min_tokens rules the end out
+        raise APIError(400, "min_tokens cannot be combined with a response format", "min_tokens")
     return Asked(prompts, texts, sampling, seed, n, stops, _logprobs(body, number, chat), echo,
-                 bool(body.get("return_token_ids")))
+                 bool(body.get("return_token_ids")), grammar)
 
 
 def _sampling(body: dict, number, tokenizer, max_tokens: int, stop_ids: tuple) -> Sampling:

@@ -54,13 +54,15 @@ class Sequence:
     ("token", Drawn) for each token and finally ("done", reason), reason "stop" (a stop id drawn), "length"
     (max_new_tokens) or "cancelled"; or at any point ("failed", why) if the scheduler died. `logprobs` and
     `prompt_logprobs`: how many of the most likely tokens to give beside each token's own score (None: no scores).
-    `adapter`: the LoRA adapter it runs through (model/lora_batch.py), None for the model alone."""
+    `adapter`: the LoRA adapter it runs through (model/lora_batch.py), None for the model alone. `constraint`: the
+    grammar its answer follows (serving/structured.py), None for free text."""
     prompt: list[int]
     sampling: Sampling
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     adapter: object = None
+    constraint: object = None
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.monotonic)
     cancelled: str | None = None  # why it was stopped from outside
@@ -228,12 +230,15 @@ class Scheduler:
                 done.set_exception(error)
 
     def _draw(self, slot: int, request: Sequence, logits: torch.Tensor) -> None:
-        token = choose(logits, request.sampling, request.generator, request.prompt, request.answer)
+        constraint = request.constraint
+        token = choose(logits if constraint is None else constraint.masked(logits), request.sampling,
+                       request.generator, request.prompt, request.answer)
         request.answer.append(token)
+        # The model's own log-probabilities, before the grammar (no -inf for a token it rules out).
         scores = () if request.logprobs is None else logprobs(logits[None], [token], request.logprobs)[0]
         request.events.put(("token", Drawn(token, *scores)))
         self.observe("token", request, token)
-        if token in request.sampling.stop_ids:
+        if token in request.sampling.stop_ids or (constraint is not None and constraint.advance(token)):
             self._finish(slot, request, "stop")
         elif len(request.answer) == request.sampling.max_new_tokens:
             self._finish(slot, request, "length")

@@ -127,7 +127,9 @@ BAD = [  # (body or raw bytes, status, the error message's start)
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
      "tools are not supported"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     400, "response formats are not supported by this server"),
+     400, "the requested format cannot be written with this model's vocabulary"),  # no "{" among its characters
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 2,
+      "structured_outputs": {"choice": ["king"]}}, 400, "min_tokens cannot be combined with a response format"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 2.5}, 400,
      "frequency_penalty=2.5: must be in [-2, 2]"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, 400,

@@ -5,6 +5,7 @@ a batch, OpenAI's error body for each bad input with the server going on, refusa
 last tokens, and the chat page in headless Chromium at a 64-token context (tests/servers.py starts them)."""
 import json
 import os
+import re
 import sys
 
 import httpx
@@ -147,6 +148,24 @@ def test_penalties_biases_and_min_tokens_answer_as_transformers_and_as_alone_in_
     alone = [seeded(**ask) for ask in asks]
     assert len({seeded(), *alone}) == 5  # each option changes what the seed draws
     assert at_once([lambda ask=ask: seeded(**ask) for ask in asks]) == alone
+
+
+def test_answers_under_vllms_choice_and_regex_follow_them_streamed_and_as_n_choices(server):
+    choices = ["king crown night", "night crown king"]
+    asked = {"structured_outputs": {"choice": choices}}
+    reply = chat(server, max_tokens=40, temperature=1, seed=1, n=4, extra_body=asked)
+    assert {c.message.content in choices and c.finish_reason == "stop" for c in reply.choices} == {True}
+    assert {c.message.content for c in reply.choices} == set(choices)  # the seeds draw both
+    chunks = chat(server, max_tokens=40, temperature=1, seed=1, n=4, stream=True, extra_body=asked)
+    streamed = [""] * 4
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in sorted(reply.choices, key=lambda c: c.index)]
+    words = chat(server, max_tokens=40, temperature=1, seed=2, extra_body={"structured_outputs": {
+        "regex": "(king|crown|night)( (king|crown|night)){2}"}}).choices[0]
+    assert re.fullmatch("(king|crown|night)( (king|crown|night)){2}", words.message.content)
+    assert words.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("body,status,message", BAD, ids=[f"{i}" for i in range(len(BAD))])
