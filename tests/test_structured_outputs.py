@@ -81,7 +81,7 @@ def test_sampled_answers_under_a_json_schema_are_json_of_the_schema(kind):
             json.loads(tokenizer.decode(tokens))
 
 
-def test_a_stop_id_ends_an_answer_only_where_the_grammar_may_end():
+def test_a_stop_id_ends_an_answer_only_where_the_grammar_may_end_and_nothing_ends_it_where_it_must():
     tokenizer = tokenizers()["char"]
     grammar = grammar_of({"structured_outputs": {"regex": "(king|crown)( (king|crown)){0,5}"}})
     eot = tokenizer.eot_id
@@ -91,6 +91,9 @@ def test_a_stop_id_ends_an_answer_only_where_the_grammar_may_end():
         text = tokenizer.decode(tokens[:-1] if tokens[-1] == eot else tokens)
         assert re.fullmatch("(king|crown)( (king|crown)){0,5}", text) and eot not in tokens[:-1], tokens
     assert {tokens[-1] == eot for tokens, _ in got} == {True}  # the model ended each where it might
+    choice = grammar_of({"structured_outputs": {"choice": ["king crown"]}})
+    # Nothing may follow the one choice: the answer ends with it, no stop id drawn.
+    assert answers(tokenizer, choice, seeds=[0], stop_ids=(eot,)) == [(tokenizer.encode("king crown"), "stop")]
 
 
 def test_vllms_choice_and_json_forms_and_json_object_give_their_grammars():
