@@ -2,8 +2,7 @@
 regex, choice) as a grammar each answer follows, through llguidance (one of vLLM's structured-output backends).
 Before each token is drawn, the tokens that cannot continue the grammar are ruled out; the answer ends with a stop
 id where the grammar may end, and at once where nothing may follow. JSON is written as Python's json.dumps writes it
-(", " and ": ", no other whitespace): where any whitespace may come, a small model can pad an answer to its length
-limit with it."""
+(", " and ": ", no other whitespace): where any whitespace may come, a small model spends its tokens on it."""
 import json
 import re
 from functools import cached_property

@@ -76,6 +76,8 @@ BAD_INPUTS = [
      "model.experts_per_token=9: must be at most model.n_experts=4"),
     ("quality.py", ["--out_dir", "{repo}/configs"], "--out_dir {repo}/configs already exists"),
     ("quality.py", ["--out_dir", "{tmp}/q", "data.dir=/nonexistent"], "no prepared dataset in /nonexistent"),
+    ("structured_outputs.py", ["--clients", "0"], "--clients=0: must be >= 1"),
+    ("structured_outputs.py", ["--text", "/nonexistent.txt"], "the text (--text) /nonexistent.txt does not exist"),
     ("lora_serving.py", ["--rank", "0"], "--rank=0: must be >= 1"),
     ("lora_serving.py", ["--presets", "quickstart", "--prompt", "40", "--new", "30"], "--prompt 40 + --new 30 > "
                                                                                     "quickstart's context of 64"),

@@ -18,7 +18,8 @@ from training.config import load_run_config
 # Every benchmark with a main: nothing else runs them, so an import that moves away breaks one unseen.
 SCRIPTS = ["checkpoint_stall.py", "cpu_attention.py", "data.py", "documents.py", "finetune.py", "generation.py",
            "llama.py", "lora_serving.py", "memory.py", "moe.py", "pipeline.py", "preference.py", "quality.py",
-           "quickstart_race.py", "reward_model.py", "rl.py", "sequence_parallel.py", "serving.py", "sweep.py",
+           "quickstart_race.py", "reward_model.py", "rl.py", "sequence_parallel.py", "serving.py",
+           "structured_outputs.py", "sweep.py",
            "tensor_parallel.py", "throughput.py", "record.sh", "wheelhouse.sh"]
 
 PSI, RANKS, SUB_GROUP = 1_000_000, 2, 100_000
@@ -148,6 +149,16 @@ def test_generation_times_the_cache_the_window_and_transformers(tmp_path):
     assert (result["prompt"], result["new"], result["block_size"]) == (8, 4, 64)
     for way in ("cache", "full window", "transformers"):
         assert result[way]["first_token_s"] > 0 and result[way]["decode_tokens_per_s"] > 0
+
+
+def test_structured_outputs_times_free_and_schema_answers(tmp_path):
+    report = tmp_path / "structured.json"
+    run([sys.executable, "benchmarks/structured_outputs.py", "--presets", "quickstart", "--clients", "2", "--prompt",
+         "8", "--new", "4", "--rounds", "1", "--json", str(report)])
+    result = json.loads(report.read_text())["results"]["quickstart"]
+    assert result["vocab_size"] == 257  # a byte-level BPE asked for quickstart's 65 ids has its 256 bytes and EOT
+    assert result["free"]["grammar_ms_per_token"] == 0 < result["JSON schema"]["grammar_ms_per_token"]
+    assert result["free"]["decode_tokens_per_s"] > 0 and result["JSON schema"]["decode_tokens_per_s"] > 0
 
 
 def test_lora_serving_times_no_adapter_one_and_each_its_own(tmp_path):
