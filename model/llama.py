@@ -208,6 +208,12 @@ def hf_qwen2_config(cfg: ModelConfig) -> dict:
     return {key: value for key, value in hf_qwen_config(cfg).items() if key != "attention_bias"}
 
 
+def hf_mistral_config(cfg: ModelConfig) -> dict:
+    """Mistral's: the Llama's names and computation, with no sliding window (neither Mistral names a bias)."""
+    config = {**hf_config(cfg), "sliding_window": None}
+    return {key: value for key, value in config.items() if key not in ("attention_bias", "mlp_bias")}
+
+
 def hf_mixtral_config(cfg: ModelConfig) -> dict:
     return {**hf_config(cfg), "intermediate_size": LLAMA.expert_hidden(cfg),
             "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
@@ -283,6 +289,15 @@ def folder_check(expected: Callable[[ModelConfig], dict]) -> Callable[[dict, Mod
     return check_folder
 
 
+def check_mistral_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
+    """Mistral 7B v0.1 attends over a sliding window of 4,096 tokens: no restriction in a context no longer."""
+    window = config.get("sliding_window")
+    if window is not None and window < cfg.block_size:
+        raise ConfigError(f"train.init_from={folder}: its config.json has sliding_window={window}, attention over "
+                          f"the last {window} tokens only, which this run's model does not compute at "
+                          f"model.block_size={cfg.block_size}: set model.block_size={window} or less")
+
+
 def qwen_expects(cfg: ModelConfig) -> dict:
     """Every layer's attention over the whole window, no bias on Qwen3's o_proj."""
     return {"use_sliding_window": False, "attention_bias": False}
@@ -312,6 +327,9 @@ LLAMA = Architecture(
                     hf_qwen2_config, check_folder=folder_check(qwen_expects), settings=QWEN2_ATTENTION),
         HuggingFace("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "qwen3", hf_layers(HF_QWEN3_BLOCK),
                     hf_qwen_config, check_folder=folder_check(qwen_expects), settings=QWEN3_ATTENTION),
+        # Read, never written: the Llama's layout holds the same model and comes first.
+        HuggingFace("MistralForCausalLM", "MistralForSequenceClassification", "mistral", HF_LAYERS, hf_mistral_config,
+                    check_folder=check_mistral_folder, settings=PLAIN_ATTENTION),
         HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral",
                     with_experts(HF_BLOCK, HF_MIXTRAL_BLOCK), hf_mixtral_config, check_mixtral,
                     folder_experts=mixtral_experts, experts=ROUTED, settings=PLAIN_ATTENTION),

@@ -53,8 +53,10 @@ def assert_export_matches_transformers(folder: str, tokens: int = 16, weights: d
     assert (got - expected).abs().max().item() <= 1e-5, (got - expected).abs().max().item()
 
 
-def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = None, seed: int = 7) -> torch.nn.Module:
-    """What transformers itself builds for this shape (its own init, then randomized norms), saved."""
+def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = None, seed: int = 7,
+                       sliding_window: int | None = None) -> torch.nn.Module:
+    """What transformers itself builds for this shape (its own init, then randomized norms), saved; a Mistral's where
+    `sliding_window` is given (0: none)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -91,6 +93,10 @@ def transformers_model(cfg: ModelConfig, folder, max_shard_size: str | None = No
         elif cfg.qk_norm:
             config = transformers.Qwen3Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
             model = transformers.Qwen3ForCausalLM(config)
+        elif sliding_window is not None:
+            config = transformers.MistralConfig(**shared, intermediate_size=arch.mlp_hidden(cfg),
+                                                sliding_window=sliding_window or None)
+            model = transformers.MistralForCausalLM(config)
         elif cfg.qkv_bias:
             config = transformers.Qwen2Config(**shared, intermediate_size=arch.mlp_hidden(cfg))
             model = transformers.Qwen2ForCausalLM(config)

@@ -159,11 +159,34 @@ def test_a_qwen3_folder_with_what_the_llama_does_not_compute_is_refused(tmp_path
         hf.check_hf_folder(str(tmp_path), CASES["qwen3_tied"])
 
 
+@pytest.mark.parametrize("window", [0, 32, 4096])  # none, the context's length, past it (Mistral 7B v0.1's)
+@torch.no_grad()
+def test_a_mistral_without_a_window_shorter_than_the_context_imports_with_its_logits(tmp_path, window):
+    theirs = transformers_model(LLAMA, tmp_path, sliding_window=window)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mistral"
+    hf.check_hf_folder(str(tmp_path), LLAMA)
+    ours = build_model(LLAMA)
+    hf.load_into(ours, str(tmp_path), LLAMA)
+    idx = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.block_size))
+    assert (ours.eval()(idx)[..., :LLAMA.vocab_size] - theirs(idx).logits).abs().max().item() <= 1e-5
+    write_export(str(tmp_path / "export"), LLAMA, ours.state_dict(), CHAR_META, step=0)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "llama"  # the same model
+
+
+def test_a_mistral_whose_window_is_shorter_than_the_context_is_refused(tmp_path):
+    transformers_model(LLAMA, tmp_path, sliding_window=16)
+    with pytest.raises(ConfigError, match=r"its config.json has sliding_window=16, attention over the last 16 tokens "
+                                          r"only, which this run's model does not compute at model.block_size=32: "
+                                          r"set model.block_size=16 or less"):
+        hf.check_hf_folder(str(tmp_path), LLAMA)
+    hf.check_hf_folder(str(tmp_path), dataclasses.replace(LLAMA, block_size=16))
+
+
 def test_a_model_no_layout_holds_exports_in_this_repos_names(tmp_path):
     """q/k/v biases and per-head norms together are no Hugging Face class's: the export keeps this repo's names."""
     cfg = dataclasses.replace(CASES["qwen3_tied"], qkv_bias=True)
     with pytest.raises(ConfigError, match=r"no Hugging Face layout holds this model.arch='llama' model \(those of "
-                                          r"the Llama: llama, qwen2, qwen3, mixtral, qwen3_moe, qwen2_moe"):
+                                          r"the Llama: llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe"):
         hf.tensor_pairs(cfg)
     write_export(str(tmp_path), cfg, randomized(cfg), CHAR_META, step=0)
     assert "model_type" not in json.loads((tmp_path / "config.json").read_text())

@@ -200,16 +200,19 @@ def _check_rope(folder: str, config: dict, ours: dict | None) -> None:
                           f"{ours['rope_type']!r} ({ours}): set {fix}")
 
 
-def _check_layout(folder: str, config: dict, theirs: list, cfg: ModelConfig) -> None:
-    """The folder's class is this run's (`theirs`: its layouts): its attention computes what this run's model does
-    (Qwen3's norms...), the fix named from its layout nearest this run's settings."""
+def _check_layout(folder: str, config: dict, theirs: list, cfg: ModelConfig):
+    """The folder's layout (of `theirs`, its class's) that holds this run's model, under the names the run reads
+    (its own layout's: a Mistral folder is read as a Llama's): its attention computes what this run's model does
+    (Qwen3's norms...), else the fix named from its layout nearest this run's settings."""
     ours = architecture(cfg).hf_layout(cfg)
-    if ours not in theirs:
+    holding = next((hf for hf in theirs if hf.holds(cfg) and ours is not None and hf.layers == ours.layers), None)
+    if holding is None:
         differences = [[(name, value) for name, value in hf.settings if getattr(cfg, name) != value] for hf in theirs]
         fix = " ".join(f"model.{name}={str(value).lower()}" for name, value in min(differences, key=len))
         where = f"the {ours.model_type!r} layout" if ours else "no Hugging Face layout"
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run's model "
                           f"has {where}: set {fix} or pick another folder")
+    return holding
 
 
 def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
@@ -226,7 +229,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
         raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
     _check_experts(folder, config, theirs[0], cfg)
-    _check_layout(folder, config, theirs, cfg)
+    layout = _check_layout(folder, config, theirs, cfg)
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
     found = {}
@@ -248,7 +251,7 @@ def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
             raise ConfigError(f"train.init_from={folder}: tensor {name} has shape {list(found[name])} there, "
                               f"{list(tensor.shape)} in this run's model config: match model.* to the folder's "
                               f"config.json")
-    theirs[0].check_folder(config, cfg, folder)  # the run's own class, its experts checked alike
+    layout.check_folder(config, cfg, folder)
     ours = hf_config(cfg, {})
     _check_rope(folder, config, ours.get("rope_parameters"))
     for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", _rope_theta(config))):
