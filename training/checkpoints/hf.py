@@ -201,11 +201,12 @@ def _check_rope(folder: str, config: dict, ours: dict | None) -> None:
 
 
 def _check_layout(folder: str, config: dict, theirs: list, cfg: ModelConfig):
-    """The folder's layout (of `theirs`, its class's) that holds this run's model, under the names the run reads
-    (its own layout's: a Mistral folder is read as a Llama's): its attention computes what this run's model does
-    (Qwen3's norms...), else the fix named from its layout nearest this run's settings."""
+    """The folder's layout (of `theirs`, its class's) that holds this run's model: its attention computes what this
+    run's model does (Qwen3's norms...), else the fix named from its layout nearest this run's settings. The tensors
+    are read by the names of the run's own layout, which a layout holding the same model shares (a Mistral's are a
+    Llama's)."""
     ours = architecture(cfg).hf_layout(cfg)
-    holding = next((hf for hf in theirs if hf.holds(cfg) and ours is not None and hf.layers == ours.layers), None)
+    holding = next((hf for hf in theirs if hf.holds(cfg)), None) if ours is not None else None
     if holding is None:
         differences = [[(name, value) for name, value in hf.settings if getattr(cfg, name) != value] for hf in theirs]
         fix = " ".join(f"model.{name}={str(value).lower()}" for name, value in min(differences, key=len))
