@@ -1,8 +1,9 @@
 """Structured outputs: OpenAI's `response_format` (json_object, json_schema) and vLLM's `structured_outputs` (json,
-regex, choice) as a grammar each answer follows, through llguidance (one of vLLM's structured-output backends).
-Before each token is drawn, the tokens that cannot continue the grammar are ruled out; the answer ends with a stop
-id where the grammar may end, and at once where nothing may follow. JSON is written as Python's json.dumps writes it
-(", " and ": ", no other whitespace): where any whitespace may come, a small model spends its tokens on it."""
+regex, choice, grammar: a Lark grammar, as vLLM's guidance backend takes it) as a grammar each answer follows,
+through llguidance (one of vLLM's structured-output backends). Before each token is drawn, the tokens that cannot
+continue the grammar are ruled out; the answer ends with a stop id where the grammar may end, and at once where
+nothing may follow. JSON is written as Python's json.dumps writes it (", " and ": ", no other whitespace): where any
+whitespace may come, a small model spends its tokens on it."""
 import json
 import re
 from functools import cached_property
@@ -13,6 +14,7 @@ import torch
 from data.tokenizers import HFTokenizer, TiktokenTokenizer
 from serving.errors import APIError
 
+VLLM_FORMS = ("json", "regex", "choice", "grammar")
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # A special token past the vocabulary that llguidance reads as the end of the text: where the grammar allows it, the
 # request's stop ids (an end of turn or of text) may come.
@@ -47,15 +49,15 @@ def grammar_of(body: dict) -> str | None:
 
 
 def _vllm_grammar(asked) -> str:
-    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice (a list of strings)."""
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice (a list of strings), grammar (Lark)."""
     from llguidance import LLMatcher
 
-    given = [k for k in ("json", "regex", "choice") if isinstance(asked, dict) and asked.get(k) is not None]
-    if len(given) != 1 or set(asked) - {"json", "regex", "choice"}:
-        raise APIError(400, "structured_outputs must give exactly one of json (a schema), regex or choice (a list of "
-                            "strings)", "structured_outputs")
-    value = asked[given[0]]
-    if given[0] == "json":
+    given = [k for k in VLLM_FORMS if isinstance(asked, dict) and asked.get(k) is not None]
+    if len(given) != 1 or set(asked) - set(VLLM_FORMS):
+        raise APIError(400, "structured_outputs must give exactly one of json (a schema), regex, choice (a list of "
+                            "strings) or grammar (Lark)", "structured_outputs")
+    form, value = given[0], asked[given[0]]
+    if form == "json":
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -64,12 +66,12 @@ def _vllm_grammar(asked) -> str:
         if not isinstance(value, dict):
             raise APIError(400, "structured_outputs.json must be a JSON schema", "structured_outputs")
         return LLMatcher.grammar_from_json_schema(value, JSON_STYLE)
-    if given[0] == "regex" and isinstance(value, str):
-        return LLMatcher.grammar_from_regex(value)
-    if given[0] == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
+    if form == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
         return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in value))
-    wanted = "a string" if given[0] == "regex" else "a non-empty list of strings"
-    raise APIError(400, f"structured_outputs.{given[0]} must be {wanted}", "structured_outputs")
+    if form in ("regex", "grammar") and isinstance(value, str):
+        return (LLMatcher.grammar_from_regex if form == "regex" else LLMatcher.grammar_from_lark)(value)
+    wanted = "a non-empty list of strings" if form == "choice" else "a string"
+    raise APIError(400, f"structured_outputs.{form} must be {wanted}", "structured_outputs")
 
 
 class Grammars:

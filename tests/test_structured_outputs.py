@@ -96,7 +96,7 @@ def test_a_stop_id_ends_an_answer_only_where_the_grammar_may_end_and_nothing_end
     assert answers(tokenizer, choice, seeds=[0], stop_ids=(eot,)) == [(tokenizer.encode("king crown"), "stop")]
 
 
-def test_vllms_choice_and_json_forms_and_json_object_give_their_grammars():
+def test_vllms_choice_json_and_lark_forms_and_json_object_give_their_grammars():
     from llguidance import LLMatcher
     assert grammar_of({}) is None and grammar_of({"response_format": {"type": "text"}}) is None
     assert grammar_of({"structured_outputs": {"json": json.dumps(SCHEMA)}}) == \
@@ -108,6 +108,9 @@ def test_vllms_choice_and_json_forms_and_json_object_give_their_grammars():
     grammar = grammar_of({"structured_outputs": {"choice": choices}})
     for tokens, reason in answers(tokenizer, grammar, seeds=range(6)):
         assert tokenizer.decode(tokens) in choices and reason == "stop"
+    lark = grammar_of({"structured_outputs": {"grammar": 'start: WORD ("; " WORD){2}\nWORD: "king" | "crown"'}})
+    for tokens, reason in answers(tokenizer, lark, seeds=range(6)):
+        assert re.fullmatch("(king|crown); (king|crown); (king|crown)", tokenizer.decode(tokens)) and reason == "stop"
 
 
 @pytest.mark.parametrize("body,message", [
@@ -117,6 +120,7 @@ def test_vllms_choice_and_json_forms_and_json_object_give_their_grammars():
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "response_format and structured_outputs both ask for a format"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs must give exactly one of"),
+    ({"structured_outputs": {"grammar": ["start: a"]}}, "structured_outputs.grammar must be a string"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice must be a non-empty list of strings"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json must be a JSON schema")])
 def test_a_malformed_format_is_a_400_naming_it(body, message):
@@ -131,3 +135,5 @@ def test_a_format_the_vocabulary_cannot_begin_or_an_invalid_grammar_is_refused()
         grammars.constraint(grammar_of({"response_format": {"type": "json_object"}}), ())
     with pytest.raises(APIError, match="not a grammar this server can follow"):
         grammars.constraint(grammar_of({"structured_outputs": {"regex": "(king"}}), ())
+    with pytest.raises(APIError, match="not a grammar this server can follow: .*Expected token"):
+        grammars.constraint(grammar_of({"structured_outputs": {"grammar": "start: ("}}), ())
