@@ -1,11 +1,13 @@
 """OpenAI's HTTP API over a Scheduler, as its clients use it: GET /v1/models, POST /v1/completions and
-/v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), vLLM's POST
+/v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), POST /v1/responses
+(the Responses API: plain, or its stream of events), vLLM's POST
 /tokenize, /detokenize and GET /tokenizer_info, POST /v1/load_weights (new weights between requests), vLLM's POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters served beside the model, each a model of its own
 name), GET /health, GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the server
 going on; if the model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py then
 stops the process, for its supervisor to restart)."""
 import asyncio
+import functools
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from serving.events import Events, Mailbox
 from serving.metrics import Metrics
 from serving.replies import Reply
 from serving.requests import Asked, completion_prompts, conversation_prompt, json_body, read_request, token_ids
+from serving.responses import ResponseReply, chat_body
 from serving.scheduler import QueueFull, Scheduler, SchedulerFailed, Sequence
 from serving.structured import Grammars
 
@@ -130,6 +133,17 @@ async def chat_completions(request: Request):
     return await respond(served, request, body, adapter, [ids], stop_ids, chat=True)
 
 
+@routes.post("/v1/responses")
+async def responses(request: Request):
+    """OpenAI's Responses API over the chat path (serving/responses.py)."""
+    served, body = served_by(request), json_body(await request.body())
+    chat = chat_body(body)
+    adapter = requested(served, chat)
+    ids, stop_ids = conversation_prompt(chat, served.adapters.meta_of(adapter), served.tokenizer)
+    return await respond(served, request, chat, adapter, [ids], stop_ids, chat=True,
+                         shape=functools.partial(ResponseReply, body=body))
+
+
 @routes.post("/v1/load_weights")
 async def load_weights(request: Request):
     """New weights of the same architecture and shape, from an export or a run's checkpoint: the requests running
@@ -233,10 +247,11 @@ def requested(served: Served, body: dict):
 
 
 async def respond(served: Served, request: Request, body: dict, adapter, prompts: list[list[int]], stop_ids: tuple,
-                  chat: bool):
+                  chat: bool, shape=Reply):
+    """`shape`: the Reply class that writes the answer (chat and completions' own, or the Responses API's)."""
     asked = read_request(body, prompts, stop_ids, served.tokenizer, served.block_size, chat)
     sequences = submit(served, asked, adapter)
-    reply = Reply(served, chat, asked, sequences, body.get("stream_options") or {},
+    reply = shape(served, chat, asked, sequences, body.get("stream_options") or {},
                   served.name if adapter is None else adapter.name)
     if body.get("stream"):
         # The status goes out with the first byte: a request still waiting for a slot when the worker fails is

@@ -1,0 +1,143 @@
+"""OpenAI's Responses API (POST /v1/responses, as vLLM serves it) over the chat path: `input` (a string, or a list of
+messages whose content is a string or text parts) after `instructions` (a system turn) rendered by the chat template;
+`max_output_tokens`, `temperature`, `top_p`, `text.format` (text, json_object, json_schema) and the sampling options
+chat completions take (vLLM's extras too); one output message of output_text, whole or as the Responses stream's
+events. Nothing is stored (`store` is false): a request that builds on a stored response or conversation, runs in
+the background, or brings tools or reasoning settings is refused."""
+import json
+import time
+import uuid
+
+from serving.errors import APIError
+from serving.replies import Reply
+
+# Responses' options this server does not implement, refused where a request sets them.
+REFUSED = {"previous_response_id": "this server stores no responses: send the conversation as input",
+           "conversation": "this server stores no conversations: send the conversation as input",
+           "background": "responses run in the foreground here", "prompt": "this server keeps no prompt templates",
+           "include": "this server adds nothing to a response's output",
+           "reasoning": "the served model has no reasoning settings", "top_logprobs": "use /v1/chat/completions"}
+# Chat completions' options a Responses request may give too (vLLM's sampling extras among them).
+PASSED = ("model", "temperature", "top_p", "stream", "seed", "stop", "top_k", "min_p", "repetition_penalty",
+          "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "ignore_eos", "structured_outputs",
+          "truncate_prompt_tokens")
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text")
+
+
+def chat_body(body: dict) -> dict:
+    """The chat completions body a Responses body asks for; a 400 names what it cannot be."""
+    for key, why in REFUSED.items():
+        if body.get(key):
+            raise APIError(400, f"{key} is not supported by this server: {why}", key, code="unsupported")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise APIError(400, "instructions must be a string", "instructions")
+    if body.get("text") is not None and not isinstance(body["text"], dict):
+        raise APIError(400, "text must be an object, e.g. {\"format\": {\"type\": \"json_object\"}}", "text")
+    chat = {key: body[key] for key in PASSED if key in body}
+    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + _messages(
+        body.get("input"))
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    text_format = (body.get("text") or {}).get("format")
+    if text_format is not None:
+        if not isinstance(text_format, dict):
+            raise APIError(400, "text.format must be an object", "text")
+        if text_format.get("type") == "json_schema":  # Responses names the schema beside the type, not under it
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                k: text_format.get(k) for k in ("name", "schema", "strict")}}
+        else:
+            chat["response_format"] = text_format
+    return chat
+
+
+def _messages(given) -> list[dict]:
+    """Responses' input as chat messages: a string is one user turn; each item of a list a message."""
+    if isinstance(given, str) and given:
+        return [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise APIError(400, "input must be a non-empty string or list of messages", "input")
+    messages = []
+    for i, item in enumerate(given):
+        if not isinstance(item, dict) or item.get("type", "message") != "message" or item.get("role") not in ROLES:
+            raise APIError(400, f"input[{i}] must be a message of role user, assistant, system or developer (this "
+                                f"server runs no tools)", "input")
+        content = item.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in content):
+                raise APIError(400, f"input[{i}]: only text content is supported (no images, audio or files)",
+                               "input")
+            content = [{"type": "text", "text": p.get("text")} for p in content]
+        messages.append({"role": ROLES[item["role"]], "content": content})
+    return messages
+
+
+class ResponseReply(Reply):
+    """A chat reply of one choice in the Responses API's shapes."""
+
+    def __init__(self, served, chat: bool, asked, sequences: list, stream_options: dict, model: str, body: dict):
+        super().__init__(served, chat, asked, sequences, stream_options, model)
+        self.body, self.sequence_number = body, 0
+        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+
+    async def whole(self, request) -> dict:
+        text, reason = "", None
+        async for delta in self.deltas(0):
+            text, reason = text + delta.text, delta.reason
+            if await request.is_disconnected():
+                return {}
+        return self.response(text, reason)
+
+    async def stream(self):
+        try:
+            yield self.event("response.created", response=self.response("", None))
+            yield self.event("response.in_progress", response=self.response("", None))
+            yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
+            where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+            yield self.event("response.content_part.added", **where, part=self.part(""))
+            text, reason = "", None
+            async for delta in self.deltas(0):
+                text, reason = text + delta.text, delta.reason
+                if delta.text:
+                    yield self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
+            yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+            yield self.event("response.content_part.done", **where, part=self.part(text))
+            yield self.event("response.output_item.done", output_index=0, item=self.message(text, reason))
+            response = self.response(text, reason)
+            yield self.event(f"response.{response['status']}", response=response)
+        except APIError as e:  # the worker died mid-stream: the Responses stream's error event
+            yield self.event("error", code=e.code or e.kind, message=e.message, param=e.param)
+        finally:  # the client went away, or all is sent
+            for sequence in self.sequences:
+                self.served.scheduler.cancel(sequence)
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def part(self, text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def message(self, text: str, reason: str | None) -> dict:
+        status = "in_progress" if reason is None else "completed" if reason == "stop" else "incomplete"
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
+                "content": [self.part(text)] if reason is not None else []}
+
+    def response(self, text: str, reason: str | None) -> dict:
+        """The response object: in progress (reason None), completed (the answer ended) or incomplete (its
+        max_output_tokens reached)."""
+        body, usage = self.body, self.usage()
+        status = "in_progress" if reason is None else "completed" if reason == "stop" else "incomplete"
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None, "model": self.model,
+                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else
+                None, "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "output": [self.message(text, reason)] if reason is not None else [], "parallel_tool_calls": False,
+                "temperature": self.asked.sampling.temperature, "top_p": self.asked.sampling.top_p,
+                "tool_choice": "none", "tools": [], "store": False, "metadata": body.get("metadata") or {},
+                "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+                "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                          "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens": 0}}}
