@@ -54,6 +54,7 @@ def guarded_routes() -> list[tuple[str, str]]:
 GOOD_BODIES = {"/v1/completions": {"model": "export", "prompt": "Reverse: a", "max_tokens": 2},
                "/v1/chat/completions": {"model": "export", "messages": [{"role": "user", "content": "hi"}],
                                         "max_tokens": 2},
+               "/v1/responses": {"model": "export", "input": "hi", "max_output_tokens": 2},
                "/tokenize": {"model": "export", "prompt": "Reverse: a"},
                "/detokenize": {"model": "export", "tokens": [1, 2]},
                "/v1/load_weights": {"path": "{export}"},  # the served export again
@@ -65,6 +66,7 @@ def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wro
     routes = guarded_routes()
     adapter = adapter_folder(chat_export, tmp_path / "adapter")
     assert {("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+            ("POST", "/v1/responses"),
             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
             ("POST", "/v1/load_weights")} <= set(routes)
     served = Server(chat_export, "--api_key", KEY)
@@ -93,40 +95,49 @@ def test_with_a_key_every_route_but_the_page_and_health_refuses_a_missing_or_wro
 
 
 def test_a_dead_worker_answers_every_request_500_turns_health_503_and_exits_1(chat_export, tmp_path):
-    """A fault in the decoder while one stream runs and two requests wait for the one slot: the stream ends in
-    OpenAI's error event, the waiting ones and every later one are 500s naming the failure, /health turns 503, the
-    traceback is printed once and the process exits 1."""
+    """A fault in the decoder while two streams run (chat's, the Responses API's) and three requests wait for the
+    two slots: each stream ends in its API's error event, the waiting ones and every later one are 500s naming the
+    failure, /health turns 503, the traceback is printed once and the process exits 1."""
     import openai
 
     from fault_serve import FAULT
 
     trigger = tmp_path / "fail-now"
-    served = Server(chat_export, "--slots", "1", script=("tests/fault_serve.py",),
+    served = Server(chat_export, "--slots", "2", script=("tests/fault_serve.py",),
                     env={"MEGALITE_SERVE_STEP_S": "0.02", "MEGALITE_SERVE_FAULT": str(trigger)})
     outcomes = {}
 
     def call(name, stream):
         try:
+            if "responses" in name:
+                reply = served.client().responses.create(model="export", input=MESSAGE, max_output_tokens=80,
+                                                         stream=stream, extra_body={"ignore_eos": True})
+                outcomes[name] = list(reply) if stream else reply
+                return
             reply = chat(served, max_tokens=80, stream=stream, extra_body={"ignore_eos": True})
             outcomes[name] = "".join(c.choices[0].delta.content or "" for c in reply) if stream else reply
         except openai.APIError as e:
             outcomes[name] = e
 
     try:
-        threads = [threading.Thread(target=call, args=("running", True))]
-        threads[0].start()
-        wait_for(lambda: metric(served, "megalite_slots_in_use") == 1, "the stream holds the slot")
-        threads += [threading.Thread(target=call, args=(name, stream)) for name, stream in
-                    (("waiting", False), ("waiting stream", True))]
-        for t in threads[1:]:
+        threads = [threading.Thread(target=call, args=(name, True)) for name in ("running", "running responses")]
+        for t in threads:
             t.start()
-        wait_for(lambda: metric(served, "megalite_queue_length") == 2, "two requests wait")
+        wait_for(lambda: metric(served, "megalite_slots_in_use") == 2, "the streams hold the slots")
+        threads += [threading.Thread(target=call, args=(name, stream)) for name, stream in
+                    (("waiting", False), ("waiting stream", True), ("waiting responses", False))]
+        for t in threads[2:]:
+            t.start()
+        wait_for(lambda: metric(served, "megalite_queue_length") == 3, "three requests wait")
         trigger.touch()
         for t in threads:
             t.join(timeout=60)
         failure = f"the model's worker failed (RuntimeError: {FAULT})"
         assert isinstance(outcomes["running"], openai.APIError) and failure in str(outcomes["running"])
-        for name in ("waiting", "waiting stream"):
+        events = outcomes["running responses"]
+        assert events[-1].type == "error" and events[-1].message.startswith(failure), events[-1]
+        assert "response.output_text.delta" in {e.type for e in events}  # it failed mid-stream
+        for name in ("waiting", "waiting stream", "waiting responses"):
             assert isinstance(outcomes[name], openai.InternalServerError) and failure in outcomes[name].message
         health = httpx.get(f"{served.url}/health", timeout=10)
         assert health.status_code == 503 and health.json() == {"status": "failed", "error": failure}
