@@ -93,12 +93,15 @@ def main(argv=None) -> None:
             adapters.add(adapters.read(lora_name, path))
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(f"--lora_modules: {e}")
-    app = create_app(Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights=weights,
-                            adapters=adapters, api_key=args.api_key))
+    served = Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights=weights, adapters=adapters,
+                    api_key=args.api_key)
     print(f"serving {name} ({engine.parameters:,} parameters, {engine.dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
           + (f"; LoRA adapters {', '.join(adapters.by_name)}" if adapters.by_name else "")
-          + ("; API key required" if args.api_key else ""), flush=True)
+          + ("; API key required" if args.api_key else "")
+          + (f"; no structured outputs ({served.grammars.unavailable})" if served.grammars.unavailable else ""),
+          flush=True)
+    app = create_app(served)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=FAILURE_LINGER_S))
     return serve(server, scheduler)

@@ -9,7 +9,7 @@ import string
 
 import pytest
 
-from corpora import byte_level_encoding
+from corpora import byte_level_encoding, word_level_tokenizer
 from data.tokenizers import CharTokenizer, TiktokenTokenizer, train_bpe
 from model.config import ModelConfig
 from model.generate import CachedDecoder, Sampling
@@ -127,6 +127,14 @@ def test_a_malformed_format_is_a_400_naming_it(body, message):
     with pytest.raises(APIError) as e:
         grammar_of(body)
     assert e.value.status == 400 and str(e.value).startswith(message), str(e.value)
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_every_format():
+    grammars = Grammars(word_level_tokenizer(open_text().split("\n\n")[:200]))
+    assert grammars.unavailable == "ValueError: can't determine decoder type: None"
+    with pytest.raises(APIError, match=r"structured outputs are not available for this model's tokenizer \(llguidance "
+                                       r"cannot read it: ValueError: can't determine decoder type: None\)"):
+        grammars.constraint(grammar_of({"structured_outputs": {"choice": ["the king"]}}), ())
 
 
 def test_a_format_the_vocabulary_cannot_begin_or_an_invalid_grammar_is_refused():
