@@ -1,11 +1,10 @@
 """OpenAI's HTTP API over a Scheduler, as its clients use it: GET /v1/models, POST /v1/completions and
 /v1/chat/completions (plain or `stream: true` as server-sent events ending in `data: [DONE]`), POST /v1/responses
-(the Responses API: plain, or its stream of events), vLLM's POST
-/tokenize, /detokenize and GET /tokenizer_info, POST /v1/load_weights (new weights between requests), vLLM's POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters served beside the model, each a model of its own
-name), GET /health, GET /metrics, and the chat page at /. Every refusal is a 4xx in OpenAI's error body, the server
-going on; if the model's worker dies, every request is a 500 naming why and /health a 503 (scripts/serve.py then
-stops the process, for its supervisor to restart)."""
+(the Responses API: plain, or its stream of events), vLLM's POST /tokenize, /detokenize and GET /tokenizer_info,
+POST /v1/load_weights (new weights between requests), vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+(LoRA adapters served beside the model, each a model of its own name), GET /health, GET /metrics, and the chat page
+at /. Every refusal is a 4xx in OpenAI's error body, the server going on; if the model's worker dies, every request
+is a 500 naming why and /health a 503 (scripts/serve.py then stops the process, for its supervisor to restart)."""
 import asyncio
 import functools
 import os
