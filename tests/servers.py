@@ -21,8 +21,10 @@ KEY = "test-key-0123"
 MESSAGE = "Reverse: king crown night"
 
 
-def chat_model_export(folder, block_size: int, seed: int = 1, system: str | None = None) -> str:
-    """`system`: a system turn some of the conversations begin with (its characters in the vocabulary)."""
+def chat_model_export(folder, block_size: int, seed: int = 1, system: str | None = None,
+                      tokenizer: str = "char") -> str:
+    """`system`: a system turn some of the conversations begin with (its characters in the vocabulary); `tokenizer`:
+    data.prepare's (a byte-level `bpe:N` writes any text)."""
     from data.prepare_chat import prepare_chat
     from training.checkpoints.export import write_export
 
@@ -33,7 +35,7 @@ def chat_model_export(folder, block_size: int, seed: int = 1, system: str | None
         conversations += [{"messages": [{"role": "system", "content": system}, *c["messages"]]}
                           for c in reverse_tasks(5, seed=2)]
     tasks.write_text("".join(json.dumps(t) + "\n" for t in conversations))
-    prepare_chat([str(tasks)], str(folder / "data"), "char", context=64, val_fraction=0.1)
+    prepare_chat([str(tasks)], str(folder / "data"), tokenizer, context=64, val_fraction=0.1)
     meta = json.loads((folder / "data" / "meta.json").read_text())
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=block_size,
                       vocab_size=meta["vocab_size"])

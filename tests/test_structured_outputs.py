@@ -2,7 +2,8 @@
 a JSON schema are JSON of that schema (its keys, types, bounds and enums), for each kind of tokenizer (characters,
 tiktoken's byte-level BPE, a `tokenizers` BPE), where the same model's free answers are not JSON; an answer under a
 grammar draws beside free ones what it draws alone; a stop id ends an answer only where the grammar may end; a
-grammar the vocabulary cannot begin, or an invalid one, is refused."""
+grammar the vocabulary cannot begin, or an invalid one, is refused. And through a server, the official client's
+parse() of a pydantic model, for chat completions and the Responses API."""
 import json
 import re
 import string
@@ -14,6 +15,7 @@ from data.tokenizers import CharTokenizer, TiktokenTokenizer, train_bpe
 from model.config import ModelConfig
 from model.generate import CachedDecoder, Sampling
 from model_checks import decisive_model
+from servers import MESSAGE, Server, chat_model_export
 from serving.errors import APIError
 from serving.scheduler import Scheduler, Sequence
 from serving.structured import JSON_STYLE, Grammars, grammar_of
@@ -145,3 +147,30 @@ def test_a_format_the_vocabulary_cannot_begin_or_an_invalid_grammar_is_refused()
         grammars.constraint(grammar_of({"structured_outputs": {"regex": "(king"}}), ())
     with pytest.raises(APIError, match="not a grammar this server can follow: .*Expected token"):
         grammars.constraint(grammar_of({"structured_outputs": {"grammar": "start: ("}}), ())
+
+
+@pytest.mark.launch
+def test_the_official_clients_parse_of_a_pydantic_model_gets_one(tmp_path):
+    """openai's `parse` sends the model's schema as a strict json_schema and reads the answer into the model: a random
+    model over a byte-level BPE answers with one, through chat completions and the Responses API."""
+    from pydantic import BaseModel, Field
+
+    class Word(BaseModel):
+        word: str = Field(max_length=6)
+        count: int = Field(ge=0, le=9)
+        sure: bool
+
+    server = Server(chat_model_export(tmp_path, block_size=256, tokenizer="bpe:300"))
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": MESSAGE}]
+        for seed in (1, 2):
+            chat = client.chat.completions.parse(model="export", messages=messages, response_format=Word, seed=seed,
+                                                 max_tokens=100)
+            assert isinstance(chat.choices[0].message.parsed, Word), chat.choices[0].message.content
+            answer = client.responses.parse(model="export", input=MESSAGE, text_format=Word, max_output_tokens=100,
+                                            extra_body={"seed": seed})
+            assert isinstance(answer.output_parsed, Word), answer.output_text
+    finally:
+        code, output = server.stop()
+    assert code == 0 and "Traceback" not in output, output
