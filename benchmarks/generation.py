@@ -40,6 +40,16 @@ def model_config(preset: str, prompt: int | None, new: int):
     return cfg
 
 
+def add_batch_arguments(parser) -> None:
+    """The arguments of a benchmark that decodes --clients sequences together at presets' shapes, in --rounds."""
+    parser.add_argument("--presets", default="llama_124m", help="comma-separated names of configs/")
+    parser.add_argument("--clients", type=int, default=8, help="sequences decoded together")
+    parser.add_argument("--prompt", type=int, help="prompt tokens (default: half the preset's context)")
+    parser.add_argument("--new", type=int, default=32, help="tokens decoded after each prompt")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="write the figures here")
+
+
 def checked_presets(args) -> list[str]:
     """--presets' names, each preset's shape against --prompt and --new and --json's file checked before the first
     is measured."""

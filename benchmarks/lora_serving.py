@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.generation import checked_presets, model_config
+from benchmarks.generation import add_batch_arguments, checked_presets, model_config
 from benchmarks.report import at_least, device_description, print_table, run_main, write_json
 from common.checks import ToolParser
 
@@ -75,13 +75,8 @@ def measure(preset: str, clients: int, prompt_len: int | None, new: int, rank: i
 
 def main() -> int:
     parser = ToolParser(description=__doc__)
-    parser.add_argument("--presets", default="llama_124m", help="comma-separated names of configs/")
-    parser.add_argument("--clients", type=int, default=8, help="sequences decoded together")
-    parser.add_argument("--prompt", type=int, help="prompt tokens (default: half the preset's context)")
-    parser.add_argument("--new", type=int, default=32, help="tokens decoded after each prompt")
+    add_batch_arguments(parser)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     at_least(args, 1, "clients", "new", "rank", "rounds", *(["prompt"] if args.prompt is not None else []))
     presets = checked_presets(args)

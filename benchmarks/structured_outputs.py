@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.data import SHAKESPEARE
-from benchmarks.generation import checked_presets, model_config
+from benchmarks.generation import add_batch_arguments, checked_presets, model_config
 from benchmarks.report import at_least, device_description, print_table, run_main, write_json
 from common.checks import ToolParser, existing_file
 
@@ -88,14 +88,9 @@ def measure(preset: str, text: str, clients: int, prompt_len: int | None, new: i
 
 def main() -> int:
     parser = ToolParser(description=__doc__)
-    parser.add_argument("--presets", default="llama_124m", help="comma-separated names of configs/")
-    parser.add_argument("--clients", type=int, default=8, help="sequences decoded together")
-    parser.add_argument("--prompt", type=int, help="prompt tokens (default: half the preset's context)")
-    parser.add_argument("--new", type=int, default=32, help="tokens decoded after each prompt")
-    parser.add_argument("--rounds", type=int, default=3)
+    add_batch_arguments(parser)
     parser.add_argument("--text", default=SHAKESPEARE, help="tinyshakespeare's text (default: $SHAKESPEARE_TXT, "
                                                             "else ../shared/data/tinyshakespeare.txt)")
-    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     at_least(args, 1, "clients", "new", "rounds", *(["prompt"] if args.prompt is not None else []))
     existing_file(args.text, "the text (--text)", "pass the path of tinyshakespeare.txt or set SHAKESPEARE_TXT")
