@@ -12,17 +12,15 @@ write them one after the other; a part's own spaces and newlines are kept). Any 
 input_audio, file, ...), a number, an object or null is refused: the model trains on text. Alpaca's fields are
 strings; its `input` may be left out, empty or null.
 
-Templates are Jinja, rendered as transformers renders them (a sandbox; trim_blocks, lstrip_blocks; tojson,
-raise_exception). The assistant's part of a turn sits between `{% generation %}` and `{% endgeneration %}`:
-the tokens that overlap those spans are the supervised ones, which is transformers' rule for
-`apply_chat_template(..., return_assistant_tokens_mask=True)`, so the masks are equal. Tokenizers without a
-template of their own (char, tiktoken) take a built-in one by name. A template that is not Jinja, or that raises
-as it renders (an undefined name called, a filter, its own raise_exception), raises ChatTemplateError with the
-template's line; callers add which template and which conversation.
+Templates (data/chat_template.py) are Jinja, rendered as transformers renders them. The assistant's part of a turn
+sits between `{% generation %}` and `{% endgeneration %}`: the tokens that overlap those spans are the supervised
+ones, which is transformers' rule for `apply_chat_template(..., return_assistant_tokens_mask=True)`, so the masks
+are equal. Tokenizers without a template of their own (char, tiktoken) take a built-in one by name. A served chat
+request's turns may hold tool use too (request_turns), which the model's template renders.
 """
 import json
-from contextvars import ContextVar
 
+from data.chat_template import ChatTemplate, ChatTemplateError
 from data.tokenizers import EOT
 
 ROLES = ("system", "user", "assistant")
@@ -119,6 +117,43 @@ def prompt_turns(messages, key: str = "messages") -> list[dict]:
     return _turns(messages, key, "role", "content", {r: r for r in ROLES})
 
 
+def request_turns(messages) -> list[dict]:
+    """The turns of a chat request (a served one): prompt_turns' rules, and the turns of tool use that a template
+    renders as transformers passes them: an assistant turn's `tool_calls` (its content then may be null) and
+    `tool` turns with their `tool_call_id`."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("\"messages\" must be a non-empty list of turns")
+    turns = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if isinstance(message, dict) and message.get("role") == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise ChatError(f"{where} is a tool turn without its tool_call_id (a string)")
+            turns.append({"role": "tool", "content": _text(message.get("content"), f"{where}.content"),
+                          "tool_call_id": message["tool_call_id"]})
+        elif isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls"):
+            content = message.get("content")
+            turns.append({"role": "assistant", "content": "" if content is None else _text(content, where),
+                          "tool_calls": _tool_calls(message["tool_calls"], f"{where}.tool_calls")})
+        else:
+            turns += _turns([message], where, "role", "content", {r: r for r in ROLES})
+    return turns
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """OpenAI's tool calls of an assistant turn: each {"id", "type": "function", "function": {"name",
+    "arguments"}}, the arguments a JSON string."""
+    if not isinstance(calls, list):
+        raise ChatError(f"{where} must be a list of tool calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments"), str):
+            raise ChatError(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                            f"\"arguments\"}}}} with the arguments a JSON string")
+    return calls
+
+
 def _turns(items, key: str, role_key: str, content_key: str, roles: dict) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise ChatError(f"\"{key}\" must be a non-empty list of turns")
@@ -195,110 +230,12 @@ def read_conversations(path: str):
         yield number, kind, turns
 
 
-class ChatTemplateError(ValueError):
-    """A chat template that is not Jinja (syntax), or that raised while it rendered a conversation (render): Jinja's
-    message and the template's line (None where none is known), and whether the template's raise_exception refused
-    the conversation. Callers name the template and the conversation."""
-
-    def __init__(self, problem: str, line: int | None, syntax: bool, refused: bool = False):
-        self.problem, self.line, self.syntax = problem, line, syntax
-        self.refused = refused  # by the template's own raise_exception(...): the conversation may be what is wrong
-        super().__init__(self.describe("the chat template", "a conversation"))
-
-    def describe(self, template: str, conversation: str) -> str:
-        """'TEMPLATE is not valid Jinja at line N (PROBLEM)', or 'TEMPLATE fails at line N on CONVERSATION
-        (PROBLEM)'."""
-        at = f" at line {self.line}" if self.line is not None else ""
-        if self.syntax:
-            return f"{template} is not valid Jinja{at} ({self.problem})"
-        return f"{template} fails{at} on {conversation} ({self.problem})"
-
-
-class ChatTemplate:
-    """A Jinja chat template, rendered with the spans of its `{% generation %}` blocks. A template that is not
-    Jinja, or that raises as it renders, raises ChatTemplateError with the template's line."""
-
-    def __init__(self, source: str):
-        import jinja2
-
-        self.source = source
-        self._spans = ContextVar("generation_spans", default=None)
-        try:
-            self.template = _environment(self._spans).from_string(source)
-        except jinja2.TemplateSyntaxError as e:  # and TemplateAssertionError: an unknown filter or test
-            raise ChatTemplateError(_one_line(e.message or type(e).__name__), e.lineno, syntax=True) from None
-        self.marks_generation = "generation" in source and "endgeneration" in source
-
-    def render(self, turns: list[dict], add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text, and the (start, end) character spans of its assistant parts."""
-        blocks, spans = [], []
-        token = self._spans.set((blocks, spans))
-        try:
-            for block in self.template.generate(messages=turns, add_generation_prompt=add_generation_prompt):
-                blocks.append(block)
-        except Exception as e:  # anything the template's code raised: an undefined name called, a filter, ...
-            raised = getattr(e, "raised_by_template", False)
-            problem = f"raise_exception: {e}" if raised else f"{type(e).__name__}: {e}"
-            raise ChatTemplateError(_one_line(problem), self._line(e.__traceback__), False, raised) from None
-        finally:
-            self._spans.reset(token)
-        return "".join(blocks), spans
-
-    def _line(self, tb) -> int | None:
-        """The template line of the innermost frame of template code in a traceback: Jinja rewrites the frames of
-        a compiled template into frames of its file name (the template's, "<template>" for one from a string) and
-        its line."""
-        line = None
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == (self.template.filename or "<template>"):
-                line = tb.tb_lineno
-            tb = tb.tb_next
-        return line
-
-
-def _one_line(message: str) -> str:
-    return " ".join(message.split())
-
-
-def _environment(spans: ContextVar):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        """{% generation %} ... {% endgeneration %}: records where its output lands in the rendered text."""
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-        def _mark(self, caller):
-            text = caller()
-            tracked = spans.get()
-            if tracked is not None:
-                blocks, found = tracked
-                start = sum(len(b) for b in blocks)
-                found.append((start, start + len(text)))
-            return text
-
-    def raise_exception(message):  # as transformers defines it, marked as the template's own refusal
-        error = jinja2.exceptions.TemplateError(message)
-        error.raised_by_template = True
-        raise error
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals["raise_exception"] = raise_exception
-    return env
-
-
-def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: str) -> tuple[list[int], int]:
+def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: str,
+                tools: list | None = None) -> tuple[list[int], int]:
     """The ids of a conversation (`turns` of {"role", "content"}) rendered by the model's chat template up to the
-    assistant's turn, and the end-of-turn id its answer stops at. A ValueError says why not, beginning with `what`
-    (the input as its command names it); `instead`: what to do with a model trained on plain text."""
+    assistant's turn, with `tools` (OpenAI's definitions) where given, and the end-of-turn id its answer stops at. A
+    ValueError says why not, beginning with `what` (the input as its command names it); `instead`: what to do with a
+    model trained on plain text."""
     if "chat" not in meta:
         raise ValueError(f"{what} needs a model fine-tuned on conversations (data.prepare --format chat), whose chat "
                          f"template it applies; this one was trained on text: {instead}")
@@ -307,7 +244,12 @@ def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: st
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
     try:
-        text, _ = ChatTemplate(chat["chat_template"]).render(turns, add_generation_prompt=True)
+        template = ChatTemplate(chat["chat_template"])
+        if tools and not template.renders_tools:
+            raise ValueError(f"{what}: the model's chat template does not render tools (it reads no `tools`): the "
+                             f"model would never see them; fix: serve a model whose template renders them (Qwen's, "
+                             f"Hermes'), or leave tools out")
+        text, _ = template.render(turns, add_generation_prompt=True, tools=tools)
     except ChatTemplateError as e:  # a template that fails on a prompt alone, which preparation never rendered
         source = f", from {chat['template']}" if chat.get("template") else ""
         recorded = f"the model's chat template (meta.json chat.chat_template{source})"

@@ -22,13 +22,12 @@ from data.chat import (
     CHATML,
     CHATML_TOKENS,
     ChatError,
-    ChatTemplate,
-    ChatTemplateError,
     json_kind,
     read_conversations,
     supervised_mask,
     tokenize,
 )
+from data.chat_template import ChatTemplate, ChatTemplateError
 from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
 from data.out_dir import check_val_fraction, done_job, finish_dataset, in_val, job_workspace
 from data.readers import InputError

@@ -25,7 +25,8 @@ val when the hash of its prompt does, so all pairs of one prompt share a split; 
 import json
 import os
 
-from data.chat import ChatError, ChatTemplateError
+from data.chat import ChatError
+from data.chat_template import ChatTemplateError
 from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
 from data.out_dir import check_val_fraction, done_job, finish_dataset, in_val, job_workspace
 from data.preference import read_pairs

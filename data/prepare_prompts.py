@@ -15,7 +15,8 @@ sampling stops) is what conversations carry, so the trained model exports and se
 import json
 import os
 
-from data.chat import ChatError, ChatTemplateError
+from data.chat import ChatError
+from data.chat_template import ChatTemplateError
 from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
 from data.out_dir import check_val_fraction, done_job, finish_dataset, in_val, job_workspace
 from data.prepare_chat import (

@@ -9,12 +9,11 @@ from corpora import byte_level_encoding
 from data.chat import (
     BUILTIN_TEMPLATES,
     ChatError,
-    ChatTemplate,
-    ChatTemplateError,
     conversation,
     read_conversations,
     tokenize,
 )
+from data.chat_template import ChatTemplate, ChatTemplateError
 from data.tokenizers import EOT, CharTokenizer, HFTokenizer, TiktokenTokenizer
 
 # No separator between a user turn and the answer: a token can straddle the answer's first character (transformers

@@ -59,7 +59,7 @@ def train_records(setup) -> list[dict]:
     from tokenizers import Tokenizer
 
     from chats import documents
-    from data.chat import ChatTemplate
+    from data.chat_template import ChatTemplate
 
     tok = Tokenizer.from_file(str(setup["tokenizer"] / "tokenizer.json"))
     texts = {tok.decode(ids, skip_special_tokens=False) for ids, _ in documents(setup["data"], "train")[::2]}

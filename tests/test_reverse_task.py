@@ -6,7 +6,8 @@ import json
 import pytest
 
 from data import reverse_task
-from data.chat import BUILTIN_TEMPLATES, ChatTemplate
+from data.chat import BUILTIN_TEMPLATES
+from data.chat_template import ChatTemplate
 from refusals import assert_refused
 
 

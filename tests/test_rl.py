@@ -52,7 +52,7 @@ def test_prompts_are_kept_with_their_records_in_the_order_of_their_ids(setup):
     record = meta["prompts"]
     assert (record["format"], record["train_prompts"] + record["val_prompts"]) == ("messages", 40)
     assert meta["chat"]["end_of_turn"] == "<|im_end|>"
-    from data.chat import ChatTemplate
+    from data.chat_template import ChatTemplate
     from data.prompt_data import PromptData
     prompts, template = PromptData(data, None, 64), ChatTemplate(CHATML)
     tok = prompts.tokenizer()

@@ -12,7 +12,7 @@ that is not the pad id (config.json's pad_token_id; training/objectives/reward.p
 """
 import torch
 
-from data.chat import ChatTemplate
+from data.chat_template import ChatTemplate
 from data.prepare_preference import text_encoder
 from training.checkpoints.export import load_trained
 from training.checkpoints.hf import score_pad_id

@@ -1,0 +1,111 @@
+"""Chat templates: Jinja, rendered as transformers renders them (a sandbox; trim_blocks, lstrip_blocks; tojson,
+raise_exception), with the character spans of each `{% generation %}` block (the assistant's parts the loss trains
+on) and the `tools` transformers passes. A template that is not Jinja, or that raises as it renders, raises
+ChatTemplateError with the template's line."""
+import json
+from contextvars import ContextVar
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that is not Jinja (syntax), or that raised while it rendered a conversation (render): Jinja's
+    message and the template's line (None where none is known), and whether the template's raise_exception refused
+    the conversation. Callers name the template and the conversation."""
+
+    def __init__(self, problem: str, line: int | None, syntax: bool, refused: bool = False):
+        self.problem, self.line, self.syntax = problem, line, syntax
+        self.refused = refused  # by the template's own raise_exception(...): the conversation may be what is wrong
+        super().__init__(self.describe("the chat template", "a conversation"))
+
+    def describe(self, template: str, conversation: str) -> str:
+        """'TEMPLATE is not valid Jinja at line N (PROBLEM)', or 'TEMPLATE fails at line N on CONVERSATION
+        (PROBLEM)'."""
+        at = f" at line {self.line}" if self.line is not None else ""
+        if self.syntax:
+            return f"{template} is not valid Jinja{at} ({self.problem})"
+        return f"{template} fails{at} on {conversation} ({self.problem})"
+
+
+class ChatTemplate:
+    """A Jinja chat template, rendered with the spans of its `{% generation %}` blocks. A template that is not
+    Jinja, or that raises as it renders, raises ChatTemplateError with the template's line."""
+
+    def __init__(self, source: str):
+        import jinja2
+        import jinja2.meta
+
+        self.source = source
+        self._spans = ContextVar("generation_spans", default=None)
+        try:
+            self.template = _environment(self._spans).from_string(source)
+        except jinja2.TemplateSyntaxError as e:  # and TemplateAssertionError: an unknown filter or test
+            raise ChatTemplateError(_one_line(e.message or type(e).__name__), e.lineno, syntax=True) from None
+        self.marks_generation = "generation" in source and "endgeneration" in source
+        self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(self.template.environment.parse(source))
+
+    def render(self, turns: list[dict], add_generation_prompt: bool = False,
+               tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text, and the (start, end) character spans of its assistant parts; `tools` as
+        transformers passes them (OpenAI's tool definitions)."""
+        blocks, spans = [], []
+        token = self._spans.set((blocks, spans))
+        try:
+            for block in self.template.generate(messages=turns, tools=tools,
+                                                add_generation_prompt=add_generation_prompt):
+                blocks.append(block)
+        except Exception as e:  # anything the template's code raised: an undefined name called, a filter, ...
+            raised = getattr(e, "raised_by_template", False)
+            problem = f"raise_exception: {e}" if raised else f"{type(e).__name__}: {e}"
+            raise ChatTemplateError(_one_line(problem), self._line(e.__traceback__), False, raised) from None
+        finally:
+            self._spans.reset(token)
+        return "".join(blocks), spans
+
+    def _line(self, tb) -> int | None:
+        """The template line of the innermost frame of template code in a traceback: Jinja rewrites the frames of
+        a compiled template into frames of its file name (the template's, "<template>" for one from a string) and
+        its line."""
+        line = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == (self.template.filename or "<template>"):
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        return line
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _environment(spans: ContextVar):
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %} ... {% endgeneration %}: records where its output lands in the rendered text."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            tracked = spans.get()
+            if tracked is not None:
+                blocks, found = tracked
+                start = sum(len(b) for b in blocks)
+                found.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):  # as transformers defines it, marked as the template's own refusal
+        error = jinja2.exceptions.TemplateError(message)
+        error.raised_by_template = True
+        raise error
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    return env
