@@ -136,7 +136,7 @@ def request_turns(messages) -> list[dict]:
             turns.append({"role": "assistant", "content": "" if content is None else _text(content, where),
                           "tool_calls": _tool_calls(message["tool_calls"], f"{where}.tool_calls")})
         else:
-            turns += _turns([message], where, "role", "content", {r: r for r in ROLES})
+            turns.append(_turn(message, where, "role", "content", {r: r for r in ROLES}))
     return turns
 
 
@@ -157,15 +157,16 @@ def _tool_calls(calls, where: str) -> list[dict]:
 def _turns(items, key: str, role_key: str, content_key: str, roles: dict) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise ChatError(f"\"{key}\" must be a non-empty list of turns")
-    turns = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict) or role_key not in item or content_key not in item:
-            raise ChatError(f"{key}[{i}] must be an object with \"{role_key}\" and \"{content_key}\"")
-        if not isinstance(item[role_key], str) or item[role_key] not in roles:
-            raise ChatError(f"{key}[{i}] has the unknown role {item[role_key]!r}; known: {', '.join(roles)}")
-        turns.append({"role": roles[item[role_key]],
-                      "content": _text(item[content_key], f"{key}[{i}].{content_key}", "tool_calls" in item)})
-    return turns
+    return [_turn(item, f"{key}[{i}]", role_key, content_key, roles) for i, item in enumerate(items)]
+
+
+def _turn(item, where: str, role_key: str, content_key: str, roles: dict) -> dict:
+    if not isinstance(item, dict) or role_key not in item or content_key not in item:
+        raise ChatError(f"{where} must be an object with \"{role_key}\" and \"{content_key}\"")
+    if not isinstance(item[role_key], str) or item[role_key] not in roles:
+        raise ChatError(f"{where} has the unknown role {item[role_key]!r}; known: {', '.join(roles)}")
+    return {"role": roles[item[role_key]],
+            "content": _text(item[content_key], f"{where}.{content_key}", "tool_calls" in item)}
 
 
 TEXT_PART = '{"type": "text", "text": "..."}'

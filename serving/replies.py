@@ -14,6 +14,7 @@ from serving.errors import APIError, worker_failed
 from serving.requests import Asked
 from serving.scheduler import Drawn
 from serving.text import TextStream
+from serving.tools import HERMES
 
 
 @dataclass
@@ -25,11 +26,13 @@ class Delta:
     tokens: list = field(default_factory=list)
     reason: str | None = None
     prompt: list = field(default_factory=list)
+    calls: list = field(default_factory=list)  # the tool calls read from the answer (serving/tools.py), at its end
 
     def add(self, later: "Delta") -> None:
         self.text += later.text
         self.prompt += later.prompt
         self.tokens += later.tokens
+        self.calls += later.calls
         self.reason = later.reason
 
 
@@ -46,9 +49,15 @@ class Reply:
         return self.asked.prompts[index // self.asked.n]
 
     async def deltas(self, index: int):
-        """The choice's deltas as its sequence's events arrive; the echoed prompt first where asked."""
+        """The choice's deltas as its sequence's events arrive; the echoed prompt first where asked. Where tools may
+        be called, the text of the calls is held (a named function's or required's answer is all calls; auto's from
+        its first <tool_call>) and the calls read from it come with the last delta."""
         sequence, asked = self.sequences[index], self.asked
-        text, held = TextStream(self.served.tokenizer, asked.stops, sequence.sampling.min_tokens), []
+        tools = asked.tools if asked.tools is not None and asked.tools.choice != "none" else None
+        marker = [HERMES] if tools is not None and tools.choice == "auto" else []
+        text = TextStream(self.served.tokenizer, asked.stops + marker, sequence.sampling.min_tokens)
+        held, answer, shown = [], [], 0  # tokens not yet in a delta; the answer's ids; characters sent
+        calling = tools is not None and tools.choice != "auto"
         while True:
             kind, value = await sequence.events.get()
             if kind == "failed":
@@ -60,21 +69,35 @@ class Reply:
                 yield Delta(index, asked.texts[index // asked.n],
                             prompt=[Drawn(ids[0], None, None)] + [Drawn(t, *s) for t, s in zip(ids[1:], value)])
             elif kind == "done":
-                yield Delta(index, text.rest(), held, value)
+                yield self.last(index, text, answer, shown, held, value, tools)
                 return
             elif kind == "token":
                 self.completion_tokens += 1
                 held.append(value)
                 if value.id in sequence.sampling.stop_ids:
                     continue
+                answer.append(value.id)
                 piece, stopped = text.add(value.id)
-                if stopped:
+                if stopped and text.stop != HERMES:
                     self.served.scheduler.cancel(sequence, "stop")
-                    yield Delta(index, piece, held, "stop")
+                    yield self.last(index, text, None, shown, held, "stop", tools)
                     return
-                if piece:
+                if piece and not calling:
+                    shown += len(piece)
                     yield Delta(index, piece, held)
                     held = []
+                calling |= stopped  # auto's calls begin: the text before them is the answer's content
+
+    def last(self, index: int, text: TextStream, answer: list | None, shown: int, held: list, reason: str,
+             tools) -> Delta:
+        """The choice's last delta: the text held back and, where tools may be called, the calls read from the
+        answer (its ids; None where a stop string cut it: then its text so far)."""
+        if tools is None:
+            return Delta(index, text.rest(), held, reason)
+        whole = text.text if answer is None else self.served.tokenizer.decode(answer)
+        content, calls = tools.calls(whole)
+        rest = "" if calls else whole[shown:]
+        return Delta(index, rest, held, tools.finish_reason(reason, calls), calls=calls)
 
     async def whole(self, request) -> dict:
         answers = [Delta(index) for index in range(len(self.sequences))]
@@ -128,7 +151,10 @@ class Reply:
         asked, out = self.asked, {"index": delta.index}
         if self.chat:
             out["delta" if streamed else "message"] = {"content": delta.text} if streamed else \
-                {"role": "assistant", "content": delta.text}
+                {"role": "assistant", "content": delta.text or (None if delta.calls else delta.text)}
+            if delta.calls:
+                out["delta" if streamed else "message"]["tool_calls"] = \
+                    [{"index": k, **call} for k, call in enumerate(delta.calls)] if streamed else delta.calls
         else:
             out["text"] = delta.text
         if asked.logprobs is not None:

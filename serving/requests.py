@@ -4,18 +4,19 @@ text (log-probabilities, the prompt echoed, token ids). Each value out of range 
 import json
 from dataclasses import dataclass
 
-from data.chat import ChatError, chat_prompt, prompt_turns
+from data.chat import ChatError, chat_prompt, request_turns
 from data.tokenizers import delimiter_id
 from model.generate import Sampling, SamplingError
 from serving.errors import APIError
 from serving.structured import grammar_of
+from serving.tools import Tools, read_tools
 
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each token (vLLM's default bound)
 MAX_N = 16
 # OpenAI's options this server does not implement, refused where a request sets them (0, empty or false is their
 # default) rather than answered as if they were not there.
-UNSUPPORTED = {"tools": "tools", "tool_choice": "tools", "functions": "function calling",
-               "function_call": "function calling", "suffix": "suffixes"}
+UNSUPPORTED = {"functions": "functions (the legacy form of tools)", "function_call": "function_call (the legacy form "
+               "of tool_choice)", "suffix": "suffixes"}
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Asked:
     echo: bool  # the prompt's text (and its tokens' log-probabilities) before each answer
     token_ids: bool  # vLLM's return_token_ids: the prompt's and the answer's ids in the reply
     grammar: str | None  # the grammar every answer follows (serving/structured.py), None for free text
+    tools: Tools | None = None  # the tools a chat request gives and how they may be called (serving/tools.py)
 
 
 def json_body(raw: bytes) -> dict:
@@ -87,8 +89,9 @@ def _is_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], tuple]:
-    """(the ids of the conversation `messages` rendered by the chat template, (its end-of-turn id,))."""
+def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], tuple, Tools | None]:
+    """(the ids of the conversation `messages` rendered by the chat template with the request's tools, (its
+    end-of-turn id,), the tools and tool_choice read (serving/tools.py), None without tools)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
@@ -96,17 +99,19 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             if any(isinstance(p, dict) and p.get("type") != "text" for p in message["content"]):
                 raise APIError(400, "only text content is supported (no images or audio)", "messages")
+    tools = read_tools(body, meta.get("chat", {}).get("chat_template", ""))
     try:
-        ids, end_of_turn = chat_prompt(prompt_turns(messages), meta, tokenizer, "the chat", "use /v1/completions")
+        ids, end_of_turn = chat_prompt(request_turns(messages), meta, tokenizer, "the chat", "use /v1/completions",
+                                       tools and tools.definitions)
     except ChatError as e:
         raise APIError(400, str(e), "messages") from None
     except ValueError as e:
         raise APIError(400, str(e), "messages", code="chat_not_supported") from None
-    return ids, (end_of_turn,)
+    return ids, (end_of_turn,), tools
 
 
 def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenizer, block_size: int,
-                 chat: bool) -> Asked:
+                 chat: bool, tools: Tools | None = None) -> Asked:
     """What the request asks for, each value checked against the prompts and the model's context."""
     number = _reader(body)
     keep = number("truncate_prompt_tokens", None, int)  # vLLM's option: keep the prompt's last tokens
@@ -140,10 +145,15 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
         raise APIError(400, "echo is an option of /v1/completions", "echo")
     texts = [tokenizer.decode(ids) for ids in prompts]
     sampling, grammar = _sampling(body, number, tokenizer, max_tokens, stop_ids), grammar_of(body)
+    if tools is not None and tools.grammar() is not None:
+        if grammar is not None:
+            raise APIError(400, f"tool_choice {tools.choice} sets the answer's format: a response format cannot be "
+                                f"given beside it", "response_format")
+        grammar = tools.grammar()
     if grammar is not None and sampling.min_tokens:  # the grammar may end where min_tokens rules the end out
         raise APIError(400, "min_tokens cannot be combined with a response format", "min_tokens")
     return Asked(prompts, texts, sampling, seed, n, stops, _logprobs(body, number, chat), echo,
-                 bool(body.get("return_token_ids")), grammar)
+                 bool(body.get("return_token_ids")), grammar, tools)
 
 
 def _sampling(body: dict, number, tokenizer, max_tokens: int, stop_ids: tuple) -> Sampling:

@@ -16,7 +16,8 @@ REFUSED = {"previous_response_id": "this server stores no responses: send the co
            "conversation": "this server stores no conversations: send the conversation as input",
            "background": "responses run in the foreground here", "prompt": "this server keeps no prompt templates",
            "include": "this server adds nothing to a response's output",
-           "reasoning": "the served model has no reasoning settings", "top_logprobs": "use /v1/chat/completions"}
+           "reasoning": "the served model has no reasoning settings", "top_logprobs": "use /v1/chat/completions",
+           "tools": "use /v1/chat/completions, which takes them"}
 # Chat completions' options a Responses request may give too (vLLM's sampling extras among them).
 PASSED = ("model", "temperature", "top_p", "stream", "seed", "stop", "top_k", "min_p", "repetition_penalty",
           "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "ignore_eos", "structured_outputs",
@@ -29,7 +30,8 @@ def chat_body(body: dict) -> dict:
     """The chat completions body a Responses body asks for; a 400 names what it cannot be."""
     for key, why in REFUSED.items():
         if body.get(key):
-            raise APIError(400, f"{key} is not supported by this server: {why}", key, code="unsupported")
+            raise APIError(400, f"{key} {'are' if key == 'tools' else 'is'} not supported by this server: {why}", key,
+                           code="unsupported")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise APIError(400, "instructions must be a string", "instructions")

@@ -9,6 +9,7 @@ class TextStream:
         self.tokens: list[int] = []
         self.text, self.sent = "", 0
         self.floor = 0  # the length of the first min_tokens tokens' text: a stop string must end past it
+        self.stop: str | None = None  # the stop string that ended the text
 
     def add(self, token: int) -> tuple[str, bool]:
         """(the text to send now, whether a stop string ended the sequence: the text stops before it)."""
@@ -16,10 +17,11 @@ class TextStream:
         self.text = self.tokenizer.decode(self.tokens)
         if len(self.tokens) <= self.min_tokens:
             self.floor = len(self.text)
-        found = [i for i in (self.text.find(stop, max(0, self.floor - len(stop) + 1)) for stop in self.stops)
-                 if i >= 0]
+        found = [(i, stop) for i, stop in ((self.text.find(stop, max(0, self.floor - len(stop) + 1)), stop)
+                                           for stop in self.stops) if i >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            at, self.stop = min(found)
+            self.text = self.text[:at]
             return self._send(len(self.text)), True
         safe = len(self.text.rstrip("\ufffd"))  # a multi-byte character still incomplete
         held = max([n for stop in self.stops for n in range(1, min(len(stop) - 1, safe) + 1)

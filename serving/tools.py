@@ -1,0 +1,102 @@
+"""Tool calling, as OpenAI's chat completions ask for it and vLLM serves it: `tools` (function definitions) rendered
+by the model's chat template, and `tool_choice`:
+
+- a named function, or "required": the answer is the call's arguments, or a JSON array of {"name", "parameters"}
+  calls, through structured outputs (serving/structured.py): it cannot be anything else;
+- "auto" (the default with tools): the model answers in text or calls tools, read from its answer where the template
+  writes calls as Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen's and Hermes'
+  templates do); text before the first block is the answer's content;
+- "none": the tools are shown, no call is read.
+"""
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from serving.errors import APIError
+
+HERMES = "<tool_call>"
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+@dataclass(frozen=True)
+class Tools:
+    definitions: list  # OpenAI's {"type": "function", "function": {...}}, as the template renders them
+    choice: str  # "none", "auto", "required", or the name of the function to call
+
+    def grammar(self) -> str | None:
+        """The grammar the answer follows: a named function's arguments, or required's array of calls."""
+        from llguidance import LLMatcher
+
+        from serving.structured import JSON_STYLE
+
+        functions = {d["function"]["name"]: d["function"].get("parameters") or {"type": "object"}
+                     for d in self.definitions}
+        if self.choice in ("none", "auto"):
+            return None
+        if self.choice != "required":
+            return LLMatcher.grammar_from_json_schema(functions[self.choice], JSON_STYLE)
+        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, parameters in functions.items()]
+        return LLMatcher.grammar_from_json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}},
+                                                  JSON_STYLE)
+
+    def calls(self, text: str) -> tuple[str | None, list[dict]]:
+        """(the answer's content, its tool calls in OpenAI's shape) of an answer's text; a text whose calls do not
+        read as JSON (an answer cut at max_tokens) is all content, and calls none."""
+        try:
+            if self.choice == "auto":
+                found = [json.loads(block) for block in HERMES_CALL.findall(text)]
+                named = [(c["name"], c.get("arguments", {})) for c in found]
+                content = text.split(HERMES, 1)[0].strip() if named else text
+            elif self.choice == "required":
+                named = [(c["name"], c["parameters"]) for c in json.loads(text)]
+                content = None
+            elif self.choice != "none":
+                named, content = [(self.choice, json.loads(text))], None
+            else:
+                return text, []
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return text, []
+        return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
+            "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+            for name, args in named]
+
+    def finish_reason(self, reason: str, calls: list) -> str:
+        """OpenAI's: "tool_calls" where the model chose to call (auto, required), "stop" for a named function."""
+        return "tool_calls" if calls and reason == "stop" and self.choice in ("auto", "required") else reason
+
+
+def read_tools(body: dict, template: str) -> Tools | None:
+    """The request's tools and tool_choice, checked against the model's chat template (its source); None where it
+    gives no tools."""
+    definitions, choice = body.get("tools"), body.get("tool_choice")
+    if not definitions:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(definitions, list) or not all(_is_function(d) for d in definitions):
+        raise APIError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\", "
+                            "\"description\", \"parameters\"}}", "tools")
+    names = [d["function"]["name"] for d in definitions]
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if choice not in names:
+            raise APIError(400, f"tool_choice must name one of the tools: {', '.join(names)}", "tool_choice")
+    elif choice is None:
+        choice = "auto"
+    elif choice not in ("none", "auto", "required"):
+        raise APIError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
+                            "{\"name\": ...}}", "tool_choice")
+    if choice == "auto" and HERMES not in template:
+        raise APIError(400, "tool_choice auto reads the calls a model writes, and this model's chat template writes "
+                            "none as <tool_call> blocks (Hermes', Qwen's); fix: ask for tool_choice required or a "
+                            "named function", "tool_choice", code="unsupported")
+    return Tools(definitions, choice)
+
+
+def _is_function(definition) -> bool:
+    function = definition.get("function") if isinstance(definition, dict) else None
+    return definition.get("type") == "function" and isinstance(function, dict) and \
+        isinstance(function.get("name"), str) and isinstance(function.get("parameters", {}), dict)
