@@ -22,9 +22,10 @@ MESSAGE = "Reverse: king crown night"
 
 
 def chat_model_export(folder, block_size: int, seed: int = 1, system: str | None = None,
-                      tokenizer: str = "char") -> str:
+                      tokenizer: str = "char", template: str | None = None) -> str:
     """`system`: a system turn some of the conversations begin with (its characters in the vocabulary); `tokenizer`:
-    data.prepare's (a byte-level `bpe:N` writes any text)."""
+    data.prepare's (a byte-level `bpe:N` writes any text); `template`: a chat template's file (default: the
+    tokenizer's built-in one)."""
     from data.prepare_chat import prepare_chat
     from training.checkpoints.export import write_export
 
@@ -35,7 +36,7 @@ def chat_model_export(folder, block_size: int, seed: int = 1, system: str | None
         conversations += [{"messages": [{"role": "system", "content": system}, *c["messages"]]}
                           for c in reverse_tasks(5, seed=2)]
     tasks.write_text("".join(json.dumps(t) + "\n" for t in conversations))
-    prepare_chat([str(tasks)], str(folder / "data"), tokenizer, context=64, val_fraction=0.1)
+    prepare_chat([str(tasks)], str(folder / "data"), tokenizer, template, context=64, val_fraction=0.1)
     meta = json.loads((folder / "data" / "meta.json").read_text())
     cfg = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=block_size,
                       vocab_size=meta["vocab_size"])
@@ -135,6 +136,9 @@ BAD = [  # (body or raw bytes, status, the error message's start)
      "tools must be a list of"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice needs tools"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "the chat: the model's chat template does not render "
+                                                                "tools"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
      400, "the requested format cannot be written with this model's vocabulary"),  # no "{" among its characters
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 2,

@@ -1,0 +1,137 @@
+"""Tool calling through the server and the official `openai` client, on a random model over a byte-level BPE whose
+chat template renders tools and writes calls as Hermes' <tool_call> blocks: a named function's answer is a call of it
+with arguments of its schema; `required`'s one or more calls of the tools given; `auto` reads the calls the model
+writes (made to write them here through structured outputs) whole and streamed, its text before them the content;
+earlier calls and tool results render into the prompt; each mistake is a 400 naming it."""
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from data.tokenizers import EOT
+from servers import BAD, MESSAGE, Server, chat_model_export
+from serving.errors import APIError
+from serving.tools import read_tools
+
+pytestmark = pytest.mark.launch  # a server process
+TEMPLATE = (
+    "{% if tools %}System: call these tools as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:\n"
+    "{% for tool in tools %}{{ tool['function'] | tojson }}\n{% endfor %}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}Assistant: {% generation %}"
+    "{{ message['content'] }}{% for call in message.get('tool_calls', []) %}<tool_call>{\"name\": "
+    "\"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] }}}</tool_call>{% endfor %}"
+    + EOT + "{% endgeneration %}\n{% elif message['role'] == 'tool' %}Tool: {{ message['content'] }}\n"
+    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
+            "city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"], "properties": {
+        "zone": {"type": "string", "maxLength": 6}}}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tools")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    served = Server(chat_model_export(folder, block_size=1024, tokenizer="bpe:300",
+                                      template=str(folder / "template.jinja")))
+    yield served
+    code, output = served.stop()
+    assert code == 0 and "Traceback" not in output, output
+
+
+def ask(server, **options):
+    options = {"messages": ASK, "max_tokens": 150, **options}
+    return server.client().chat.completions.create(model="export", tools=TOOLS, **options)
+
+
+def valid(call) -> bool:
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        return set(arguments) == {"city", "days"} and arguments["city"] in ("Paris", "Rome") and \
+            type(arguments["days"]) is int and 1 <= arguments["days"] <= 7
+    return call.function.name == "get_time" and set(arguments) == {"zone"} and len(arguments["zone"]) <= 6
+
+
+def test_a_named_function_is_called_with_arguments_of_its_schema(server):
+    reply = ask(server, temperature=1, seed=1, n=3, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for choice in reply.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_time" and valid(call) and call.id.startswith("call_")
+        assert choice.message.content is None and choice.finish_reason == "stop"  # OpenAI's for a forced call
+
+
+def test_required_calls_one_or_more_of_the_tools(server):
+    names = set()
+    for seed in range(4):
+        choice = ask(server, temperature=1, seed=seed, tool_choice="required", max_tokens=480).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        assert all(valid(call) for call in choice.message.tool_calls)
+        names |= {call.function.name for call in choice.message.tool_calls}
+    assert names == {"get_weather", "get_time"}  # the seeds choose either
+
+
+CALL = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}</tool_call>'
+
+
+def test_auto_reads_the_calls_the_model_writes_whole_and_streamed(server):
+    written = {"structured_outputs": {"regex": re.escape(CALL)}}  # the model made to write a call
+    choice = ask(server, temperature=0, extra_body=written).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. "
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome", "days": 3}
+    chunks = list(ask(server, temperature=0, extra_body=written, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sure. "
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    for text in ("It is sunny.", "Sure. <tool_call>{not json</tool_call>"):  # no call, or none that reads
+        plain = ask(server, temperature=0, extra_body={"structured_outputs": {"regex": re.escape(text)}}).choices[0]
+        assert plain.message.content == text and not plain.message.tool_calls and plain.finish_reason == "stop"
+
+
+def test_earlier_calls_and_their_results_render_into_the_prompt(server):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    asked = {"model": "export", "messages": history, "tools": TOOLS}
+    ids = httpx.post(f"{server.url}/tokenize", json=asked, timeout=30).json()["tokens"]
+    prompt = httpx.post(f"{server.url}/detokenize", json={"model": "export", "tokens": ids},
+                        timeout=30).json()["prompt"]
+    assert prompt.startswith("System: call these tools") and '"name": "get_time"' in prompt
+    assert prompt.endswith('Assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}'
+                           '</tool_call>' + EOT + 'Tool: 18 degrees\nAssistant: ')  # trim_blocks: no newline
+    assert ask(server, messages=history, temperature=0, tool_choice="none").choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "get_news"}}},
+     "tool_choice must name one of the tools: get_weather, get_time"),
+    ({"tool_choice": "always"}, "tool_choice must be none, auto, required or"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice required sets the answer's format: a response format cannot be given beside it"),
+    ({"messages": [{"role": "tool", "content": "18 degrees"}]}, "messages[0] is a tool turn without its tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+     "messages[0].tool_calls[0] must be")])
+def test_each_mistake_is_a_400_naming_it(server, options, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(server, **options)
+    assert caught.value.body["message"].startswith(message), caught.value.body
+
+
+def test_auto_needs_a_template_that_writes_calls_as_hermes_blocks():
+    with pytest.raises(APIError, match="tool_choice auto reads the calls a model writes, and this model's chat "
+                                       "template writes none as <tool_call> blocks"):
+        read_tools({"tools": TOOLS}, "{% for tool in tools %}{{ tool | tojson }}{% endfor %}")
+    assert read_tools({"tools": TOOLS, "tool_choice": "required"}, "{{ tools }}").choice == "required"
+    assert read_tools({"messages": [{"role": "user", "content": MESSAGE}]}, "") is None
+    assert any("does not render tools" in message for _, _, message in BAD)
