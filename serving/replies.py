@@ -51,13 +51,14 @@ class Reply:
     async def deltas(self, index: int):
         """The choice's deltas as its sequence's events arrive; the echoed prompt first where asked. Where tools may
         be called, the text of the calls is held (a named function's or required's answer is all calls; auto's from
-        its first <tool_call>) and the calls read from it come with the last delta."""
+        its first <tool_call>, where its text stream stops as at a stop string) and the calls read from the answer
+        come with the last delta."""
         sequence, asked = self.sequences[index], self.asked
         tools = asked.tools if asked.tools is not None and asked.tools.choice != "none" else None
         marker = [HERMES] if tools is not None and tools.choice == "auto" else []
         text = TextStream(self.served.tokenizer, asked.stops + marker, sequence.sampling.min_tokens)
         held, answer, shown = [], [], 0  # tokens not yet in a delta; the answer's ids; characters sent
-        calling = tools is not None and tools.choice != "auto"
+        calling = tools is not None and tools.choice != "auto"  # the whole answer is calls
         while True:
             kind, value = await sequence.events.get()
             if kind == "failed":
@@ -80,23 +81,23 @@ class Reply:
                 piece, stopped = text.add(value.id)
                 if stopped and text.stop != HERMES:
                     self.served.scheduler.cancel(sequence, "stop")
-                    yield self.last(index, text, None, shown, held, "stop", tools)
+                    yield self.last(index, text, None, shown, held, "stop", tools, piece)
                     return
                 if piece and not calling:
                     shown += len(piece)
                     yield Delta(index, piece, held)
                     held = []
-                calling |= stopped  # auto's calls begin: the text before them is the answer's content
 
     def last(self, index: int, text: TextStream, answer: list | None, shown: int, held: list, reason: str,
-             tools) -> Delta:
-        """The choice's last delta: the text held back and, where tools may be called, the calls read from the
-        answer (its ids; None where a stop string cut it: then its text so far)."""
+             tools, piece: str = "") -> Delta:
+        """The choice's last delta: the text held back (`piece`: the text a stop string's token gave) and, where
+        tools may be called, the calls read from the answer (its ids; None where a stop string cut it: then its text
+        so far)."""
         if tools is None:
-            return Delta(index, text.rest(), held, reason)
+            return Delta(index, piece + text.rest(), held, reason)
         whole = text.text if answer is None else self.served.tokenizer.decode(answer)
-        content, calls = tools.calls(whole)
-        rest = "" if calls else whole[shown:]
+        calls = tools.calls(whole)
+        rest = "" if calls else whole[shown:]  # what was sent is the content; calls that do not read are content
         return Delta(index, rest, held, tools.finish_reason(reason, calls), calls=calls)
 
     async def whole(self, request) -> dict:

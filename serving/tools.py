@@ -42,24 +42,21 @@ class Tools:
         return LLMatcher.grammar_from_json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}},
                                                   JSON_STYLE)
 
-    def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """(the answer's content, its tool calls in OpenAI's shape) of an answer's text; a text whose calls do not
-        read as JSON (an answer cut at max_tokens) is all content, and calls none."""
+    def calls(self, text: str) -> list[dict]:
+        """The tool calls, in OpenAI's shape, of an answer's text; none where they do not read as JSON (an answer cut
+        at max_tokens: it is all content then)."""
         try:
             if self.choice == "auto":
-                found = [json.loads(block) for block in HERMES_CALL.findall(text)]
-                named = [(c["name"], c.get("arguments", {})) for c in found]
-                content = text.split(HERMES, 1)[0].strip() if named else text
+                named = [(c["name"], c.get("arguments", {})) for c in map(json.loads, HERMES_CALL.findall(text))]
             elif self.choice == "required":
                 named = [(c["name"], c["parameters"]) for c in json.loads(text)]
-                content = None
             elif self.choice != "none":
-                named, content = [(self.choice, json.loads(text))], None
+                named = [(self.choice, json.loads(text))]
             else:
-                return text, []
+                return []
         except (json.JSONDecodeError, KeyError, TypeError):
-            return text, []
-        return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
+            return []
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
             "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
             for name, args in named]
 

@@ -135,3 +135,29 @@ def test_auto_needs_a_template_that_writes_calls_as_hermes_blocks():
     assert read_tools({"tools": TOOLS, "tool_choice": "required"}, "{{ tools }}").choice == "required"
     assert read_tools({"messages": [{"role": "user", "content": MESSAGE}]}, "") is None
     assert any("does not render tools" in message for _, _, message in BAD)
+
+
+def test_a_stop_string_inside_a_token_cuts_the_answer_there_with_tools_and_without(server):
+    """A byte-level BPE's token can hold the text before a stop string and the stop string's start both: the text
+    before it comes with the answer's last delta."""
+    def text_of(ids):
+        return httpx.post(f"{server.url}/detokenize", json={"model": "export", "tokens": ids}, timeout=30
+                          ).json()["prompt"]
+
+    sampled = {"model": "export", "messages": ASK, "max_tokens": 60, "temperature": 1, "seed": 5}  # the same tokens
+    for tools in ({}, {"tools": TOOLS}):  # tools: auto, whose calls no answer here writes
+        free = server.client().chat.completions.create(**sampled, **tools, extra_body={"return_token_ids": True})
+        content, ids = free.choices[0].message.content, free.choices[0].token_ids
+        for i, token in enumerate(ids):
+            piece, before = text_of([token]), text_of(ids[:i])
+            if len(piece) >= 3 and piece.isascii() and piece.isprintable() and \
+                    content.find(piece[1:]) == len(before) + 1:  # the stop string first seen inside this token
+                stop, expected = piece[1:], content[:len(before) + 1]
+                break
+        else:
+            raise AssertionError(f"no token of {ids} holds text before a stop string")
+        for stream in (False, True):
+            reply = server.client().chat.completions.create(**sampled, **tools, stop=[stop], stream=stream)
+            text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices) if stream else \
+                reply.choices[0].message.content
+            assert text == expected, (tools, stream)
