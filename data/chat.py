@@ -54,6 +54,26 @@ BUILTIN_TEMPLATES = {
         "{% endfor %}"
         "{% if add_generation_prompt %}Assistant: {% endif %}"
     ),
+    # plain's layout with tools, for a tokenizer with an end-of-text token: the tools listed in a system line first,
+    # an assistant turn's calls written after its text as Hermes' blocks, <tool_call>{"name": ..., "arguments":
+    # {...}}</tool_call> (supervised with the text: the server reads them, tool_choice auto), a tool's result a turn
+    # of its own.
+    "hermes": (
+        "{% if tools %}System: you may call these tools, each as <tool_call>{\"name\": ..., \"arguments\": {...}}"
+        "</tool_call>:\n{% for tool in tools %}{{ tool['function'] | tojson }}\n{% endfor %}{% endif %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'assistant' %}"
+        "Assistant: {% generation %}{{ message['content'] }}{% for call in message.get('tool_calls') or [] %}"
+        "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+        "{{ call['function']['arguments'] }}}</tool_call>{% endfor %}" + EOT + "{% endgeneration %}\n"
+        "{% elif message['role'] == 'tool' %}"
+        "Tool: {{ message['content'] }}\n"
+        "{% else %}"
+        "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}Assistant: {% endif %}"
+    ),
     # ChatML (<|im_start|>role, the turn, <|im_end|>), for a tokenizer that holds its two tokens (Qwen's): each
     # assistant turn's content and its <|im_end|> supervised. A model's own template may render more (a default
     # system turn, say); pass that template, with the marks, to train on its exact layout.
@@ -86,11 +106,12 @@ class ChatError(ValueError):
 
 def conversation(record) -> tuple[str, list[dict]]:
     """(format, [{"role", "content"}, ...]) of one record, checked: known roles, non-empty assistant turns, at
-    least one of them."""
+    least one of them. A messages record's turns may use tools (request_turns): an assistant turn of tool calls
+    needs no text."""
     if not isinstance(record, dict):
         raise ChatError(f"a record must be a JSON object, not {type(record).__name__}")
     if "messages" in record:
-        kind, turns = "messages", _turns(record["messages"], "messages", "role", "content", {r: r for r in ROLES})
+        kind, turns = "messages", request_turns(record["messages"])
     elif "conversations" in record:
         kind, turns = "sharegpt", _turns(record["conversations"], "conversations", "from", "value", SHAREGPT_ROLES)
     elif "instruction" in record and "output" in record:
@@ -106,7 +127,7 @@ def conversation(record) -> tuple[str, list[dict]]:
     assistant = [t for t in turns if t["role"] == "assistant"]
     if not assistant:
         raise ChatError("the conversation has no assistant turn: nothing to train on")
-    if any(not t["content"].strip() for t in assistant):
+    if any(not t["content"].strip() and not t.get("tool_calls") for t in assistant):
         raise ChatError("an assistant turn is empty")
     return kind, turns
 
@@ -115,6 +136,23 @@ def prompt_turns(messages, key: str = "messages") -> list[dict]:
     """The turns of an OpenAI `messages` list (a record's field `key`), checked as a conversation's are: known
     roles, text content; a prompt needs no assistant turn."""
     return _turns(messages, key, "role", "content", {r: r for r in ROLES})
+
+
+def record_tools(record: dict, where: str = "tools") -> list | None:
+    """A record's (or a request's) `tools`, OpenAI's function definitions, checked; None where it has none."""
+    tools = record.get("tools")
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(_is_function(t) for t in tools):
+        raise ChatError(f"\"{where}\" must be a list of {{\"type\": \"function\", \"function\": {{\"name\", "
+                        f"\"description\", \"parameters\"}}}}")
+    return tools
+
+
+def _is_function(definition) -> bool:
+    function = definition.get("function") if isinstance(definition, dict) else None
+    return definition.get("type") == "function" and isinstance(function, dict) and \
+        isinstance(function.get("name"), str) and isinstance(function.get("parameters", {}), dict)
 
 
 def request_turns(messages) -> list[dict]:
@@ -226,9 +264,9 @@ def read_records(path: str, parse):
 
 
 def read_conversations(path: str):
-    """(line number, format, turns) of each record of a JSONL file; ChatError names the file and line."""
-    for number, (kind, turns) in read_records(path, conversation):
-        yield number, kind, turns
+    """(line number, format, turns, tools) of each record of a JSONL file; ChatError names the file and line."""
+    for number, (kind, turns, tools) in read_records(path, lambda r: (*conversation(r), record_tools(r))):
+        yield number, kind, turns, tools
 
 
 def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: str,
@@ -280,11 +318,12 @@ def supervised_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
 TRAIN_ON = ("all", "last", "everything")
 
 
-def tokenize(turns: list[dict], template: ChatTemplate, tokenizer, train_on: str = "all") -> tuple[list, list]:
+def tokenize(turns: list[dict], template: ChatTemplate, tokenizer, train_on: str = "all",
+             tools: list | None = None) -> tuple[list, list]:
     """A conversation's token ids and its loss mask: 1 on the assistant's tokens (of every assistant turn, or of the
     last one with train_on="last"), each turn's end-of-turn token included where the template marks it so; 1 on
     every token with train_on="everything" (the prompt trained on too, as plain text would be)."""
-    text, spans = template.render(turns)
+    text, spans = template.render(turns, tools=tools)
     ids, offsets = tokenizer.encode_with_offsets(text)
     if train_on == "everything":
         return ids, [1] * len(ids)

@@ -278,7 +278,8 @@ def parse_args(argv) -> argparse.Namespace:
     chat.add_argument("--format", choices=["text", "chat", "preference", "prompts"], default="text", help="documents "
                       "of text, conversations (messages, ShareGPT or Alpaca JSONL) for fine-tuning, preference pairs "
                       "(prompt, chosen, rejected JSONL) for DPO, or prompts (and what the reward reads) for online RL")
-    chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain, lines); "
+    chat.add_argument("--chat_template", help="a Jinja chat template file or a built-in name (plain, lines, chatml, "
+                      "hermes: plain with tools); "
                       "default: the tokenizer's tokenizer_config.json, else plain (lines for a tokenizer without an "
                       "end-of-text token)")
     chat.add_argument("--train_on", choices=["all", "last", "everything"], help="chat only: the loss trains on "

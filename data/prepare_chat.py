@@ -98,10 +98,11 @@ def load_template(template_spec: str | None, tokenizer_spec, ready) -> tuple[str
     """(name, source, compiled template) of chat_template()'s choice; `ready`: the tokenizer when it is a ready one.
     A template that is not Jinja, or plain for characters without an end-of-text token, is refused."""
     name, source = chat_template(template_spec, tokenizer_spec, ready)
-    if name == "plain" and isinstance(ready, CharTokenizer) and ready.eot_id is None:
-        raise InputError(f"the built-in template plain ends each answer with {EOT}, which the tokenizer of --tokenizer "
-                         f"{tokenizer_spec} ({ready.vocab_size} characters, no end-of-text token) does not hold; fix: "
-                         f"pass --chat_template lines (each answer ends with a newline), or leave --chat_template out")
+    if name in ("plain", "hermes") and isinstance(ready, CharTokenizer) and ready.eot_id is None:
+        raise InputError(f"the built-in template {name} ends each answer with {EOT}, which the tokenizer of "
+                         f"--tokenizer {tokenizer_spec} ({ready.vocab_size} characters, no end-of-text token) does not "
+                         f"hold; fix: pass --chat_template lines (each answer ends with a newline), or leave "
+                         f"--chat_template out")
     try:
         return name, source, ChatTemplate(source)
     except ChatTemplateError as e:
@@ -150,7 +151,7 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                          f"which --tokenizer {tokenizer_spec} does not hold; fix: pass a tokenizer that has them "
                          f"(Qwen's), or --chat_template plain")
     try:
-        end_of_turn = marked_end_of_turn(template, tok, conversations[0])
+        end_of_turn = marked_end_of_turn(template, tok, conversations[0][0])
     except ChatTemplateError:
         raise
     except ValueError as e:  # a character outside a given character vocabulary
@@ -161,8 +162,8 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                          f"turn's content and end-of-turn")
     workspace = job_workspace(out_dir, job)
     prefix = os.path.join(workspace, "shards", "chat")
-    encoded = (_tokenized(turns, template, tok, train_on, where, tokenizer_spec)
-               for turns, where in zip(conversations, lines))
+    encoded = (_tokenized(turns, tools, template, tok, train_on, where, tokenizer_spec)
+               for (turns, tools), where in zip(conversations, lines))
     counts, supervised = _write(prefix, token_dtype(tok.vocab_size), encoded, texts, context, overlong, val_fraction)
     if not any(supervised.values()):
         raise InputError(f"none of the {len(conversations):,} conversations keeps an assistant token within "
@@ -179,18 +180,22 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
 
 
 def _read(files: list[str], template: ChatTemplate, name: str) -> tuple[list, dict, list[str], list[str]]:
-    """Every file's conversations, each file's format (one a file), each conversation's rendered text and where it
-    was read ("file:line")."""
+    """Every file's conversations ((turns, tools) each), each file's format (one a file), each conversation's
+    rendered text and where it was read ("file:line")."""
     conversations, formats, texts, lines = [], {}, [], []
     for path in files:
         try:
-            for line, kind, turns in read_conversations(path):
+            for line, kind, turns, tools in read_conversations(path):
                 if formats.setdefault(path, kind) != kind:
                     raise InputError(f"{path}:{line}: a {kind} record in a file of {formats[path]} records: keep one "
                                      f"format a file")
-                conversations.append(turns)
+                if (tools or any("tool_calls" in t for t in turns)) and not template.renders_tools:
+                    raise InputError(f"{path}:{line}: a conversation that uses tools, which {template_label(name)} "
+                                     f"does not render (it reads no `tools`); fix: pass --chat_template hermes, or "
+                                     f"the model's own template that renders them")
+                conversations.append((turns, tools))
                 lines.append(f"{path}:{line}")
-                texts.append(template.render(turns)[0])
+                texts.append(template.render(turns, tools=tools)[0])
         except ChatError as e:
             raise InputError(f"{e}; fix the record or leave it out") from None
         except ChatTemplateError as e:
@@ -200,9 +205,9 @@ def _read(files: list[str], template: ChatTemplate, name: str) -> tuple[list, di
     return conversations, formats, texts, lines
 
 
-def _tokenized(turns: list[dict], template: ChatTemplate, tok, train_on: str, where: str, tokenizer_spec):
+def _tokenized(turns: list[dict], tools, template: ChatTemplate, tok, train_on: str, where: str, tokenizer_spec):
     try:
-        return tokenize(turns, template, tok, train_on)
+        return tokenize(turns, template, tok, train_on, tools)
     except ChatTemplateError:
         raise
     except ValueError as e:

@@ -13,6 +13,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from data.chat import ChatError, record_tools
 from serving.errors import APIError
 
 HERMES = "<tool_call>"
@@ -73,9 +74,10 @@ def read_tools(body: dict, template: str) -> Tools | None:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", "tool_choice")
         return None
-    if not isinstance(definitions, list) or not all(_is_function(d) for d in definitions):
-        raise APIError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\", "
-                            "\"description\", \"parameters\"}}", "tools")
+    try:
+        record_tools(body)
+    except ChatError as e:
+        raise APIError(400, str(e), "tools") from None
     names = [d["function"]["name"] for d in definitions]
     if isinstance(choice, dict):
         choice = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
@@ -91,9 +93,3 @@ def read_tools(body: dict, template: str) -> Tools | None:
                             "none as <tool_call> blocks (Hermes', Qwen's); fix: ask for tool_choice required or a "
                             "named function", "tool_choice", code="unsupported")
     return Tools(definitions, choice)
-
-
-def _is_function(definition) -> bool:
-    function = definition.get("function") if isinstance(definition, dict) else None
-    return definition.get("type") == "function" and isinstance(function, dict) and \
-        isinstance(function.get("name"), str) and isinstance(function.get("parameters", {}), dict)

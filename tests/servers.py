@@ -133,7 +133,7 @@ BAD = [  # (body or raw bytes, status, the error message's start)
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400,
      "top_p=0: must be in (0, 1]"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
-     "tools must be a list of"),
+     '"tools" must be a list of'),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice needs tools"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [

@@ -1,6 +1,7 @@
 """Conversations (data/chat.py): the three record formats, rendering through a chat template, and the loss mask,
 which must equal transformers' assistant mask; bad records named with their file and line."""
 import json
+import re
 
 import pytest
 
@@ -202,3 +203,50 @@ def test_a_template_that_is_not_jinja_names_its_line(source, line, problem):
 def test_train_on_everything_supervises_every_token(bpe):
     ids, mask = tokenize(CONVERSATIONS[1], ChatTemplate(CHATML), HFTokenizer(bpe, "bpe"), "everything")
     assert mask == [1] * len(ids) and len(ids) > 20
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Verona"}'}}
+TOOL_USE = [{"role": "user", "content": "Is it raining in Verona?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "rain, 9 degrees"},
+            {"role": "assistant", "content": "It rains in Verona, good my lord."}]
+
+
+def test_tool_use_renders_and_masks_as_transformers_does_with_the_hermes_template(bpe):
+    """A record of tools and tool use (OpenAI's fine-tuning format): its turns read, the tools listed, the call and the
+    answer supervised, transformers' ids and assistant mask."""
+    from transformers import PreTrainedTokenizerFast
+
+    record = {"messages": TOOL_USE, "tools": [WEATHER]}
+    kind, turns = conversation(record)
+    assert turns[1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    assert turns[2] == {"role": "tool", "content": "rain, 9 degrees", "tool_call_id": "call_1"}
+    template = BUILTIN_TEMPLATES["hermes"]
+    reference = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    reference.chat_template = template
+    expected = reference.apply_chat_template(TOOL_USE, tools=[WEATHER], tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)
+    ids, mask = tokenize(turns, ChatTemplate(template), HFTokenizer(bpe, "bpe"), "all", [WEATHER])
+    assert (ids, mask) == (expected["input_ids"], expected["assistant_masks"])
+    assert reference.decode([i for i, m in zip(ids, mask) if m]) == (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Verona"}}</tool_call>' + EOT +
+        " It rains in Verona, good my lord." + EOT)  # " It": a token that straddles the answer's start
+    text = reference.decode(ids)
+    assert text.startswith("System: you may call these tools") and json.dumps(WEATHER["function"]) in text
+    assert "Tool: rain, 9 degrees\n" in text
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"messages": TOOL_USE, "tools": [{"type": "function"}]}, '"tools" must be a list of'),
+    ({"messages": [TOOL_USE[0], {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[1].tool_calls[0] must be"),
+    ({"messages": [*TOOL_USE[:2], {"role": "tool", "content": "rain"}]}, "messages[2] is a tool turn without its "
+                                                                          "tool_call_id")])
+def test_a_malformed_tool_use_record_is_refused_naming_it(tmp_path, record, message):
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ChatError, match=re.escape(f"{path}:1: {message}")):
+        list(read_conversations(str(path)))

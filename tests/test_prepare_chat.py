@@ -180,8 +180,9 @@ CHAT_ROWS = [
      f"of text parts {PART}, not a number (42); fix the record or leave it out$"),
     ({"--input": "{inputs}/null.jsonl"}, "{inputs}/null.jsonl:2: messages[1].content is null: a turn's content must "
      f"be a string or a list of text parts {PART}; fix the record or leave it out$"),
-    ({"--input": "{inputs}/tool_calls.jsonl"}, "{inputs}/tool_calls.jsonl:2: messages[1].content is null, a turn of "
-     "tool_calls: tool calls are not trained on; fix the record or leave it out$"),
+    ({"--input": "{inputs}/tool_calls.jsonl"}, "{inputs}/tool_calls.jsonl:2: a conversation that uses tools, which the "
+     "built-in template plain does not render (it reads no `tools`); fix: pass --chat_template hermes, or the "
+     "model's own template that renders them$"),
     ({"--input": "{inputs}/image.jsonl"}, "{inputs}/image.jsonl:2: messages[0].content[1] is a part of type "
      f"'image_url': only text parts {PART} are trained on; fix the record or leave it out$"),
     ({"--input": "{inputs}/sharegpt.jsonl"}, "{inputs}/sharegpt.jsonl:1: conversations[1].value must be a string or a "

@@ -1,8 +1,8 @@
-"""Tool calling through the server and the official `openai` client, on a random model over a byte-level BPE whose
-chat template renders tools and writes calls as Hermes' <tool_call> blocks: a named function's answer is a call of it
-with arguments of its schema; `required`'s one or more calls of the tools given; `auto` reads the calls the model
-writes (made to write them here through structured outputs) whole and streamed, its text before them the content;
-earlier calls and tool results render into the prompt; each mistake is a 400 naming it."""
+"""Tool calling through the server and the official `openai` client, on a random model over a byte-level BPE whose chat
+template (the built-in hermes) renders tools and writes calls as Hermes' <tool_call> blocks: a named function's
+answer is a call of it with arguments of its schema; `required`'s one or more calls of the tools given; `auto` reads
+the calls the model writes (made to write them here through structured outputs) whole and streamed, its text before
+them the content; earlier calls and tool results render into the prompt; each mistake is a 400 naming it."""
 import json
 import re
 
@@ -16,15 +16,6 @@ from serving.errors import APIError
 from serving.tools import read_tools
 
 pytestmark = pytest.mark.launch  # a server process
-TEMPLATE = (
-    "{% if tools %}System: call these tools as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:\n"
-    "{% for tool in tools %}{{ tool['function'] | tojson }}\n{% endfor %}{% endif %}"
-    "{% for message in messages %}{% if message['role'] == 'assistant' %}Assistant: {% generation %}"
-    "{{ message['content'] }}{% for call in message.get('tool_calls', []) %}<tool_call>{\"name\": "
-    "\"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] }}}</tool_call>{% endfor %}"
-    + EOT + "{% endgeneration %}\n{% elif message['role'] == 'tool' %}Tool: {{ message['content'] }}\n"
-    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}Assistant: {% endif %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city", "parameters": {
         "type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
@@ -38,10 +29,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools")
-    (folder / "template.jinja").write_text(TEMPLATE)
-    served = Server(chat_model_export(folder, block_size=1024, tokenizer="bpe:300",
-                                      template=str(folder / "template.jinja")))
+    served = Server(chat_model_export(tmp_path_factory.mktemp("tools"), block_size=1024, tokenizer="bpe:300",
+                                      template="hermes"))
     yield served
     code, output = served.stop()
     assert code == 0 and "Traceback" not in output, output
@@ -71,7 +60,7 @@ def test_a_named_function_is_called_with_arguments_of_its_schema(server):
 def test_required_calls_one_or_more_of_the_tools(server):
     names = set()
     for seed in range(4):
-        choice = ask(server, temperature=1, seed=seed, tool_choice="required", max_tokens=480).choices[0]
+        choice = ask(server, temperature=1, seed=seed, tool_choice="required", max_tokens=450).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
         assert all(valid(call) for call in choice.message.tool_calls)
         names |= {call.function.name for call in choice.message.tool_calls}
@@ -107,7 +96,7 @@ def test_earlier_calls_and_their_results_render_into_the_prompt(server):
     ids = httpx.post(f"{server.url}/tokenize", json=asked, timeout=30).json()["tokens"]
     prompt = httpx.post(f"{server.url}/detokenize", json={"model": "export", "tokens": ids},
                         timeout=30).json()["prompt"]
-    assert prompt.startswith("System: call these tools") and '"name": "get_time"' in prompt
+    assert prompt.startswith("System: you may call these tools") and '"name": "get_time"' in prompt
     assert prompt.endswith('Assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}'
                            '</tool_call>' + EOT + 'Tool: 18 degrees\nAssistant: ')  # trim_blocks: no newline
     assert ask(server, messages=history, temperature=0, tool_choice="none").choices[0].message.tool_calls is None
