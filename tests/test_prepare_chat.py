@@ -47,6 +47,27 @@ def test_the_written_masks_are_transformers_assistant_masks(tmp_path, chatml_tok
         sum(sum(mask[1:]) for _, mask in expected)
 
 
+def test_tool_use_records_are_written_as_transformers_renders_and_masks_them(tmp_path, chatml_tokenizer):
+    """Records with tools, through --chat_template hermes: the written tokens and masks are transformers' for the same
+    template given the same tools."""
+    from transformers import PreTrainedTokenizerFast
+
+    from data.chat import BUILTIN_TEMPLATES
+    from test_chat import TOOL_USE, WEATHER
+
+    records = [{"messages": TOOL_USE, "tools": [WEATHER]}, *({"messages": turns} for turns in CONVERSATIONS)] * 3
+    inputs = write_jsonl(tmp_path / "tools.jsonl", records)
+    prepare_chat([inputs], str(tmp_path / "out"), str(chatml_tokenizer / "tokenizer.json"), "hermes",
+                 context=1024, val_fraction=0.3)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(chatml_tokenizer / "tokenizer.json"))
+    reference.chat_template = BUILTIN_TEMPLATES["hermes"]
+    expected = sorted((out["input_ids"], out["assistant_masks"]) for out in (
+        reference.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True) for r in records))
+    assert all_documents(tmp_path / "out") == expected
+    assert sum(reference.decode(ids).startswith("System: you may call these tools") for ids, _ in expected) == 3
+
+
 def test_the_builtin_chatml_prepares_what_the_same_template_in_tokenizer_config_does(tmp_path, chatml_tokenizer):
     """--chat_template chatml with a tokenizer.json that holds ChatML's tokens (its folder's tokenizer_config.json
     holds the same template): the same documents, and <|im_end|> the end of turn."""
