@@ -57,10 +57,12 @@ def adapter_folder(export: str, folder) -> str:
 
 
 class Server:
-    def __init__(self, export: str, *args: str, script=("-m", "scripts.serve"), env: dict | None = None):
-        """`script`: how the server is started (tests/fault_serve.py slows or breaks its decoder, through env)."""
+    def __init__(self, export: str, *args: str, script=("-m", "scripts.serve"), env: dict | None = None,
+                 source: str = "--export"):
+        """`script`: how the server is started (tests/fault_serve.py slows or breaks its decoder, through env);
+        `source`: --export, or --out_dir for a run's newest checkpoint."""
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, *script, "--export", export, "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, *script, source, export, "--port", str(self.port),
                                       "--slots", "4", *args], cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
