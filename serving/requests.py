@@ -145,11 +145,12 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
         raise APIError(400, "echo is an option of /v1/completions", "echo")
     texts = [tokenizer.decode(ids) for ids in prompts]
     sampling, grammar = _sampling(body, number, tokenizer, max_tokens, stop_ids), grammar_of(body)
-    if tools is not None and tools.grammar() is not None:
+    calls = None if tools is None else tools.grammar()  # a named function's or required's: the answer is calls
+    if calls is not None:
         if grammar is not None:
             raise APIError(400, f"tool_choice {tools.choice} sets the answer's format: a response format cannot be "
                                 f"given beside it", "response_format")
-        grammar = tools.grammar()
+        grammar = calls
     if grammar is not None and sampling.min_tokens:  # the grammar may end where min_tokens rules the end out
         raise APIError(400, "min_tokens cannot be combined with a response format", "min_tokens")
     return Asked(prompts, texts, sampling, seed, n, stops, _logprobs(body, number, chat), echo,

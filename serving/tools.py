@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from data.chat import ChatError, record_tools
 from serving.errors import APIError
+from serving.structured import JSON_STYLE
 
 HERMES = "<tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -28,8 +29,6 @@ class Tools:
     def grammar(self) -> str | None:
         """The grammar the answer follows: a named function's arguments, or required's array of calls."""
         from llguidance import LLMatcher
-
-        from serving.structured import JSON_STYLE
 
         functions = {d["function"]["name"]: d["function"].get("parameters") or {"type": "object"}
                      for d in self.definitions}
