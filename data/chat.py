@@ -15,8 +15,9 @@ strings; its `input` may be left out, empty or null.
 Templates (data/chat_template.py) are Jinja, rendered as transformers renders them. The assistant's part of a turn
 sits between `{% generation %}` and `{% endgeneration %}`: the tokens that overlap those spans are the supervised
 ones, which is transformers' rule for `apply_chat_template(..., return_assistant_tokens_mask=True)`, so the masks
-are equal. Tokenizers without a template of their own (char, tiktoken) take a built-in one by name. A served chat
-request's turns may hold tool use too (request_turns), which the model's template renders.
+are equal. Tokenizers without a template of their own (char, tiktoken) take a built-in one by name. A messages record
+(and a served chat request) may hold tool use too, in OpenAI's form (request_turns, record_tools), which the template
+renders with the tools.
 """
 import json
 
@@ -150,15 +151,17 @@ def record_tools(record: dict, where: str = "tools") -> list | None:
 
 
 def _is_function(definition) -> bool:
-    function = definition.get("function") if isinstance(definition, dict) else None
-    return definition.get("type") == "function" and isinstance(function, dict) and \
-        isinstance(function.get("name"), str) and isinstance(function.get("parameters", {}), dict)
+    if not isinstance(definition, dict) or not isinstance(definition.get("function"), dict):
+        return False
+    function = definition["function"]
+    return definition.get("type") == "function" and isinstance(function.get("name"), str) and \
+        isinstance(function.get("parameters", {}), dict)
 
 
 def request_turns(messages) -> list[dict]:
-    """The turns of a chat request (a served one): prompt_turns' rules, and the turns of tool use that a template
-    renders as transformers passes them: an assistant turn's `tool_calls` (its content then may be null) and
-    `tool` turns with their `tool_call_id`."""
+    """The turns of an OpenAI `messages` list (a messages record's, a served chat request's): prompt_turns' rules,
+    and the turns of tool use that a template renders as transformers passes them: an assistant turn's `tool_calls`
+    (its content then may be null) and `tool` turns with their `tool_call_id`."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("\"messages\" must be a non-empty list of turns")
     turns = []

@@ -241,6 +241,7 @@ def test_tool_use_renders_and_masks_as_transformers_does_with_the_hermes_templat
 
 @pytest.mark.parametrize("record,message", [
     ({"messages": TOOL_USE, "tools": [{"type": "function"}]}, '"tools" must be a list of'),
+    ({"messages": TOOL_USE, "tools": ["get_weather"]}, '"tools" must be a list of'),
     ({"messages": [TOOL_USE[0], {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]},
      "messages[1].tool_calls[0] must be"),
     ({"messages": [*TOOL_USE[:2], {"role": "tool", "content": "rain"}]}, "messages[2] is a tool turn without its "
