@@ -138,9 +138,9 @@ async def responses(request: Request):
     served, body = served_by(request), json_body(await request.body())
     chat = chat_body(body)
     adapter = requested(served, chat)
-    ids, stop_ids, _ = conversation_prompt(chat, served.adapters.meta_of(adapter), served.tokenizer)
+    ids, stop_ids, tools = conversation_prompt(chat, served.adapters.meta_of(adapter), served.tokenizer)
     return await respond(served, request, chat, adapter, [ids], stop_ids, chat=True,
-                         shape=functools.partial(ResponseReply, body=body))
+                         shape=functools.partial(ResponseReply, body=body), tools=tools)
 
 
 @routes.post("/v1/load_weights")

@@ -16,8 +16,7 @@ REFUSED = {"previous_response_id": "this server stores no responses: send the co
            "conversation": "this server stores no conversations: send the conversation as input",
            "background": "responses run in the foreground here", "prompt": "this server keeps no prompt templates",
            "include": "this server adds nothing to a response's output",
-           "reasoning": "the served model has no reasoning settings", "top_logprobs": "use /v1/chat/completions",
-           "tools": "use /v1/chat/completions, which takes them"}
+           "reasoning": "the served model has no reasoning settings", "top_logprobs": "use /v1/chat/completions"}
 # Chat completions' options a Responses request may give too (vLLM's sampling extras among them).
 PASSED = ("model", "temperature", "top_p", "stream", "seed", "stop", "top_k", "min_p", "repetition_penalty",
           "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "ignore_eos", "structured_outputs",
@@ -30,8 +29,7 @@ def chat_body(body: dict) -> dict:
     """The chat completions body a Responses body asks for; a 400 names what it cannot be."""
     for key, why in REFUSED.items():
         if body.get(key):
-            raise APIError(400, f"{key} {'are' if key == 'tools' else 'is'} not supported by this server: {why}", key,
-                           code="unsupported")
+            raise APIError(400, f"{key} is not supported by this server: {why}", key, code="unsupported")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise APIError(400, "instructions must be a string", "instructions")
@@ -42,6 +40,12 @@ def chat_body(body: dict) -> dict:
         body.get("input"))
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools"):
+        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(body["tools"])]
+    if body.get("tool_choice") is not None:
+        choice = body["tool_choice"]
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} if isinstance(
+            choice, dict) and choice.get("type") == "function" else choice
     text_format = (body.get("text") or {}).get("format")
     if text_format is not None:
         if not isinstance(text_format, dict):
@@ -54,25 +58,47 @@ def chat_body(body: dict) -> dict:
     return chat
 
 
+def _chat_tool(tool, i: int) -> dict:
+    """A Responses function tool ({"type": "function", "name", "description", "parameters"}) in chat's shape."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise APIError(400, f"tools[{i}] must be a function ({{\"type\": \"function\", \"name\", \"parameters\"}}): "
+                            f"this server runs no built-in tools", "tools")
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
+
+
 def _messages(given) -> list[dict]:
-    """Responses' input as chat messages: a string is one user turn; each item of a list a message."""
+    """Responses' input as chat messages: a string is one user turn; a list's messages each a turn, its
+    function_call items the calls of an assistant turn and its function_call_output items tool turns."""
     if isinstance(given, str) and given:
         return [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise APIError(400, "input must be a non-empty string or list of messages", "input")
     messages = []
     for i, item in enumerate(given):
-        if not isinstance(item, dict) or item.get("type", "message") != "message" or item.get("role") not in ROLES:
-            raise APIError(400, f"input[{i}] must be a message of role user, assistant, system or developer (this "
-                                f"server runs no tools)", "input")
-        content = item.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in content):
-                raise APIError(400, f"input[{i}]: only text content is supported (no images, audio or files)",
-                               "input")
-            content = [{"type": "text", "text": p.get("text")} for p in content]
-        messages.append({"role": ROLES[item["role"]], "content": content})
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": None, "tool_calls": []})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output" and isinstance(item.get("call_id"), str) and \
+                isinstance(item.get("output"), str):
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind == "message" and item.get("role") in ROLES:
+            messages.append({"role": ROLES[item["role"]], "content": _content(item.get("content"), i)})
+        else:
+            raise APIError(400, f"input[{i}] must be a message of role user, assistant, system or developer, a "
+                                f"function_call or a function_call_output", "input")
     return messages
+
+
+def _content(content, i: int):
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in content):
+            raise APIError(400, f"input[{i}]: only text content is supported (no images, audio or files)", "input")
+        return [{"type": "text", "text": p.get("text")} for p in content]
+    return content
 
 
 class ResponseReply(Reply):
@@ -84,29 +110,46 @@ class ResponseReply(Reply):
         self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
 
     async def whole(self, request) -> dict:
-        text, reason = "", None
+        text, reason, calls = "", None, []
         async for delta in self.deltas(0):
-            text, reason = text + delta.text, delta.reason
+            text, reason, calls = text + delta.text, delta.reason, calls + delta.calls
             if await request.is_disconnected():
                 return {}
-        return self.response(text, reason)
+        return self.response(text, reason, calls)
 
     async def stream(self):
+        """The Responses stream's events: the answer's message item opened at its first text, each function call an
+        item of its own after it (its arguments in one delta), then the response completed or incomplete."""
         try:
             yield self.event("response.created", response=self.response("", None))
             yield self.event("response.in_progress", response=self.response("", None))
-            yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
             where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-            yield self.event("response.content_part.added", **where, part=self.part(""))
-            text, reason = "", None
+            text, reason, calls = "", None, []
             async for delta in self.deltas(0):
-                text, reason = text + delta.text, delta.reason
+                if delta.text and not text:
+                    yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
+                    yield self.event("response.content_part.added", **where, part=self.part(""))
                 if delta.text:
                     yield self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
-            yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-            yield self.event("response.content_part.done", **where, part=self.part(text))
-            yield self.event("response.output_item.done", output_index=0, item=self.message(text, reason))
-            response = self.response(text, reason)
+                text, reason, calls = text + delta.text, delta.reason, calls + delta.calls
+            items = self.items(text, reason, calls)
+            if text or not calls:
+                if not text:  # an empty answer: its message item all the same
+                    yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
+                    yield self.event("response.content_part.added", **where, part=self.part(""))
+                yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+                yield self.event("response.content_part.done", **where, part=self.part(text))
+                yield self.event("response.output_item.done", output_index=0, item=items[0])
+            start = 1 if text or not calls else 0  # the function calls' items, after the message's
+            for index, item in enumerate(items[start:], start):
+                yield self.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                          "status": "in_progress"})
+                yield self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                 delta=item["arguments"])
+                yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                 arguments=item["arguments"])
+                yield self.event("response.output_item.done", output_index=index, item=item)
+            response = self.response(text, reason, calls)
             yield self.event(f"response.{response['status']}", response=response)
         except APIError as e:  # the worker died mid-stream: the Responses stream's error event
             yield self.event("error", code=e.code or e.kind, message=e.message, param=e.param)
@@ -123,23 +166,37 @@ class ResponseReply(Reply):
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     def message(self, text: str, reason: str | None) -> dict:
-        status = "in_progress" if reason is None else "completed" if reason == "stop" else "incomplete"
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
+        return {"type": "message", "id": self.item_id, "status": _status(reason), "role": "assistant",
                 "content": [self.part(text)] if reason is not None else []}
 
-    def response(self, text: str, reason: str | None) -> dict:
-        """The response object: in progress (reason None), completed (the answer ended) or incomplete (its
-        max_output_tokens reached)."""
-        body, usage = self.body, self.usage()
-        status = "in_progress" if reason is None else "completed" if reason == "stop" else "incomplete"
+    def items(self, text: str, reason: str | None, calls: list) -> list[dict]:
+        """The output: the answer's message (where it has text, or calls nothing), then a function_call item for
+        each call."""
+        message = [self.message(text, reason)] if text or not calls else []
+        return message + [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                           "status": "completed"} for call in calls]
+
+    def response(self, text: str, reason: str | None, calls: list = ()) -> dict:
+        """The response object: in progress (reason None), completed (the answer ended, or called) or incomplete
+        (its max_output_tokens reached)."""
+        body, usage, status = self.body, self.usage(), _status(reason)
+        tools = self.asked.tools
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None, "model": self.model,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else
                 None, "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-                "output": [self.message(text, reason)] if reason is not None else [], "parallel_tool_calls": False,
-                "temperature": self.asked.sampling.temperature, "top_p": self.asked.sampling.top_p,
-                "tool_choice": "none", "tools": [], "store": False, "metadata": body.get("metadata") or {},
+                "output": self.items(text, reason, list(calls)) if reason is not None else [],
+                "parallel_tool_calls": False, "temperature": self.asked.sampling.temperature,
+                "top_p": self.asked.sampling.top_p, "tool_choice": body.get("tool_choice") or (
+                    "auto" if tools else "none"), "tools": body.get("tools") or [], "store": False,
+                "metadata": body.get("metadata") or {},
                 "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
                 "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                           "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
                           "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def _status(reason: str | None) -> str:
+    """in_progress (no reason yet), completed (stopped, or called), incomplete (max_output_tokens reached)."""
+    return "in_progress" if reason is None else "incomplete" if reason == "length" else "completed"

@@ -60,14 +60,20 @@ class Tools:
             "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
             for name, args in named]
 
+    def check_template(self, template: str) -> None:
+        """auto reads the calls a model writes: its chat template (source) must write them as Hermes' blocks."""
+        if self.choice == "auto" and HERMES not in template:
+            raise APIError(400, "tool_choice auto reads the calls a model writes, and this model's chat template "
+                                "writes none as <tool_call> blocks (Hermes', Qwen's); fix: ask for tool_choice "
+                                "required or a named function", "tool_choice", code="unsupported")
+
     def finish_reason(self, reason: str, calls: list) -> str:
         """OpenAI's: "tool_calls" where the model chose to call (auto, required), "stop" for a named function."""
         return "tool_calls" if calls and reason == "stop" and self.choice in ("auto", "required") else reason
 
 
-def read_tools(body: dict, template: str) -> Tools | None:
-    """The request's tools and tool_choice, checked against the model's chat template (its source); None where it
-    gives no tools."""
+def read_tools(body: dict) -> Tools | None:
+    """The request's tools and tool_choice, checked; None where it gives no tools."""
     definitions, choice = body.get("tools"), body.get("tool_choice")
     if not definitions:
         if choice not in (None, "none"):
@@ -87,8 +93,4 @@ def read_tools(body: dict, template: str) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         raise APIError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                             "{\"name\": ...}}", "tool_choice")
-    if choice == "auto" and HERMES not in template:
-        raise APIError(400, "tool_choice auto reads the calls a model writes, and this model's chat template writes "
-                            "none as <tool_call> blocks (Hermes', Qwen's); fix: ask for tool_choice required or a "
-                            "named function", "tool_choice", code="unsupported")
     return Tools(definitions, choice)

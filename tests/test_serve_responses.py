@@ -88,9 +88,12 @@ def test_sampling_options_and_the_text_format_reach_the_sampler(server):
     ({"input": MESSAGE, "previous_response_id": "resp_1"}, "previous_response_id is not supported by this server: "
                                                            "this server stores no responses"),
     ({"input": MESSAGE, "background": True}, "background is not supported"),
-    ({"input": MESSAGE, "tools": [{"type": "function", "name": "f"}]}, "tools are not supported"),
+    ({"input": MESSAGE, "tools": [{"type": "function", "name": "f"}]}, "the chat: the model's chat template does "
+                                                                        "not render tools"),
+    ({"input": MESSAGE, "tools": [{"type": "web_search"}]}, "tools[0] must be a function"),
     ({"input": MESSAGE, "include": ["message.output_text.logprobs"]}, "include is not supported"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0] must be a message"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0] must be a message of role user, assistant, system "
+                                                        "or developer, a function_call or a function_call_output"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0]: only text content is supported"),
     ({"input": ""}, "input must be a non-empty string or list of messages"),

@@ -41,19 +41,21 @@ def ask(server, **options):
     return server.client().chat.completions.create(model="export", tools=TOOLS, **options)
 
 
-def valid(call) -> bool:
-    arguments = json.loads(call.function.arguments)
-    if call.function.name == "get_weather":
+def valid(name: str, arguments: str) -> bool:
+    """A call's arguments are of its tool's schema."""
+    arguments = json.loads(arguments)
+    if name == "get_weather":
         return set(arguments) == {"city", "days"} and arguments["city"] in ("Paris", "Rome") and \
             type(arguments["days"]) is int and 1 <= arguments["days"] <= 7
-    return call.function.name == "get_time" and set(arguments) == {"zone"} and len(arguments["zone"]) <= 6
+    return name == "get_time" and set(arguments) == {"zone"} and len(arguments["zone"]) <= 6
 
 
 def test_a_named_function_is_called_with_arguments_of_its_schema(server):
     reply = ask(server, temperature=1, seed=1, n=3, tool_choice={"type": "function", "function": {"name": "get_time"}})
     for choice in reply.choices:
         (call,) = choice.message.tool_calls
-        assert call.function.name == "get_time" and valid(call) and call.id.startswith("call_")
+        assert call.function.name == "get_time" and valid(call.function.name, call.function.arguments)
+        assert call.id.startswith("call_")
         assert choice.message.content is None and choice.finish_reason == "stop"  # OpenAI's for a forced call
 
 
@@ -62,7 +64,7 @@ def test_required_calls_one_or_more_of_the_tools(server):
     for seed in range(4):
         choice = ask(server, temperature=1, seed=seed, tool_choice="required", max_tokens=450).choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
-        assert all(valid(call) for call in choice.message.tool_calls)
+        assert all(valid(call.function.name, call.function.arguments) for call in choice.message.tool_calls)
         names |= {call.function.name for call in choice.message.tool_calls}
     assert names == {"get_weather", "get_time"}  # the seeds choose either
 
@@ -118,11 +120,12 @@ def test_each_mistake_is_a_400_naming_it(server, options, message):
 
 
 def test_auto_needs_a_template_that_writes_calls_as_hermes_blocks():
+    template = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
     with pytest.raises(APIError, match="tool_choice auto reads the calls a model writes, and this model's chat "
                                        "template writes none as <tool_call> blocks"):
-        read_tools({"tools": TOOLS}, "{% for tool in tools %}{{ tool | tojson }}{% endfor %}")
-    assert read_tools({"tools": TOOLS, "tool_choice": "required"}, "{{ tools }}").choice == "required"
-    assert read_tools({"messages": [{"role": "user", "content": MESSAGE}]}, "") is None
+        read_tools({"tools": TOOLS}).check_template(template)
+    read_tools({"tools": TOOLS, "tool_choice": "required"}).check_template(template)
+    assert read_tools({"messages": [{"role": "user", "content": MESSAGE}]}) is None
     assert any("does not render tools" in message for _, _, message in BAD)
 
 
@@ -150,3 +153,46 @@ def test_a_stop_string_inside_a_token_cuts_the_answer_there_with_tools_and_witho
             text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices) if stream else \
                 reply.choices[0].message.content
             assert text == expected, (tools, stream)
+
+
+FLAT = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's shape of the tools
+
+
+def test_the_responses_api_calls_tools_as_function_call_items_whole_and_streamed(server):
+    client = server.client()
+    named = client.responses.create(model="export", input=ASK[0]["content"], tools=FLAT, temperature=1,
+                                    tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=150,
+                                    extra_body={"seed": 3})
+    (item,) = named.output
+    assert item.type == "function_call" and item.name == "get_time" and named.status == "completed"
+    assert valid(item.name, item.arguments)
+    written = {"structured_outputs": {"regex": re.escape(CALL)}, "seed": 1}
+    whole = client.responses.create(model="export", input=ASK[0]["content"], tools=FLAT, temperature=0,
+                                    max_output_tokens=150, extra_body=written)
+    assert [o.type for o in whole.output] == ["message", "function_call"] and whole.output_text == "Sure. "
+    assert (whole.output[1].name, json.loads(whole.output[1].arguments)) == ("get_weather", {"city": "Rome", "days": 3})
+    events = list(client.responses.create(model="export", input=ASK[0]["content"], tools=FLAT, temperature=0,
+                                          max_output_tokens=150, extra_body=written, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert events[-1].response.output[1].arguments == whole.output[1].arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_the_responses_apis_function_call_items_are_the_chat_turns_of_tool_use(server):
+    call = {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})}
+    items = [*ASK, {"type": "function_call", "call_id": "call_1", **call},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees"}]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": call}]}, {"role": "tool", "tool_call_id": "call_1",
+                                                                     "content": "18 degrees"}]
+    sampled = {"model": "export", "temperature": 1, "tool_choice": "none"}
+    answer = server.client().responses.create(input=items, tools=FLAT, max_output_tokens=40, **sampled,
+                                              extra_body={"seed": 4}).output_text
+    assert answer == server.client().chat.completions.create(messages=messages, tools=TOOLS, max_tokens=40, seed=4,
+                                                             **sampled).choices[0].message.content
