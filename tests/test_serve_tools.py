@@ -2,7 +2,9 @@
 template (the built-in hermes) renders tools and writes calls as Hermes' <tool_call> blocks: a named function's
 answer is a call of it with arguments of its schema; `required`'s one or more calls of the tools given; `auto` reads
 the calls the model writes (made to write them here through structured outputs) whole and streamed, its text before
-them the content; earlier calls and tool results render into the prompt; each mistake is a 400 naming it."""
+them the content; earlier calls and tool results render into the prompt; each mistake is a 400 naming it. The
+Responses API's function tools, function_call items out (whole and in its stream's events) and in (with
+function_call_output items) are the same calls."""
 import json
 import re
 
@@ -13,6 +15,7 @@ import pytest
 from data.tokenizers import EOT
 from servers import BAD, MESSAGE, Server, chat_model_export
 from serving.errors import APIError
+from serving.responses import chat_body
 from serving.tools import read_tools
 
 pytestmark = pytest.mark.launch  # a server process
@@ -191,6 +194,9 @@ def test_the_responses_apis_function_call_items_are_the_chat_turns_of_tool_use(s
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": call}]}, {"role": "tool", "tool_call_id": "call_1",
                                                                      "content": "18 degrees"}]
+    read = chat_body({"input": items, "tools": FLAT, "tool_choice": {"type": "function", "name": "get_time"}})
+    assert read["messages"] == messages and read["tools"] == TOOLS
+    assert read["tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
     sampled = {"model": "export", "temperature": 1, "tool_choice": "none"}
     answer = server.client().responses.create(input=items, tools=FLAT, max_output_tokens=40, **sampled,
                                               extra_body={"seed": 4}).output_text
