@@ -15,8 +15,8 @@ MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each to
 MAX_N = 16
 # OpenAI's options this server does not implement, refused where a request sets them (0, empty or false is their
 # default) rather than answered as if they were not there.
-UNSUPPORTED = {"functions": "functions (the legacy form of tools)", "function_call": "function_call (the legacy form "
-               "of tool_choice)", "suffix": "suffixes"}
+UNSUPPORTED = {"functions": "legacy function definitions (functions: send tools)",
+               "function_call": "legacy function-call choices (function_call: send tool_choice)", "suffix": "suffixes"}
 
 
 @dataclass

@@ -138,6 +138,10 @@ BAD = [  # (body or raw bytes, status, the error message's start)
      '"tools" must be a list of'),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice needs tools"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, 400,
+     "legacy function definitions (functions: send tools) are not supported by this server"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "function_call": "auto"}, 400,
+     "legacy function-call choices (function_call: send tool_choice) are not supported by this server"),
     ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "the chat: the model's chat template does not render "
                                                                 "tools"),
