@@ -115,41 +115,40 @@ class ResponseReply(Reply):
             text, reason, calls = text + delta.text, delta.reason, calls + delta.calls
             if await request.is_disconnected():
                 return {}
-        return self.response(text, reason, calls)
+        return self.response(self.items(text, reason, calls), reason)
 
     async def stream(self):
         """The Responses stream's events: the answer's message item opened at its first text, each function call an
         item of its own after it (its arguments in one delta), then the response completed or incomplete."""
         try:
-            yield self.event("response.created", response=self.response("", None))
-            yield self.event("response.in_progress", response=self.response("", None))
+            yield self.event("response.created", response=self.response([], None))
+            yield self.event("response.in_progress", response=self.response([], None))
             where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-            text, reason, calls = "", None, []
+            text, reason, calls, opened = "", None, [], False
             async for delta in self.deltas(0):
-                if delta.text and not text:
-                    yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
-                    yield self.event("response.content_part.added", **where, part=self.part(""))
-                if delta.text:
-                    yield self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
                 text, reason, calls = text + delta.text, delta.reason, calls + delta.calls
+                if delta.text:
+                    if not opened:
+                        yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
+                        yield self.event("response.content_part.added", **where, part=self.part(""))
+                        opened = True
+                    yield self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
             items = self.items(text, reason, calls)
-            if text or not calls:
-                if not text:  # an empty answer: its message item all the same
-                    yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
-                    yield self.event("response.content_part.added", **where, part=self.part(""))
-                yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-                yield self.event("response.content_part.done", **where, part=self.part(text))
-                yield self.event("response.output_item.done", output_index=0, item=items[0])
-            start = 1 if text or not calls else 0  # the function calls' items, after the message's
-            for index, item in enumerate(items[start:], start):
-                yield self.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                          "status": "in_progress"})
-                yield self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                 delta=item["arguments"])
-                yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                 arguments=item["arguments"])
+            for index, item in enumerate(items):
+                if item["type"] == "message":
+                    if not opened:  # an empty answer: its message item all the same
+                        yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
+                        yield self.event("response.content_part.added", **where, part=self.part(""))
+                    yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+                    yield self.event("response.content_part.done", **where, part=self.part(text))
+                else:
+                    yield self.event("response.output_item.added", output_index=index,
+                                     item={**item, "arguments": "", "status": "in_progress"})
+                    calling = {"item_id": item["id"], "output_index": index}
+                    yield self.event("response.function_call_arguments.delta", **calling, delta=item["arguments"])
+                    yield self.event("response.function_call_arguments.done", **calling, arguments=item["arguments"])
                 yield self.event("response.output_item.done", output_index=index, item=item)
-            response = self.response(text, reason, calls)
+            response = self.response(items, reason)
             yield self.event(f"response.{response['status']}", response=response)
         except APIError as e:  # the worker died mid-stream: the Responses stream's error event
             yield self.event("error", code=e.code or e.kind, message=e.message, param=e.param)
@@ -177,16 +176,16 @@ class ResponseReply(Reply):
                            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                            "status": "completed"} for call in calls]
 
-    def response(self, text: str, reason: str | None, calls: list = ()) -> dict:
-        """The response object: in progress (reason None), completed (the answer ended, or called) or incomplete
-        (its max_output_tokens reached)."""
+    def response(self, items: list, reason: str | None) -> dict:
+        """The response object of its output `items`: in progress (reason None), completed (the answer ended, or
+        called) or incomplete (its max_output_tokens reached)."""
         body, usage, status = self.body, self.usage(), _status(reason)
         tools = self.asked.tools
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None, "model": self.model,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else
                 None, "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-                "output": self.items(text, reason, list(calls)) if reason is not None else [],
+                "output": items,
                 "parallel_tool_calls": False, "temperature": self.asked.sampling.temperature,
                 "top_p": self.asked.sampling.top_p, "tool_choice": body.get("tool_choice") or (
                     "auto" if tools else "none"), "tools": body.get("tools") or [], "store": False,

@@ -184,6 +184,8 @@ def test_the_responses_api_calls_tools_as_function_call_items_whole_and_streamed
                      "response.output_item.added", "response.function_call_arguments.delta",
                      "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     assert events[-1].response.output[1].arguments == whole.output[1].arguments
+    done = [e.item.id for e in events if e.type == "response.output_item.done"]
+    assert done == [item.id for item in events[-1].response.output]  # the items are the response's own
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
