@@ -66,7 +66,7 @@ BUILTIN_TEMPLATES = {
         "{% if message['role'] == 'assistant' %}"
         "Assistant: {% generation %}{{ message['content'] }}{% for call in message.get('tool_calls') or [] %}"
         "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
-        "{{ call['function']['arguments'] }}}</tool_call>{% endfor %}" + EOT + "{% endgeneration %}\n"
+        "{{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}" + EOT + "{% endgeneration %}\n"
         "{% elif message['role'] == 'tool' %}"
         "Tool: {{ message['content'] }}\n"
         "{% else %}"
@@ -183,16 +183,24 @@ def request_turns(messages) -> list[dict]:
 
 def _tool_calls(calls, where: str) -> list[dict]:
     """OpenAI's tool calls of an assistant turn: each {"id", "type": "function", "function": {"name",
-    "arguments"}}, the arguments a JSON string."""
+    "arguments"}}, the arguments a JSON string, which templates are given as its value: transformers' convention
+    (Llama 3's, Qwen's and Mistral's templates write `arguments | tojson`), as vLLM passes them."""
     if not isinstance(calls, list):
         raise ChatError(f"{where} must be a list of tool calls")
+    read = []
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
                 not isinstance(function.get("arguments"), str):
             raise ChatError(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
                             f"\"arguments\"}}}} with the arguments a JSON string")
-    return calls
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError as e:
+            raise ChatError(f"{where}[{j}].function.arguments is not JSON ({e.msg} at character {e.pos}): a call's "
+                            f"arguments are a JSON object written as a string") from None
+        read.append({**call, "function": {**function, "arguments": arguments}})
+    return read
 
 
 def _turns(items, key: str, role_key: str, content_key: str, roles: dict) -> list[dict]:
@@ -295,6 +303,8 @@ def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: st
     except ChatTemplateError as e:  # a template that fails on a prompt alone, which preparation never rendered
         source = f", from {chat['template']}" if chat.get("template") else ""
         recorded = f"the model's chat template (meta.json chat.chat_template{source})"
+        if e.refused:  # its own raise_exception: the messages are what it does not take
+            raise ValueError(f"{what}: {e.describe(recorded, 'the messages')}; fix: send messages it takes") from None
         raise ValueError(f"{what}: {e.describe(recorded, 'the messages')}; fix: correct the template so it renders "
                          f"user messages with add_generation_prompt, and prepare the conversations again with it "
                          f"(python -m data.prepare --format chat --chat_template FILE)") from None

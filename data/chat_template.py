@@ -1,9 +1,10 @@
 """Chat templates: Jinja, rendered as transformers renders them (a sandbox; trim_blocks, lstrip_blocks; tojson,
-raise_exception), with the character spans of each `{% generation %}` block (the assistant's parts the loss trains
-on) and the `tools` transformers passes. A template that is not Jinja, or that raises as it renders, raises
+raise_exception, strftime_now), with the character spans of each `{% generation %}` block (the assistant's parts the
+loss trains on) and the `tools` transformers passes. A template that is not Jinja, or that raises as it renders, raises
 ChatTemplateError with the template's line."""
 import json
 from contextvars import ContextVar
+from datetime import datetime
 
 
 class ChatTemplateError(ValueError):
@@ -108,4 +109,6 @@ def _environment(spans: ContextVar):
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = raise_exception
+    # Llama 3's templates write today's date into the system turn where this is defined, as transformers defines it
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return env

@@ -14,7 +14,6 @@ from serving.errors import APIError, worker_failed
 from serving.requests import Asked
 from serving.scheduler import Drawn
 from serving.text import TextStream
-from serving.tools import HERMES
 
 
 @dataclass
@@ -51,12 +50,15 @@ class Reply:
     async def deltas(self, index: int):
         """The choice's deltas as its sequence's events arrive; the echoed prompt first where asked. Where tools may
         be called, the text of the calls is held (a named function's or required's answer is all calls; auto's from
-        its first <tool_call>, where its text stream stops as at a stop string) and the calls read from the answer
-        come with the last delta."""
+        where its format's calls begin, where its text stream stops as at a stop string) and the calls read from the
+        answer come with the last delta."""
         sequence, asked = self.sequences[index], self.asked
         tools = asked.tools if asked.tools is not None and asked.tools.choice != "none" else None
-        marker = [HERMES] if tools is not None and tools.choice == "auto" else []
-        text = TextStream(self.served.tokenizer, asked.stops + marker, sequence.sampling.min_tokens)
+        reading = tools.reading() if tools is not None else None
+        marks = reading.marks if reading else ()
+        leading = marks if reading and reading.leading else ()
+        text = TextStream(self.served.tokenizer, asked.stops + [m for m in marks if m not in leading],
+                          sequence.sampling.min_tokens, leading)
         held, answer, shown = [], [], 0  # tokens not yet in a delta; the answer's ids; characters sent
         calling = tools is not None and tools.choice != "auto"  # the whole answer is calls
         while True:
@@ -79,7 +81,7 @@ class Reply:
                     continue
                 answer.append(value.id)
                 piece, stopped = text.add(value.id)
-                if stopped and text.stop != HERMES:
+                if stopped and text.stop not in marks:
                     self.served.scheduler.cancel(sequence, "stop")
                     yield self.last(index, text, None, shown, held, "stop", tools, piece)
                     return

@@ -99,7 +99,7 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             if any(isinstance(p, dict) and p.get("type") != "text" for p in message["content"]):
                 raise APIError(400, "only text content is supported (no images or audio)", "messages")
-    tools = read_tools(body)
+    tools = read_tools(body, meta["chat"]["chat_template"])
     try:
         ids, end_of_turn = chat_prompt(request_turns(messages), meta, tokenizer, "the chat", "use /v1/completions",
                                        tools and tools.definitions)
@@ -108,7 +108,7 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
     except ValueError as e:
         raise APIError(400, str(e), "messages", code="chat_not_supported") from None
     if tools is not None:  # the template renders them: it must write calls where auto reads them
-        tools.check_template(meta["chat"]["chat_template"])
+        tools.check_format()
     return ids, (end_of_turn,), tools
 
 

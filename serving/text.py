@@ -1,11 +1,13 @@
 """A generated sequence as text, piece by piece as its tokens arrive: what is safe to send now (never the start of
 a possible stop string, never half a UTF-8 character a byte-level tokenizer has only begun), and where a stop
-string ends it (never within the text of the answer's first `min_tokens` tokens, vLLM's rule)."""
+string ends it (never within the text of the answer's first `min_tokens` tokens, vLLM's rule). A `leading` string
+ends it only where the text begins with one (after whitespace), so the text is held until it is known not to."""
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0):
+    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0, leading: tuple[str, ...] = ()):
         self.tokenizer, self.stops, self.min_tokens = tokenizer, [s for s in stops if s], min_tokens
+        self.leading = leading
         self.tokens: list[int] = []
         self.text, self.sent = "", 0
         self.floor = 0  # the length of the first min_tokens tokens' text: a stop string must end past it
@@ -17,6 +19,15 @@ class TextStream:
         self.text = self.tokenizer.decode(self.tokens)
         if len(self.tokens) <= self.min_tokens:
             self.floor = len(self.text)
+        if self.leading:
+            begun = self.text.lstrip()
+            self.stop = next((mark for mark in self.leading if begun.startswith(mark)), None)
+            if self.stop is not None:  # nothing was sent: the whitespace before it is no text either
+                self.text = ""
+                return "", True
+            if any(mark.startswith(begun) for mark in self.leading):
+                return "", False
+            self.leading = ()
         found = [(i, stop) for i, stop in ((self.text.find(stop, max(0, self.floor - len(stop) + 1)), stop)
                                            for stop in self.stops) if i >= 0]
         if found:

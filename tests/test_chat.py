@@ -215,6 +215,13 @@ TOOL_USE = [{"role": "user", "content": "Is it raining in Verona?"},
             {"role": "assistant", "content": "It rains in Verona, good my lord."}]
 
 
+def as_transformers(turns: list[dict]) -> list[dict]:
+    """OpenAI's turns as transformers' templates take them (and vLLM gives them): a call's arguments an object."""
+    def call(c):
+        return {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+    return [{**t, "tool_calls": [call(c) for c in t["tool_calls"]]} if t.get("tool_calls") else t for t in turns]
+
+
 def test_tool_use_renders_and_masks_as_transformers_does_with_the_hermes_template(bpe):
     """A record of tools and tool use (OpenAI's fine-tuning format): its turns read, the tools listed, the call and the
     answer supervised, transformers' ids and assistant mask."""
@@ -222,13 +229,13 @@ def test_tool_use_renders_and_masks_as_transformers_does_with_the_hermes_templat
 
     record = {"messages": TOOL_USE, "tools": [WEATHER]}
     kind, turns = conversation(record)
-    assert turns[1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    assert turns[1] == {"role": "assistant", "content": "", "tool_calls": as_transformers(TOOL_USE)[1]["tool_calls"]}
     assert turns[2] == {"role": "tool", "content": "rain, 9 degrees", "tool_call_id": "call_1"}
     template = BUILTIN_TEMPLATES["hermes"]
     reference = PreTrainedTokenizerFast(tokenizer_object=bpe)
     reference.chat_template = template
-    expected = reference.apply_chat_template(TOOL_USE, tools=[WEATHER], tokenize=True, return_dict=True,
-                                             return_assistant_tokens_mask=True)
+    expected = reference.apply_chat_template(as_transformers(TOOL_USE), tools=[WEATHER], tokenize=True,
+                                             return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = tokenize(turns, ChatTemplate(template), HFTokenizer(bpe, "bpe"), "all", [WEATHER])
     assert (ids, mask) == (expected["input_ids"], expected["assistant_masks"])
     assert reference.decode([i for i, m in zip(ids, mask) if m]) == (

@@ -53,7 +53,7 @@ def test_tool_use_records_are_written_as_transformers_renders_and_masks_them(tmp
     from transformers import PreTrainedTokenizerFast
 
     from data.chat import BUILTIN_TEMPLATES
-    from test_chat import TOOL_USE, WEATHER
+    from test_chat import TOOL_USE, WEATHER, as_transformers
 
     records = [{"messages": TOOL_USE, "tools": [WEATHER]}, *({"messages": turns} for turns in CONVERSATIONS)] * 3
     inputs = write_jsonl(tmp_path / "tools.jsonl", records)
@@ -62,8 +62,8 @@ def test_tool_use_records_are_written_as_transformers_renders_and_masks_them(tmp
     reference = PreTrainedTokenizerFast(tokenizer_file=str(chatml_tokenizer / "tokenizer.json"))
     reference.chat_template = BUILTIN_TEMPLATES["hermes"]
     expected = sorted((out["input_ids"], out["assistant_masks"]) for out in (
-        reference.apply_chat_template(r["messages"], tools=r.get("tools"), tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True) for r in records))
+        reference.apply_chat_template(as_transformers(r["messages"]), tools=r.get("tools"), tokenize=True,
+                                      return_dict=True, return_assistant_tokens_mask=True) for r in records))
     assert all_documents(tmp_path / "out") == expected
     assert sum(reference.decode(ids).startswith("System: you may call these tools") for ids, _ in expected) == 3
 
