@@ -27,7 +27,6 @@ class TextStream:
                 return "", True
             if any(mark.startswith(begun) for mark in self.leading):
                 return "", False
-            self.leading = ()
         found = [(i, stop) for i, stop in ((self.text.find(stop, max(0, self.floor - len(stop) + 1)), stop)
                                            for stop in self.stops) if i >= 0]
         if found:

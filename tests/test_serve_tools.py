@@ -13,10 +13,8 @@ import openai
 import pytest
 
 from data.tokenizers import EOT
-from servers import BAD, MESSAGE, Server, chat_model_export
-from serving.errors import APIError
+from servers import Server, chat_model_export
 from serving.responses import chat_body
-from serving.tools import read_tools
 
 pytestmark = pytest.mark.launch  # a server process
 WEATHER = {"type": "function", "function": {
@@ -120,16 +118,6 @@ def test_each_mistake_is_a_400_naming_it(server, options, message):
     with pytest.raises(openai.BadRequestError) as caught:
         ask(server, **options)
     assert caught.value.body["message"].startswith(message), caught.value.body
-
-
-def test_auto_needs_a_template_that_writes_calls_as_hermes_blocks():
-    template = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
-    with pytest.raises(APIError, match="tool_choice auto reads the calls a model writes, and this model's chat "
-                                       "template writes none as <tool_call> blocks"):
-        read_tools({"tools": TOOLS}).check_template(template)
-    read_tools({"tools": TOOLS, "tool_choice": "required"}).check_template(template)
-    assert read_tools({"messages": [{"role": "user", "content": MESSAGE}]}) is None
-    assert any("does not render tools" in message for _, _, message in BAD)
 
 
 def test_a_stop_string_inside_a_token_cuts_the_answer_there_with_tools_and_without(server):

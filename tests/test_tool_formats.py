@@ -14,6 +14,7 @@ import pytest
 from data.chat import BUILTIN_TEMPLATES, chat_prompt, request_turns
 from data.chat_template import ChatTemplate
 from data.tokenizers import EOT, CharTokenizer, train_bpe
+from servers import BAD
 from serving.errors import APIError
 from serving.text import TextStream
 from serving.tools import call_format, read_tools
@@ -72,6 +73,7 @@ def test_auto_needs_a_template_that_writes_calls_in_a_format_read_here():
         auto(template).check_format()
     read_tools({"tools": [WEATHER], "tool_choice": "required"}, template).check_format()
     assert read_tools({"messages": []}, template) is None
+    assert any("does not render tools" in message for _, _, message in BAD)  # one that reads no tools: a 400
 
 
 def calls(template: str, text: str) -> list[tuple]:
