@@ -112,6 +112,9 @@ class Architecture:
     # attention's settings of model/registry.py's ATTENTION_OPTIONS), each with the reason told to a run that asks
     # for it; it supports every other.
     unsupported: dict = field(default_factory=dict)
+    # Model settings it never reads: weights of its models with other values of them compute the same (the GPT's
+    # GELU for a Llama, which model.activation's comment promises: a GPT preset runs as a Llama).
+    ignores: tuple[str, ...] = ()
     # check(cfg, c): its own range checks (c: common.checks.Checks), run by ModelConfig.check after the shared ones.
     check: Callable = _accepts_all
     training_hooks: Callable[[ModelConfig], TrainingHooks] = _no_hooks  # what a model of it adds to the loop

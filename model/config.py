@@ -156,6 +156,9 @@ class ModelConfig:
         return (self.vocab_size + m - 1) // m * m
 
 
+# The Llama's rotary position settings, which the GPT's and the encoder's positions never read.
+ROPE_SETTINGS = ("rope_theta", "rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "rope_original_context")
 # Settings that change how the model trains, not the weights it holds: a checkpoint resumes under others.
 TRAINING_SETTINGS = ("dropout", "document_masking", "capacity_factor", "router_aux_loss_coef", "router_z_loss_coef",
                      "lora_dropout")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 
 from model.architecture import Architecture
-from model.config import ModelConfig
+from model.config import ROPE_SETTINGS, ModelConfig
 from model.layers import LMHead, ScoreHead, TokenEmbedding, causal_attention, merge_heads, split_qkv
 from model.tensor_parallel import COLUMN, ROW, VOCAB
 
@@ -112,6 +112,7 @@ ENCODER = Architecture(
                                "self_attn.out_proj": ROW, "linear1": COLUMN, "linear2": ROW},
           Decoder: {"": COLUMN}},
     hf=(), mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="never",
+    ignores=("activation", "bias", "norm_eps", "tie_embeddings", "ffn_multiple_of", *ROPE_SETTINGS),
     unsupported={
         "document_masking": "its sinusoidal positions and nn.TransformerEncoderLayer take no per-document positions",
         "sequence_parallel": "the encoder's attention (nn.MultiheadAttention) has no core to split over sequence ranks",

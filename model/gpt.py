@@ -12,7 +12,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from common.checks import ConfigError
 from model.architecture import SAME, TRANSPOSED, VOCAB_ROWS, Architecture, HuggingFace
-from model.config import ModelConfig
+from model.config import ROPE_SETTINGS, ModelConfig
 from model.documents import hidden_and_positions, with_positions
 from model.layers import (
     MLP,
@@ -145,6 +145,7 @@ GPT = Architecture(
     hf=(HuggingFace("GPT2LMHeadModel", "GPT2ForSequenceClassification", "gpt2", HF_LAYERS, hf_config, check_hf,
                     check_hf_folder),),
     mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="always",
+    ignores=("norm_eps", "tie_embeddings", "ffn_multiple_of", *ROPE_SETTINGS),
     unsupported={"mixture_of_experts": "its MLPs are GPT-2's dense GELU networks; the Llama's become Mixtral's "
                                        "mixtures of SwiGLU experts",
                  "head_dim": "its fused q|k|v projection is n_embd wide, each head n_embd / n_head",

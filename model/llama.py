@@ -342,7 +342,7 @@ LLAMA = Architecture(
           for dense, block, settings in ((HF_BLOCK, HF_QWEN2_MOE_BLOCK, PLAIN_ATTENTION),
                                          (HF_QWEN2_BLOCK, HF_BIASED_QWEN2_MOE_BLOCK, QWEN2_ATTENTION))]),
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, rms_norm=True,
-    grouped_query_attention=True,
+    grouped_query_attention=True, ignores=("activation", "bias"),
     check=check,
     training_hooks=lambda cfg: router_hooks(cfg, len(llama_layers(cfg))),
 )

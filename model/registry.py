@@ -43,6 +43,13 @@ def check_architecture(cfg: ModelConfig, c) -> None:
                f"remove model.{setting}, or train {supporting(setting)}")
 
 
+def read_settings(settings: dict) -> dict:
+    """Model settings (a ModelConfig's, as a dict) less those its architecture never reads (Architecture.ignores):
+    what two models are compared on."""
+    ignored = ARCHITECTURES[settings["arch"]].ignores if settings["arch"] in ARCHITECTURES else ()
+    return {k: v for k, v in settings.items() if k not in ignored}
+
+
 def supporting(feature: str) -> str:
     """The architectures that have a feature, as a message names them: "the GPT or the Llama"."""
     return " or ".join(a.title for a in ARCHITECTURES.values() if a.supports(feature))

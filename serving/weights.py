@@ -7,6 +7,7 @@ import os
 
 from common.checks import ConfigError
 from data.documents import documents_seen
+from model.registry import read_settings
 from training.checkpoints.export import load_trained
 from training.evaluation.evaluate import where
 
@@ -73,5 +74,7 @@ def _told(documents: tuple | None) -> str:
 
 
 def _shape(cfg) -> dict:
-    """The model settings that decide what weights compute (LoRA's: an adapted run's model is the one it adapts)."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in TRAINING_ONLY and not k.startswith("lora_")}
+    """The model settings that decide what weights compute (LoRA's: an adapted run's model is the one it adapts; none
+    the architecture does not read)."""
+    settings = read_settings(dataclasses.asdict(cfg))
+    return {k: v for k, v in settings.items() if k not in TRAINING_ONLY and not k.startswith("lora_")}

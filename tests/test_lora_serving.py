@@ -232,6 +232,7 @@ def test_a_run_is_served_where_it_sees_documents_as_the_model_does():
         "sees them nowhere (a window is one document); fix: start a server for it"
     with pytest.raises(ConfigError, match="another model \\(n_layer=3 \\(served: 2\\)\\)"):
         weights.check_model("run", dataclasses.replace(masked, n_layer=3), META)
+    weights.check_model("run", dataclasses.replace(masked, activation="gelu"), META)  # the GPT's GELU: not read
 
 
 def test_an_adapter_of_a_mixture_of_experts_experts_is_refused(tmp_path):

@@ -200,6 +200,19 @@ def test_a_record_from_before_model_activation_holds_gpt2s_gelu():
         check_compatible({"config": {"model": settings}, "layout": {}}, now, {})
 
 
+def test_a_setting_an_architecture_never_reads_is_no_change_of_model():
+    """model.activation is the GPT's GELU: a Llama resumes under another, a GPT does not; the GPT reads no rotary
+    settings."""
+    layout = {"zero_stage": 0, "pp": 1, "tp": 1, "dp": 1, "sp": 1}
+    llama = dataclasses.asdict(ModelConfig(arch="llama", vocab_size=65))
+    check_compatible({"config": {"model": llama}, "layout": layout}, {**llama, "activation": "gelu", "bias": False},
+                     layout)
+    gpt = dataclasses.asdict(ModelConfig(vocab_size=65))
+    check_compatible({"config": {"model": gpt}, "layout": layout}, {**gpt, "rope_theta": 5e5}, layout)
+    with pytest.raises(ConfigError, match="model.rope_theta: 10000.0 in the checkpoint, 500000.0 now"):
+        check_compatible({"config": {"model": llama}, "layout": layout}, {**llama, "rope_theta": 5e5}, layout)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_attention_stays_full_fp32_when_the_cpus_matmuls_run_in_bf16(kv_heads):
     """Under float32 matmul precision "medium" (bf16 matmuls on a CPU, what bf16 "auto" gives a narrow model on

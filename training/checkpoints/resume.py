@@ -8,6 +8,7 @@ import shutil
 from common.checks import ConfigError
 from data.writer import write_atomic
 from model.config import EARLIER_DEFAULTS, TRAINING_SETTINGS
+from model.registry import read_settings
 from training.checkpoints import universal
 from training.checkpoints.checkpoint import (
     LATEST,
@@ -96,7 +97,8 @@ def check_compatible(saved: dict, model_cfg: dict, layout: dict, tag_dir: str | 
     """The checkpoint must hold this architecture; without the universal format, also this layout. tag_dir and
     out_dir (the checkpoint's folder, this run's train.out_dir) make the way to convert it a command to copy."""
     was = {**EARLIER_DEFAULTS, **saved["config"]["model"]}
-    changed = {k: (was[k], v) for k, v in model_cfg.items() if was[k] != v and k not in TRAINING_SETTINGS}
+    changed = {k: (was[k], v) for k, v in read_settings(model_cfg).items()
+               if was[k] != v and k not in TRAINING_SETTINGS}
     if changed:
         diff = ", ".join(f"model.{k}: {old} in the checkpoint, {new} now" for k, (old, new) in changed.items())
         raise ConfigError(f"the checkpoint holds a different model architecture ({diff}): resume with the "
