@@ -280,12 +280,17 @@ def read_conversations(path: str):
         yield number, kind, turns, tools
 
 
-def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: str,
-                tools: list | None = None) -> tuple[list[int], int]:
-    """The ids of a conversation (`turns` of {"role", "content"}) rendered by the model's chat template up to the
-    assistant's turn, with `tools` (OpenAI's definitions) where given, and the end-of-turn id its answer stops at. A
-    ValueError says why not, beginning with `what` (the input as its command names it); `instead`: what to do with a
-    model trained on plain text."""
+# Where a chat prompt ends: at the assistant's turn the answer is (add_generation_prompt), inside the last turn,
+# whose content the answer continues (continue_final_message), or after the last turn.
+ANSWER, CONTINUE, AFTER = "answer", "continue", "after"
+
+
+def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: str, tools: list | None = None,
+                variables: dict | None = None, ending: str = ANSWER) -> tuple[list[int], int]:
+    """The ids of a conversation (`turns` of {"role", "content"}) rendered by the model's chat template to its
+    `ending`, with `tools` (OpenAI's definitions) and the template's own `variables` where given, and the end-of-turn
+    id its answer stops at. A ValueError says why not, beginning with `what` (the input as its command names it);
+    `instead`: what to do with a model trained on plain text."""
     if "chat" not in meta:
         raise ValueError(f"{what} needs a model fine-tuned on conversations (data.prepare --format chat), whose chat "
                          f"template it applies; this one was trained on text: {instead}")
@@ -299,7 +304,8 @@ def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: st
             raise ValueError(f"{what}: the model's chat template does not render tools (it reads no `tools`): the "
                              f"model would never see them; fix: serve a model whose template renders them (Qwen's, "
                              f"Hermes'), or leave tools out")
-        text, _ = template.render(turns, add_generation_prompt=True, tools=tools)
+        variables = {k: v for k, v in (variables or {}).items() if k in template.variables}  # vLLM drops others
+        text, _ = template.render(turns, ending == ANSWER, tools, variables, ending == CONTINUE)
     except ChatTemplateError as e:  # a template that fails on a prompt alone, which preparation never rendered
         source = f", from {chat['template']}" if chat.get("template") else ""
         recorded = f"the model's chat template (meta.json chat.chat_template{source})"

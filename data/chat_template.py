@@ -6,6 +6,8 @@ import json
 from contextvars import ContextVar
 from datetime import datetime
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where a continued last turn's content ends
+
 
 class ChatTemplateError(ValueError):
     """A chat template that is not Jinja (syntax), or that raised while it rendered a conversation (render): Jinja's
@@ -41,17 +43,23 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:  # and TemplateAssertionError: an unknown filter or test
             raise ChatTemplateError(_one_line(e.message or type(e).__name__), e.lineno, syntax=True) from None
         self.marks_generation = "generation" in source and "endgeneration" in source
-        self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(self.template.environment.parse(source))
+        # the names it reads that the renderer may give: messages, tools, add_generation_prompt, a model's own
+        self.variables = jinja2.meta.find_undeclared_variables(self.template.environment.parse(source))
+        self.renders_tools = "tools" in self.variables
 
-    def render(self, turns: list[dict], add_generation_prompt: bool = False,
-               tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, turns: list[dict], add_generation_prompt: bool = False, tools: list | None = None,
+               variables: dict | None = None, continue_final: bool = False) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text, and the (start, end) character spans of its assistant parts; `tools` as
-        transformers passes them (OpenAI's tool definitions)."""
+        transformers passes them (OpenAI's tool definitions); `variables`: more of the template's own (Qwen 3's
+        enable_thinking, say). `continue_final`: the text ends where the last turn's content does, which an answer
+        then continues (transformers' continue_final_message)."""
+        if continue_final:
+            turns = [*turns[:-1], {**turns[-1], "content": turns[-1]["content"] + CONTINUE_TAG}]
         blocks, spans = [], []
         token = self._spans.set((blocks, spans))
         try:
             for block in self.template.generate(messages=turns, tools=tools,
-                                                add_generation_prompt=add_generation_prompt):
+                                                add_generation_prompt=add_generation_prompt, **(variables or {})):
                 blocks.append(block)
         except Exception as e:  # anything the template's code raised: an undefined name called, a filter, ...
             raised = getattr(e, "raised_by_template", False)
@@ -59,7 +67,15 @@ class ChatTemplate:
             raise ChatTemplateError(_one_line(problem), self._line(e.__traceback__), False, raised) from None
         finally:
             self._spans.reset(token)
-        return "".join(blocks), spans
+        text = "".join(blocks)
+        if continue_final:
+            if CONTINUE_TAG.strip() not in text:
+                raise ChatTemplateError("the last turn's content is not in the text it renders", None, False)
+            # where the template trims the content, the tag's space with it: the text ends at the content's last
+            # non-space character then, as transformers cuts it
+            at = text.rindex(CONTINUE_TAG.strip())
+            text = text[:at] if text[at:].startswith(CONTINUE_TAG) else text[:at].rstrip()
+        return text, spans
 
     def _line(self, tb) -> int | None:
         """The template line of the innermost frame of template code in a traceback: Jinja rewrites the frames of

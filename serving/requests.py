@@ -4,7 +4,7 @@ text (log-probabilities, the prompt echoed, token ids). Each value out of range 
 import json
 from dataclasses import dataclass
 
-from data.chat import ChatError, chat_prompt, request_turns
+from data.chat import AFTER, ANSWER, CONTINUE, ChatError, chat_prompt, request_turns
 from data.tokenizers import delimiter_id
 from model.generate import Sampling, SamplingError
 from serving.errors import APIError
@@ -13,6 +13,7 @@ from serving.tools import Tools, read_tools
 
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask for beside each token (vLLM's default bound)
 MAX_N = 16
+RENDERED = {"messages", "tools", "add_generation_prompt"}  # the template variables a request's fields set
 # OpenAI's options this server does not implement, refused where a request sets them (0, empty or false is their
 # default) rather than answered as if they were not there.
 UNSUPPORTED = {"functions": "legacy function definitions (functions: send tools)",
@@ -100,9 +101,10 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
             if any(isinstance(p, dict) and p.get("type") != "text" for p in message["content"]):
                 raise APIError(400, "only text content is supported (no images or audio)", "messages")
     tools = read_tools(body, meta["chat"]["chat_template"])
+    variables, ending = _rendering(body)
     try:
         ids, end_of_turn = chat_prompt(request_turns(messages), meta, tokenizer, "the chat", "use /v1/completions",
-                                       tools and tools.definitions)
+                                       tools and tools.definitions, variables, ending)
     except ChatError as e:
         raise APIError(400, str(e), "messages") from None
     except ValueError as e:
@@ -110,6 +112,31 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
     if tools is not None:  # the template renders them: it must write calls where auto reads them
         tools.check_format()
     return ids, (end_of_turn,), tools
+
+
+def _rendering(body: dict) -> tuple[dict, str]:
+    """vLLM's chat options: chat_template_kwargs (more of the template's variables; those it does not read are
+    dropped, as vLLM drops them), and where the prompt ends (data/chat.py: add_generation_prompt, the default, or
+    continue_final_message)."""
+    variables = body.get("chat_template_kwargs") or {}
+    if not isinstance(variables, dict):
+        raise APIError(400, "chat_template_kwargs must be an object of the chat template's variables",
+                       "chat_template_kwargs")
+    own = sorted(RENDERED & set(variables))
+    if own:
+        raise APIError(400, f"chat_template_kwargs cannot set {', '.join(own)}: the request's own fields do",
+                       "chat_template_kwargs")
+    flags = {}
+    for key in ("continue_final_message", "add_generation_prompt"):
+        if not isinstance(body.get(key, False), bool):
+            raise APIError(400, f"{key} must be true or false", key)
+        flags[key] = body.get(key)
+    if flags["continue_final_message"]:
+        if flags["add_generation_prompt"]:
+            raise APIError(400, "continue_final_message continues the last turn, add_generation_prompt begins a new "
+                                "one: set one of them", "add_generation_prompt")
+        return variables, CONTINUE
+    return variables, AFTER if flags["add_generation_prompt"] is False else ANSWER
 
 
 def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenizer, block_size: int,

@@ -20,7 +20,7 @@ REFUSED = {"previous_response_id": "this server stores no responses: send the co
 # Chat completions' options a Responses request may give too (vLLM's sampling extras among them).
 PASSED = ("model", "temperature", "top_p", "stream", "seed", "stop", "top_k", "min_p", "repetition_penalty",
           "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "ignore_eos", "structured_outputs",
-          "truncate_prompt_tokens")
+          "truncate_prompt_tokens", "parallel_tool_calls")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
 
@@ -186,7 +186,8 @@ class ResponseReply(Reply):
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else
                 None, "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
                 "output": items,
-                "parallel_tool_calls": False, "temperature": self.asked.sampling.temperature,
+                "parallel_tool_calls": tools.parallel if tools else body.get("parallel_tool_calls", True),
+                "temperature": self.asked.sampling.temperature,
                 "top_p": self.asked.sampling.top_p, "tool_choice": body.get("tool_choice") or (
                     "auto" if tools else "none"), "tools": body.get("tools") or [], "store": False,
                 "metadata": body.get("metadata") or {},

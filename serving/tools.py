@@ -89,6 +89,7 @@ class Tools:
     definitions: list  # OpenAI's {"type": "function", "function": {...}}, as the template renders them
     choice: str  # "none", "auto", "required", or the name of the function to call
     format: CallFormat | None  # how the model's template writes calls (call_format)
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false, at most one call
 
     def grammar(self) -> str | None:
         """The grammar the answer follows: a named function's arguments, or required's array of calls."""
@@ -103,8 +104,10 @@ class Tools:
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": parameters},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, parameters in functions.items()]
-        return LLMatcher.grammar_from_json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}},
-                                                  JSON_STYLE)
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return LLMatcher.grammar_from_json_schema(array, JSON_STYLE)
 
     def reading(self) -> CallFormat | None:
         """The format the answer's calls are read in where the model chooses to call (auto)."""
@@ -126,6 +129,7 @@ class Tools:
             return []
         if not all(isinstance(name, str) for name, _ in named):
             return []
+        named = named if self.parallel else named[:1]  # vLLM's rule: the first call
         new_id = self.format.new_id if self.format else _call_id
         return [{"id": new_id(), "type": "function", "function": {
             "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
@@ -166,4 +170,7 @@ def read_tools(body: dict, template: str) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         raise APIError(400, "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
                             "{\"name\": ...}}", "tool_choice")
-    return Tools(definitions, choice, call_format(template))
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise APIError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+    return Tools(definitions, choice, call_format(template), parallel)

@@ -169,5 +169,16 @@ BAD = [  # (body or raw bytes, status, the error message's start)
      "top_k must be -1 or 0 (off) or at least 1, not -2"),
     ({"model": "export", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "only text content is supported"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["x"]}, 400,
+     "chat_template_kwargs must be an object of the chat template's variables"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs cannot set tools: the request's own fields do"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+      "add_generation_prompt": True}, 400, "continue_final_message continues the last turn, add_generation_prompt "
+                                           "begins a new one: set one of them"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "continue_final_message": "yes"}, 400,
+     "continue_final_message must be true or false"),
+    ({"model": "export", "messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "no", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "parallel_tool_calls must be true or false"),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "the model 'gpt-9' is not served"),
 ]

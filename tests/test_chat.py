@@ -258,3 +258,29 @@ def test_a_malformed_tool_use_record_is_refused_naming_it(tmp_path, record, mess
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(ChatError, match=re.escape(f"{path}:1: {message}")):
         list(read_conversations(str(path)))
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] TRIM}}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not "
+            "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")  # Qwen 3's switch
+
+
+@pytest.mark.parametrize("trim", ["", "| trim "], ids=["kept", "trimmed"])
+def test_a_templates_own_variables_and_a_continued_last_turn_render_as_transformers_renders_them(bpe, trim):
+    """chat_template_kwargs' variables (Qwen 3's enable_thinking) reach the template; continue_final_message ends
+    the text where the last turn's content does, its trailing space too where the template keeps it."""
+    from transformers import PreTrainedTokenizerFast
+
+    template = THINKING.replace("TRIM", trim)
+    reference = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    reference.chat_template = template
+    asked = [{"role": "user", "content": "Speak, good my lord."}]
+    for thinking in (True, False):
+        text, _ = ChatTemplate(template).render(asked, True, None, {"enable_thinking": thinking})
+        assert text == reference.apply_chat_template(asked, add_generation_prompt=True, enable_thinking=thinking,
+                                                     tokenize=False)
+    assert ("<think>" in text) and "<think>" not in ChatTemplate(template).render(asked, True)[0]
+    begun = [*asked, {"role": "assistant", "content": "I will, "}]
+    text, _ = ChatTemplate(template).render(begun, False, None, None, continue_final=True)
+    assert text == reference.apply_chat_template(begun, continue_final_message=True, tokenize=False)
+    assert text.endswith("I will," if trim else "I will, ")

@@ -233,6 +233,22 @@ def test_completions_continue_a_prompt_as_sample_does(server, chat_export):
     assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens == len("Reverse: a b")
 
 
+def test_a_final_turn_continued_answers_as_a_completion_of_its_prompt(server):
+    """vLLM's continue_final_message: the prompt ends where the last turn's content does (no end of turn, no new
+    assistant turn), and the answer is what follows, as /v1/completions continues that text."""
+    messages = [{"role": "user", "content": MESSAGE}, {"role": "assistant", "content": "nig"}]
+    asked = {"model": "export", "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    ids = httpx.post(f"{server.url}/tokenize", json=asked, timeout=30).json()["tokens"]
+    prompt = httpx.post(f"{server.url}/detokenize", json={"model": "export", "tokens": ids}, timeout=30).json()
+    assert prompt["prompt"].endswith(f"User: {MESSAGE}\nAssistant: nig")
+    reply = server.client().chat.completions.create(model="export", messages=messages, max_tokens=6, temperature=0,
+                                                    extra_body={"continue_final_message": True})
+    completion = server.client().completions.create(model="export", prompt=ids, max_tokens=6, temperature=0)
+    answer = reply.choices[0].message.content
+    assert answer and completion.choices[0].text.startswith(answer)
+    assert reply.choices[0].finish_reason != "length" or answer == completion.choices[0].text
+
+
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
     """A server of the README's fine-tuned preset's context (64 tokens): a conversation outgrows it in two turns."""

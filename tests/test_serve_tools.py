@@ -90,6 +90,21 @@ def test_auto_reads_the_calls_the_model_writes_whole_and_streamed(server):
         assert plain.message.content == text and not plain.message.tool_calls and plain.finish_reason == "stop"
 
 
+def test_parallel_tool_calls_false_gives_one_call_at_most(server):
+    """OpenAI's parallel_tool_calls: false: auto keeps the first of the calls written (vLLM's rule), required's
+    grammar admits one call."""
+    twice = CALL + CALL.removeprefix("Sure. ")
+    written = {"structured_outputs": {"regex": re.escape(twice)}}
+    assert len(ask(server, temperature=0, extra_body=written, max_tokens=300).choices[0].message.tool_calls) == 2
+    (call,) = ask(server, temperature=0, extra_body=written, max_tokens=300,
+                  parallel_tool_calls=False).choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Rome", "days": 3}
+    for seed in range(3):
+        choice = ask(server, temperature=1, seed=seed, tool_choice="required", parallel_tool_calls=False,
+                     max_tokens=450).choices[0]
+        assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls", choice
+
+
 def test_earlier_calls_and_their_results_render_into_the_prompt(server):
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})}}
