@@ -101,8 +101,11 @@ def test_parallel_tool_calls_false_gives_one_call_at_most(server):
     assert json.loads(call.function.arguments) == {"city": "Rome", "days": 3}
     for seed in range(3):
         choice = ask(server, temperature=1, seed=seed, tool_choice="required", parallel_tool_calls=False,
-                     max_tokens=450).choices[0]
+                     max_tokens=450, extra_body={"return_token_ids": True}).choices[0]
         assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls", choice
+        written = httpx.post(f"{server.url}/detokenize", json={"model": "export", "tokens": choice.token_ids},
+                             timeout=30).json()["prompt"]
+        assert len(json.loads(written)) == 1  # the model wrote one call: no tokens spent on calls dropped
 
 
 def test_earlier_calls_and_their_results_render_into_the_prompt(server):
