@@ -14,6 +14,7 @@ from serving.errors import APIError, worker_failed
 from serving.requests import Asked
 from serving.scheduler import Drawn
 from serving.text import TextStream
+from serving.tools import CallStream
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Delta:
     reason: str | None = None
     prompt: list = field(default_factory=list)
     calls: list = field(default_factory=list)  # the tool calls read from the answer (serving/tools.py), at its end
+    pieces: list = field(default_factory=list)  # what a stream sends of the calls since the last delta
 
     def add(self, later: "Delta") -> None:
         self.text += later.text
@@ -49,9 +51,9 @@ class Reply:
 
     async def deltas(self, index: int):
         """The choice's deltas as its sequence's events arrive; the echoed prompt first where asked. Where tools may
-        be called, the text of the calls is held (a named function's or required's answer is all calls; auto's from
-        where its format's calls begin, where its text stream stops as at a stop string) and the calls read from the
-        answer come with the last delta."""
+        be called, the calls' text is no content (a named function's or required's answer is all calls; auto's from
+        where its format's calls begin, where its text stream stops as at a stop string): the calls go out in pieces
+        as the model writes them, and whole with the last delta."""
         sequence, asked = self.sequences[index], self.asked
         tools = asked.tools if asked.tools is not None and asked.tools.choice != "none" else None
         reading = tools.reading() if tools is not None else None
@@ -59,8 +61,9 @@ class Reply:
         leading = marks if reading and reading.leading else ()
         text = TextStream(self.served.tokenizer, asked.stops + [m for m in marks if m not in leading],
                           sequence.sampling.min_tokens, leading)
-        held, answer, shown = [], [], 0  # tokens not yet in a delta; the answer's ids; characters sent
-        calling = tools is not None and tools.choice != "auto"  # the whole answer is calls
+        calls = CallStream(tools) if tools is not None else None
+        forced = tools is not None and reading is None  # the whole answer is calls
+        held, answer, shown, calling = [], [], 0, forced  # tokens not yet in a delta; the answer's ids; characters sent
         while True:
             kind, value = await sequence.events.get()
             if kind == "failed":
@@ -72,7 +75,7 @@ class Reply:
                 yield Delta(index, asked.texts[index // asked.n],
                             prompt=[Drawn(ids[0], None, None)] + [Drawn(t, *s) for t, s in zip(ids[1:], value)])
             elif kind == "done":
-                yield self.last(index, text, answer, shown, held, value, tools)
+                yield self.last(index, text, answer, shown, held, value, calls)
                 return
             elif kind == "token":
                 self.completion_tokens += 1
@@ -83,24 +86,27 @@ class Reply:
                 piece, stopped = text.add(value.id)
                 if stopped and text.stop not in marks:
                     self.served.scheduler.cancel(sequence, "stop")
-                    yield self.last(index, text, None, shown, held, "stop", tools, piece)
+                    yield self.last(index, text, None, shown, held, "stop", calls, piece)
                     return
-                if piece and not calling:
+                calling = calling or stopped  # auto's calls have begun
+                piece = "" if forced else piece
+                pieces = calls.pieces(self.served.tokenizer.decode(answer)) if calling else []
+                if piece or pieces:
                     shown += len(piece)
-                    yield Delta(index, piece, held)
+                    yield Delta(index, piece, held, pieces=pieces)
                     held = []
 
     def last(self, index: int, text: TextStream, answer: list | None, shown: int, held: list, reason: str,
-             tools, piece: str = "") -> Delta:
+             calls: CallStream | None, piece: str = "") -> Delta:
         """The choice's last delta: the text held back (`piece`: the text a stop string's token gave) and, where
         tools may be called, the calls read from the answer (its ids; None where a stop string cut it: then its text
-        so far)."""
-        if tools is None:
+        so far) with what is still to send of them."""
+        if calls is None:
             return Delta(index, piece + text.rest(), held, reason)
         whole = text.text if answer is None else self.served.tokenizer.decode(answer)
-        calls = tools.calls(whole)
-        rest = "" if calls else whole[shown:]  # what was sent is the content; calls that do not read are content
-        return Delta(index, rest, held, tools.finish_reason(reason, calls), calls=calls)
+        found, pieces = calls.whole(whole)
+        rest = "" if found else whole[shown:]  # what was sent is the content; calls that do not read are content
+        return Delta(index, rest, held, self.asked.tools.finish_reason(reason, found), calls=found, pieces=pieces)
 
     async def whole(self, request) -> dict:
         answers = [Delta(index) for index in range(len(self.sequences))]
@@ -137,7 +143,7 @@ class Reply:
                     finished += 1
                 elif isinstance(item, APIError):
                     raise item
-                elif item.text or item.reason or item.tokens:
+                elif item.text or item.reason or item.tokens or item.pieces:
                     yield self.chunk(self.choice(item, streamed=True))
             if self.include_usage:
                 yield f"data: {json.dumps({**self.head(streamed=True), 'choices': [], 'usage': self.usage()})}\n\n"
@@ -155,9 +161,10 @@ class Reply:
         if self.chat:
             out["delta" if streamed else "message"] = {"content": delta.text} if streamed else \
                 {"role": "assistant", "content": delta.text or (None if delta.calls else delta.text)}
-            if delta.calls:
-                out["delta" if streamed else "message"]["tool_calls"] = \
-                    [{"index": k, **call} for k, call in enumerate(delta.calls)] if streamed else delta.calls
+            if streamed and delta.pieces:
+                out["delta"]["tool_calls"] = delta.pieces
+            elif not streamed and delta.calls:
+                out["message"]["tool_calls"] = delta.calls
         else:
             out["text"] = delta.text
         if asked.logprobs is not None:

@@ -106,7 +106,7 @@ class ResponseReply(Reply):
 
     def __init__(self, served, chat: bool, asked, sequences: list, stream_options: dict, model: str, body: dict):
         super().__init__(served, chat, asked, sequences, stream_options, model)
-        self.body, self.sequence_number = body, 0
+        self.body, self.sequence_number, self.call_items = body, 0, []
         self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
 
     async def whole(self, request) -> dict:
@@ -118,35 +118,38 @@ class ResponseReply(Reply):
         return self.response(self.items(text, reason, calls), reason)
 
     async def stream(self):
-        """The Responses stream's events: the answer's message item opened at its first text, each function call an
-        item of its own after it (its arguments in one delta), then the response completed or incomplete."""
+        """The Responses stream's events: the answer's message item opened at its first text and done at the first
+        call (or the end); each function call an item of its own, added as its name is written, its arguments'
+        deltas as the model writes them, done at the end; then the response completed or incomplete."""
         try:
             yield self.event("response.created", response=self.response([], None))
             yield self.event("response.in_progress", response=self.response([], None))
-            where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-            text, reason, calls, opened = "", None, [], False
+            text, reason, calls, message = "", None, [], None  # the message item: None, "open" or "done"
             async for delta in self.deltas(0):
                 text, reason, calls = text + delta.text, delta.reason, calls + delta.calls
                 if delta.text:
-                    if not opened:
-                        yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
-                        yield self.event("response.content_part.added", **where, part=self.part(""))
-                        opened = True
-                    yield self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
+                    if message is None:
+                        for event in self.message_opened():
+                            yield event
+                        message = "open"
+                    yield self.event("response.output_text.delta", **self.where, delta=delta.text, logprobs=[])
+                for piece in delta.pieces:
+                    if "id" in piece and message == "open":
+                        for event in self.message_done(text, "stop"):
+                            yield event
+                        message = "done"
+                    for event in self.call_events(piece, message is not None):
+                        yield event
             items = self.items(text, reason, calls)
             for index, item in enumerate(items):
                 if item["type"] == "message":
-                    if not opened:  # an empty answer: its message item all the same
-                        yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
-                        yield self.event("response.content_part.added", **where, part=self.part(""))
-                    yield self.event("response.output_text.done", **where, text=text, logprobs=[])
-                    yield self.event("response.content_part.done", **where, part=self.part(text))
-                else:
-                    yield self.event("response.output_item.added", output_index=index,
-                                     item={**item, "arguments": "", "status": "in_progress"})
-                    calling = {"item_id": item["id"], "output_index": index}
-                    yield self.event("response.function_call_arguments.delta", **calling, delta=item["arguments"])
-                    yield self.event("response.function_call_arguments.done", **calling, arguments=item["arguments"])
+                    for event in (self.message_opened() if message is None else ()):
+                        yield event  # an empty answer: its message item all the same
+                    for event in (self.message_done(text, reason) if message != "done" else ()):
+                        yield event
+                    continue
+                calling = {"item_id": item["id"], "output_index": index}
+                yield self.event("response.function_call_arguments.done", **calling, arguments=item["arguments"])
                 yield self.event("response.output_item.done", output_index=index, item=item)
             response = self.response(items, reason)
             yield self.event(f"response.{response['status']}", response=response)
@@ -155,6 +158,37 @@ class ResponseReply(Reply):
         finally:  # the client went away, or all is sent
             for sequence in self.sequences:
                 self.served.scheduler.cancel(sequence)
+
+    @property
+    def where(self) -> dict:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def message_opened(self):
+        yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
+        yield self.event("response.content_part.added", **self.where, part=self.part(""))
+
+    def message_done(self, text: str, reason: str | None):
+        yield self.event("response.output_text.done", **self.where, text=text, logprobs=[])
+        yield self.event("response.content_part.done", **self.where, part=self.part(text))
+        yield self.event("response.output_item.done", output_index=0, item=self.message(text, reason))
+
+    def call_events(self, piece: dict, after_message: bool):
+        """A call's item added (its first piece names it) and its arguments' delta, after the message item if the
+        answer has one."""
+        index = piece["index"] + after_message
+        if "id" in piece:
+            item = {"type": "function_call", "id": self.call_item_id(piece["index"]), "call_id": piece["id"],
+                    "name": piece["function"]["name"], "arguments": "", "status": "in_progress"}
+            yield self.event("response.output_item.added", output_index=index, item=item)
+        if piece["function"]["arguments"]:
+            yield self.event("response.function_call_arguments.delta", item_id=self.call_item_id(piece["index"]),
+                             output_index=index, delta=piece["function"]["arguments"])
+
+    def call_item_id(self, k: int) -> str:
+        """The item id of the answer's k-th call, made once: the stream's items are the response's."""
+        while len(self.call_items) <= k:
+            self.call_items.append(f"fc_{uuid.uuid4().hex}")
+        return self.call_items[k]
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -172,9 +206,9 @@ class ResponseReply(Reply):
         """The output: the answer's message (where it has text, or calls nothing), then a function_call item for
         each call."""
         message = [self.message(text, reason)] if text or not calls else []
-        return message + [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+        return message + [{"type": "function_call", "id": self.call_item_id(k), "call_id": call["id"],
                            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                           "status": "completed"} for call in calls]
+                           "status": "completed"} for k, call in enumerate(calls)]
 
     def response(self, items: list, reason: str | None) -> dict:
         """The response object of its output `items`: in progress (reason None), completed (the answer ended, or

@@ -8,80 +8,12 @@ by the model's chat template, and `tool_choice`:
 - "none": the tools are shown, no call is read.
 """
 import json
-import random
-import re
-import string
-import uuid
 from dataclasses import dataclass
-from typing import Callable
 
 from data.chat import ChatError, record_tools
+from serving.call_formats import CALL_FORMATS, DEFAULT_ID, Call, CallFormat, call_format, named, required
 from serving.errors import APIError
 from serving.structured import JSON_STYLE
-
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-LLAMA_SEPARATOR = re.compile(r"\s*;?\s*")
-PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
-
-
-def _hermes(text: str) -> list[tuple]:
-    """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks; text between them is dropped."""
-    return [(call["name"], call.get("arguments", {})) for call in map(json.loads, HERMES_CALL.findall(text))]
-
-
-def _llama3(text: str) -> list[tuple]:
-    """{"name": ..., "parameters": {...}} objects (or "arguments"), `;` between them, after an optional
-    <|python_tag|>: the whole answer."""
-    text, calls, at = text.strip().removeprefix(PYTHON_TAG), [], 0
-    while at < len(text):
-        call, at = json.JSONDecoder().raw_decode(text, at)
-        calls.append((call["name"], call["parameters"] if "parameters" in call else call["arguments"]))
-        at = LLAMA_SEPARATOR.match(text, at).end()
-    return calls
-
-
-def _mistral(text: str) -> list[tuple]:
-    """[TOOL_CALLS] and a JSON array of {"name", "arguments"} (Mistral's v3 tokenizers), or each call as
-    [TOOL_CALLS]name[ARGS]{...} (v11 and later)."""
-    text = text.split(TOOL_CALLS, 1)[1].strip()
-    if text.startswith("["):
-        return [(call["name"], call["arguments"]) for call in json.loads(text)]
-    named = [part.split("[ARGS]", 1) for part in text.split(TOOL_CALLS)]
-    return [(name.strip(), json.loads(arguments)) for name, arguments in named]
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _mistral_id() -> str:
-    """Mistral's templates refuse a call id that is not 9 letters or digits (vLLM makes them so too)."""
-    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
-
-
-@dataclass(frozen=True)
-class CallFormat:
-    """How a chat template writes an assistant's tool calls, which is how `auto` reads them from an answer."""
-    name: str
-    title: str  # in words, for messages
-    signs: tuple[str, ...]  # what a template that writes calls so holds, every one
-    marks: tuple[str, ...]  # where an answer's calls begin: its content ends there
-    leading: bool  # the marks count only where the answer begins with one (after whitespace)
-    read: Callable[[str], list[tuple]]  # (name, arguments) of each call in the text from its first mark
-    new_id: Callable[[], str] = _call_id
-
-
-CALL_FORMATS = (
-    CallFormat("hermes", "Hermes' and Qwen's <tool_call> blocks", ("<tool_call>",), ("<tool_call>",), False, _hermes),
-    CallFormat("mistral", "Mistral's [TOOL_CALLS]", (TOOL_CALLS,), (TOOL_CALLS,), False, _mistral, _mistral_id),
-    # Llama 3.1-3.3's templates: tool results are turns of the ipython role, calls {"name", "parameters"}
-    CallFormat("llama3_json", "Llama 3's JSON", ('"parameters": ', "ipython"), (PYTHON_TAG, "{"), True, _llama3),
-)
-
-
-def call_format(template: str) -> CallFormat | None:
-    """The format a chat template (its source) writes calls in; None where it writes none this server reads."""
-    return next((f for f in CALL_FORMATS if all(sign in template for sign in f.signs)), None)
 
 
 @dataclass(frozen=True)
@@ -113,27 +45,28 @@ class Tools:
         """The format the answer's calls are read in where the model chooses to call (auto)."""
         return self.format if self.choice == "auto" else None
 
-    def calls(self, text: str) -> list[dict]:
-        """The tool calls, in OpenAI's shape, of an answer's text; none where they do not read (an answer cut at
-        max_tokens: it is all content then). Their ids are the model's template's kind."""
-        try:
-            if self.choice == "auto":
-                named = self.format.read(text)
-            elif self.choice == "required":
-                named = [(c["name"], c["parameters"]) for c in json.loads(text)]
-            elif self.choice != "none":
-                named = [(self.choice, json.loads(text))]
-            else:
-                return []
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+    def partial(self, text: str) -> tuple[list[Call], bool]:
+        """The calls of an answer's text as far as it goes (serving/call_formats.py), and whether they are whole;
+        the first alone where parallel calls are off."""
+        if self.choice == "auto":
+            calls, whole = self.format.read(text)
+        elif self.choice == "required":
+            calls, whole = required(text)
+        else:
+            calls, whole = named(self.choice)(text)
+        return (calls if self.parallel else calls[:1]), whole
+
+    def calls(self, text: str) -> list[Call]:
+        """The calls of a whole answer; none where it is not calls whole, each named, with JSON arguments (an answer
+        cut at max_tokens: it is all content then)."""
+        calls, whole = self.partial(text) if self.choice != "none" else ([], False)
+        if not whole or not all(call.done and _is_json(call.arguments) for call in calls):
             return []
-        if not all(isinstance(name, str) for name, _ in named):
-            return []
-        named = named if self.parallel else named[:1]  # vLLM's rule: the first call
-        new_id = self.format.new_id if self.format else _call_id
-        return [{"id": new_id(), "type": "function", "function": {
-            "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
-            for name, args in named]
+        return calls
+
+    def new_id(self) -> str:
+        """A call's id, of the kind the model's template takes back."""
+        return (self.format.new_id if self.format else DEFAULT_ID)()
 
     def check_format(self) -> None:
         """auto reads the calls a model writes: its template must write them in a format this server reads."""
@@ -146,6 +79,51 @@ class Tools:
     def finish_reason(self, reason: str, calls: list) -> str:
         """OpenAI's: "tool_calls" where the model chose to call (auto, required), "stop" for a named function."""
         return "tool_calls" if calls and reason == "stop" and self.choice in ("auto", "required") else reason
+
+
+class CallStream:
+    """One answer's calls as its text grows: what to send of them since the last look, as OpenAI's stream's
+    `tool_calls` pieces (a call's index, id, type and name with the first, then its arguments' new text), each id
+    given as its call's name is written; then the answer's calls, whole (those ids)."""
+
+    def __init__(self, tools: Tools):
+        self.tools, self.ids, self.sent = tools, [], []  # per call begun: its id, its arguments' characters sent
+
+    def pieces(self, text: str) -> list[dict]:
+        """What to send now of the calls `text` (the answer so far) holds; a call goes out once its name is written,
+        in order."""
+        out = []
+        for k, call in enumerate(self.tools.partial(text.rstrip("\ufffd"))[0]):  # a character still incomplete
+            if call.name is None:
+                break
+            head, name = {}, {}
+            if k == len(self.ids):
+                self.ids.append(self.tools.new_id())
+                self.sent.append(0)
+                head, name = {"id": self.ids[k], "type": "function"}, {"name": call.name}
+            new = call.arguments[self.sent[k]:]
+            self.sent[k] += len(new)
+            if head or new:
+                out.append({"index": k, **head, "function": {**name, "arguments": new}})
+        return out
+
+    def whole(self, text: str) -> tuple[list[dict], list[dict]]:
+        """(the calls of the whole answer in OpenAI's shape, what is still to send of them); no calls where it is
+        not calls whole: its text is content then (even where pieces of calls went out)."""
+        calls = self.tools.calls(text)
+        if not calls:
+            return [], []
+        rest = self.pieces(text)
+        return [{"id": self.ids[k], "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                for k, call in enumerate(calls)], rest
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def read_tools(body: dict, template: str) -> Tools | None:

@@ -93,6 +93,22 @@ def chat(server, message: str = MESSAGE, temperature: float = 0, **options):
                                                    temperature=temperature, **options)
 
 
+def streamed_calls(chunks) -> list[tuple]:
+    """The tool calls of a chat stream's chunks put together as OpenAI's clients do: (name, arguments, pieces) of
+    each index in order, its id and name in its first piece alone, its arguments the pieces' in order."""
+    calls = {}
+    for chunk in chunks:
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if piece.index not in calls:
+                assert piece.id and piece.type == "function" and piece.function.name, piece
+                calls[piece.index] = [piece.function.name, "", 0]
+            else:
+                assert piece.id is None and piece.function.name is None, piece
+            calls[piece.index][1] += piece.function.arguments or ""
+            calls[piece.index][2] += 1
+    return [tuple(calls[k]) for k in sorted(calls)]
+
+
 def at_once(calls: list) -> list:
     """Each of `calls` (no arguments) on a thread of its own, all started together: their results, in order."""
     results = [None] * len(calls)

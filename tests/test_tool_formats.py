@@ -14,10 +14,11 @@ import pytest
 from data.chat import BUILTIN_TEMPLATES, chat_prompt, request_turns
 from data.chat_template import ChatTemplate
 from data.tokenizers import EOT, CharTokenizer, train_bpe
-from servers import BAD
+from servers import BAD, streamed_calls
+from serving.call_formats import call_format
 from serving.errors import APIError
 from serving.text import TextStream
-from serving.tools import call_format, read_tools
+from serving.tools import CallStream, read_tools
 from test_chat import as_transformers
 
 # Llama 3.1's layout on the plain one: tools in the system turn with its instruction, a call the assistant's whole
@@ -77,8 +78,7 @@ def test_auto_needs_a_template_that_writes_calls_in_a_format_read_here():
 
 
 def calls(template: str, text: str) -> list[tuple]:
-    read = auto(TEMPLATES[template]).calls(text)
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read]
+    return [(c.name, json.loads(c.arguments)) for c in auto(TEMPLATES[template]).calls(text)]
 
 
 def test_llama3_calls_are_the_whole_answer_one_or_more_objects():
@@ -100,9 +100,55 @@ def test_mistral_calls_follow_their_mark_as_an_array_or_one_by_one():
         ("get_weather", ROME), ("b", {})]  # v11 tokenizers' layout
     for text in ("It is sunny.", "[TOOL_CALLS][{not json", "[TOOL_CALLS]get_weather"):
         assert calls("mistral", text) == [], text
-    ids = [c["id"] for c in auto(MISTRAL).calls(array)]
+    ids = [c["id"] for c in CallStream(auto(MISTRAL)).whole(array)[0]]
     assert all(len(i) == 9 and i.isalnum() for i in ids) and ids[0] != ids[1]
-    assert auto(LLAMA3).calls('{"name": "a", "parameters": {}}')[0]["id"].startswith("call_")
+    assert CallStream(auto(LLAMA3)).whole('{"name": "a", "parameters": {}}')[0][0]["id"].startswith("call_")
+
+
+GROWN = [  # (template, tool_choice, an answer): its calls grown character by character
+    ("hermes", "auto", 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}</tool_call>'
+                       '<tool_call>{"arguments": {"x": [1, "]"]}, "name": "b"}</tool_call>'),
+    ("llama3_json", "auto", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}; '
+                            '{"name": "b", "parameters": {"x": -1.5e3}}'),
+    ("mistral", "auto", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}, '
+                        '{"name": "b", "arguments": {"x": "a\\"b"}}]'),
+    ("mistral", "auto", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 3}[TOOL_CALLS]b[ARGS]{"x": null}'),
+    ("hermes", "required", '[{"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}, '
+                           '{"name": "b", "parameters": {"x": true}}]'),
+    ("hermes", {"type": "function", "function": {"name": "get_weather"}}, '{"city": "Rome", "days": 3}')]
+
+
+@pytest.mark.parametrize("template,choice,text", GROWN, ids=["hermes", "llama3", "mistral", "mistral-v11", "required",
+                                                             "named"])
+def test_calls_go_out_in_pieces_as_they_are_written_and_add_up_to_the_whole_calls(template, choice, text):
+    """OpenAI's stream of calls: a call's first piece has its index, id, type and name (sent once the name is
+    written whole, calls in order), later ones its arguments' new text; put together they are the whole calls."""
+    tools = read_tools({"tools": [WEATHER, {"type": "function", "function": {"name": "b"}}], "tool_choice": choice},
+                       TEMPLATES[template])
+    stream, pieces = CallStream(tools), []
+    for n in range(1, len(text) + 1):
+        pieces += stream.pieces(text[:n])
+    calls, rest = stream.whole(text)
+    assert len(calls) == (1 if isinstance(choice, dict) else 2) and len(pieces + rest) > 2 * len(calls)
+    put = {}
+    for piece in pieces + rest:
+        if piece["index"] not in put:
+            assert piece["index"] == len(put) and set(piece) == {"index", "id", "type", "function"}
+            put[piece["index"]] = [piece["id"], piece["function"]["name"], ""]
+        else:
+            assert set(piece) == {"index", "function"} and set(piece["function"]) == {"arguments"}
+        put[piece["index"]][2] += piece["function"]["arguments"]
+    assert [tuple(put[k]) for k in sorted(put)] == [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                                    for c in calls]
+    assert json.loads(calls[0]["function"]["arguments"]) == ROME
+
+
+def test_a_call_goes_out_once_its_name_is_written_and_one_that_does_not_read_is_no_call():
+    stream = CallStream(auto(LLAMA3))
+    assert stream.pieces('{"name": "get_wea') == [] and stream.pieces('{"arguments": {"city": "R') == []
+    (piece,) = stream.pieces('{"name": "get_weather", "parameters": {"city": "R\ufffd')  # a character incomplete
+    assert piece["function"] == {"name": "get_weather", "arguments": '{"city": "R'}
+    assert stream.whole('{"name": "get_weather", "parameters": {"city": "R"} and more') == ([], [])
 
 
 def streamed(text: str, leading: tuple) -> tuple[str, bool]:
@@ -192,9 +238,8 @@ def test_the_calls_a_model_writes_are_read_whole_and_streamed_and_go_round_an_ag
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", ROME)
     chunks = list(client.chat.completions.create(**options, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (content or "")
-    streamed_calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
-    assert [(t.function.name, t.function.arguments) for t in streamed_calls] == [("get_weather",
-                                                                                   call.function.arguments)]
+    ((name, arguments, pieces),) = streamed_calls(chunks)
+    assert (name, arguments) == ("get_weather", call.function.arguments) and pieces > 3  # written piece by piece
     history = [*ASK, choice.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
     ids = httpx.post(f"{server.url}/tokenize", json={"model": "export", "messages": history, "tools": [WEATHER]},
