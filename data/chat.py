@@ -101,6 +101,12 @@ def check_chat_record(meta: dict, where: str) -> dict:
     return meta["chat"]
 
 
+def recorded_template(chat: dict) -> ChatTemplate:
+    """The chat template a "chat" record (of a dataset's meta or an export's) holds, with the special tokens it was
+    rendered with (none in records written before they were kept: none were given then)."""
+    return ChatTemplate(chat["chat_template"], chat.get("special_tokens"))
+
+
 class ChatError(ValueError):
     """A record that is not a conversation this module can train on; the message says why."""
 
@@ -299,7 +305,7 @@ def chat_prompt(turns: list[dict], meta: dict, tokenizer, what: str, instead: st
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
     try:
-        template = ChatTemplate(chat["chat_template"])
+        template = recorded_template(chat)
         if tools and not template.renders_tools:
             raise ValueError(f"{what}: the model's chat template does not render tools (it reads no `tools`): the "
                              f"model would never see them; fix: serve a model whose template renders them (Qwen's, "

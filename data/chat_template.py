@@ -1,7 +1,7 @@
 """Chat templates: Jinja, rendered as transformers renders them (a sandbox; trim_blocks, lstrip_blocks; tojson,
-raise_exception, strftime_now), with the character spans of each `{% generation %}` block (the assistant's parts the
-loss trains on) and the `tools` transformers passes. A template that is not Jinja, or that raises as it renders, raises
-ChatTemplateError with the template's line."""
+raise_exception, strftime_now; the tokenizer's special tokens), with the character spans of each `{% generation %}`
+block (the assistant's parts the loss trains on) and the `tools` transformers passes. A template that is not Jinja,
+or that raises as it renders, raises ChatTemplateError with the template's line."""
 import json
 from contextvars import ContextVar
 from datetime import datetime
@@ -32,11 +32,13 @@ class ChatTemplate:
     """A Jinja chat template, rendered with the spans of its `{% generation %}` blocks. A template that is not
     Jinja, or that raises as it renders, raises ChatTemplateError with the template's line."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, special_tokens: dict | None = None):
+        """`special_tokens`: the tokenizer's that transformers gives every template (bos_token, eos_token, ...:
+        template_tokens), which Llama's and Mistral's templates write."""
         import jinja2
         import jinja2.meta
 
-        self.source = source
+        self.source, self.special_tokens = source, special_tokens or {}
         self._spans = ContextVar("generation_spans", default=None)
         try:
             self.template = _environment(self._spans).from_string(source)
@@ -59,7 +61,8 @@ class ChatTemplate:
         token = self._spans.set((blocks, spans))
         try:
             for block in self.template.generate(messages=turns, tools=tools,
-                                                add_generation_prompt=add_generation_prompt, **(variables or {})):
+                                                add_generation_prompt=add_generation_prompt,
+                                                **{**self.special_tokens, **(variables or {})}):
                 blocks.append(block)
         except Exception as e:  # anything the template's code raised: an undefined name called, a filter, ...
             raised = getattr(e, "raised_by_template", False)
@@ -87,6 +90,21 @@ class ChatTemplate:
                 line = tb.tb_lineno
             tb = tb.tb_next
         return line
+
+
+# The special tokens of a tokenizer_config.json that transformers passes to a chat template (its special_tokens_map).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def template_tokens(config: dict) -> dict:
+    """The special tokens a tokenizer_config.json (`config`, its record) gives chat templates, as strings (the file
+    writes each as a string or as an added token's {"content": ...}); its additional special tokens as a list."""
+    def text(value):
+        return value.get("content") if isinstance(value, dict) else value
+
+    found = {key: text(config[key]) for key in SPECIAL_TOKENS if isinstance(text(config.get(key)), str)}
+    extra = [text(t) for t in config.get("additional_special_tokens") or [] if isinstance(text(t), str)]
+    return {**found, **({"additional_special_tokens": extra} if extra else {})}
 
 
 def _one_line(message: str) -> str:

@@ -27,7 +27,7 @@ from data.chat import (
     supervised_mask,
     tokenize,
 )
-from data.chat_template import ChatTemplate, ChatTemplateError
+from data.chat_template import ChatTemplate, ChatTemplateError, template_tokens
 from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
 from data.out_dir import check_val_fraction, done_job, finish_dataset, in_val, job_workspace
 from data.readers import InputError
@@ -54,18 +54,8 @@ def chat_template(spec: str | None, tokenizer_spec, tokenizer=None) -> tuple[str
             return ("plain", BUILTIN_TEMPLATES["plain"]) if tokenizer.eot_id is not None else \
                 ("lines", BUILTIN_TEMPLATES["lines"])
     if isinstance(tokenizer_spec, str) and (tokenizer_spec.endswith(".json") or folder):
-        beside = tokenizer_spec if folder else os.path.dirname(os.path.abspath(tokenizer_spec))
-        config = os.path.join(os.path.abspath(beside), TOKENIZER_CONFIG)
         fix = "pass --chat_template FILE (a Jinja chat template), or --chat_template plain"
-        if not os.path.isfile(config):
-            raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: {fix}")
-        try:
-            record = json.loads(_read_text(config, f"correct it, or {fix}"))
-        except json.JSONDecodeError as e:
-            raise InputError(f"{config} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix: correct it, "
-                             f"or {fix}") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{config} is {json_kind(record)}, not a JSON object; fix: correct it, or {fix}")
+        config, record = _tokenizer_config(tokenizer_spec, fix) or (_config_path(tokenizer_spec), {})
         template = record.get("chat_template")
         if template is None:
             raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: {fix}")
@@ -74,6 +64,32 @@ def chat_template(spec: str | None, tokenizer_spec, tokenizer=None) -> tuple[str
                              f"template); fix: {fix}")
         return config, template
     return "plain", BUILTIN_TEMPLATES["plain"]
+
+
+def _config_path(tokenizer_spec) -> str | None:
+    """The tokenizer_config.json beside a tokenizer.json, or in a tokenizer's folder (None for other tokenizers)."""
+    if not isinstance(tokenizer_spec, str):
+        return None
+    if os.path.isdir(tokenizer_spec):
+        return os.path.join(os.path.abspath(tokenizer_spec), TOKENIZER_CONFIG)
+    if tokenizer_spec.endswith(".json"):
+        return os.path.join(os.path.dirname(os.path.abspath(tokenizer_spec)), TOKENIZER_CONFIG)
+    return None
+
+
+def _tokenizer_config(tokenizer_spec, fix: str) -> tuple[str, dict] | None:
+    """(path, record) of the tokenizer's tokenizer_config.json; None where it has none."""
+    config = _config_path(tokenizer_spec)
+    if config is None or not os.path.isfile(config):
+        return None
+    try:
+        record = json.loads(_read_text(config, f"correct it, or {fix}"))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{config} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix: correct it, "
+                         f"or {fix}") from None
+    if not isinstance(record, dict):
+        raise InputError(f"{config} is {json_kind(record)}, not a JSON object; fix: correct it, or {fix}")
+    return config, record
 
 
 def _read_text(path: str, fix: str) -> str:
@@ -103,8 +119,9 @@ def load_template(template_spec: str | None, tokenizer_spec, ready) -> tuple[str
                          f"--tokenizer {tokenizer_spec} ({ready.vocab_size} characters, no end-of-text token) does not "
                          f"hold; fix: pass --chat_template lines (each answer ends with a newline), or leave "
                          f"--chat_template out")
+    config = _tokenizer_config(tokenizer_spec, "remove it")  # its special tokens, whichever template renders
     try:
-        return name, source, ChatTemplate(source)
+        return name, source, ChatTemplate(source, template_tokens(config[1]) if config else None)
     except ChatTemplateError as e:
         raise InputError(f"{e.describe(template_label(name), '')}; fix: correct the template at that line, or pass "
                          f"another --chat_template FILE") from None
@@ -171,7 +188,8 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     print(f"{len(conversations):,} conversations: {counts['truncated']:,} cut to {context + 1:,} tokens, "
           f"{counts['dropped_overlong']:,} left out as longer (--overlong {overlong}), "
           f"{counts['dropped_unsupervised']:,} left out with no assistant token within the context")
-    record = {"chat": {"formats": formats, "template": name, "chat_template": source, "train_on": train_on,
+    record = {"chat": {"formats": formats, "template": name, "chat_template": source,
+                       "special_tokens": template.special_tokens, "train_on": train_on,
                        "end_of_turn_id": end_of_turn, "end_of_turn": tok.decode([end_of_turn]),
                        "context": context, "overlong": overlong, "conversations": len(conversations), **counts,
                        **{f"{s}_supervised_tokens": supervised[s] for s in SPLITS}}}

@@ -215,7 +215,8 @@ def _chat_record(template, name: str, tok, pair, where: str, tokenizer_spec, con
     if end_of_turn is None:
         raise InputError(f"{template_label(name)} renders no token of the chosen answer of {where}; fix: correct "
                          f"the template, or pass another --chat_template FILE")
-    return {"template": name, "chat_template": template.source, "context": context, "end_of_turn_id": end_of_turn,
+    return {"template": name, "chat_template": template.source, "special_tokens": template.special_tokens,
+            "context": context, "end_of_turn_id": end_of_turn,
             "end_of_turn": tok.decode([end_of_turn])}
 
 

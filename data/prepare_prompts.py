@@ -148,7 +148,8 @@ def _chat_record(template, name: str, tok, turns: list[dict], where: str, contex
         raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... {{% endgeneration "
                          f"%}}), so where an answer ends is unknown; fix: add the marks around each assistant turn's "
                          f"content and end-of-turn")
-    return {"template": name, "chat_template": template.source, "context": context, "end_of_turn_id": end_of_turn,
+    return {"template": name, "chat_template": template.source, "special_tokens": template.special_tokens,
+            "context": context, "end_of_turn_id": end_of_turn,
             "end_of_turn": tok.decode([end_of_turn])}
 
 

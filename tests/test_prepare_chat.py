@@ -12,6 +12,7 @@ import data.prepare
 from chats import CHATML, CONVERSATIONS, chatml_folder, documents, write_jsonl
 from data.prepare_chat import prepare_chat
 from data.readers import InputError
+from data.tokenizers import HFTokenizer
 from harness import run
 from refusals import assert_refused, command
 
@@ -66,6 +67,48 @@ def test_tool_use_records_are_written_as_transformers_renders_and_masks_them(tmp
                                       return_dict=True, return_assistant_tokens_mask=True) for r in records))
     assert all_documents(tmp_path / "out") == expected
     assert sum(reference.decode(ids).startswith("System: you may call these tools") for ids, _ in expected) == 3
+
+
+# Llama's and Mistral's layout: the tokenizer's special tokens written by the template, a BOS first and the end of
+# each answer the EOS (Mistral's </s>; stand-ins here from ChatML's tokens)
+SPECIAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+           "{{ eos_token }}{% endgeneration %}{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}")
+
+
+def test_a_template_writes_the_tokenizers_special_tokens_as_transformers_gives_them(tmp_path, chatml_tokenizer):
+    """The special tokens of the tokenizer's tokenizer_config.json (bos_token, eos_token, ...) reach the template,
+    whichever template renders (its own or --chat_template FILE): transformers' ids and masks; recorded, so serving
+    renders prompts with them, and written into the export's tokenizer_config.json."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from data.chat import chat_prompt
+    from training.checkpoints.export import chat_tokenizer_config
+
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(chatml_tokenizer, folder)
+    added = {"__type": "AddedToken", "content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False,
+             "single_word": False, "special": True}  # as older tokenizer_config.json files write one
+    config = {"chat_template": SPECIAL, "bos_token": "<|im_start|>", "eos_token": added}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    inputs = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS * 4])
+    meta = prepare_chat([inputs], str(tmp_path / "out"), str(folder), val_fraction=0.5)
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    expected = sorted((out["input_ids"], out["assistant_masks"]) for out in (
+        reference.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        for turns in CONVERSATIONS * 4))
+    assert all_documents(tmp_path / "out") == expected
+    bos, eos = reference.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert expected[0][0][0] == bos and meta["chat"]["end_of_turn_id"] == eos
+    assert meta["chat"]["special_tokens"] == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    (tmp_path / "template.jinja").write_text(SPECIAL)
+    prepare_chat([inputs], str(tmp_path / "file"), str(folder), str(tmp_path / "template.jinja"), val_fraction=0.5)
+    assert all_documents(tmp_path / "file") == expected
+    tokenizer = HFTokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")), "tokenizer.json")
+    ids, _ = chat_prompt([{"role": "user", "content": "Speak."}], meta, tokenizer, "", "")
+    asked = [{"role": "user", "content": "Speak."}]
+    assert ids == reference.apply_chat_template(asked, tokenize=True, return_dict=True)["input_ids"] and ids[0] == bos
+    assert chat_tokenizer_config(meta)["bos_token"] == "<|im_start|>"
 
 
 def test_the_builtin_chatml_prepares_what_the_same_template_in_tokenizer_config_does(tmp_path, chatml_tokenizer):

@@ -12,7 +12,7 @@ that is not the pad id (config.json's pad_token_id; training/objectives/reward.p
 """
 import torch
 
-from data.chat_template import ChatTemplate
+from data.chat import recorded_template
 from data.prepare_preference import text_encoder
 from training.checkpoints.export import load_trained
 from training.checkpoints.hf import score_pad_id
@@ -28,7 +28,7 @@ class RewardModel:
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, meta: dict, device: torch.device):
         self.model, self.tokenizer, self.meta, self.device = model, tokenizer, meta, device
         self.block_size, self.pad_id = cfg.block_size, score_pad_id(meta)
-        self.chat_template = ChatTemplate(meta["chat"]["chat_template"]) if "chat" in meta else None
+        self.chat_template = recorded_template(meta["chat"]) if "chat" in meta else None
         # data.prepare --format preference appends the end of text to each text answer where the tokenizer has one
         self.appends_eos = meta.get("preference", {}).get("eos_appended", False)
 

@@ -251,9 +251,13 @@ def write_whole(output: str, write: Callable[[str], None]) -> str:
 
 
 def chat_tokenizer_config(meta: dict) -> dict:
-    """tokenizer_config.json of a model fine-tuned on conversations: its chat template and end-of-turn token."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": meta["chat"]["chat_template"],
-            "eos_token": meta["chat"]["end_of_turn"], "clean_up_tokenization_spaces": False}
+    """tokenizer_config.json of a model fine-tuned on conversations: its chat template with the special tokens it
+    was rendered with (so apply_chat_template renders as training did), else the end-of-turn token as eos_token
+    (config.json's eos_token_id, where generation stops, is the end of turn either way)."""
+    chat = meta["chat"]
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat["chat_template"],
+            "eos_token": chat["end_of_turn"], **(chat.get("special_tokens") or {}),
+            "clean_up_tokenization_spaces": False}
 
 
 def _replace_folder(new: str, old: str) -> None:
