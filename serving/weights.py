@@ -15,7 +15,8 @@ from training.evaluation.evaluate import where
 # compared as generation reads it (_documents): a dataset without a delimiter is one document either way.
 TRAINING_ONLY = ("dropout", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate", "document_masking")
 TOKENIZER = ("tokenizer_fingerprint", "vocab_size")  # what the API's encoding reads
-CHAT = ("template", "chat_template", "end_of_turn_id")  # what its chat prompts read (not the data's statistics)
+# what its chat prompts read (not the data's statistics); no special tokens is none recorded (an earlier version's)
+CHAT = ("template", "chat_template", "special_tokens", "end_of_turn_id")
 
 
 class Weights:
@@ -57,7 +58,7 @@ class Weights:
         if theirs != ours:
             raise ConfigError(f"path {path}: trained to see documents begin {_told(theirs)}, where the served model "
                               f"sees them {_told(ours)}; fix: start a server for it")
-        chats = [{k: m["chat"].get(k) for k in CHAT} if "chat" in m else None for m in (meta, self.meta)]
+        chats = [{k: m["chat"].get(k) or None for k in CHAT} if "chat" in m else None for m in (meta, self.meta)]
         if any(meta.get(k) != self.meta.get(k) for k in TOKENIZER) or (chat and chats[0] != chats[1]):
             raise ConfigError(f"path {path}: trained with another tokenizer{' or chat template' if chat else ''} than "
                               f"the served model's; fix: start a server for it")

@@ -235,6 +235,17 @@ def test_a_run_is_served_where_it_sees_documents_as_the_model_does():
     weights.check_model("run", dataclasses.replace(masked, activation="gelu"), META)  # the GPT's GELU: not read
 
 
+def test_weights_of_another_chat_rendering_are_refused_and_an_earlier_record_is_none():
+    """The chat record's template and the special tokens it renders with decide the prompts: another is refused;
+    a record from before special tokens were kept is one without any."""
+    chat = {"template": "plain", "chat_template": "{{ bos_token }}", "end_of_turn_id": 3}
+    served = {**META, "chat": {**chat, "special_tokens": {}}}
+    weights = Weights(LLAMA, served, load=None)
+    weights.check_model("run", LLAMA, {**META, "chat": chat})
+    with pytest.raises(ConfigError, match="trained with another tokenizer or chat template than the served model's"):
+        weights.check_model("run", LLAMA, {**META, "chat": {**chat, "special_tokens": {"bos_token": "<s>"}}})
+
+
 def test_an_adapter_of_a_mixture_of_experts_experts_is_refused(tmp_path):
     """The experts see the tokens routed to them, not the batch's rows: LoRA adapts the blocks' own maps only."""
     from training.checkpoints.hf import tensor_pairs
