@@ -181,7 +181,8 @@ def request_turns(messages) -> list[dict]:
         elif isinstance(message, dict) and message.get("role") == "assistant" and message.get("tool_calls"):
             content = message.get("content")
             turns.append({"role": "assistant", "content": "" if content is None else _text(content, where),
-                          "tool_calls": _tool_calls(message["tool_calls"], f"{where}.tool_calls")})
+                          "tool_calls": _tool_calls(message["tool_calls"], f"{where}.tool_calls"),
+                          **_reasoning(message, "assistant", where)})
         else:
             turns.append(_turn(message, where, "role", "content", {r: r for r in ROLES}))
     return turns
@@ -220,8 +221,19 @@ def _turn(item, where: str, role_key: str, content_key: str, roles: dict) -> dic
         raise ChatError(f"{where} must be an object with \"{role_key}\" and \"{content_key}\"")
     if not isinstance(item[role_key], str) or item[role_key] not in roles:
         raise ChatError(f"{where} has the unknown role {item[role_key]!r}; known: {', '.join(roles)}")
-    return {"role": roles[item[role_key]],
+    turn = {"role": roles[item[role_key]],
             "content": _text(item[content_key], f"{where}.{content_key}", "tool_calls" in item)}
+    return {**turn, **_reasoning(item, turn["role"], where)}
+
+
+def _reasoning(item: dict, role: str, where: str) -> dict:
+    """An assistant turn's reasoning_content (a thinking model's, vLLM's field), which templates that render
+    reasoning read (Qwen 3's: its <think> block)."""
+    if role != "assistant" or item.get("reasoning_content") is None:
+        return {}
+    if not isinstance(item["reasoning_content"], str):
+        raise ChatError(f"{where}.reasoning_content must be a string, not {json_kind(item['reasoning_content'])}")
+    return {"reasoning_content": item["reasoning_content"]}
 
 
 TEXT_PART = '{"type": "text", "text": "..."}'

@@ -128,8 +128,8 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     served, body = served_by(request), json_body(await request.body())
     adapter = requested(served, body)
-    ids, stop_ids, tools = conversation_prompt(body, served.adapters.meta_of(adapter), served.tokenizer)
-    return await respond(served, request, body, adapter, [ids], stop_ids, chat=True, tools=tools)
+    ids, stop_ids, tools, think = conversation_prompt(body, served.adapters.meta_of(adapter), served.tokenizer)
+    return await respond(served, request, body, adapter, [ids], stop_ids, chat=True, tools=tools, think=think)
 
 
 @routes.post("/v1/responses")
@@ -138,9 +138,9 @@ async def responses(request: Request):
     served, body = served_by(request), json_body(await request.body())
     chat = chat_body(body)
     adapter = requested(served, chat)
-    ids, stop_ids, tools = conversation_prompt(chat, served.adapters.meta_of(adapter), served.tokenizer)
+    ids, stop_ids, tools, think = conversation_prompt(chat, served.adapters.meta_of(adapter), served.tokenizer)
     return await respond(served, request, chat, adapter, [ids], stop_ids, chat=True,
-                         shape=functools.partial(ResponseReply, body=body), tools=tools)
+                         shape=functools.partial(ResponseReply, body=body), tools=tools, think=think)
 
 
 @routes.post("/v1/load_weights")
@@ -201,7 +201,7 @@ async def tokenize(request: Request):
     served, body = served_by(request), json_body(await request.body())
     adapter = requested(served, body)
     if "messages" in body:
-        ids, _, _ = conversation_prompt(body, served.adapters.meta_of(adapter), served.tokenizer)
+        ids = conversation_prompt(body, served.adapters.meta_of(adapter), served.tokenizer)[0]
     else:
         ids = completion_prompts(body, served.tokenizer)[0][0]
     return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
@@ -246,10 +246,10 @@ def requested(served: Served, body: dict):
 
 
 async def respond(served: Served, request: Request, body: dict, adapter, prompts: list[list[int]], stop_ids: tuple,
-                  chat: bool, shape=Reply, tools=None):
-    """`shape`: the Reply class that writes the answer (chat and completions' own, or the Responses API's); `tools`:
-    a chat request's (serving/tools.py)."""
-    asked = read_request(body, prompts, stop_ids, served.tokenizer, served.block_size, chat, tools)
+                  chat: bool, shape=Reply, tools=None, think=None):
+    """`shape`: the Reply class that writes the answer (chat and completions' own, or the Responses API's); `tools`
+    and `think`: a chat request's (serving/tools.py, serving/answer.py)."""
+    asked = read_request(body, prompts, stop_ids, served.tokenizer, served.block_size, chat, tools, think)
     sequences = submit(served, asked, adapter)
     reply = shape(served, chat, asked, sequences, body.get("stream_options") or {},
                   served.name if adapter is None else adapter.name)

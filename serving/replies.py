@@ -10,11 +10,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from serving.answer import Answer, Sent
 from serving.errors import APIError, worker_failed
 from serving.requests import Asked
 from serving.scheduler import Drawn
-from serving.text import TextStream
-from serving.tools import CallStream
 
 
 @dataclass
@@ -28,9 +27,11 @@ class Delta:
     prompt: list = field(default_factory=list)
     calls: list = field(default_factory=list)  # the tool calls read from the answer (serving/tools.py), at its end
     pieces: list = field(default_factory=list)  # what a stream sends of the calls since the last delta
+    reasoning: str = ""  # a thinking model's (serving/answer.py)
 
     def add(self, later: "Delta") -> None:
         self.text += later.text
+        self.reasoning += later.reasoning
         self.prompt += later.prompt
         self.tokens += later.tokens
         self.calls += later.calls
@@ -50,20 +51,11 @@ class Reply:
         return self.asked.prompts[index // self.asked.n]
 
     async def deltas(self, index: int):
-        """The choice's deltas as its sequence's events arrive; the echoed prompt first where asked. Where tools may
-        be called, the calls' text is no content (a named function's or required's answer is all calls; auto's from
-        where its format's calls begin, where its text stream stops as at a stop string): the calls go out in pieces
-        as the model writes them, and whole with the last delta."""
+        """The choice's deltas as its sequence's events arrive (serving/answer.py cuts its text into reasoning,
+        content and calls); the echoed prompt first where asked."""
         sequence, asked = self.sequences[index], self.asked
-        tools = asked.tools if asked.tools is not None and asked.tools.choice != "none" else None
-        reading = tools.reading() if tools is not None else None
-        marks = reading.marks if reading else ()
-        leading = marks if reading and reading.leading else ()
-        text = TextStream(self.served.tokenizer, asked.stops + [m for m in marks if m not in leading],
-                          sequence.sampling.min_tokens, leading)
-        calls = CallStream(tools) if tools is not None else None
-        forced = tools is not None and reading is None  # the whole answer is calls
-        held, answer, shown, calling = [], [], 0, forced  # tokens not yet in a delta; the answer's ids; characters sent
+        answer = Answer(self.served.tokenizer, asked, sequence.sampling.min_tokens, asked.thinking)
+        held = []  # tokens not yet in a delta
         while True:
             kind, value = await sequence.events.get()
             if kind == "failed":
@@ -75,38 +67,26 @@ class Reply:
                 yield Delta(index, asked.texts[index // asked.n],
                             prompt=[Drawn(ids[0], None, None)] + [Drawn(t, *s) for t, s in zip(ids[1:], value)])
             elif kind == "done":
-                yield self.last(index, text, answer, shown, held, value, calls)
+                yield self.delta(index, answer.last(value), held)
                 return
             elif kind == "token":
                 self.completion_tokens += 1
                 held.append(value)
                 if value.id in sequence.sampling.stop_ids:
                     continue
-                answer.append(value.id)
-                piece, stopped = text.add(value.id)
-                if stopped and text.stop not in marks:
+                sent, stopped = answer.add(value.id)
+                if stopped:  # by a stop string
                     self.served.scheduler.cancel(sequence, "stop")
-                    yield self.last(index, text, None, shown, held, "stop", calls, piece)
+                    yield self.delta(index, sent, held)
                     return
-                calling = calling or stopped  # auto's calls have begun
-                piece = "" if forced else piece
-                pieces = calls.pieces(self.served.tokenizer.decode(answer)) if calling else []
-                if piece or pieces:
-                    shown += len(piece)
-                    yield Delta(index, piece, held, pieces=pieces)
+                if sent.reasoning or sent.content or sent.pieces:
+                    yield self.delta(index, sent, held)
                     held = []
 
-    def last(self, index: int, text: TextStream, answer: list | None, shown: int, held: list, reason: str,
-             calls: CallStream | None, piece: str = "") -> Delta:
-        """The choice's last delta: the text held back (`piece`: the text a stop string's token gave) and, where
-        tools may be called, the calls read from the answer (its ids; None where a stop string cut it: then its text
-        so far) with what is still to send of them."""
-        if calls is None:
-            return Delta(index, piece + text.rest(), held, reason)
-        whole = text.text if answer is None else self.served.tokenizer.decode(answer)
-        found, pieces = calls.whole(whole)
-        rest = "" if found else whole[shown:]  # what was sent is the content; calls that do not read are content
-        return Delta(index, rest, held, self.asked.tools.finish_reason(reason, found), calls=found, pieces=pieces)
+    @staticmethod
+    def delta(index: int, sent: Sent, tokens: list) -> Delta:
+        return Delta(index, sent.content, tokens, sent.reason, calls=sent.calls, pieces=sent.pieces,
+                     reasoning=sent.reasoning)
 
     async def whole(self, request) -> dict:
         answers = [Delta(index) for index in range(len(self.sequences))]
@@ -143,7 +123,7 @@ class Reply:
                     finished += 1
                 elif isinstance(item, APIError):
                     raise item
-                elif item.text or item.reason or item.tokens or item.pieces:
+                elif item.text or item.reason or item.tokens or item.pieces or item.reasoning:
                     yield self.chunk(self.choice(item, streamed=True))
             if self.include_usage:
                 yield f"data: {json.dumps({**self.head(streamed=True), 'choices': [], 'usage': self.usage()})}\n\n"
@@ -160,7 +140,9 @@ class Reply:
         asked, out = self.asked, {"index": delta.index}
         if self.chat:
             out["delta" if streamed else "message"] = {"content": delta.text} if streamed else \
-                {"role": "assistant", "content": delta.text or (None if delta.calls else delta.text)}
+                {"role": "assistant", "content": delta.text or (None if delta.calls or delta.reasoning else "")}
+            if asked.thinking is not None and (delta.reasoning or not streamed):  # vLLM's field
+                out["delta" if streamed else "message"]["reasoning_content"] = delta.reasoning or None
             if streamed and delta.pieces:
                 out["delta"]["tool_calls"] = delta.pieces
             elif not streamed and delta.calls:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from data.chat import AFTER, ANSWER, CONTINUE, ChatError, chat_prompt, request_turns
 from data.tokenizers import delimiter_id
 from model.generate import Sampling, SamplingError
+from serving.answer import thinking
 from serving.errors import APIError
 from serving.structured import grammar_of
 from serving.tools import Tools, read_tools
@@ -33,6 +34,7 @@ class Asked:
     token_ids: bool  # vLLM's return_token_ids: the prompt's and the answer's ids in the reply
     grammar: str | None  # the grammar every answer follows (serving/structured.py), None for free text
     tools: Tools | None = None  # the tools a chat request gives and how they may be called (serving/tools.py)
+    thinking: str | None = None  # how a chat answer thinks (serving/answer.py's thinking())
 
 
 def json_body(raw: bytes) -> dict:
@@ -90,9 +92,10 @@ def _is_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], tuple, Tools | None]:
+def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], tuple, Tools | None, str | None]:
     """(the ids of the conversation `messages` rendered by the chat template with the request's tools, (its
-    end-of-turn id,), the tools and tool_choice read (serving/tools.py), None without tools)."""
+    end-of-turn id,), the tools and tool_choice read (serving/tools.py), None without tools, and how the answer
+    thinks: serving/answer.py's thinking())."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
@@ -100,7 +103,8 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             if any(isinstance(p, dict) and p.get("type") != "text" for p in message["content"]):
                 raise APIError(400, "only text content is supported (no images or audio)", "messages")
-    tools = read_tools(body, meta["chat"]["chat_template"])
+    template = meta.get("chat", {}).get("chat_template", "")  # none for a model of text: chat_prompt says so
+    tools = read_tools(body, template)
     variables, ending = _rendering(body)
     try:
         ids, end_of_turn = chat_prompt(request_turns(messages), meta, tokenizer, "the chat", "use /v1/completions",
@@ -111,7 +115,7 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
         raise APIError(400, str(e), "messages", code="chat_not_supported") from None
     if tools is not None:  # the template renders them: it must write calls where auto reads them
         tools.check_format()
-    return ids, (end_of_turn,), tools
+    return ids, (end_of_turn,), tools, thinking(template, tokenizer.decode(ids))
 
 
 def _rendering(body: dict) -> tuple[dict, str]:
@@ -140,7 +144,7 @@ def _rendering(body: dict) -> tuple[dict, str]:
 
 
 def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenizer, block_size: int,
-                 chat: bool, tools: Tools | None = None) -> Asked:
+                 chat: bool, tools: Tools | None = None, think: str | None = None) -> Asked:
     """What the request asks for, each value checked against the prompts and the model's context."""
     number = _reader(body)
     keep = number("truncate_prompt_tokens", None, int)  # vLLM's option: keep the prompt's last tokens
@@ -183,7 +187,7 @@ def read_request(body: dict, prompts: list[list[int]], stop_ids: tuple, tokenize
     if grammar is not None and sampling.min_tokens:  # the grammar may end where min_tokens rules the end out
         raise APIError(400, "min_tokens cannot be combined with a response format", "min_tokens")
     return Asked(prompts, texts, sampling, seed, n, stops, _logprobs(body, number, chat), echo,
-                 bool(body.get("return_token_ids")), grammar, tools)
+                 bool(body.get("return_token_ids")), grammar, tools, think)
 
 
 def _sampling(body: dict, number, tokenizer, max_tokens: int, stop_ids: tuple) -> Sampling:

@@ -102,55 +102,60 @@ def _content(content, i: int):
 
 
 class ResponseReply(Reply):
-    """A chat reply of one choice in the Responses API's shapes."""
+    """A chat reply of one choice in the Responses API's shapes: its output items in order, a thinking model's
+    reasoning first, then the message, then each function call."""
 
     def __init__(self, served, chat: bool, asked, sequences: list, stream_options: dict, model: str, body: dict):
         super().__init__(served, chat, asked, sequences, stream_options, model)
         self.body, self.sequence_number, self.call_items = body, 0, []
-        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
+        self.opened, self.done = [], set()  # the stream's items in their order ("reasoning", "message", call k)
 
     async def whole(self, request) -> dict:
-        text, reason, calls = "", None, []
+        reasoning, text, reason, calls = "", "", None, []
         async for delta in self.deltas(0):
-            text, reason, calls = text + delta.text, delta.reason, calls + delta.calls
+            reasoning, text, reason = reasoning + delta.reasoning, text + delta.text, delta.reason
+            calls += delta.calls
             if await request.is_disconnected():
                 return {}
-        return self.response(self.items(text, reason, calls), reason)
+        return self.response(self.items(reasoning, text, reason, calls), reason)
 
     async def stream(self):
-        """The Responses stream's events: the answer's message item opened at its first text and done at the first
-        call (or the end); each function call an item of its own, added as its name is written, its arguments'
-        deltas as the model writes them, done at the end; then the response completed or incomplete."""
+        """The Responses stream's events: the reasoning's and the message's items opened at their first text and
+        done as the next item opens (or at the end); each function call an item of its own, added as its name is
+        written, its arguments' deltas as the model writes them, done at the end; then the response completed or
+        incomplete."""
         try:
             yield self.event("response.created", response=self.response([], None))
             yield self.event("response.in_progress", response=self.response([], None))
-            text, reason, calls, message = "", None, [], None  # the message item: None, "open" or "done"
+            reasoning, text, reason, calls = "", "", None, []
             async for delta in self.deltas(0):
-                text, reason, calls = text + delta.text, delta.reason, calls + delta.calls
+                reasoning, text, reason = reasoning + delta.reasoning, text + delta.text, delta.reason
+                calls += delta.calls
+                if delta.reasoning:
+                    for event in self.opening("reasoning", reasoning, text):
+                        yield event
+                    yield self.event("response.reasoning_text.delta", **self.where("reasoning"), delta=delta.reasoning)
                 if delta.text:
-                    if message is None:
-                        for event in self.message_opened():
-                            yield event
-                        message = "open"
-                    yield self.event("response.output_text.delta", **self.where, delta=delta.text, logprobs=[])
+                    for event in self.opening("message", reasoning, text):
+                        yield event
+                    yield self.event("response.output_text.delta", **self.where("message"), delta=delta.text,
+                                     logprobs=[])
                 for piece in delta.pieces:
-                    if "id" in piece and message == "open":
-                        for event in self.message_done(text, "stop"):
-                            yield event
-                        message = "done"
-                    for event in self.call_events(piece, message is not None):
+                    call = {"type": "function_call", "id": self.call_item_id(piece["index"]),
+                            "call_id": piece.get("id"), "name": piece["function"].get("name")}
+                    for event in self.opening(piece["index"], reasoning, text, call) if "id" in piece else ():
                         yield event
-            items = self.items(text, reason, calls)
-            for index, item in enumerate(items):
-                if item["type"] == "message":
-                    for event in (self.message_opened() if message is None else ()):
-                        yield event  # an empty answer: its message item all the same
-                    for event in (self.message_done(text, reason) if message != "done" else ()):
-                        yield event
-                    continue
-                calling = {"item_id": item["id"], "output_index": index}
-                yield self.event("response.function_call_arguments.done", **calling, arguments=item["arguments"])
-                yield self.event("response.output_item.done", output_index=index, item=item)
+                    if piece["function"]["arguments"]:
+                        yield self.event("response.function_call_arguments.delta", **self.where(piece["index"]),
+                                         delta=piece["function"]["arguments"])
+            items = self.items(reasoning, text, reason, calls)
+            for kind, item in zip(self.kinds(reasoning, text, calls), items):
+                for event in self.opening(kind, reasoning, text, item):  # an empty answer's message, say
+                    yield event
+                for event in self.closing(kind, item):
+                    yield event
             response = self.response(items, reason)
             yield self.event(f"response.{response['status']}", response=response)
         except APIError as e:  # the worker died mid-stream: the Responses stream's error event
@@ -159,36 +164,48 @@ class ResponseReply(Reply):
             for sequence in self.sequences:
                 self.served.scheduler.cancel(sequence)
 
-    @property
-    def where(self) -> dict:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+    def opening(self, kind, reasoning: str, text: str, item: dict | None = None):
+        """An item's added events where it is not open yet, the item before it done first (its text is whole once
+        the next begins). `kind`: "reasoning", "message", or a call's index."""
+        if kind in self.opened:
+            return
+        last = self.opened[-1] if self.opened else None
+        if last in ("reasoning", "message"):
+            yield from self.closing(last, self.message(text, "stop") if last == "message" else
+                                    self.reasoning_item(reasoning))
+        self.opened.append(kind)
+        if kind == "message":
+            yield self.event("response.output_item.added", output_index=self.index(kind), item=self.message("", None))
+            yield self.event("response.content_part.added", **self.where(kind), part=self.part(""))
+        elif kind == "reasoning":
+            yield self.event("response.output_item.added", output_index=self.index(kind),
+                             item={**self.reasoning_item(""), "content": []})
+        else:
+            yield self.event("response.output_item.added", output_index=self.index(kind),
+                             item={**item, "arguments": "", "status": "in_progress"})
 
-    def message_opened(self):
-        yield self.event("response.output_item.added", output_index=0, item=self.message("", None))
-        yield self.event("response.content_part.added", **self.where, part=self.part(""))
+    def closing(self, kind, item: dict):
+        """An item's done events, once."""
+        if kind in self.done:
+            return
+        self.done.add(kind)
+        where, index = self.where(kind), self.index(kind)
+        if kind == "message":
+            text = item["content"][0]["text"] if item["content"] else ""
+            yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+            yield self.event("response.content_part.done", **where, part=self.part(text))
+        elif kind == "reasoning":
+            yield self.event("response.reasoning_text.done", **where, text=item["content"][0]["text"])
+        else:
+            yield self.event("response.function_call_arguments.done", **where, arguments=item["arguments"])
+        yield self.event("response.output_item.done", output_index=index, item=item)
 
-    def message_done(self, text: str, reason: str | None):
-        yield self.event("response.output_text.done", **self.where, text=text, logprobs=[])
-        yield self.event("response.content_part.done", **self.where, part=self.part(text))
-        yield self.event("response.output_item.done", output_index=0, item=self.message(text, reason))
+    def index(self, kind) -> int:
+        return self.opened.index(kind)
 
-    def call_events(self, piece: dict, after_message: bool):
-        """A call's item added (its first piece names it) and its arguments' delta, after the message item if the
-        answer has one."""
-        index = piece["index"] + after_message
-        if "id" in piece:
-            item = {"type": "function_call", "id": self.call_item_id(piece["index"]), "call_id": piece["id"],
-                    "name": piece["function"]["name"], "arguments": "", "status": "in_progress"}
-            yield self.event("response.output_item.added", output_index=index, item=item)
-        if piece["function"]["arguments"]:
-            yield self.event("response.function_call_arguments.delta", item_id=self.call_item_id(piece["index"]),
-                             output_index=index, delta=piece["function"]["arguments"])
-
-    def call_item_id(self, k: int) -> str:
-        """The item id of the answer's k-th call, made once: the stream's items are the response's."""
-        while len(self.call_items) <= k:
-            self.call_items.append(f"fc_{uuid.uuid4().hex}")
-        return self.call_items[k]
+    def where(self, kind) -> dict:
+        at = {"item_id": self.item_ids.get(kind) or self.call_item_id(kind), "output_index": self.index(kind)}
+        return {**at, "content_index": 0} if kind in ("message", "reasoning") else at
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -199,16 +216,32 @@ class ResponseReply(Reply):
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     def message(self, text: str, reason: str | None) -> dict:
-        return {"type": "message", "id": self.item_id, "status": _status(reason), "role": "assistant",
+        return {"type": "message", "id": self.item_ids["message"], "status": _status(reason), "role": "assistant",
                 "content": [self.part(text)] if reason is not None else []}
 
-    def items(self, text: str, reason: str | None, calls: list) -> list[dict]:
-        """The output: the answer's message (where it has text, or calls nothing), then a function_call item for
-        each call."""
-        message = [self.message(text, reason)] if text or not calls else []
-        return message + [{"type": "function_call", "id": self.call_item_id(k), "call_id": call["id"],
-                           "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                           "status": "completed"} for k, call in enumerate(calls)]
+    def reasoning_item(self, reasoning: str) -> dict:
+        return {"type": "reasoning", "id": self.item_ids["reasoning"], "summary": [],
+                "content": [{"type": "reasoning_text", "text": reasoning}]}
+
+    @staticmethod
+    def kinds(reasoning: str, text: str, calls: list) -> list:
+        """The output items' kinds in order: the reasoning (where the model thought), the message (where it has
+        text, or calls nothing), each call."""
+        return ["reasoning"] * bool(reasoning) + ["message"] * bool(text or not calls) + list(range(len(calls)))
+
+    def items(self, reasoning: str, text: str, reason: str | None, calls: list) -> list[dict]:
+        """The output items (kinds())."""
+        made = {"reasoning": self.reasoning_item(reasoning), "message": self.message(text, reason)}
+        return [made[kind] if isinstance(kind, str) else {
+            "type": "function_call", "id": self.call_item_id(kind), "call_id": calls[kind]["id"],
+            "name": calls[kind]["function"]["name"], "arguments": calls[kind]["function"]["arguments"],
+            "status": "completed"} for kind in self.kinds(reasoning, text, calls)]
+
+    def call_item_id(self, k: int) -> str:
+        """The item id of the answer's k-th call, made once: the stream's items are the response's."""
+        while len(self.call_items) <= k:
+            self.call_items.append(f"fc_{uuid.uuid4().hex}")
+        return self.call_items[k]
 
     def response(self, items: list, reason: str | None) -> dict:
         """The response object of its output `items`: in progress (reason None), completed (the answer ended, or

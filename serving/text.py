@@ -5,10 +5,13 @@ ends it only where the text begins with one (after whitespace), so the text is h
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0, leading: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0, leading: tuple[str, ...] = (),
+                 tokens: list[int] = (), skip: int = 0):
+        """`tokens`, `skip`: the answer's tokens so far, and the characters of their text before this stream's (a
+        thinking model's reasoning and its </think>, serving/answer.py)."""
         self.tokenizer, self.stops, self.min_tokens = tokenizer, [s for s in stops if s], min_tokens
-        self.leading = leading
-        self.tokens: list[int] = []
+        self.leading, self.skip = leading, skip
+        self.tokens: list[int] = list(tokens)
         self.text, self.sent = "", 0
         self.floor = 0  # the length of the first min_tokens tokens' text: a stop string must end past it
         self.stop: str | None = None  # the stop string that ended the text
@@ -16,7 +19,7 @@ class TextStream:
     def add(self, token: int) -> tuple[str, bool]:
         """(the text to send now, whether a stop string ended the sequence: the text stops before it)."""
         self.tokens.append(token)
-        self.text = self.tokenizer.decode(self.tokens)
+        self.text = self.tokenizer.decode(self.tokens)[self.skip:]
         if len(self.tokens) <= self.min_tokens:
             self.floor = len(self.text)
         if self.leading:

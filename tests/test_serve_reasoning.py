@@ -1,0 +1,147 @@
+"""A thinking model's answers (serving/answer.py, vLLM's reasoning parsers' rule): the text before </think> is the
+reasoning (`reasoning_content`), the rest the content, whole and streamed (every reasoning delta before the content),
+where the answer begins with <think> or the prompt opened one; the calls of tools read from the content alone;
+Qwen 3's enable_thinking false (the prompt closes an empty think) answers in content; an answer cut while thinking is
+all reasoning; the Responses API gives a reasoning item before the message, its events in order; earlier turns'
+reasoning_content reaches the template."""
+import json
+import re
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from data.tokenizers import EOT, CharTokenizer
+from serving.answer import Answer, thinking
+
+# Qwen 3's behaviour on the plain layout: an answer writes its thinking in <think>...</think> before the reply,
+# enable_thinking false closes an empty one in the prompt; earlier turns' reasoning rendered; tools as hermes does.
+TEMPLATE = (
+    "{% if tools %}System: tools {% for tool in tools %}{{ tool['function']['name'] }} {% endfor %}<tool_call>\n"
+    "{% endif %}{% for message in messages %}{% if message['role'] == 'assistant' %}Assistant: {% generation %}"
+    "{% if message.get('reasoning_content') %}<think>{{ message['reasoning_content'] }}</think>{% endif %}"
+    "{{ message['content'] }}" + EOT + "{% endgeneration %}\n"
+    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
+THOUGHT = "<think>Rome is in Italy.</think>It is sunny."
+
+
+def test_how_an_answer_thinks_is_read_from_the_template_and_the_prompt():
+    assert thinking("{{ messages }}", "User: hi\nAssistant: ") is None  # the template writes no reasoning
+    assert thinking(TEMPLATE, "User: hi\nAssistant: ") == "may"
+    assert thinking(TEMPLATE, "User: hi\nAssistant: <think></think>") == "may"  # enable_thinking false
+    assert thinking(TEMPLATE, "<think>a</think>\nUser: hi\nAssistant: <think>\n") == "open"  # DeepSeek-R1's
+
+
+def cut(text: str, think: str, stops=(), tokens: int | None = None, grammar: str | None = None
+        ) -> tuple[list[tuple[str, str]], str]:
+    """The (reasoning, content) each token of `text` sends (the last the answer's end, after `tokens` of them
+    where given), and the reason it ended."""
+    tokenizer = CharTokenizer.from_text(text + "x")
+    answer = Answer(tokenizer, SimpleNamespace(stops=list(stops), tools=None, grammar=grammar), 0, think)
+    sent = []
+    for token in tokenizer.encode(text)[:tokens]:
+        piece, stopped = answer.add(token)
+        sent.append((piece.reasoning, piece.content))
+        if stopped:
+            return sent, piece.reason
+    last = answer.last("length" if tokens else "stop")
+    return sent + [(last.reasoning, last.content)], last.reason
+
+
+def joined(sent) -> tuple[str, str]:
+    return "".join(r for r, _ in sent), "".join(c for _, c in sent)
+
+
+def test_the_text_before_think_ends_is_the_reasoning_and_every_piece_of_it_comes_first():
+    sent, _ = cut(" <think>Rome is in Italy.</think>It is sunny.", "may")
+    assert joined(sent) == ("Rome is in Italy.", "It is sunny.")
+    first_content = next(i for i, (_, c) in enumerate(sent) if c)
+    assert not any(r for r, _ in sent[first_content:]) and not any("<" in r for r, _ in sent)  # </think> held back
+    assert joined(cut("Rome is in Italy.</think>It is sunny.", "open")[0]) == ("Rome is in Italy.", "It is sunny.")
+    assert joined(cut("It is sunny.", "may")[0]) == ("", "It is sunny.")  # no <think>: content
+    assert joined(cut("<thi", "may")[0]) == ("", "<thi")  # too short to say: content
+    assert joined(cut(THOUGHT, "may", tokens=12)[0]) == ("Rome ", "")  # cut while thinking: reasoning
+    sent, reason = cut(THOUGHT, "may", stops=["sun"])  # stop strings end the content, not the reasoning
+    assert joined(sent) == ("Rome is in Italy.", "It is ") and reason == "stop"
+    assert joined(cut("<think>It is sunny.</think>Sure.", "may", stops=["sun"])[0]) == ("It is sunny.", "Sure.")
+    assert joined(cut('{"a": 1}', "open", grammar="json")[0]) == ("", '{"a": 1}')  # a grammar's answer: no thought
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from servers import Server, chat_model_export
+
+    folder = tmp_path_factory.mktemp("thinking")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    served = Server(chat_model_export(folder / "model", block_size=1024, tokenizer="bpe:300",
+                                      template=str(folder / "template.jinja")))
+    yield served
+    code, output = served.stop()
+    assert code == 0 and "Traceback" not in output, output
+
+
+def written(text: str, **options) -> dict:
+    """A random model made to write `text` (structured outputs)."""
+    return {"model": "export", "messages": ASK, "max_tokens": 150, "temperature": 0,
+            "extra_body": {"structured_outputs": {"regex": re.escape(text)}, **options}}
+
+
+@pytest.mark.launch
+def test_a_thinking_answer_is_reasoning_then_content_whole_and_streamed(server):
+    client = server.client()
+    message = client.chat.completions.create(**written(THOUGHT)).choices[0].message
+    assert (message.reasoning_content, message.content) == ("Rome is in Italy.", "It is sunny.")
+    chunks = list(client.chat.completions.create(**written(THOUGHT), stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = [getattr(d, "reasoning_content", None) or "" for d in deltas]
+    assert "".join(reasoning) == "Rome is in Italy." and sum(map(bool, reasoning)) > 2  # as it is written
+    assert "".join(d.content or "" for d in deltas) == "It is sunny."
+    last_reasoning = max(i for i, r in enumerate(reasoning) if r)
+    assert not any(d.content for d in deltas[:last_reasoning + 1])
+    plain = client.chat.completions.create(**written("It is sunny.", chat_template_kwargs={"enable_thinking": False}))
+    assert (plain.choices[0].message.reasoning_content, plain.choices[0].message.content) == (None, "It is sunny.")
+    cut_short = client.chat.completions.create(**{**written(THOUGHT), "max_tokens": 10}).choices[0]
+    assert cut_short.finish_reason == "length" and cut_short.message.content is None
+    assert cut_short.message.reasoning_content and "Rome is in Italy.".startswith(cut_short.message.reasoning_content)
+
+
+@pytest.mark.launch
+def test_calls_are_read_from_the_content_after_the_reasoning(server):
+    call = '<think>I need the weather.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}' \
+           '</tool_call>'
+    choice = server.client().chat.completions.create(**written(call), tools=[WEATHER]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "I need the weather."
+    (made,) = choice.message.tool_calls
+    assert (made.function.name, json.loads(made.function.arguments)) == ("get_weather", {"city": "Rome"})
+    history = [*ASK, {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Rome is in Italy."},
+               {"role": "user", "content": "Thanks."}]
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": "export", "messages": history}, timeout=30).json()
+    prompt = httpx.post(f"{server.url}/detokenize", json={"model": "export", "tokens": ids["tokens"]},
+                        timeout=30).json()["prompt"]
+    assert "Assistant: <think>Rome is in Italy.</think>It is sunny." in prompt
+
+
+@pytest.mark.launch
+def test_the_responses_api_gives_the_reasoning_an_item_before_the_message(server):
+    client = server.client()
+    options = {"model": "export", "input": ASK[0]["content"], "temperature": 0, "max_output_tokens": 150,
+               "extra_body": {"structured_outputs": {"regex": re.escape(THOUGHT)}}}
+    whole = client.responses.create(**options)
+    assert [o.type for o in whole.output] == ["reasoning", "message"] and whole.output_text == "It is sunny."
+    assert whole.output[0].content[0].text == "Rome is in Italy."
+    events = list(client.responses.create(**options, stream=True))
+    kinds = [e.type for e in events]
+    thought, said = kinds.count("response.reasoning_text.delta"), kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.reasoning_text.delta"] * thought, "response.reasoning_text.done",
+                     "response.output_item.done", "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * said, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.completed"]
+    done = [e.item.id for e in events if e.type == "response.output_item.done"]
+    assert done == [item.id for item in events[-1].response.output]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Rome is in Italy."
