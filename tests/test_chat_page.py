@@ -1,7 +1,7 @@
 """The chat page in headless Chromium against a server slowed to a larger model's pace (tests/fault_serve.py): a
 system turn given on the page goes first in every request, the answer the API's for that conversation; Stop ends an
 answer mid-stream, keeps what came as the assistant's turn (sent with the next message) and the server frees the
-sequence's slot."""
+sequence's slot. A thinking model's reasoning shows in a folded block above its answer."""
 import pytest
 
 from servers import MESSAGE, Server, chat_model_export, metric, wait_for
@@ -81,3 +81,31 @@ def test_stop_ends_the_answer_keeps_it_and_frees_the_slot(server, browser):
     assert browser.execute_script("return window.sent")[-1]["messages"] == [
         {"role": "user", "content": MESSAGE}, {"role": "assistant", "content": stopped},
         {"role": "user", "content": "Reverse: king"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A model whose template opens a <think> in the prompt (DeepSeek-R1's): all it writes is reasoning until it
+    writes </think>, which a random model does not."""
+    from test_serve_reasoning import TEMPLATE
+
+    folder = tmp_path_factory.mktemp("thinking_page")
+    opened = TEMPLATE.replace("{% if add_generation_prompt %}Assistant: ", "{% if add_generation_prompt %}Assistant: "
+                              "<think>", 1)
+    (folder / "template.jinja").write_text(opened)
+    served = Server(chat_model_export(folder / "model", block_size=256, tokenizer="bpe:300",
+                                      template=str(folder / "template.jinja")))
+    yield served
+    code, output = served.stop()
+    assert code == 0 and "Traceback" not in output, output
+
+
+def test_a_thinking_models_reasoning_shows_folded_above_its_answer(thinking_server, browser):
+    open_page(browser, thinking_server)
+    browser.find_element("id", "max_tokens").send_keys("12")
+    ask(browser, MESSAGE).until(lambda b: done(b) == 1)
+    thought = browser.find_element("css selector", "#log details.thinking span").get_attribute("textContent")
+    api = thinking_server.client().chat.completions.create(model="export", messages=[
+        {"role": "user", "content": MESSAGE}], temperature=0, max_tokens=12).choices[0].message
+    assert thought == api.reasoning_content and thought and api.content is None
+    assert browser.find_elements("css selector", "#log .assistant")[-1].get_attribute("textContent") == ""
