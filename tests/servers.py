@@ -44,6 +44,15 @@ def chat_model_export(folder, block_size: int, seed: int = 1, system: str | None
     return write_export(str(folder / "export"), cfg, model.state_dict(), meta, step=0, data_dir=str(folder / "data"))
 
 
+def template_export(folder, template: str, block_size: int) -> str:
+    """chat_model_export over a byte-level BPE (it writes any text) with `template` (Jinja source) as its chat
+    template."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "template.jinja").write_text(template)
+    return chat_model_export(folder / "model", block_size=block_size, tokenizer="bpe:300",
+                             template=str(folder / "template.jinja"))
+
+
 def adapter_folder(export: str, folder) -> str:
     """A LoRA adapter of rank 2 on every map of the export's model, in PEFT's layout (scripts.export --adapter's)."""
     import dataclasses

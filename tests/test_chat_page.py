@@ -4,7 +4,7 @@ answer mid-stream, keeps what came as the assistant's turn (sent with the next m
 sequence's slot. A thinking model's reasoning shows in a folded block above its answer."""
 import pytest
 
-from servers import MESSAGE, Server, chat_model_export, metric, wait_for
+from servers import MESSAGE, Server, chat_model_export, metric, template_export, wait_for
 
 pytestmark = pytest.mark.launch  # a server process and a browser
 SYSTEM = "Reverse words."
@@ -89,12 +89,9 @@ def thinking_server(tmp_path_factory):
     writes </think>, which a random model does not."""
     from test_serve_reasoning import TEMPLATE
 
-    folder = tmp_path_factory.mktemp("thinking_page")
     opened = TEMPLATE.replace("{% if add_generation_prompt %}Assistant: ", "{% if add_generation_prompt %}Assistant: "
                               "<think>", 1)
-    (folder / "template.jinja").write_text(opened)
-    served = Server(chat_model_export(folder / "model", block_size=256, tokenizer="bpe:300",
-                                      template=str(folder / "template.jinja")))
+    served = Server(template_export(tmp_path_factory.mktemp("thinking_page"), opened, block_size=256))
     yield served
     code, output = served.stop()
     assert code == 0 and "Traceback" not in output, output

@@ -74,12 +74,9 @@ def test_the_text_before_think_ends_is_the_reasoning_and_every_piece_of_it_comes
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from servers import Server, chat_model_export
+    from servers import Server, template_export
 
-    folder = tmp_path_factory.mktemp("thinking")
-    (folder / "template.jinja").write_text(TEMPLATE)
-    served = Server(chat_model_export(folder / "model", block_size=1024, tokenizer="bpe:300",
-                                      template=str(folder / "template.jinja")))
+    served = Server(template_export(tmp_path_factory.mktemp("thinking"), TEMPLATE, block_size=1024))
     yield served
     code, output = served.stop()
     assert code == 0 and "Traceback" not in output, output

@@ -7,9 +7,11 @@ from serving.text import TextStream
 TOKENIZER = CharTokenizer.from_text("abcdefgXY")
 
 
-def streamed(text: str, stops: list[str], min_tokens: int = 0) -> tuple[str, bool]:
-    stream, sent = TextStream(TOKENIZER, stops, min_tokens), ""
-    for token in TOKENIZER.encode(text):
+def streamed(text: str, stops: list[str], min_tokens: int = 0, leading: tuple = (),
+             tokenizer=TOKENIZER) -> tuple[str, bool]:
+    """The text a stream sends of `text` token by token, and whether a stop string (or a leading mark) ended it."""
+    stream, sent = TextStream(tokenizer, stops, min_tokens, leading), ""
+    for token in tokenizer.encode(text):
         piece, stopped = stream.add(token)
         sent += piece
         if stopped:

@@ -20,6 +20,7 @@ from serving.errors import APIError
 from serving.text import TextStream
 from serving.tools import CallStream, read_tools
 from test_chat import as_transformers
+from test_text_stream import streamed
 
 # Llama 3.1's layout on the plain one: tools in the system turn with its instruction, a call the assistant's whole
 # turn, a tool's result a turn of the ipython role.
@@ -151,23 +152,15 @@ def test_a_call_goes_out_once_its_name_is_written_and_one_that_does_not_read_is_
     assert stream.whole('{"name": "get_weather", "parameters": {"city": "R"} and more') == ([], [])
 
 
-def streamed(text: str, leading: tuple) -> tuple[str, bool]:
-    tokenizer = CharTokenizer.from_text(text)
-    stream, sent = TextStream(tokenizer, [], 0, leading), ""
-    for token in tokenizer.encode(text):
-        piece, stopped = stream.add(token)
-        sent += piece
-        if stopped:
-            return sent, True
-    return sent + stream.rest(), False
-
-
 def test_llama3s_marks_end_the_content_only_where_the_answer_begins_with_one():
     marks = auto(LLAMA3).reading().marks
-    assert streamed('  {"name": "a"}', marks) == ("", True)  # nothing sent: the whitespace is no content either
-    assert streamed('<|python_tag|>{"name"', marks) == ("", True)
-    assert streamed("It is {cold}", marks) == ("It is {cold}", False)
-    assert streamed("<|pyt", marks) == ("<|pyt", False)  # held while it may begin the tag, sent at the end
+
+    def led(text: str) -> tuple[str, bool]:
+        return streamed(text, [], leading=marks, tokenizer=CharTokenizer.from_text(text))
+    assert led('  {"name": "a"}') == ("", True)  # nothing sent: the whitespace is no content either
+    assert led('<|python_tag|>{"name"') == ("", True)
+    assert led("It is {cold}") == ("It is {cold}", False)
+    assert led("<|pyt") == ("<|pyt", False)  # held while it may begin the tag, sent at the end
     tokenizer = CharTokenizer.from_text(" It{")
     stream = TextStream(tokenizer, [], 0, marks)
     assert [stream.add(t)[0] for t in tokenizer.encode(" It{")] == ["", " I", "t", "{"]
@@ -214,12 +207,9 @@ ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
 
 @pytest.fixture(scope="module", params=sorted(WRITTEN))
 def server(request, tmp_path_factory):
-    from servers import Server, chat_model_export
+    from servers import Server, template_export
 
-    folder = tmp_path_factory.mktemp(request.param)
-    (folder / "template.jinja").write_text(TEMPLATES[request.param])
-    served = Server(chat_model_export(folder / "model", block_size=1024, tokenizer="bpe:300",
-                                      template=str(folder / "template.jinja")))
+    served = Server(template_export(tmp_path_factory.mktemp(request.param), TEMPLATES[request.param], 1024))
     served.format = request.param
     yield served
     code, output = served.stop()
