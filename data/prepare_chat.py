@@ -101,6 +101,12 @@ def _read_text(path: str, fix: str) -> str:
                          ) from None
 
 
+def template_settings(template: ChatTemplate | None) -> list:
+    """What of a template changes a dataset beside its source, for its job: the special tokens it renders with
+    (none: nothing, so datasets of tokenizers without them keep their jobs)."""
+    return [template.special_tokens] if template is not None and template.special_tokens else []
+
+
 def template_label(name: str) -> str:
     """How a message names the template chat_template() returned as `name`."""
     if name in BUILTIN_TEMPLATES:
@@ -156,7 +162,8 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     if not template.marks_generation:
         raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... "
                          f"{{% endgeneration %}}): add the marks around each assistant turn's content and end-of-turn")
-    job = jsonl_job("chat", files, tokenizer_spec, ready, source, train_on, context, overlong, val_fraction)
+    job = jsonl_job("chat", files, tokenizer_spec, ready, source, train_on, context, overlong, val_fraction,
+                    *template_settings(template))
     meta = done_job(out_dir, job, force, "these conversations")
     if meta is not None:
         return meta

@@ -35,6 +35,7 @@ from data.prepare_chat import (
     marked_end_of_turn,
     template_failure,
     template_label,
+    template_settings,
 )
 from data.readers import InputError
 from data.tokenizers import HFTokenizer, parse_spec
@@ -61,7 +62,8 @@ def prepare_preference(inputs: list[str], out_dir: str, tokenizer_spec="char", t
     elif template_spec is not None:
         raise InputError(f"--chat_template {template_spec}: {files[0]} holds standard text pairs, which are "
                          f"tokenized as they are, with no template; fix: leave --chat_template out")
-    job = jsonl_job("preference", files, tokenizer_spec, ready, source, context, overlong, val_fraction)
+    job = jsonl_job("preference", files, tokenizer_spec, ready, source, context, overlong, val_fraction,
+                    *template_settings(template))
     meta = done_job(out_dir, job, force, "these preference pairs")
     if meta is not None:
         return meta

@@ -24,6 +24,7 @@ from data.prepare_chat import (
     marked_end_of_turn,
     template_failure,
     template_label,
+    template_settings,
 )
 from data.prepare_preference import text_encoder
 from data.prompts import TEXT, read_prompts
@@ -52,7 +53,8 @@ def prepare_prompts(inputs: list[str], out_dir: str, tokenizer_spec="char", temp
     elif template_spec is not None:
         raise InputError(f"--chat_template {template_spec}: {files[0]} holds text prompts, which are tokenized as "
                          f"they are, with no template; fix: leave --chat_template out")
-    job = jsonl_job("prompts", files, tokenizer_spec, ready, source, context, val_fraction)
+    job = jsonl_job("prompts", files, tokenizer_spec, ready, source, context, val_fraction,
+                    *template_settings(template))
     meta = done_job(out_dir, job, force, "these prompts")
     if meta is not None:
         return meta

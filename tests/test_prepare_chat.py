@@ -109,6 +109,9 @@ def test_a_template_writes_the_tokenizers_special_tokens_as_transformers_gives_t
     asked = [{"role": "user", "content": "Speak."}]
     assert ids == reference.apply_chat_template(asked, tokenize=True, return_dict=True)["input_ids"] and ids[0] == bos
     assert chat_tokenizer_config(meta)["bos_token"] == "<|im_start|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|im_end|>"}))
+    with pytest.raises(InputError, match="already holds a dataset, of other inputs or options"):  # not "done"
+        prepare_chat([inputs], str(tmp_path / "out"), str(folder), val_fraction=0.5)
 
 
 def test_the_builtin_chatml_prepares_what_the_same_template_in_tokenizer_config_does(tmp_path, chatml_tokenizer):
