@@ -226,14 +226,21 @@ def _turn(item, where: str, role_key: str, content_key: str, roles: dict) -> dic
     return {**turn, **_reasoning(item, turn["role"], where)}
 
 
+# The names of an assistant turn's reasoning (a thinking model's): vLLM's older and newer, gpt-oss templates'.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
 def _reasoning(item: dict, role: str, where: str) -> dict:
-    """An assistant turn's reasoning_content (a thinking model's, vLLM's field), which templates that render
-    reasoning read (Qwen 3's: its <think> block)."""
-    if role != "assistant" or item.get("reasoning_content") is None:
+    """An assistant turn's reasoning under each of its names, as transformers aliases them (reasoning_content, which
+    Qwen 3's template renders as its <think> block, and thinking, which gpt-oss templates read)."""
+    given = [key for key in REASONING_FIELDS if item.get(key) is not None] if role == "assistant" else []
+    if not given:
         return {}
-    if not isinstance(item["reasoning_content"], str):
-        raise ChatError(f"{where}.reasoning_content must be a string, not {json_kind(item['reasoning_content'])}")
-    return {"reasoning_content": item["reasoning_content"]}
+    if not all(isinstance(item[key], str) for key in given):
+        key = next(key for key in given if not isinstance(item[key], str))
+        raise ChatError(f"{where}.{key} must be a string, not {json_kind(item[key])}")
+    reasoning = item[given[0]]
+    return {"thinking": reasoning, **{key: item[key] for key in given}, "reasoning_content": reasoning}
 
 
 TEXT_PART = '{"type": "text", "text": "..."}'

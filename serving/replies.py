@@ -141,8 +141,9 @@ class Reply:
         if self.chat:
             out["delta" if streamed else "message"] = {"content": delta.text} if streamed else \
                 {"role": "assistant", "content": delta.text or (None if delta.calls or delta.reasoning else "")}
-            if asked.thinking is not None and (delta.reasoning or not streamed):  # vLLM's field
-                out["delta" if streamed else "message"]["reasoning_content"] = delta.reasoning or None
+            if asked.thinking is not None and (delta.reasoning or not streamed):  # vLLM's names, newer and older
+                out["delta" if streamed else "message"].update(dict.fromkeys(("reasoning", "reasoning_content"),
+                                                                             delta.reasoning or None))
             if streamed and delta.pieces:
                 out["delta"]["tool_calls"] = delta.pieces
             elif not streamed and delta.calls:
