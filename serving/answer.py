@@ -42,6 +42,7 @@ class Answer:
         self.forced = self.tools is not None and self.reading is None  # the whole content is calls
         self.calling, self.shown = self.forced, 0  # whether the calls have begun; content characters sent
         self.ids: list[int] = []  # the answer's ids, stop ids apart
+        self.reasoning_tokens = 0  # the tokens of its reasoning, its <think> and </think> included
         self.reasoning = TextStream(tokenizer, [THOUGHT]) if think == "open" else None
         self.content = self._content(0) if think is None else None
 
@@ -70,6 +71,7 @@ class Answer:
         sent = Sent()
         if self.content is None:
             sent.reasoning, thought = self.reasoning.add(token)
+            self.reasoning_tokens = len(self.ids)
             if not thought:
                 return sent, False
             self.content = self._content(self.reasoning.skip + len(self.reasoning.text) + len(THOUGHT))

@@ -43,7 +43,7 @@ class Reply:
         """model: the name the request gave (the served model's, or an adapter's)."""
         self.served, self.chat, self.asked, self.sequences, self.model = served, chat, asked, sequences, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created, self.completion_tokens = int(time.time()), 0
+        self.created, self.completion_tokens, self.reasoning_tokens = int(time.time()), 0, 0
         self.include_usage = bool(stream_options.get("include_usage"))
         self.offsets = [0] * len(sequences)  # each choice's text so far, in characters (completions' text_offset)
 
@@ -67,7 +67,9 @@ class Reply:
                 yield Delta(index, asked.texts[index // asked.n],
                             prompt=[Drawn(ids[0], None, None)] + [Drawn(t, *s) for t, s in zip(ids[1:], value)])
             elif kind == "done":
-                yield self.delta(index, answer.last(value), held)
+                last = answer.last(value)
+                self.reasoning_tokens += answer.reasoning_tokens
+                yield self.delta(index, last, held)
                 return
             elif kind == "token":
                 self.completion_tokens += 1
@@ -77,6 +79,7 @@ class Reply:
                 sent, stopped = answer.add(value.id)
                 if stopped:  # by a stop string
                     self.served.scheduler.cancel(sequence, "stop")
+                    self.reasoning_tokens += answer.reasoning_tokens
                     yield self.delta(index, sent, held)
                     return
                 if sent.reasoning or sent.content or sent.pieces:
@@ -198,5 +201,7 @@ class Reply:
 
     def usage(self) -> dict:
         prompt = sum(len(ids) for ids in self.asked.prompts)
+        thinks = {"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}} \
+            if self.asked.thinking is not None else {}  # OpenAI's count of a reasoning model's
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
+                "total_tokens": prompt + self.completion_tokens, **thinks}

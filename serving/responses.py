@@ -261,7 +261,7 @@ class ResponseReply(Reply):
                 "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
                 "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                           "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                          "output_tokens_details": {"reasoning_tokens": 0}}}
+                          "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens}}}
 
 
 def _status(reason: str | None) -> str:

@@ -88,6 +88,20 @@ def written(text: str, **options) -> dict:
             "extra_body": {"structured_outputs": {"regex": re.escape(text)}, **options}}
 
 
+def thought_tokens(server) -> int:
+    """The reasoning tokens usage counts of THOUGHT's answer: checked to be those up to and including the one
+    that completes </think>."""
+    reply = server.client().chat.completions.create(**written(THOUGHT, return_token_ids=True))
+    ids = reply.choices[0].token_ids
+
+    def text(n: int) -> str:
+        return httpx.post(f"{server.url}/detokenize", json={"model": "export", "tokens": ids[:n]}, timeout=30
+                          ).json()["prompt"]
+    thought = next(n for n in range(1, len(ids) + 1) if "</think>" in text(n))
+    assert reply.usage.completion_tokens_details.reasoning_tokens == thought
+    return thought
+
+
 @pytest.mark.launch
 def test_a_thinking_answer_is_reasoning_then_content_whole_and_streamed(server):
     client = server.client()
@@ -101,7 +115,9 @@ def test_a_thinking_answer_is_reasoning_then_content_whole_and_streamed(server):
     assert "".join(d.content or "" for d in deltas) == "It is sunny."
     last_reasoning = max(i for i, r in enumerate(reasoning) if r)
     assert not any(d.content for d in deltas[:last_reasoning + 1])
+    assert thought_tokens(server) > 2
     plain = client.chat.completions.create(**written("It is sunny.", chat_template_kwargs={"enable_thinking": False}))
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
     assert (plain.choices[0].message.reasoning_content, plain.choices[0].message.content) == (None, "It is sunny.")
     cut_short = client.chat.completions.create(**{**written(THOUGHT), "max_tokens": 10}).choices[0]
     assert cut_short.finish_reason == "length" and cut_short.message.content is None
@@ -132,6 +148,7 @@ def test_the_responses_api_gives_the_reasoning_an_item_before_the_message(server
     whole = client.responses.create(**options)
     assert [o.type for o in whole.output] == ["reasoning", "message"] and whole.output_text == "It is sunny."
     assert whole.output[0].content[0].text == "Rome is in Italy."
+    assert whole.usage.output_tokens_details.reasoning_tokens == thought_tokens(server)
     events = list(client.responses.create(**options, stream=True))
     kinds = [e.type for e in events]
     thought, said = kinds.count("response.reasoning_text.delta"), kinds.count("response.output_text.delta")
