@@ -38,6 +38,7 @@ class Answer:
         self.tokenizer, self.stops, self.min_tokens = tokenizer, asked.stops, min_tokens
         self.tools = asked.tools if asked.tools is not None and asked.tools.choice != "none" else None
         self.reading = self.tools.reading() if self.tools is not None else None
+        self.marks = self.reading.marks if self.reading else ()  # where auto's calls begin: the content ends
         self.calls = CallStream(self.tools) if self.tools is not None else None
         self.forced = self.tools is not None and self.reading is None  # the whole content is calls
         self.calling, self.shown = self.forced, 0  # whether the calls have begun; content characters sent
@@ -49,9 +50,8 @@ class Answer:
     def _content(self, skip: int) -> TextStream:
         """The content's text stream, from character `skip` of the answer's text on; where auto reads calls, its
         format's marks end the content as stop strings do (leading ones only where the content begins with one)."""
-        marks = self.reading.marks if self.reading else ()
-        leading = marks if self.reading and self.reading.leading else ()
-        return TextStream(self.tokenizer, self.stops + [m for m in marks if m not in leading], self.min_tokens,
+        leading = self.marks if self.reading and self.reading.leading else ()
+        return TextStream(self.tokenizer, self.stops + [m for m in self.marks if m not in leading], self.min_tokens,
                           leading, self.ids[:-1], skip)
 
     def add(self, token: int) -> tuple[Sent, bool]:
@@ -76,13 +76,13 @@ class Answer:
                 return sent, False
             self.content = self._content(self.reasoning.skip + len(self.reasoning.text) + len(THOUGHT))
         piece, stopped = self.content.add(token)
-        if stopped and self.content.stop not in (self.reading.marks if self.reading else ()):
+        if stopped and self.content.stop not in self.marks:
             last = self.last("stop", piece, cut=True)
             return Sent(sent.reasoning + last.reasoning, last.content, last.pieces, last.calls, last.reason), True
         self.calling = self.calling or stopped  # auto's calls have begun
         sent.content = "" if self.forced else piece
         self.shown += len(sent.content)
-        sent.pieces = self.calls.pieces(self.tokenizer.decode(self.ids)[self.content.skip:]) if self.calling else []
+        sent.pieces = self.calls.pieces(self.content.whole) if self.calling else []
         return sent, False
 
     def last(self, reason: str, piece: str = "", cut: bool = False) -> Sent:
@@ -96,7 +96,7 @@ class Answer:
             return Sent(content=self.tokenizer.decode(self.ids), reason=reason)
         if self.calls is None:
             return Sent(content=piece + self.content.rest(), reason=reason)
-        whole = self.content.text if cut else self.tokenizer.decode(self.ids)[self.content.skip:]
+        whole = self.content.text if cut else self.content.whole
         found, pieces = self.calls.whole(whole)
         rest = "" if found else whole[self.shown:]  # what was sent is the content; calls that do not read are content
         return Sent(content=rest, pieces=pieces, calls=found, reason=self.tools.finish_reason(reason, found))

@@ -45,12 +45,10 @@ def _array_calls(text: str, at: int, keys: tuple[str, ...]) -> tuple[list[Call],
     return [_object_call(text, start, keys)[0] for start in starts], end is not None
 
 
-def named(function: str) -> Callable[[str], tuple[list[Call], bool]]:
+def named(function: str, text: str) -> tuple[list[Call], bool]:
     """A named function's forced answer (tool_choice {"function": ...}): its arguments, the whole text."""
-    def read(text: str) -> tuple[list[Call], bool]:
-        done = value_end(text, 0) == len(text) if text else False
-        return [Call(function, text, done)], done
-    return read
+    done = value_end(text, 0) == len(text) if text else False
+    return [Call(function, text, done)], done
 
 
 def required(text: str) -> tuple[list[Call], bool]:

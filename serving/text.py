@@ -13,13 +13,14 @@ class TextStream:
         self.leading, self.skip = leading, skip
         self.tokens: list[int] = list(tokens)
         self.text, self.sent = "", 0
+        self.whole = ""  # all of the tokens' text from `skip` on, a stop string and what follows it too
         self.floor = 0  # the length of the first min_tokens tokens' text: a stop string must end past it
         self.stop: str | None = None  # the stop string that ended the text
 
     def add(self, token: int) -> tuple[str, bool]:
         """(the text to send now, whether a stop string ended the sequence: the text stops before it)."""
         self.tokens.append(token)
-        self.text = self.tokenizer.decode(self.tokens)[self.skip:]
+        self.text = self.whole = self.tokenizer.decode(self.tokens)[self.skip:]
         if len(self.tokens) <= self.min_tokens:
             self.floor = len(self.text)
         if self.leading:

@@ -7,7 +7,6 @@ by the model's chat template, and `tool_choice`:
   template writes calls in (CALL_FORMATS: Hermes' and Qwen's blocks, Llama 3's JSON, Mistral's [TOOL_CALLS]);
 - "none": the tools are shown, no call is read.
 """
-import json
 from dataclasses import dataclass
 
 from data.chat import ChatError, record_tools
@@ -53,14 +52,14 @@ class Tools:
         elif self.choice == "required":
             calls, whole = required(text)
         else:
-            calls, whole = named(self.choice)(text)
+            calls, whole = named(self.choice, text)
         return (calls if self.parallel else calls[:1]), whole
 
     def calls(self, text: str) -> list[Call]:
         """The calls of a whole answer; none where it is not calls whole, each named, with JSON arguments (an answer
         cut at max_tokens: it is all content then)."""
         calls, whole = self.partial(text) if self.choice != "none" else ([], False)
-        if not whole or not all(call.done and _is_json(call.arguments) for call in calls):
+        if not whole or not all(call.done for call in calls):  # a call written whole holds JSON arguments
             return []
         return calls
 
@@ -116,14 +115,6 @@ class CallStream:
         rest = self.pieces(text)
         return [{"id": self.ids[k], "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                 for k, call in enumerate(calls)], rest
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return True
 
 
 def read_tools(body: dict, template: str) -> Tools | None:
