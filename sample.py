@@ -3,6 +3,7 @@
     python sample.py --out_dir out/quickstart                     # the newest checkpoint of a run
     python sample.py --out_dir out/quickstart --tag step_001000 --prompt "ROMEO:" --num_samples 3
     python sample.py --export out/quickstart/export/step_002000   # an export (safetensors + config.json)
+    python sample.py --export path/to/Qwen3-0.6B --chat "Who are you?"   # a Hugging Face model's folder
     python sample.py --out_dir out/sft --chat "Reverse: king crown"  # a fine-tuned model's answer
 """
 import argparse
@@ -15,6 +16,7 @@ from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.chat import chat_prompt
 from data.documents import documents_seen
+from data.meta import drawn_vocabulary
 from data.tokenizers import TokenizerError, sampling_start
 from model.generate import Sampling, decoder_for, generate
 from training.checkpoints.export import add_trained_arguments, load_trained
@@ -58,7 +60,10 @@ def main(argv=None) -> None:
         if note:
             print(note, file=sys.stderr)
     model.to(args.device).eval()
-    decoder = decoder_for(model, cfg.block_size, cfg.vocab_size, documents=documents_seen(cfg.document_masking, meta))
+    # A cache as long as the sample, not the model's whole context (a Hugging Face model's can be 128K tokens).
+    context = min(cfg.block_size, len(prompt_ids) + args.max_new_tokens)
+    decoder = decoder_for(model, context, drawn_vocabulary(cfg.vocab_size, meta),
+                          documents=documents_seen(cfg.document_masking, meta))
     if stop_id is not None:
         sampling = replace(sampling, stop_ids=(stop_id,))
     generator = torch.Generator().manual_seed(args.seed)

@@ -28,3 +28,9 @@ def check_meta(meta: dict, where: str, fix: str) -> dict:
         raise ConfigError(f"{where} lacks {', '.join(missing)} (written by another version of data.prepare, or "
                           f"another tool); fix: {fix}")
     return meta
+
+
+def drawn_vocabulary(model_vocab: int, meta: dict) -> int:
+    """The ids generation draws from: the model's vocabulary less any embedding rows past its tokenizer's ids (a
+    Hugging Face Qwen's 151,936 rows for 151,669 ids), which no text decodes from."""
+    return min(model_vocab, meta["vocab_size"])

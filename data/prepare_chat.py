@@ -34,7 +34,7 @@ from data.readers import InputError
 from data.tokenizers import EOT, CharTokenizer, HFTokenizer, parse_spec
 from data.writer import SPLITS, ShardWriter, token_dtype
 
-TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_CONFIG, TEMPLATE_FILE = "tokenizer_config.json", "chat_template.jinja"
 
 
 def chat_template(spec: str | None, tokenizer_spec, tokenizer=None) -> tuple[str, str]:
@@ -55,29 +55,43 @@ def chat_template(spec: str | None, tokenizer_spec, tokenizer=None) -> tuple[str
                 ("lines", BUILTIN_TEMPLATES["lines"])
     if isinstance(tokenizer_spec, str) and (tokenizer_spec.endswith(".json") or folder):
         fix = "pass --chat_template FILE (a Jinja chat template), or --chat_template plain"
-        config, record = _tokenizer_config(tokenizer_spec, fix) or (_config_path(tokenizer_spec), {})
-        template = record.get("chat_template")
-        if template is None:
-            raise InputError(f"{config} holds no chat_template for {tokenizer_spec}: {fix}")
-        if not isinstance(template, str):
-            raise InputError(f"the chat_template of {config} is {json_kind(template)}, not a string (a Jinja "
-                             f"template); fix: {fix}")
-        return config, template
+        found = tokenizer_template(tokenizer_spec, fix)
+        if found is None:
+            raise InputError(f"{_beside(tokenizer_spec, TOKENIZER_CONFIG)} holds no chat_template for "
+                             f"{tokenizer_spec}: {fix}")
+        return found
     return "plain", BUILTIN_TEMPLATES["plain"]
+
+
+def tokenizer_template(tokenizer_spec: str, fix: str) -> tuple[str, str] | None:
+    """(where, Jinja source) of the chat template that comes with a tokenizer.json (or a tokenizer's folder), as
+    transformers reads it: a chat_template.jinja beside it (what save_pretrained writes now), else its
+    tokenizer_config.json's chat_template; None where neither holds one."""
+    jinja = _beside(tokenizer_spec, TEMPLATE_FILE)
+    if os.path.isfile(jinja):
+        return jinja, _read_text(jinja, f"correct it, or {fix}")
+    config, record = tokenizer_config(tokenizer_spec, fix) or (None, {})
+    template = record.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise InputError(f"the chat_template of {config} is {json_kind(template)}, not a string (a Jinja "
+                         f"template); fix: {fix}")
+    return None if template is None else (config, template)
+
+
+def _beside(tokenizer_spec: str, name: str) -> str:
+    """The file `name` beside a tokenizer.json, or in a tokenizer's folder."""
+    folder = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(tokenizer_spec)
+    return os.path.join(os.path.abspath(folder), name)
 
 
 def _config_path(tokenizer_spec) -> str | None:
     """The tokenizer_config.json beside a tokenizer.json, or in a tokenizer's folder (None for other tokenizers)."""
-    if not isinstance(tokenizer_spec, str):
+    if not isinstance(tokenizer_spec, str) or not (os.path.isdir(tokenizer_spec) or tokenizer_spec.endswith(".json")):
         return None
-    if os.path.isdir(tokenizer_spec):
-        return os.path.join(os.path.abspath(tokenizer_spec), TOKENIZER_CONFIG)
-    if tokenizer_spec.endswith(".json"):
-        return os.path.join(os.path.dirname(os.path.abspath(tokenizer_spec)), TOKENIZER_CONFIG)
-    return None
+    return _beside(tokenizer_spec, TOKENIZER_CONFIG)
 
 
-def _tokenizer_config(tokenizer_spec, fix: str) -> tuple[str, dict] | None:
+def tokenizer_config(tokenizer_spec, fix: str) -> tuple[str, dict] | None:
     """(path, record) of the tokenizer's tokenizer_config.json; None where it has none."""
     config = _config_path(tokenizer_spec)
     if config is None or not os.path.isfile(config):
@@ -125,7 +139,7 @@ def load_template(template_spec: str | None, tokenizer_spec, ready) -> tuple[str
                          f"--tokenizer {tokenizer_spec} ({ready.vocab_size} characters, no end-of-text token) does not "
                          f"hold; fix: pass --chat_template lines (each answer ends with a newline), or leave "
                          f"--chat_template out")
-    config = _tokenizer_config(tokenizer_spec, "remove it")  # its special tokens, whichever template renders
+    config = tokenizer_config(tokenizer_spec, "remove it")  # its special tokens, whichever template renders
     try:
         return name, source, ChatTemplate(source, template_tokens(config[1]) if config else None)
     except ChatTemplateError as e:

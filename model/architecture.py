@@ -63,8 +63,12 @@ class HuggingFace:
     # Per layer class: (our name within the layer, Hugging Face's, how it moves); "{i}" is the block's index.
     layers: dict
     config: Callable[[ModelConfig], dict]  # config.json's fields of this family, after the shared ones
+    # the model settings a folder's config.json in this layout describes, beside its `settings` (a KeyError names
+    # a field it lacks; a ConfigError a model this repo does not compute)
+    read: Callable[[dict], dict]
     check: Callable[[ModelConfig], None] = _accepts_all  # raises ConfigError for a model the layout cannot hold
-    # raises ConfigError for a folder's config.json (a dict) that train.init_from cannot start this model from
+    # raises ConfigError for a folder's config.json (a dict) that cannot start this model, the message beginning with
+    # how the folder is named ("train.init_from=DIR")
     check_folder: Callable[[dict, ModelConfig, str], None] = _accepts_all
     # (routed experts, shared experts) of a folder's config.json in this layout: what model.n_experts and
     # model.n_shared_experts must be to start from it

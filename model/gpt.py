@@ -121,18 +121,29 @@ def hf_config(cfg: ModelConfig) -> dict:
             "attn_pdrop": cfg.dropout}
 
 
+def read_hf_config(config: dict) -> dict:
+    """The model settings a GPT2Config describes (what hf_config writes, read back)."""
+    theirs = config.get("activation_function", "gelu_new")
+    if theirs not in HF_GELU_ALIASES:
+        raise ConfigError(f"its activation_function is {theirs}, which this repo's GPT does not compute (it computes "
+                          f"{', '.join(HF_GELU_ALIASES)})")
+    return {"vocab_size": config["vocab_size"], "n_embd": config["n_embd"], "n_layer": config["n_layer"],
+            "n_head": config["n_head"], "block_size": config["n_positions"], "ffn_hidden": config.get("n_inner"),
+            "activation": HF_GELU_ALIASES[theirs], "bias": True}
+
+
 def check_hf(cfg: ModelConfig) -> None:
     if not cfg.bias:
         raise ConfigError("Hugging Face's GPT-2 layout needs biases: this model has model.bias=false")
 
 
-def check_hf_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
+def check_hf_folder(config: dict, cfg: ModelConfig, named: str) -> None:
     """A GPT2Config that train.init_from reads must compute this run's GELU."""
     theirs = config.get("activation_function", "gelu_new")
     if HF_GELU_ALIASES.get(theirs) != cfg.activation:
         fix = (f"set model.activation={HF_GELU_ALIASES[theirs]}" if theirs in HF_GELU_ALIASES else
                f"pick a GPT-2 whose activation_function is one of {', '.join(HF_GELU_ALIASES)}")
-        raise ConfigError(f"train.init_from={folder}: its activation_function is {theirs}, this run's model.activation "
+        raise ConfigError(f"{named}: its activation_function is {theirs}, this run's model.activation "
                           f"is {cfg.activation} ({HF_GELU[cfg.activation]} there); fix: {fix}")
 
 
@@ -142,8 +153,8 @@ GPT = Architecture(
     # embedding (and so the tied LM head) by vocabulary rows.
     plan={TokenEmbedding: {"": VOCAB},
           Block: {"attn.qkv": (COLUMN, 3), "attn.proj": ROW, "mlp.fc": COLUMN, "mlp.proj": ROW}},
-    hf=(HuggingFace("GPT2LMHeadModel", "GPT2ForSequenceClassification", "gpt2", HF_LAYERS, hf_config, check_hf,
-                    check_hf_folder),),
+    hf=(HuggingFace("GPT2LMHeadModel", "GPT2ForSequenceClassification", "gpt2", HF_LAYERS, hf_config, read_hf_config,
+                    check_hf, check_hf_folder),),
     mlp_matrices=2, mlp_width=lambda cfg: 4 * cfg.n_embd, tied_embeddings="always",
     ignores=("norm_eps", "tie_embeddings", "ffn_multiple_of", *ROPE_SETTINGS),
     unsupported={"mixture_of_experts": "its MLPs are GPT-2's dense GELU networks; the Llama's become Mixtral's "

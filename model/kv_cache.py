@@ -25,6 +25,12 @@ def attention_modules(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if getattr(m, "core", None) is causal_attention]
 
 
+def cache_bytes(cfg, slots: int, block_size: int, dtype: torch.dtype) -> int:
+    """What a cache for the model of `cfg` (a ModelConfig) holds once every attention layer has written: the keys and
+    values of `slots` x `block_size` positions at its key/value heads, and each position's document index."""
+    return slots * block_size * (2 * cfg.n_layer * cfg.kv_heads * cfg.head_width * dtype.itemsize + 8)
+
+
 class KVCache:
     def __init__(self, slots: int, block_size: int):
         self.slots, self.block_size = slots, block_size

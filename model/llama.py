@@ -236,6 +236,53 @@ def hf_qwen3_moe_config(cfg: ModelConfig) -> dict:
             cfg.router_aux_loss_coef, "output_router_logits": False}
 
 
+# Llama 3.1's RoPE frequency scaling: config.json's numbers and the model settings that hold them
+LLAMA3_ROPE = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_context"}
+
+
+def rope_of(config: dict) -> dict:
+    """A config.json's rotary settings: rope_parameters, or rope_scaling and rope_theta in older files."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    return {**rope, "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}
+
+
+def read_config(config: dict) -> dict:
+    """The model settings a Llama-family config.json describes (what hf_config writes, read back); a field it lacks
+    takes transformers' default. A KeyError names a shape field it lacks."""
+    rope = rope_of(config)
+    heads, width = config["num_attention_heads"], config["hidden_size"]
+    settings = {"vocab_size": config["vocab_size"], "n_embd": width, "n_layer": config["num_hidden_layers"],
+                "n_head": heads, "n_kv_head": config.get("num_key_value_heads") or heads,
+                "head_dim": None if config.get("head_dim") in (None, width // heads) else config["head_dim"],
+                "ffn_hidden": config["intermediate_size"], "block_size": config.get("max_position_embeddings", 2048),
+                "norm_eps": config.get("rms_norm_eps", 1e-6), "rope_theta": rope["rope_theta"],
+                "tie_embeddings": config.get("tie_word_embeddings", False)}
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        settings.update({name: rope[key] for key, name in LLAMA3_ROPE.items() if key in rope})
+    return settings
+
+
+def read_mixtral_config(config: dict) -> dict:
+    return {**read_config(config), "n_experts": config["num_local_experts"],
+            "experts_per_token": config["num_experts_per_tok"], "expert_hidden": config["intermediate_size"]}
+
+
+def read_qwen3_moe_config(config: dict) -> dict:
+    return {**read_config(config), "n_experts": qwen3_moe_experts(config)[0] or config["num_experts"],
+            "experts_per_token": config["num_experts_per_tok"], "expert_hidden": config["moe_intermediate_size"],
+            "moe_every": config.get("decoder_sparse_step", 1)}
+
+
+def read_qwen2_moe_config(config: dict) -> dict:
+    """... its shared expert a whole number of routed experts wide (model.n_shared_experts), else refused."""
+    shared = qwen2_moe_experts(config)[1]
+    if shared != int(shared):
+        raise ConfigError(f"its shared expert is {shared:g} routed experts wide (shared_expert_intermediate_size / "
+                          f"moe_intermediate_size), where this repo's is a whole number of them")
+    return {**read_qwen3_moe_config(config), "n_shared_experts": int(shared)}
+
+
 def check_unbiased_router(cfg: ModelConfig, layout: str) -> None:
     if cfg.router_bias_rate:
         raise ConfigError(f"Hugging Face's {layout} layout has no per-expert bias on the router's choice "
@@ -271,7 +318,7 @@ def qwen3_moe_experts(config: dict) -> tuple[int, int]:
 
 def qwen2_moe_experts(config: dict) -> tuple[int, float]:
     """The shared expert counted in experts of the routed ones' width."""
-    return config.get("num_experts", 0), config.get("shared_expert_intermediate_size", 0) / config.get(
+    return qwen3_moe_experts(config)[0], config.get("shared_expert_intermediate_size", 0) / config.get(
         "moe_intermediate_size", 1)
 
 
@@ -279,21 +326,21 @@ def folder_check(expected: Callable[[ModelConfig], dict]) -> Callable[[dict, Mod
     """A layout's check of a folder's config.json: the settings Hugging Face's class can hold and this run's model
     does not compute (sliding-window attention, say) are `expected`'s values, or absent. Where a model setting of
     the same name computes the folder's (Qwen2-MoE's qkv_bias), the line names it."""
-    def check_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
+    def check_folder(config: dict, cfg: ModelConfig, named: str) -> None:
         for key, ours in expected(cfg).items():
             if config.get(key, ours) != ours:
                 fix = (f"set model.{key}={str(config[key]).lower()}" if hasattr(cfg, key) else
                        "pick another folder")
-                raise ConfigError(f"train.init_from={folder}: its config.json has {key}={config[key]}, which this "
+                raise ConfigError(f"{named}: its config.json has {key}={config[key]}, which this "
                                   f"run's model does not compute ({key}={ours} for its model.*): {fix}")
     return check_folder
 
 
-def check_mistral_folder(config: dict, cfg: ModelConfig, folder: str) -> None:
+def check_mistral_folder(config: dict, cfg: ModelConfig, named: str) -> None:
     """Mistral 7B v0.1 attends over a sliding window of 4,096 tokens: no restriction in a context no longer."""
     window = config.get("sliding_window")
     if window is not None and window < cfg.block_size:
-        raise ConfigError(f"train.init_from={folder}: its config.json has sliding_window={window}, attention over "
+        raise ConfigError(f"{named}: its config.json has sliding_window={window}, attention over "
                           f"the last {window} tokens only, which this run's model does not compute at "
                           f"model.block_size={cfg.block_size}: set model.block_size={window} or less")
 
@@ -322,23 +369,24 @@ LLAMA = Architecture(
                        "mlp.shared_mlp.up": COLUMN, "mlp.shared_mlp.down": ROW},
           LMHead: {"": COLUMN}},
     hf=(HuggingFace("LlamaForCausalLM", "LlamaForSequenceClassification", "llama", HF_LAYERS, hf_config,
-                    settings=PLAIN_ATTENTION),
+                    read_config, settings=PLAIN_ATTENTION),
         HuggingFace("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "qwen2", hf_layers(HF_QWEN2_BLOCK),
-                    hf_qwen2_config, check_folder=folder_check(qwen_expects), settings=QWEN2_ATTENTION),
+                    hf_qwen2_config, read_config, check_folder=folder_check(qwen_expects), settings=QWEN2_ATTENTION),
         HuggingFace("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "qwen3", hf_layers(HF_QWEN3_BLOCK),
-                    hf_qwen_config, check_folder=folder_check(qwen_expects), settings=QWEN3_ATTENTION),
+                    hf_qwen_config, read_config, check_folder=folder_check(qwen_expects), settings=QWEN3_ATTENTION),
         # Read, never written: the Llama's layout holds the same model and comes first.
         HuggingFace("MistralForCausalLM", "MistralForSequenceClassification", "mistral", HF_LAYERS, hf_mistral_config,
-                    check_folder=check_mistral_folder, settings=PLAIN_ATTENTION),
+                    read_config, check_folder=check_mistral_folder, settings=PLAIN_ATTENTION),
         HuggingFace("MixtralForCausalLM", "MixtralForSequenceClassification", "mixtral",
-                    with_experts(HF_BLOCK, HF_MIXTRAL_BLOCK), hf_mixtral_config, check_mixtral,
+                    with_experts(HF_BLOCK, HF_MIXTRAL_BLOCK), hf_mixtral_config, read_mixtral_config, check_mixtral,
                     folder_experts=mixtral_experts, experts=ROUTED, settings=PLAIN_ATTENTION),
         HuggingFace("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "qwen3_moe",
-                    with_experts(HF_QWEN3_BLOCK, HF_QWEN3_MOE_BLOCK), hf_qwen3_moe_config, check_qwen3_moe,
-                    folder_check(qwen_moe_expects), qwen3_moe_experts, experts=ROUTED, settings=QWEN3_ATTENTION),
+                    with_experts(HF_QWEN3_BLOCK, HF_QWEN3_MOE_BLOCK), hf_qwen3_moe_config, read_qwen3_moe_config,
+                    check_qwen3_moe, folder_check(qwen_moe_expects), qwen3_moe_experts, experts=ROUTED,
+                    settings=QWEN3_ATTENTION),
         *[HuggingFace("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification", "qwen2_moe",
-                      with_experts(dense, block), hf_qwen2_moe_config, check_qwen2_moe, folder_check(qwen_moe_expects),
-                      qwen2_moe_experts, experts=SHARED, settings=settings)
+                      with_experts(dense, block), hf_qwen2_moe_config, read_qwen2_moe_config, check_qwen2_moe,
+                      folder_check(qwen_moe_expects), qwen2_moe_experts, experts=SHARED, settings=settings)
           for dense, block, settings in ((HF_BLOCK, HF_QWEN2_MOE_BLOCK, PLAIN_ATTENTION),
                                          (HF_QWEN2_BLOCK, HF_BIASED_QWEN2_MOE_BLOCK, QWEN2_ATTENTION))]),
     mlp_matrices=3, mlp_width=mlp_width, tied_embeddings="optional", rope=True, rms_norm=True,

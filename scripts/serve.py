@@ -1,7 +1,9 @@
-"""Serve a checkpoint or an export over OpenAI's HTTP API, with continuous batching and a chat page.
+"""Serve a checkpoint, an export or a Hugging Face model's folder over OpenAI's HTTP API, with continuous batching
+and a chat page.
 
     python -m scripts.serve --out_dir out/llama_quickstart_sft              # the newest checkpoint of a run
     python -m scripts.serve --export out/llama_quickstart_export --port 8001
+    python -m scripts.serve --export path/to/Qwen3-0.6B --max_model_len 4096   # a model from the Hub
     python -m scripts.serve --out_dir out/llama_quickstart_sft --host 0.0.0.0 --api_key KEY  # from other machines
     python -m scripts.serve --export out/base_export --lora_modules pirate=out/pirate_lora tutor=adapters/tutor
 
@@ -57,6 +59,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_queue", type=int, default=64, help="requests waiting for a slot before 429")
     parser.add_argument("--prefix_cache_mb", type=int, default=512, help="keys and values of prompts seen before, "
                         "reused by a prompt that begins the same way (0: off)")
+    parser.add_argument("--max_model_len", type=int, help="the tokens a sequence may hold, prompt and answer (default: "
+                        "the model's context; vLLM's name): each of the --slots keeps a key/value cache that long")
     parser.add_argument("--name", help="the model's id in the API (default: the folder's name)")
     parser.add_argument("--lora_modules", nargs="+", default=[], type=lora_module, metavar="NAME=PATH",
                         help="LoRA adapters served beside the model, each as the model NAME: a LoRA run's "
@@ -80,8 +84,12 @@ def main(argv=None) -> None:
     from serving.engine import start_engine
     from serving.weights import Weights
 
-    engine = start_engine(cfg, model, meta, args.device, args.dtype, args.slots, args.max_queue, args.prefix_cache_mb,
-                          thread=False)
+    context = args.max_model_len or cfg.block_size
+    try:
+        engine = start_engine(cfg, model, meta, args.device, args.dtype, args.slots, args.max_queue,
+                              args.prefix_cache_mb, thread=False, context=context)
+    except ConfigError as e:
+        exit_bad_input(e)
     scheduler = engine.scheduler
     name = args.name or os.path.basename(os.path.normpath(args.export or args.out_dir))
     metrics = Metrics(scheduler.stats, engine.prefix_cache, name)
@@ -93,7 +101,7 @@ def main(argv=None) -> None:
             adapters.add(adapters.read(lora_name, path))
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(f"--lora_modules: {e}")
-    served = Served(name, cfg.block_size, tokenizer, meta, scheduler, metrics, weights=weights, adapters=adapters,
+    served = Served(name, context, tokenizer, meta, scheduler, metrics, weights=weights, adapters=adapters,
                     api_key=args.api_key)
     print(f"serving {name} ({engine.parameters:,} parameters, {engine.dtype}, {args.device}, "
           f"{args.slots} slots) on http://{args.host}:{args.port}/ (chat page) and /v1"
@@ -110,13 +118,18 @@ def main(argv=None) -> None:
 def checked_model(args) -> tuple:
     """The settings checked, the port free and the model loaded; a bad one ends here in one line (exit 2)."""
     try:
-        for name, low in (("slots", 1), ("max_queue", 0), ("prefix_cache_mb", 0)):
-            if getattr(args, name) < low:
+        for name, low in (("slots", 1), ("max_queue", 0), ("prefix_cache_mb", 0), ("max_model_len", 2)):
+            if getattr(args, name) is not None and getattr(args, name) < low:
                 raise ConfigError(f"--{name} {getattr(args, name)}: must be at least {low}")
         if not 1 <= args.port <= 65535:
             raise ConfigError(f"--port {args.port}: must be a TCP port, 1 to 65535; fix: e.g. --port 8000")
         check_port(args.host, args.port)
-        return load_trained(args.out_dir, args.tag, args.export)
+        loaded = load_trained(args.out_dir, args.tag, args.export, context=args.max_model_len)
+        if args.max_model_len and args.max_model_len > loaded[0].block_size:
+            raise ConfigError(f"--max_model_len {args.max_model_len}: above the model's context of "
+                              f"{loaded[0].block_size:,} tokens; fix: pass {loaded[0].block_size} or less, or leave it "
+                              f"out")
+        return loaded
     except (ConfigError, TokenizerError) as e:
         exit_bad_input(e)
 

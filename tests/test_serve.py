@@ -206,7 +206,9 @@ def test_start_refuses_a_missing_export_one_without_its_tokenizer_and_a_port_in_
                           (["--export", chat_export, "--prefix_cache_mb", "-1"], "--prefix_cache_mb -1: must be at "
                                                                                   "least 0"),
                           (["--export", chat_export, "--port", "70000"], "--port 70000: must be a TCP port, 1 to "
-                                                                         "65535")]:
+                                                                         "65535"),
+                          (["--export", chat_export, "--max_model_len", "500"], "--max_model_len 500: above the "
+                           "model's context of 128 tokens; fix: pass 128 or less, or leave it out")]:
         proc = run([sys.executable, "-m", "scripts.serve", *args], check=False, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert message in proc.stderr, proc.stderr

@@ -23,6 +23,7 @@ from model.lora import merged
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
 from training.checkpoints import checkpoint, universal
 from training.checkpoints.hf import from_hf, hf_config, to_hf
+from training.checkpoints.hf_folder import is_hf_folder, load_hf_folder
 from training.optim import decay_split
 
 
@@ -292,15 +293,21 @@ def add_trained_arguments(parser, use: str) -> None:
     the three arguments load_trained reads."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--out_dir", help=f"a run's train.out_dir: {use} its checkpoint")
-    source.add_argument("--export", help="a folder written by python -m scripts.export")
+    source.add_argument("--export", help="a folder written by python -m scripts.export, or a Hugging Face model's "
+                                         "(config.json, safetensors weights, tokenizer.json)")
     parser.add_argument("--tag", help="with --out_dir: the checkpoint tag (default: the newest)")
 
 
 def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | None = None,
-                 head: str = "lm") -> tuple:
-    """(model config, model holding its weights on the CPU, tokenizer, its dataset's meta) of an export, or of a
-    run's checkpoint (`tag`, or its newest) of any layout, its slices merged. `head`: the model.head the caller
+                 head: str = "lm", context: int | None = None) -> tuple:
+    """(model config, model holding its weights on the CPU, tokenizer, its dataset's meta) of an export, of a
+    Hugging Face model's folder (training/checkpoints/hf_folder.py; `context` caps its rotary model's block_size), or
+    of a run's checkpoint (`tag`, or its newest) of any layout, its slices merged. `head`: the model.head the caller
     uses (lm: sampling, serving, evaluation; score: a reward model's scores); another is refused."""
+    if is_hf_folder(export_dir):
+        cfg, model, tokenizer, meta = load_hf_folder(export_dir, context)
+        _check_head(cfg, head, export_dir)
+        return cfg, model, tokenizer, meta
     if export_dir:
         cfg, state, meta = load_export(export_dir)
         _check_head(cfg, head, export_dir)

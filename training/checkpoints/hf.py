@@ -19,6 +19,7 @@ from common.checks import ConfigError, existing_file, json_file
 from model import ARCHITECTURES, architecture, build_model, layer_names, model_layers
 from model.architecture import TRANSPOSED, VOCAB_ROWS
 from model.config import ModelConfig
+from model.llama import LLAMA3_ROPE, rope_of
 from model.lora import is_adapter
 from model.moe import global_expert_names
 from model.tensor_parallel import SINGLE, TensorParallel, shard_parameter, split_rule
@@ -123,65 +124,69 @@ FRESH = ("score.weight",)
 
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-FOLDER_FIX = ("point train.init_from at a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
-              "python -m scripts.export")
+# How messages name the setting or flag that gave the folder: a run's, or a command's (--export).
+INIT_FROM = "train.init_from"
 
 
-def weight_files(folder: str) -> dict[str, str]:
+def folder_fix(source: str) -> str:
+    return (f"point {source} at a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or python -m "
+            f"scripts.export")
+
+
+def weight_files(folder: str, source: str = INIT_FROM) -> dict[str, str]:
     """Each tensor's safetensors file: one model.safetensors, or the shards its index names."""
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        weight_map = json_file(index, "train.init_from's index", FOLDER_FIX, keys=("weight_map",))["weight_map"]
+        weight_map = json_file(index, f"{source}'s index", folder_fix(source), keys=("weight_map",))["weight_map"]
         return {name: os.path.join(folder, file) for name, file in weight_map.items()}
-    return {name: os.path.join(folder, WEIGHTS) for name in tensor_shapes(os.path.join(folder, WEIGHTS))}
+    return {name: os.path.join(folder, WEIGHTS) for name in tensor_shapes(os.path.join(folder, WEIGHTS), source)}
 
 
-def tensor_shapes(path: str) -> dict[str, tuple]:
+def tensor_shapes(path: str, source: str = INIT_FROM) -> dict[str, tuple]:
     """The tensors of a safetensors file and their shapes, read from its header; one line if it is not one."""
-    existing_file(path, "train.init_from's weights", FOLDER_FIX)
+    existing_file(path, f"{source}'s weights", folder_fix(source))
     try:
         with safe_open(path, framework="pt") as f:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (SafetensorError, OSError) as e:
-        raise ConfigError(f"train.init_from's weights {path} are not a safetensors file ({e}); fix: "
-                          f"{FOLDER_FIX}") from None
+        raise ConfigError(f"{source}'s weights {path} are not a safetensors file ({e}); fix: "
+                          f"{folder_fix(source)}") from None
 
 
-def _rope_theta(config: dict):
-    return (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+def folder_shapes(folder: str, source: str = INIT_FROM) -> dict[str, tuple]:
+    """Every tensor of a folder's safetensors files (one, or an index's shards) and its shape."""
+    found = {}
+    for path in sorted(set(weight_files(folder, source).values())):
+        found.update(tensor_shapes(path, source))
+    return found
 
 
-def _check_experts(folder: str, config: dict, theirs, cfg: ModelConfig) -> None:
+def _check_experts(named: str, config: dict, theirs, cfg: ModelConfig) -> None:
     """The folder's experts, routed and shared (`theirs`: its layout), and their number per token are this run's."""
     experts, shared = theirs.folder_experts(config)
     layout = architecture(cfg).hf_layout(cfg)
     ours = repr(layout.model_type) if layout else f"model.arch={cfg.arch}"
     if experts != cfg.n_experts:
-        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model with {experts} "
+        raise ConfigError(f"{named} holds a {config.get('model_type')!r} model with {experts} "
                           f"experts, this run's {ours} model has {cfg.n_experts} (model.n_experts): set "
                           f"model.n_experts={experts} (and its shape) or pick another folder")
     if shared != cfg.n_shared_experts:
-        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model whose shared expert is "
+        raise ConfigError(f"{named} holds a {config.get('model_type')!r} model whose shared expert is "
                           f"{shared:g} experts wide (0: none), this run's {ours} model's "
                           f"{cfg.n_shared_experts} (model.n_shared_experts): set model.n_shared_experts={shared:g} or "
                           f"pick another folder")
     if experts and config.get("num_experts_per_tok") != cfg.experts_per_token:
-        raise ConfigError(f"train.init_from={folder} routes each token to {config.get('num_experts_per_tok')} experts "
+        raise ConfigError(f"{named} routes each token to {config.get('num_experts_per_tok')} experts "
                           f"(num_experts_per_tok), this run to {cfg.experts_per_token}: set "
                           f"model.experts_per_token={config.get('num_experts_per_tok')}")
 
 
-# Llama 3.1's RoPE frequency scaling: config.json's numbers and the model settings that hold them
-LLAMA3_ROPE = {"factor": "rope_scale_factor", "low_freq_factor": "rope_low_freq_factor",
-               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_context"}
-
-
-def _check_rope(folder: str, config: dict, ours: dict | None) -> None:
+def _check_rope(named: str, config: dict, ours: dict | None) -> None:
     """The folder's rotary frequencies are this run's (`ours`: its rope_parameters; None: no RoPE): the same kind,
     and for Llama 3.1's scaling the same four numbers. Older config.json files name them rope_scaling."""
     if ours is None:
         return
-    theirs = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    theirs = rope_of(config)
     kind = theirs.get("rope_type", theirs.get("type", "default"))
     if kind == ours["rope_type"] == "llama3":
         fix = " ".join(f"model.{name}={theirs[key]}" for key, name in LLAMA3_ROPE.items()
@@ -193,14 +198,14 @@ def _check_rope(folder: str, config: dict, ours: dict | None) -> None:
     elif kind == "default":
         fix = "model.rope_scale_factor=null"
     else:
-        raise ConfigError(f"train.init_from={folder}: its RoPE is {kind!r}, which this repo does not compute (Llama "
+        raise ConfigError(f"{named}: its RoPE is {kind!r}, which this repo does not compute (Llama "
                           f"3.1's scaling, model.rope_scale_factor, or none): pick another folder")
     if fix:
-        raise ConfigError(f"train.init_from={folder}: its RoPE is {kind!r} ({theirs}), this run's "
+        raise ConfigError(f"{named}: its RoPE is {kind!r} ({theirs}), this run's "
                           f"{ours['rope_type']!r} ({ours}): set {fix}")
 
 
-def _check_layout(folder: str, config: dict, theirs: list, cfg: ModelConfig):
+def _check_layout(named: str, config: dict, theirs: list, cfg: ModelConfig):
     """The folder's layout (of `theirs`, its class's) that holds this run's model: its attention computes what this
     run's model does (Qwen3's norms...), else the fix named from its layout nearest this run's settings. The tensors
     are read by the names of the run's own layout, which a layout holding the same model shares (a Mistral's are a
@@ -211,53 +216,57 @@ def _check_layout(folder: str, config: dict, theirs: list, cfg: ModelConfig):
         differences = [[(name, value) for name, value in hf.settings if getattr(cfg, name) != value] for hf in theirs]
         fix = " ".join(f"model.{name}={str(value).lower()}" for name, value in min(differences, key=len))
         where = f"the {ours.model_type!r} layout" if ours else "no Hugging Face layout"
-        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run's model "
+        raise ConfigError(f"{named} holds a {config.get('model_type')!r} model, this run's model "
                           f"has {where}: set {fix} or pick another folder")
     return holding
 
 
-def check_hf_folder(folder: str, cfg: ModelConfig) -> None:
-    """A Hugging Face checkpoint `train.init_from` can start this run from: same family, every tensor
-    present with this run's shape (the first that is not is named), same norm and RoPE settings."""
+def folder_config(folder: str, source: str = INIT_FROM) -> dict:
+    """A Hugging Face checkpoint's config.json, the folder checked to hold one and its safetensors weights."""
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path) or not any(os.path.isfile(os.path.join(folder, f)) for f in (WEIGHTS, INDEX)):
-        raise ConfigError(f"train.init_from={folder}: no config.json and {WEIGHTS} (or {INDEX} and its shards) "
+        raise ConfigError(f"{source}={folder}: no config.json and {WEIGHTS} (or {INDEX} and its shards) "
                           f"there: a Hugging Face checkpoint saved with safetensors, e.g. by save_pretrained or "
                           f"python -m scripts.export")
-    config = json_file(config_path, "train.init_from's config", FOLDER_FIX)
+    return json_file(config_path, f"{source}'s config", folder_fix(source))
+
+
+def check_hf_folder(folder: str, cfg: ModelConfig, source: str = INIT_FROM) -> None:
+    """A Hugging Face checkpoint `source` (train.init_from, or a command's flag) can start this model from: same
+    family, every tensor present with this model's shape (the first that is not is named), same norm and RoPE
+    settings."""
+    config, named = folder_config(folder, source), f"{source}={folder}"
     family, theirs = hf_layouts().get(config.get("model_type"), (None, []))
     if family != cfg.arch:
-        raise ConfigError(f"train.init_from={folder} holds a {config.get('model_type')!r} model, this run builds "
+        raise ConfigError(f"{named} holds a {config.get('model_type')!r} model, this run builds "
                           f"model.arch={cfg.arch}: set model.arch={family} (and its shape) or pick another folder")
-    _check_experts(folder, config, theirs[0], cfg)
-    layout = _check_layout(folder, config, theirs, cfg)
+    _check_experts(named, config, theirs[0], cfg)
+    layout = _check_layout(named, config, theirs, cfg)
     with torch.device("meta"):  # the run's own tensors, shapes only
         expected = to_hf(dict(build_model(cfg).named_parameters()), cfg)
-    found = {}
-    for path in sorted(set(weight_files(folder).values())):
-        found.update(tensor_shapes(path))
+    found = folder_shapes(folder, source)
     vocab = {theirs for _, theirs, how in tensor_pairs(cfg) if how == VOCAB_ROWS}
     for name, tensor in expected.items():
         if name not in found and name in FRESH:
             continue
         if name not in found:
-            raise ConfigError(f"train.init_from={folder}: tensor {name} is missing there; this run's model config "
+            raise ConfigError(f"{named}: tensor {name} is missing there; this run's model config "
                               f"(model.*) needs it: match the folder's config.json")
         if name in vocab and found[name][1:] == tuple(tensor.shape[1:]) and found[name][0] != tensor.shape[0]:
-            raise ConfigError(f"train.init_from={folder}: its vocabulary holds {found[name][0]:,} ids, this run's "
+            raise ConfigError(f"{named}: its vocabulary holds {found[name][0]:,} ids, this run's "
                               f"model {tensor.shape[0]:,} (model.vocab_size, the dataset's unless set): the dataset "
                               f"was prepared with another tokenizer; fix: prepare it with the folder's (python -m "
                               f"data.prepare ... --tokenizer {folder})")
         if found[name] != tuple(tensor.shape):
-            raise ConfigError(f"train.init_from={folder}: tensor {name} has shape {list(found[name])} there, "
+            raise ConfigError(f"{named}: tensor {name} has shape {list(found[name])} there, "
                               f"{list(tensor.shape)} in this run's model config: match model.* to the folder's "
                               f"config.json")
-    layout.check_folder(config, cfg, folder)
+    layout.check_folder(config, cfg, named)
     ours = hf_config(cfg, {})
-    _check_rope(folder, config, ours.get("rope_parameters"))
-    for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", _rope_theta(config))):
+    _check_rope(named, config, ours.get("rope_parameters"))
+    for key, value in (("rms_norm_eps", config.get("rms_norm_eps")), ("rope_theta", rope_of(config)["rope_theta"])):
         if key in ours and value is not None and float(value) != float(ours[key]):
-            raise ConfigError(f"train.init_from={folder}: {key} is {value} there, {ours[key]} in this run's model "
+            raise ConfigError(f"{named}: {key} is {value} there, {ours[key]} in this run's model "
                               f"config: set model.{'norm_eps' if key == 'rms_norm_eps' else key}={value}")
 
 

@@ -11,6 +11,7 @@ from common.checks import ConfigError, existing_dir, existing_file, json_file
 from data.tasks import harness_task, read_task
 from data.writer import write_atomic
 from training.checkpoints import checkpoint
+from training.checkpoints.hf_folder import is_hf_folder
 
 LOCAL = (".jsonl", ".yaml", ".yml")
 OFFLINE = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")  # read once, when datasets and huggingface_hub are imported
@@ -35,9 +36,12 @@ def go_offline() -> None:
         os.environ[name] = "1"
 
 
-def where(out_dir: str | None, tag: str | None, export: str | None, output: str | None) -> tuple[str, int, str]:
-    """(what is scored, its training step, the results file): the export, else the run's checkpoint `tag` (or its
-    newest); the results file `output`, else the export's eval.json or <out_dir>/eval/<tag>.json."""
+def where(out_dir: str | None, tag: str | None, export: str | None, output: str | None) -> tuple[str, int | None, str]:
+    """(what is scored, its training step (None for a Hugging Face model's folder), the results file): the export,
+    else the run's checkpoint `tag` (or its newest); the results file `output`, else the export's eval.json or
+    <out_dir>/eval/<tag>.json."""
+    if is_hf_folder(export):  # a Hugging Face model's: no step of this repo's training
+        return export, None, output or os.path.join(export, "eval.json")
     if export:
         existing_dir(export, "--export", "pass a folder written by python -m scripts.export")
         config = json_file(os.path.join(export, "config.json"), "export config",
