@@ -215,16 +215,30 @@ def test_the_kv_cache_is_checked_against_the_free_memory():
         check_cache(llama3_8b, None, 8, 24575, torch.bfloat16, "cpu", free=24 * 2**30)
 
 
+# The embedding rows past the tokenizer's 500 ids, which transformers' greedy answers would always pick here
+PADDING = list(range(500, 512))
+
+
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, tokenizer_files):
+    """A tied Qwen3 whose rows past the tokenizer's ids have the largest logits (1,000 times a hidden feature, of
+    either sign): drawn among all rows, an answer would be those."""
     folder = tmp_path_factory.mktemp("Qwen3-tiny")
-    return folder, hub_folder(folder, dataclasses.replace(CLASSES["qwen3_tied"], block_size=64), tokenizer_files)
+    theirs = hub_folder(folder, dataclasses.replace(CLASSES["qwen3_tied"], block_size=64), tokenizer_files)
+    with torch.no_grad():
+        rows = theirs.model.embed_tokens.weight[PADDING]
+        rows.zero_()
+        for i in range(len(PADDING)):
+            rows[i, i // 2] = 1000.0 * (-1) ** i
+        theirs.model.embed_tokens.weight[PADDING] = rows
+    theirs.save_pretrained(folder)
+    return folder, theirs
 
 
 @torch.no_grad()
 def test_the_server_answers_as_transformers_generates(qwen3):
     """Served from the folder at a shorter context: the prompt's ids are transformers' apply_chat_template's, the
-    greedy answer its generate's, and an answer stops at the end of turn."""
+    greedy answer its generate's among the tokenizer's ids, and an answer stops at the end of turn."""
     from transformers import AutoTokenizer
 
     folder, theirs = qwen3
@@ -233,7 +247,10 @@ def test_the_server_answers_as_transformers_generates(qwen3):
     prompt = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True
                                            )["input_ids"]
     expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+                               pad_token_id=0, suppress_tokens=PADDING)[0, len(prompt):].tolist()
+    unsuppressed = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    assert set(unsuppressed) <= set(PADDING)
     server = Server(str(folder), "--max_model_len", "48")
     try:
         assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 48
@@ -263,7 +280,8 @@ def test_sample_answers_from_the_folder(qwen3):
                                            )["input_ids"]
     with torch.no_grad():
         expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0,
-                                   eos_token_id=reference.convert_tokens_to_ids(IM_END))[0, len(prompt):].tolist()
+                                   eos_token_id=reference.convert_tokens_to_ids(IM_END), suppress_tokens=PADDING
+                                   )[0, len(prompt):].tolist()
     proc = subprocess.run([sys.executable, "sample.py", "--export", str(folder), "--chat", "Speak!",
                            "--temperature", "0", "--max_new_tokens", "12"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
