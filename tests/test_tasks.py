@@ -189,7 +189,8 @@ def test_the_harness_interface_gives_the_models_log_probabilities(lm):
     for (context, continuation), (loglik, greedy) in zip(pairs, got):
         ids = (CHARS.encode(context) + CHARS.encode(continuation))[-17:]
         expected = log_probs(model, ids)[-len(continuation):].sum().item()
-        assert loglik == pytest.approx(expected, abs=1e-5)
+        # fp32 sums of a padded batch's and one sequence's kernels: 4e-5 apart seen once under two pytest workers
+        assert loglik == pytest.approx(expected, abs=1e-4)
     with torch.no_grad():
         best = model(torch.tensor([CHARS.encode("Go")]))[0, -1].argmax().item()
     [(_, greedy)] = adapter.loglikelihood([Request("Go", CHARS.decode([best]))])
