@@ -4,19 +4,9 @@ stop strings, characters not yet whole) and, where tools may be called, the call
 are read from the content alone."""
 from dataclasses import dataclass, field
 
+from serving.reasoning import THINK, THOUGHT, thought_marks
 from serving.text import TextStream
 from serving.tools import CallStream
-
-THINK, THOUGHT = "<think>", "</think>"
-
-
-def thinking(template: str, prompt: str) -> str | None:
-    """How an answer to `prompt` (its text) thinks: None where the chat template writes no reasoning; "open" where
-    the prompt opened a <think> the answer goes on in (DeepSeek-R1's generation prompt); else "may" (Qwen 3's answer
-    begins with <think>, or not where the prompt closed one: enable_thinking false)."""
-    if THOUGHT not in template:
-        return None
-    return "open" if prompt.rfind(THINK) > prompt.rfind(THOUGHT) else "may"
 
 
 @dataclass
@@ -32,9 +22,11 @@ class Sent:
 class Answer:
     def __init__(self, tokenizer, asked, min_tokens: int, think: str | None):
         """`asked`: the request's (serving/requests.py); `think`: thinking()'s. Under a grammar (a response format, a
-        forced call) the answer is the grammar's from its first token: it goes on in no thought the prompt opened,
-        and thinks only where the grammar writes <think> first."""
-        think = "may" if asked.grammar is not None and think == "open" else think
+        forced call) the grammar begins after the thought where the tokenizer writes <think> and </think> as a token
+        each (thought_marks); otherwise the answer is the grammar's from its first token: it goes on in no thought
+        the prompt opened, and thinks only where the grammar writes <think> first."""
+        if asked.grammar is not None and think == "open" and thought_marks(tokenizer) is None:
+            think = "may"
         self.tokenizer, self.stops, self.min_tokens = tokenizer, asked.stops, min_tokens
         self.tools = asked.tools if asked.tools is not None and asked.tools.choice != "none" else None
         self.reading = self.tools.reading() if self.tools is not None else None

@@ -274,7 +274,8 @@ def submit(served: Served, asked: Asked, adapter=None) -> list[Sequence]:
         served.mailbox = Mailbox(asyncio.get_running_loop())
     scored = asked.logprobs if asked.echo and asked.logprobs is not None else None
     # Each choice's own matcher of the grammar, all made (or refused) before any is queued.
-    constraints = [None if asked.grammar is None else served.grammars.constraint(asked.grammar, asked.sampling.stop_ids)
+    constraints = [None if asked.grammar is None else
+                   served.grammars.constraint(asked.grammar, asked.sampling.stop_ids, asked.thinking)
                    for _ in range(len(asked.prompts) * asked.n)]
     try:
         for p, ids in enumerate(asked.prompts):

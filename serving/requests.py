@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from data.chat import AFTER, ANSWER, CONTINUE, ChatError, chat_prompt, request_turns
 from data.tokenizers import delimiter_id
 from model.generate import Sampling, SamplingError
-from serving.answer import thinking
 from serving.errors import APIError
+from serving.reasoning import thinking
 from serving.structured import grammar_of
 from serving.tools import Tools, read_tools
 

@@ -12,6 +12,7 @@ import torch
 
 from data.tokenizers import HFTokenizer, TiktokenTokenizer
 from serving.errors import APIError
+from serving.reasoning import thought_marks
 
 VLLM_FORMS = ("json", "regex", "choice", "grammar")
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -80,13 +81,16 @@ class Grammars:
 
     def __init__(self, tokenizer):
         self.vocab_size, self.unavailable = tokenizer.vocab_size, None
+        self.marks = thought_marks(tokenizer)
         try:
             self.lltokenizer = _lltokenizer(tokenizer, self.vocab_size)
         except (ImportError, ValueError, RuntimeError) as e:
             self.lltokenizer, self.unavailable = None, f"{type(e).__name__}: {e}"
 
-    def constraint(self, grammar: str, stop_ids: tuple) -> "Constraint":
-        """A fresh matcher of `grammar`; a 400 where the grammar is invalid or this vocabulary cannot begin it."""
+    def constraint(self, grammar: str, stop_ids: tuple, think: str | None = None) -> "Constraint | Thinking":
+        """A fresh matcher of `grammar`, after the answer's thought where it thinks (`think`: serving/answer.py's
+        thinking()) and the tokenizer marks thoughts with a token each; a 400 where the grammar is invalid or this
+        vocabulary cannot begin it."""
         from llguidance import LLMatcher
 
         if self.unavailable:
@@ -101,7 +105,7 @@ class Grammars:
         if not constraint.allowed[:self.vocab_size].any():
             raise APIError(400, "the requested format cannot be written with this model's vocabulary (its first "
                                 "character is not among its tokens)", "response_format")
-        return constraint
+        return constraint if think is None or self.marks is None else Thinking(constraint, self.marks, think)
 
 
 class Constraint:
@@ -162,3 +166,33 @@ class _CharTokens:
     def __call__(self, text) -> list[int]:
         """The ids of the text's characters (llguidance tokenizes text it forces; none is outside the vocabulary)."""
         return [self.ids[c] for c in (text.decode() if isinstance(text, bytes) else text) if c in self.ids]
+
+
+class Thinking:
+    """A grammar that begins after the answer's thought, as vLLM's structured outputs under a reasoning parser: while
+    the answer thinks any token may come, and the grammar's Constraint rules from the token after </think> on. An
+    answer that may think (Qwen 3's, "may") begins with <think> or with the grammar's first token; one whose prompt
+    opened the thought (DeepSeek-R1's, "open") thinks first."""
+
+    def __init__(self, constraint: Constraint, marks: tuple[int, int], think: str):
+        self.constraint, (self.think_id, self.thought_id) = constraint, marks
+        self.state = "thinking" if think == "open" else "first"
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.state == "thinking":
+            return logits
+        masked = self.constraint.masked(logits)
+        if self.state == "first":  # the grammar's first token, or a thought
+            masked[self.think_id] = logits[self.think_id]
+        return masked
+
+    def advance(self, token: int) -> bool:
+        """As Constraint.advance: whether the answer is complete (never while it thinks)."""
+        if self.state == "thinking":
+            self.state = "answer" if token == self.thought_id else "thinking"
+            return False
+        if self.state == "first" and token == self.think_id:
+            self.state = "thinking"
+            return False
+        self.state = "answer"
+        return self.constraint.advance(token)

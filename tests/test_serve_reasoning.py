@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from data.tokenizers import EOT, CharTokenizer
-from serving.answer import Answer, thinking
+from serving.answer import Answer
+from serving.reasoning import thinking
 
 # Qwen 3's behaviour on the plain layout: an answer writes its thinking in <think>...</think> before the reply,
 # enable_thinking false closes an empty one in the prompt; earlier turns' reasoning rendered; tools as hermes does.
@@ -160,3 +161,58 @@ def test_the_responses_api_gives_the_reasoning_an_item_before_the_message(server
     done = [e.item.id for e in events if e.type == "response.output_item.done"]
     assert done == [item.id for item in events[-1].response.output]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Rome is in Italy."
+
+
+# TEMPLATE, and DeepSeek-R1's way where a request asks (open_thought): the generation prompt opens the thought
+OPENING = TEMPLATE.replace("<think></think>{% endif %}{% endif %}",
+                           "<think></think>{% elif open_thought %}<think>{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def marked(tmp_path_factory, shakespeare_path):
+    """A Hugging Face folder of a random Llama whose tokenizer writes <think> and </think> as a token each (Qwen 3's
+    and DeepSeek-R1's do), served: (the server, its tokenizer)."""
+    from chats import chatml_bpe
+    from hf_check import transformers_model
+    from model.config import ModelConfig
+    from servers import Server
+
+    folder = tmp_path_factory.mktemp("marked")
+    tokenizer = chatml_bpe(shakespeare_path)
+    tokenizer.add_special_tokens(["<think>", "</think>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": OPENING, "eos_token": EOT}))
+    transformers_model(ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64,
+                                   block_size=256, vocab_size=512), folder)
+    served = Server(str(folder))
+    yield served, tokenizer
+    code, output = served.stop()
+    assert code == 0 and "Traceback" not in output, output
+
+
+@pytest.mark.launch
+def test_a_grammar_begins_after_the_thought_where_its_marks_are_tokens(marked):
+    """vLLM's structured outputs under a reasoning parser: the thought is free, the grammar rules the content. The
+    random model is steered by logit biases and a repetition penalty of 2, which halves a token's biased logit once
+    drawn: a word (80) is drawn once, then </think> (60); where the answer may think, <think> (100) first, which the
+    grammar alone would rule out; kept from <think>, it answers by the grammar from its first token."""
+    server, tokenizer = marked
+    think, thought = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    word = tokenizer.encode(" lord").ids[0]
+
+    def ask(variables: dict, bias: dict) -> dict:
+        return httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": ASK, "max_tokens": 20, "temperature": 0, "return_token_ids": True, "repetition_penalty": 2,
+            "logit_bias": {str(token): value for token, value in bias.items()}, "chat_template_kwargs": variables,
+            "structured_outputs": {"choice": ["sunny", "rainy"]}}).json()["choices"][0]
+
+    opened = ask({"open_thought": True}, {word: 80, thought: 60})
+    assert opened["token_ids"][:2] == [word, thought]
+    assert opened["message"]["reasoning_content"] == tokenizer.decode([word])
+    assert opened["message"]["content"] in ("sunny", "rainy") and opened["finish_reason"] == "stop"
+    may = ask({}, {think: 100, word: 80, thought: 60})
+    assert may["token_ids"][:3] == [think, word, thought]
+    assert may["message"]["reasoning_content"] == tokenizer.decode([word])
+    assert may["message"]["content"] in ("sunny", "rainy")
+    plain = ask({}, {think: -100})  # no thought: the grammar's from the first token
+    assert plain["message"].get("reasoning_content") is None and plain["message"]["content"] in ("sunny", "rainy")
