@@ -291,7 +291,6 @@ def test_conversations_of_their_own_characters_are_refused_by_the_export(tmp_pat
                   str(tmp_path / "own")])
     proc = train_py(["--config", "configs/llama_quickstart_sft.yaml", f"train.init_from={example_export}",
                      f"data.dir={tmp_path / 'own'}", f"train.out_dir={tmp_path / 'run'}", *EXAMPLE_LLAMA], check=False)
-    assert_refused_at_start(proc, f"error: train.init_from={example_export}: its vocabulary holds 65 ids, this run's "
-                                  f"model 28 (model.vocab_size, the dataset's unless set): the dataset was prepared "
-                                  f"with another tokenizer; fix: prepare it with the folder's (python -m data.prepare "
-                                  f"... --tokenizer {example_export})\n")
+    assert_refused_at_start(proc, f"error: train.init_from={example_export}: its tokenizer holds 65 ids, the "
+                                  f"dataset's 28: the dataset was prepared with another tokenizer; fix: prepare it "
+                                  f"with the folder's (python -m data.prepare ... --tokenizer {example_export})\n")

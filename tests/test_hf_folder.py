@@ -290,3 +290,22 @@ def test_sample_answers_from_the_folder(qwen3):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == reference.decode(expected, skip_special_tokens=True) + "\n"
+
+
+def test_a_run_from_a_folder_trains_the_model_its_config_describes(tmp_path, tokenizer_files):
+    """train.init_from's folder gives the run's model settings over the preset's (the quickstart's GPT here), less
+    its context and head; the command line's still win (and the run's check of the folder refuses them where they
+    differ); an unreadable folder gives none, for that check to say why."""
+    from training.config import load_run_config
+
+    hub_folder(tmp_path, CLASSES["qwen3_tied"], tokenizer_files)
+    model = load_run_config("configs/quickstart.yaml", [f"train.init_from={tmp_path}"]).model
+    preset = load_run_config("configs/quickstart.yaml", []).model
+    assert (model.arch, model.n_layer, model.n_embd, model.n_kv_head, model.head_dim, model.qk_norm,
+            model.tie_embeddings, model.vocab_size, model.rope_theta, model.norm_eps) == \
+        ("llama", 2, 32, 2, 16, True, True, 512, 500.0, 1e-6)
+    assert (model.block_size, model.head, model.dropout) == (preset.block_size, "lm", preset.dropout)
+    assert load_run_config("configs/quickstart.yaml", [f"train.init_from={tmp_path}", "model.n_layer=3"]
+                           ).model.n_layer == 3
+    (tmp_path / "config.json").write_text("{oops")
+    assert load_run_config("configs/quickstart.yaml", [f"train.init_from={tmp_path}"]).model == preset

@@ -13,8 +13,8 @@ from model.config import ModelConfig
 pytestmark = pytest.mark.launch  # several train.py processes per test (python -m pytest -m "not launch" skips them)
 
 # TINY's 2 layers x 32 wide and 2 heads, with 1 key/value head (multi-query) and SwiGLU 64; global batch 8.
-LLAMA = ["model.arch=llama", "model.n_kv_head=1", "model.ffn_hidden=64", "train.max_steps=6", "optim.warmup_steps=2",
-         "optim.lr=3e-3", *FP32]
+RUN = ["train.max_steps=6", "optim.warmup_steps=2", "optim.lr=3e-3", *FP32]
+LLAMA = ["model.arch=llama", "model.n_kv_head=1", "model.ffn_hidden=64", *RUN]
 SHAPE = ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=64, block_size=32,
                     vocab_size=65)
 PP2 = ["ds.train_micro_batch_size_per_gpu=4", "ds.gradient_accumulation_steps=2"]
@@ -36,19 +36,20 @@ def hf_folder(tmp_path_factory):
 def runs(tmp_path_factory, char_data, hf_folder):
     tied = "model.tie_embeddings=true"  # the parity runs tie the head across stages; the imports do not
     layouts = {  # name: (ds_config, processes, overrides)
-        "zero0": ("zero0.json", 1, ["ds.train_micro_batch_size_per_gpu=8", tied]),
-        "zero1_dp2": ("zero1.json", 2, [*DP2, tied]),
-        "pp2": ("pipe2.json", 2, [*PP2, tied]),
+        "zero0": ("zero0.json", 1, [*LLAMA, "ds.train_micro_batch_size_per_gpu=8", tied]),
+        "zero1_dp2": ("zero1.json", 2, [*LLAMA, *DP2, tied]),
+        "pp2": ("pipe2.json", 2, [*LLAMA, *PP2, tied]),
         # From transformers' weights: trains under ZeRO-3, and one step that moves no weight (STILL) leaves
-        # transformers' tensors in the checkpoint, under ZeRO-3 and 2 stages.
-        "zero3_init": ("zero3.json", 2, [*DP2, f"train.init_from={hf_folder}", *ZERO3_ALL]),
-        "zero3_load": ("zero3.json", 2, [*DP2, f"train.init_from={hf_folder}", *ZERO3_ALL, *STILL]),
-        "pp2_init": ("pipe2.json", 2, [*PP2, f"train.init_from={hf_folder}", *STILL]),
+        # transformers' tensors in the checkpoint, under ZeRO-3 and 2 stages; the pipeline's run names no Llama
+        # setting (the quickstart GPT's preset): its model is the folder's.
+        "zero3_init": ("zero3.json", 2, [*LLAMA, *DP2, f"train.init_from={hf_folder}", *ZERO3_ALL]),
+        "zero3_load": ("zero3.json", 2, [*LLAMA, *DP2, f"train.init_from={hf_folder}", *ZERO3_ALL, *STILL]),
+        "pp2_init": ("pipe2.json", 2, [*RUN, *PP2, f"train.init_from={hf_folder}", *STILL]),
     }
     out = {}
     for name, (ds_config, nprocs, overrides) in layouts.items():
         out[name] = tmp_path_factory.mktemp(f"llama_{name}")
-        proc = launch(nprocs, ds_config, out[name], char_data, [*LLAMA, *overrides])
+        proc = launch(nprocs, ds_config, out[name], char_data, overrides)
         if "init" in name:
             assert f"initialized from {hf_folder}" in proc.stdout
     return out

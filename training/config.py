@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common.checks import REPO_ROOT, Checks, ConfigError, ToolParser
@@ -331,22 +331,51 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_run_config(path: str, overrides: list[str]) -> RunConfig:
-    """Dataclass defaults <- YAML preset <- command line; returns the typed RunConfig object."""
+    """Dataclass defaults <- YAML preset <- train.init_from's model <- command line; returns the typed RunConfig
+    object. A run that starts from a Hugging Face folder trains the model its config.json describes (init_settings),
+    whatever shape the preset gives; the command line's model settings still win, and are checked against it."""
     sections = {f.name for f in fields(RunConfig)}
     whole = [key for key in (o.partition("=")[0] for o in overrides) if key in sections]
     if whole:  # OmegaConf's own error names no key
         raise ConfigError(f"'{whole[0]}' in the command line is a section of settings, not a setting; fix: set one "
                           f"of its keys, e.g. {whole[0]}.{fields(getattr(RunConfig(), whole[0]))[0].name}=...")
+    layers = [(path, lambda: read_presets(path, sections)), ("the command line", lambda: read_overrides(overrides))]
+    cfg = _merged(layers)
+    folder = cfg.train.init_from
+    if isinstance(folder, str) and os.path.isdir(folder):
+        layers.insert(1, (f"train.init_from={folder}", lambda: OmegaConf.create({"model": init_settings(folder)})))
+        cfg = _merged(layers)
+    cfg = OmegaConf.to_object(cfg)
+    check_run_config(cfg)
+    return cfg
+
+
+def _merged(layers: list) -> DictConfig:
+    """The dataclass defaults under each (source, layer) in turn."""
     cfg = OmegaConf.structured(RunConfig)
-    for source, layer in ((path, lambda: read_presets(path, sections)),
-                          ("the command line", lambda: read_overrides(overrides))):
+    for source, layer in layers:
         try:
             cfg = OmegaConf.merge(cfg, layer())
         except OmegaConfBaseException as e:
             raise ConfigError(explain_omegaconf_error(e, source, RunConfig)) from None
-    cfg = OmegaConf.to_object(cfg)
-    check_run_config(cfg)
     return cfg
+
+
+# What a run starting from a folder chooses itself: its context and what its last layer computes.
+RUN_CHOICES = ("block_size", "head")
+
+
+def init_settings(folder: str) -> dict:
+    """The model settings train.init_from's folder tells (its config.json's shape and vocabulary, read as a served
+    folder's are), less RUN_CHOICES; none where they cannot be read: the run's own check of the folder then says
+    why, and a resumed run, which never reads the folder, goes on."""
+    from training.checkpoints.hf_folder import folder_settings
+
+    try:
+        settings = folder_settings(folder)
+    except ConfigError:
+        return {}
+    return {key: value for key, value in settings.items() if key not in RUN_CHOICES}
 
 
 def check_run_config(cfg: RunConfig) -> None:

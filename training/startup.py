@@ -28,6 +28,7 @@ from model.sequence_parallel import check_sequence_parallel
 from model.tensor_parallel import TensorParallel
 from model.tiling import check_tiles
 from training.checkpoints import checkpoint, hf, resume
+from training.checkpoints.hf_folder import check_dataset_tokenizer
 from training.checkpoints.space import check_disk, check_host_copy
 from training.config import RunConfig, load_run_config, parse_args, split_overrides
 from training.device import (
@@ -258,6 +259,7 @@ def check_run(argv=None) -> Run:
     init_from = None if resume_dir else cfg.train.init_from
     if init_from:
         hf.check_hf_folder(init_from, cfg.model)
+        check_dataset_tokenizer(init_from, data.meta)
     objective = choose_objective(cfg, data, settings.layout, init_from, saved)
     notes = [note for note in (settings.precision_note, setup.threads_note, setup.attention_note, prompt_note,
                                masking_note(cfg, data, setup.device),

@@ -14,8 +14,8 @@ from data.chat_template import ChatTemplate, ChatTemplateError, template_tokens
 from data.out_dir import FORMAT
 from data.prepare_chat import tokenizer_config, tokenizer_template
 from data.readers import InputError
-from data.tokenizers import HF_FILE, HFTokenizer
-from model import architecture, build_model
+from data.tokenizers import HF_FILE, HFTokenizer, TokenizerError, folder_tokenizer
+from model import ARCHITECTURES, architecture, build_model
 from model.config import ModelConfig
 from training.checkpoints import hf
 
@@ -50,9 +50,14 @@ def load_hf_folder(folder: str, context: int | None = None) -> tuple:
 
 
 def folder_model(folder: str, context: int | None = None) -> ModelConfig:
-    """The model a folder's config.json describes, in the layout of its class whose tensors the folder holds, every
-    one of them (a tensor this repo would not read, an attention bias say, is refused), checked as train.init_from
-    checks a folder (shapes, RoPE, norms, what the class computes and this repo does not)."""
+    """The model a folder's config.json describes (folder_settings), the rest of its settings the defaults."""
+    return ModelConfig(**folder_settings(folder, context))
+
+
+def folder_settings(folder: str, context: int | None = None) -> dict:
+    """The model settings a folder's config.json tells, in the layout of its class whose tensors the folder holds,
+    every one of them (a tensor this repo would not read, an attention bias say, is refused), checked as
+    train.init_from checks a folder (shapes, RoPE, norms, what the class computes and this repo does not)."""
     config = hf.folder_config(folder, SOURCE)
     model_type = config.get("model_type")
     family, layouts = hf.hf_layouts().get(model_type, (None, []))
@@ -61,8 +66,9 @@ def folder_model(folder: str, context: int | None = None) -> ModelConfig:
                           f"does not compute; fix: pass a model of one of its classes ({', '.join(hf.hf_layouts())})")
     shapes = {name: shape for name, shape in hf.folder_shapes(folder, SOURCE).items() if not name.endswith(NOT_WEIGHTS)}
     found = set(shapes)
-    models = [_layout_model(folder, config, family, layout, context) for layout in layouts]
-    for cfg in models:
+    readings = [_layout_settings(folder, config, family, layout, context) for layout in layouts]
+    models = [ModelConfig(**settings) for settings in readings]
+    for settings, cfg in zip(readings, models):
         if _tensors(cfg, found) == found:
             with torch.device("meta"):  # shapes only
                 expected = hf.to_hf(dict(build_model(cfg).named_parameters()), cfg)
@@ -72,7 +78,7 @@ def folder_model(folder: str, context: int | None = None) -> ModelConfig:
                                       f"model its config.json describes {list(tensor.shape)}; fix: save the model "
                                       f"again (save_pretrained)")
             hf.check_hf_folder(folder, cfg, SOURCE)  # its RoPE, its norms, what its class computes and this repo not
-            return cfg
+            return settings
     names = _tensors(models[0], found)
     if names - found:
         raise ConfigError(f"{SOURCE} {folder}: its weights lack {min(names - found)}, which the model its config.json "
@@ -89,7 +95,9 @@ def _tensors(cfg: ModelConfig, found: set) -> set:
     return names | ({"lm_head.weight"} & found if architecture(cfg).ties(cfg) else set())
 
 
-def _layout_model(folder: str, config: dict, family: str, layout, context: int | None) -> ModelConfig:
+def _layout_settings(folder: str, config: dict, family: str, layout, context: int | None) -> dict:
+    """The settings of `config` read in `layout` (one of the architecture `family`'s), a rotary model's context at
+    most `context`."""
     try:
         settings = {"arch": family, **layout.read(config), **dict(layout.settings)}
     except KeyError as e:
@@ -99,9 +107,9 @@ def _layout_model(folder: str, config: dict, family: str, layout, context: int |
         raise ConfigError(f"{SOURCE} {folder}: {e}; fix: pass another model") from None
     if layout.scorer in (config.get("architectures") or []):  # a reward model's folder (TRL's)
         settings["head"] = "score"
-    if context is not None and architecture(ModelConfig(arch=family)).rope:
+    if context is not None and ARCHITECTURES[family].rope:
         settings["block_size"] = min(settings["block_size"], context)
-    return ModelConfig(**settings)
+    return settings
 
 
 def folder_meta(folder: str, cfg: ModelConfig) -> tuple[dict, HFTokenizer]:
@@ -162,3 +170,17 @@ def answer_end(template: ChatTemplate, tokenizer: HFTokenizer, where: str) -> in
     raise ConfigError(f"{where}: its chat template writes no special token after an answer and its "
                       f"tokenizer_config.json names no eos_token, so where an answer ends is unknown; fix: set "
                       f"eos_token there to the token that ends the model's turns")
+
+
+def check_dataset_tokenizer(folder: str, meta: dict) -> None:
+    """A ConfigError where the dataset (`meta`) of a run starting from `folder` was prepared with another tokenizer
+    than the folder's (its tokenizer.json, or an export's record), told by their ids' count; a folder without a
+    tokenizer is not checked."""
+    try:
+        tokenizer = folder_tokenizer(folder)
+    except TokenizerError:
+        return
+    if tokenizer.vocab_size != meta["vocab_size"]:
+        raise ConfigError(f"train.init_from={folder}: its tokenizer holds {tokenizer.vocab_size:,} ids, the dataset's "
+                          f"{meta['vocab_size']:,}: the dataset was prepared with another tokenizer; fix: prepare it "
+                          f"with the folder's (python -m data.prepare ... --tokenizer {folder})")
