@@ -16,7 +16,7 @@ from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.chat import chat_prompt
 from data.documents import documents_seen
-from data.meta import drawn_vocabulary
+from data.meta import answer_ends, drawn_vocabulary
 from data.tokenizers import TokenizerError, sampling_start
 from model.generate import Sampling, decoder_for, generate
 from training.checkpoints.export import add_trained_arguments, load_trained
@@ -65,13 +65,13 @@ def main(argv=None) -> None:
     decoder = decoder_for(model, context, drawn_vocabulary(cfg.vocab_size, meta),
                           documents=documents_seen(cfg.document_masking, meta))
     if stop_id is not None:
-        sampling = replace(sampling, stop_ids=(stop_id,))
+        sampling = replace(sampling, stop_ids=answer_ends(meta, stop_id))
     generator = torch.Generator().manual_seed(args.seed)
     for i in range(args.num_samples):
         out = generate(decoder, prompt_ids, sampling, generator)
         if args.chat is None:
             out = prompt_ids + out
-        elif out and out[-1] == stop_id:  # the answer alone, without its end of turn
+        elif out and out[-1] in sampling.stop_ids:  # the answer alone, without its end of turn
             out = out[:-1]
         print(tokenizer.decode(out) + ("\n---------------" if i + 1 < args.num_samples else ""))
 

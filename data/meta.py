@@ -34,3 +34,11 @@ def drawn_vocabulary(model_vocab: int, meta: dict) -> int:
     """The ids generation draws from: the model's vocabulary less any embedding rows past its tokenizer's ids (a
     Hugging Face Qwen's 151,936 rows for 151,669 ids), which no text decodes from."""
     return min(model_vocab, meta["vocab_size"])
+
+
+def answer_ends(meta: dict, end: int | None) -> tuple:
+    """The ids that end an answer: `end` (the end of turn or of text; None for none) and those the model's generation
+    config names beside it (meta's "stop_ids": a Hugging Face folder's generation_config.json eos_token_id, such as
+    Llama 3.1's <|eom_id|> and <|end_of_text|> beside its <|eot_id|>)."""
+    return tuple(dict.fromkeys(i for i in (end, *meta.get("stop_ids", ())) if i is not None))
+

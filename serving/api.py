@@ -120,7 +120,7 @@ async def models(request: Request):
 async def completions(request: Request):
     served, body = served_by(request), json_body(await request.body())
     adapter = requested(served, body)
-    prompts, stop_ids = completion_prompts(body, served.tokenizer)
+    prompts, stop_ids = completion_prompts(body, served.tokenizer, served.meta)
     return await respond(served, request, body, adapter, prompts, stop_ids, chat=False)
 
 
@@ -203,7 +203,7 @@ async def tokenize(request: Request):
     if "messages" in body:
         ids = conversation_prompt(body, served.adapters.meta_of(adapter), served.tokenizer)[0]
     else:
-        ids = completion_prompts(body, served.tokenizer)[0][0]
+        ids = completion_prompts(body, served.tokenizer, served.meta)[0][0]
     return {"count": len(ids), "max_model_len": served.block_size, "tokens": ids}
 
 

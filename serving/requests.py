@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass
 
 from data.chat import AFTER, ANSWER, CONTINUE, ChatError, chat_prompt, request_turns
+from data.meta import answer_ends
 from data.tokenizers import delimiter_id
 from model.generate import Sampling, SamplingError
 from serving.errors import APIError
@@ -55,7 +56,7 @@ def json_body(raw: bytes) -> dict:
     return body
 
 
-def completion_prompts(body: dict, tokenizer) -> tuple[list[list[int]], tuple]:
+def completion_prompts(body: dict, tokenizer, meta: dict) -> tuple[list[list[int]], tuple]:
     """(the ids of each prompt: a string, a list of token ids, or a list of either; the stop ids)."""
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
@@ -73,8 +74,7 @@ def completion_prompts(body: dict, tokenizer) -> tuple[list[list[int]], tuple]:
                 raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
         else:
             encoded.append(token_ids(p, tokenizer, "prompt"))
-    stop = delimiter_id(tokenizer)
-    return encoded, () if stop is None else (stop,)
+    return encoded, answer_ends(meta, delimiter_id(tokenizer))
 
 
 def token_ids(value, tokenizer, param: str) -> list[int]:
@@ -115,7 +115,7 @@ def conversation_prompt(body: dict, meta: dict, tokenizer) -> tuple[list[int], t
         raise APIError(400, str(e), "messages", code="chat_not_supported") from None
     if tools is not None:  # the template renders them: it must write calls where auto reads them
         tools.check_format()
-    return ids, (end_of_turn,), tools, thinking(template, tokenizer.decode(ids))
+    return ids, answer_ends(meta, end_of_turn), tools, thinking(template, tokenizer.decode(ids))
 
 
 def _rendering(body: dict) -> tuple[dict, str]:

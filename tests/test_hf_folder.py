@@ -217,6 +217,7 @@ def test_the_kv_cache_is_checked_against_the_free_memory():
 
 # The embedding rows past the tokenizer's 500 ids, which transformers' greedy answers would always pick here
 PADDING = list(range(500, 512))
+ENDS = [499, 1]  # the served Qwen3's generation_config.json's eos_token_id
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +236,8 @@ def qwen3(tmp_path_factory, tokenizer_files):
             rows[i, i // 2] = 1000.0 * (-1) ** i
         theirs.model.embed_tokens.weight[PADDING] = rows
     theirs.save_pretrained(folder)
+    # more ends, as a Llama 3.1's generation config names its <|eom_id|> and <|end_of_text|> beside <|eot_id|>
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ENDS}))
     return folder, theirs
 
 
@@ -266,6 +269,10 @@ def test_the_server_answers_as_transformers_generates(qwen3):
         stopped = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
             "messages": messages, "max_tokens": 8, "logit_bias": {str(end): 100}}).json()["choices"][0]
         assert (stopped["finish_reason"], stopped["message"]["content"]) == ("stop", "")
+        for path, body in (("chat/completions", {"messages": messages}), ("completions", {"prompt": "Speak"})):
+            ended = httpx.post(f"{server.url}/v1/{path}", timeout=60, json={
+                **body, "max_tokens": 8, "logit_bias": {"1": 100}, "return_token_ids": True}).json()["choices"][0]
+            assert (ended["finish_reason"], ended["token_ids"]) == ("stop", [1])  # generation_config.json's end
         too_long = httpx.post(f"{server.url}/v1/completions", timeout=60, json={"prompt": [1] * 48})
         assert too_long.status_code == 400 and "the model's context is 48" in too_long.json()["error"]["message"]
     finally:
@@ -283,8 +290,8 @@ def test_sample_answers_from_the_folder(qwen3):
                                            )["input_ids"]
     with torch.no_grad():
         expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0,
-                                   eos_token_id=reference.convert_tokens_to_ids(IM_END), suppress_tokens=PADDING
-                                   )[0, len(prompt):].tolist()
+                                   eos_token_id=[reference.convert_tokens_to_ids(IM_END), *ENDS],
+                                   suppress_tokens=PADDING)[0, len(prompt):].tolist()
     proc = subprocess.run([sys.executable, "sample.py", "--export", str(folder), "--chat", "Speak!",
                            "--temperature", "0", "--max_new_tokens", "12"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)

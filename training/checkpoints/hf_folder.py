@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from common.checks import ConfigError
+from common.checks import ConfigError, json_file
 from data.chat_template import ChatTemplate, ChatTemplateError, template_tokens
 from data.out_dir import FORMAT
 from data.prepare_chat import tokenizer_config, tokenizer_template
@@ -126,7 +126,22 @@ def folder_meta(folder: str, cfg: ModelConfig) -> tuple[dict, HFTokenizer]:
     meta = {"format": FORMAT, "tokenizer": HF_FILE, "tokenizer_fingerprint": tokenizer.fingerprint(),
             "vocab_size": tokenizer.vocab_size, "delimiter": tokenizer.delimiter, **tokenizer.meta()}
     chat = _chat_record(folder, tokenizer, cfg.block_size)
-    return {**meta, **({"chat": chat} if chat else {})}, tokenizer
+    ends = generation_ends(folder, tokenizer.vocab_size)
+    return {**meta, **({"stop_ids": ends} if ends else {}), **({"chat": chat} if chat else {})}, tokenizer
+
+
+def generation_ends(folder: str, vocab_size: int) -> list[int]:
+    """The ids that end the model's answers by its generation_config.json (eos_token_id: one, or a list), as
+    transformers' generate and vLLM stop at them; none where it names none."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    ends = json_file(path, f"{SOURCE}'s generation config", "correct it, or remove it").get("eos_token_id")
+    ends = [ends] if isinstance(ends, int) else ends or []
+    if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ends):
+        raise ConfigError(f"{SOURCE} {folder}: its generation_config.json's eos_token_id is {ends}, not ids of its "
+                          f"tokenizer (0 to {vocab_size - 1}); fix: correct it, or remove it")
+    return ends
 
 
 def _chat_record(folder: str, tokenizer: HFTokenizer, context: int) -> dict | None:
