@@ -58,6 +58,7 @@ def tokenizer_files(tmp_path_factory, shakespeare_path):
 def hub_folder(folder, cfg: ModelConfig, tokenizer_files, seed: int = 7):
     """A folder as a Hub download leaves it: transformers' model of `cfg` saved, the tokenizer's files beside it."""
     theirs = transformers_model(cfg, folder, seed=seed)
+    (folder / "generation_config.json").unlink(missing_ok=True)  # GPT2Config's default ends: GPT-2's 50,256
     for path in tokenizer_files.iterdir():
         shutil.copy(path, folder / path.name)
     return theirs
@@ -171,7 +172,10 @@ def damaged(change):
     (damaged(lambda c: c.update(vocab_size=480)),
      "--export {folder}: its tensor model.embed_tokens.weight has shape [512, 32], the model its config.json "
      "describes [480, 32]; fix: save the model again (save_pretrained)"),
-], ids=["class", "shape_field", "kv_heads", "yarn", "attention_bias", "tokenizer", "vocabulary"])
+    (lambda f: (f / "generation_config.json").write_text('{"eos_token_id": [7, 9999]}'),
+     "--export {folder}: its generation_config.json's eos_token_id is [7, 9999], not ids of its tokenizer (0 to 499); "
+     "fix: correct it, or remove it"),
+], ids=["class", "shape_field", "kv_heads", "yarn", "attention_bias", "tokenizer", "vocabulary", "ends"])
 def test_a_folder_that_cannot_be_served_is_refused_in_one_line(tmp_path, tokenizer_files, damage, message):
     hub_folder(tmp_path, LLAMA, tokenizer_files)
     damage(tmp_path)
