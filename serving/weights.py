@@ -14,9 +14,10 @@ from training.evaluation.evaluate import where
 # Settings of training alone: weights trained with other values of these serve the same way. document_masking is
 # compared as generation reads it (_documents): a dataset without a delimiter is one document either way.
 TRAINING_ONLY = ("dropout", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_rate", "document_masking")
-TOKENIZER = ("tokenizer_fingerprint", "vocab_size")  # what the API's encoding reads
-# what its chat prompts read (not the data's statistics); no special tokens is none recorded (an earlier version's)
-CHAT = ("template", "chat_template", "special_tokens", "end_of_turn_id")
+TOKENIZER = ("tokenizer_fingerprint", "vocab_size", "stop_ids")  # what the API's encoding reads, and where answers end
+# what its chat prompts read (not the data's statistics, nor where the template was read from: the same source read
+# from two folders renders alike); no special tokens is none recorded (an earlier version's)
+CHAT = ("chat_template", "special_tokens", "end_of_turn_id")
 
 
 class Weights:
@@ -35,7 +36,8 @@ class Weights:
         export = os.path.isfile(os.path.join(path, "config.json"))
         if tag is not None and (export or not isinstance(tag, str)):
             raise ConfigError("tag names a checkpoint of a run's out_dir (a string), not of an export")
-        cfg, model, _, meta = load_trained(None if export else path, tag, path if export else None)
+        cfg, model, _, meta = load_trained(None if export else path, tag, path if export else None,
+                                           context=self.cfg.block_size)  # a Hugging Face folder: at the served context
         source, step, _ = where(None if export else path, tag, path if export else None, None)
         self.check_model(path, cfg, meta)
         return model.state_dict(), source, step

@@ -246,9 +246,11 @@ def qwen3(tmp_path_factory, tokenizer_files):
 
 
 @torch.no_grad()
-def test_the_server_answers_as_transformers_generates(qwen3):
+def test_the_server_answers_as_transformers_generates(qwen3, tokenizer_files, tmp_path):
     """Served from the folder at a shorter context: the prompt's ids are transformers' apply_chat_template's, the
-    greedy answer its generate's among the tokenizer's ids, and an answer stops at the end of turn."""
+    greedy answer its generate's among the tokenizer's ids, and an answer stops at the end of turn or at one its
+    generation config names; another folder's weights of the same model loaded without a restart answer as that
+    model does in transformers."""
     from transformers import AutoTokenizer
 
     folder, theirs = qwen3
@@ -279,6 +281,17 @@ def test_the_server_answers_as_transformers_generates(qwen3):
             assert (ended["finish_reason"], ended["token_ids"]) == ("stop", [1])  # generation_config.json's end
         too_long = httpx.post(f"{server.url}/v1/completions", timeout=60, json={"prompt": [1] * 48})
         assert too_long.status_code == 400 and "the model's context is 48" in too_long.json()["error"]["message"]
+
+        other = hub_folder(tmp_path, dataclasses.replace(CLASSES["qwen3_tied"], block_size=64), tokenizer_files, 11)
+        shutil.copy(folder / "generation_config.json", tmp_path)
+        loaded = httpx.post(f"{server.url}/v1/load_weights", timeout=60, json={"path": str(tmp_path)})
+        assert loaded.json() == {"status": "ok", "path": str(tmp_path), "step": None}
+        expected = other.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0, suppress_tokens=PADDING)[0, len(prompt):].tolist()
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()
+        assert reply["choices"][0]["token_ids"] == expected
     finally:
         assert server.stop()[0] == 0
 
