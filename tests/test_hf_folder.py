@@ -333,3 +333,25 @@ def test_a_run_from_a_folder_trains_the_model_its_config_describes(tmp_path, tok
                            ).model.n_layer == 3
     (tmp_path / "config.json").write_text("{oops")
     assert load_run_config("configs/quickstart.yaml", [f"train.init_from={tmp_path}"]).model == preset
+
+
+@torch.no_grad()
+def test_a_peft_adapter_over_the_folder_computes_what_peft_computes(tmp_path, tokenizer_files):
+    """PEFT's own fine-tune of the folder's model, served by name over it (--lora_modules), as vLLM serves one."""
+    import peft
+
+    from test_lora_serving import served
+
+    theirs = hub_folder(tmp_path / "base", CLASSES["qwen3_tied"], tokenizer_files)
+    tuned = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(5)
+    for name, p in tuned.named_parameters():
+        if "lora_" in name:
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    tuned.save_pretrained(str(tmp_path / "adapter"))
+    adapters = served(str(tmp_path / "base"), {"tuned": str(tmp_path / "adapter")})
+    idx = torch.randint(0, 500, (1, 16), generator=torch.Generator().manual_seed(0))
+    with adapters.batch.selected([adapters.by_name["tuned"]]):
+        ours = adapters.batch.model(idx)[..., :512]
+    assert (ours - tuned(idx).logits).abs().max().item() <= 1e-5
+    assert (adapters.batch.model(idx)[..., :512] - tuned(idx).logits).abs().max().item() > 1e-2  # the adapter counts
