@@ -360,6 +360,7 @@ def supervised_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
 
 
 TRAIN_ON = ("all", "last", "everything")
+ANSWERS = {"all": "all", "last": "last", "everything": "none"}  # the assistant parts whose spans each needs
 
 
 def tokenize(turns: list[dict], template: ChatTemplate, tokenizer, train_on: str = "all",
@@ -367,7 +368,11 @@ def tokenize(turns: list[dict], template: ChatTemplate, tokenizer, train_on: str
     """A conversation's token ids and its loss mask: 1 on the assistant's tokens (of every assistant turn, or of the
     last one with train_on="last"), each turn's end-of-turn token included where the template marks it so; 1 on
     every token with train_on="everything" (the prompt trained on too, as plain text would be)."""
-    text, spans = template.render(turns, tools=tools)
+    return masked_ids(*template.render(turns, tools=tools, answers=ANSWERS[train_on]), tokenizer, train_on)
+
+
+def masked_ids(text: str, spans: list[tuple[int, int]], tokenizer, train_on: str) -> tuple[list, list]:
+    """A rendered conversation's (`text`, its assistant `spans`) token ids and loss mask (tokenize's)."""
     ids, offsets = tokenizer.encode_with_offsets(text)
     if train_on == "everything":
         return ids, [1] * len(ids)

@@ -14,9 +14,10 @@ class ChatTemplateError(ValueError):
     message and the template's line (None where none is known), and whether the template's raise_exception refused
     the conversation. Callers name the template and the conversation."""
 
-    def __init__(self, problem: str, line: int | None, syntax: bool, refused: bool = False):
+    def __init__(self, problem: str, line: int | None, syntax: bool, refused: bool = False, unmarked: bool = False):
         self.problem, self.line, self.syntax = problem, line, syntax
         self.refused = refused  # by the template's own raise_exception(...): the conversation may be what is wrong
+        self.unmarked = unmarked  # its answers not found without {% generation %} marks (ChatTemplate.answer_spans)
         super().__init__(self.describe("the chat template", "a conversation"))
 
     def describe(self, template: str, conversation: str) -> str:
@@ -50,11 +51,39 @@ class ChatTemplate:
         self.renders_tools = "tools" in self.variables
 
     def render(self, turns: list[dict], add_generation_prompt: bool = False, tools: list | None = None,
-               variables: dict | None = None, continue_final: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text, and the (start, end) character spans of its assistant parts; `tools` as
-        transformers passes them (OpenAI's tool definitions); `variables`: more of the template's own (Qwen 3's
-        enable_thinking, say). `continue_final`: the text ends where the last turn's content does, which an answer
-        then continues (transformers' continue_final_message)."""
+               variables: dict | None = None, continue_final: bool = False,
+               answers: str = "all") -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text, and the (start, end) character spans of its assistant parts (its {% generation %}
+        blocks, else answer_spans': `answers` "all", "last" or "none", those asked for); `tools` as transformers
+        passes them (OpenAI's tool definitions); `variables`: more of the template's own (Qwen 3's enable_thinking,
+        say). `continue_final`: the text ends where the last turn's content does, which an answer then continues
+        (transformers' continue_final_message)."""
+        text, spans = self._render(turns, add_generation_prompt, tools, variables, continue_final)
+        if self.marks_generation or add_generation_prompt or continue_final or answers == "none":
+            return text, spans
+        return text, self.answer_spans(turns, tools, variables, text, answers == "last")
+
+    def answer_spans(self, turns: list[dict], tools, variables, text: str, last: bool) -> list[tuple[int, int]]:
+        """For a template without {% generation %} marks (a Hub model's own): each assistant turn's span the text it
+        adds after the prompt that asks for it (rendered with add_generation_prompt), less its trailing whitespace
+        (ChatML's newline after <|im_end|>): its answer and end of turn, as the marks of the same template put
+        around them. Found where the template renders each turn alike whatever follows it; Qwen 3's drops earlier
+        answers' thinking, which only the last answer's span survives (`last`)."""
+        spans = []
+        answers = [k for k, turn in enumerate(turns) if turn.get("role") == "assistant"]
+        for k in answers[-1:] if last else answers:
+            asked = self._render(turns[:k], True, tools, variables)[0]
+            answered = self._render(turns[:k + 1], False, tools, variables)[0]
+            if not (answered.startswith(asked) and text.startswith(answered)):
+                raise ChatTemplateError(f"it renders turn {k + 1}, an answer, otherwise once its prompt or later turns "
+                                        f"follow, so its answers are not found without {{% generation %}} marks",
+                                        None, False, unmarked=True)
+            if len(answered.rstrip()) > len(asked):
+                spans.append((len(asked), len(answered.rstrip())))
+        return spans
+
+    def _render(self, turns: list[dict], add_generation_prompt: bool, tools: list | None, variables: dict | None,
+                continue_final: bool = False) -> tuple[str, list[tuple[int, int]]]:
         if continue_final:
             turns = [*turns[:-1], {**turns[-1], "content": turns[-1]["content"] + CONTINUE_TAG}]
         blocks, spans = [], []

@@ -18,14 +18,15 @@ import json
 import os
 
 from data.chat import (
+    ANSWERS,
     BUILTIN_TEMPLATES,
     CHATML,
     CHATML_TOKENS,
     ChatError,
     json_kind,
+    masked_ids,
     read_conversations,
     supervised_mask,
-    tokenize,
 )
 from data.chat_template import ChatTemplate, ChatTemplateError, template_tokens
 from data.jsonl_job import built_tokenizer, jsonl_files, jsonl_job
@@ -158,6 +159,8 @@ def template_failure(e: ChatTemplateError, name: str, what: str) -> InputError:
     """The refusal of a template (chat_template()'s `name`) that failed as it rendered `what` (a record)."""
     at = " at that line" if e.line else ""
     fix = (f"leave the record out, or correct the template{at}" if e.refused else
+           "pass --train_on last (the last answer is found whatever comes before it), or a --chat_template FILE "
+           "that marks each answer with {% generation %}" if e.unmarked else
            f"correct the template{at}, or pass another --chat_template FILE")
     return InputError(f"{e.describe(template_label(name), what)}; fix: {fix}")
 
@@ -173,16 +176,14 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     tokenizer_kind = parse_spec(tokenizer_spec)  # a tokenizer.json that is not one ends here, before any rendering
     ready = tokenizer_kind[1] if tokenizer_kind[0] == "ready" else None
     name, source, template = load_template(template_spec, tokenizer_spec, ready)
-    if not template.marks_generation:
-        raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... "
-                         f"{{% endgeneration %}}): add the marks around each assistant turn's content and end-of-turn")
     job = jsonl_job("chat", files, tokenizer_spec, ready, source, train_on, context, overlong, val_fraction,
                     *template_settings(template))
     meta = done_job(out_dir, job, force, "these conversations")
     if meta is not None:
         return meta
 
-    conversations, formats, texts, lines = _read(files, template, name)
+    conversations, formats, rendered, lines = _read(files, template, name, train_on)
+    texts = [text for text, _ in rendered]
     tok = built_tokenizer(tokenizer_kind, texts)
     if name == CHATML and not all(_one_token(tok, token) for token in CHATML_TOKENS):
         raise InputError(f"the built-in template chatml needs {' and '.join(CHATML_TOKENS)} as tokens of their own, "
@@ -200,8 +201,8 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                          f"turn's content and end-of-turn")
     workspace = job_workspace(out_dir, job)
     prefix = os.path.join(workspace, "shards", "chat")
-    encoded = (_tokenized(turns, tools, template, tok, train_on, where, tokenizer_spec)
-               for (turns, tools), where in zip(conversations, lines))
+    encoded = (_tokenized(text, spans, tok, train_on, where, tokenizer_spec)
+               for (text, spans), where in zip(rendered, lines))
     counts, supervised = _write(prefix, token_dtype(tok.vocab_size), encoded, texts, context, overlong, val_fraction)
     if not any(supervised.values()):
         raise InputError(f"none of the {len(conversations):,} conversations keeps an assistant token within "
@@ -218,10 +219,11 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
                           f"conversations by hash, val_fraction {val_fraction}", None, record)
 
 
-def _read(files: list[str], template: ChatTemplate, name: str) -> tuple[list, dict, list[str], list[str]]:
+def _read(files: list[str], template: ChatTemplate, name: str, train_on: str) -> tuple[list, dict, list, list[str]]:
     """Every file's conversations ((turns, tools) each), each file's format (one a file), each conversation's
-    rendered text and where it was read ("file:line")."""
-    conversations, formats, texts, lines = [], {}, [], []
+    rendering (its text, and the spans of the assistant parts `train_on` trains) and where it was read
+    ("file:line")."""
+    conversations, formats, rendered, lines = [], {}, [], []
     for path in files:
         try:
             for line, kind, turns, tools in read_conversations(path):
@@ -234,21 +236,19 @@ def _read(files: list[str], template: ChatTemplate, name: str) -> tuple[list, di
                                      f"the model's own template that renders them")
                 conversations.append((turns, tools))
                 lines.append(f"{path}:{line}")
-                texts.append(template.render(turns, tools=tools)[0])
+                rendered.append(template.render(turns, tools=tools, answers=ANSWERS[train_on]))
         except ChatError as e:
             raise InputError(f"{e}; fix the record or leave it out") from None
         except ChatTemplateError as e:
             raise template_failure(e, name, f"the conversation {path}:{line}") from None
     if not conversations:
         raise InputError(f"no conversation in {', '.join(files)}: the inputs are empty")
-    return conversations, formats, texts, lines
+    return conversations, formats, rendered, lines
 
 
-def _tokenized(turns: list[dict], tools, template: ChatTemplate, tok, train_on: str, where: str, tokenizer_spec):
+def _tokenized(text: str, spans: list, tok, train_on: str, where: str, tokenizer_spec):
     try:
-        return tokenize(turns, template, tok, train_on, tools)
-    except ChatTemplateError:
-        raise
+        return masked_ids(text, spans, tok, train_on)
     except ValueError as e:
         raise _untokenizable(e, where, tokenizer_spec) from None
 
@@ -282,12 +282,12 @@ def _untokenizable(e: ValueError, where: str, tokenizer_spec) -> InputError:
                       f"the record out, or write it in the tokenizer's characters")
 
 
-def marked_end_of_turn(template: ChatTemplate, tok, turns: list[dict], part: int = 0) -> int | None:
-    """The token that ends an assistant turn (the last of the assistant part `part` of `turns`, the first by
-    default): where generation stops. None where the template marks no token."""
-    text, spans = template.render(turns)
+def marked_end_of_turn(template: ChatTemplate, tok, turns: list[dict]) -> int | None:
+    """The token that ends the last assistant turn of `turns` (the last of its part, marked or found: render's
+    spans): where generation stops. None where its part holds no token."""
+    text, spans = template.render(turns, answers="last")
     ids, offsets = tok.encode_with_offsets(text)
-    marked = [i for i, m in enumerate(supervised_mask(offsets, spans[part:][:1])) if m]
+    marked = [i for i, m in enumerate(supervised_mask(offsets, spans[-1:])) if m]
     return ids[marked[-1]] if marked else None
 
 

@@ -223,18 +223,8 @@ def _chat_record(template, name: str, tok, pair, where: str, tokenizer_spec, con
 
 
 def _end_of_turn(template, tok, pair) -> int | None:
-    """The token that ends the first chosen assistant turn, where generation stops: the last the template marks
-    ({% generation %}) in it, else (no marks) the last of the rendered turn that is not whitespace alone, such as
-    ChatML's <|im_end|> before its newline."""
-    turns = pair.prompt + pair.chosen[:1]
-    if template.marks_generation:
-        marked = marked_end_of_turn(template, tok, turns, part=-1)
-        if marked is not None:
-            return marked
-    prompt_ids = tok.encode_with_offsets(template.render(pair.prompt, add_generation_prompt=True)[0])[0]
-    ids = tok.encode_with_offsets(template.render(turns)[0])[0]
-    answer = [i for i in ids[common_prefix_length(prompt_ids, ids):] if tok.decode([i]).strip()]
-    return answer[-1] if answer else None
+    """The token that ends the first chosen assistant turn, where generation stops (marked_end_of_turn)."""
+    return marked_end_of_turn(template, tok, pair.prompt + pair.chosen[:1])
 
 
 def _untokenizable(e: ValueError, where: str, tokenizer_spec) -> InputError:

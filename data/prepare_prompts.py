@@ -142,8 +142,7 @@ def _chat_record(template, name: str, tok, turns: list[dict], where: str, contex
     where sampling stops, found by rendering the first prompt with an answer of one of its own characters."""
     first = next((c for c in turns[-1]["content"] if not c.isspace()), "a")
     try:
-        end_of_turn = marked_end_of_turn(template, tok, turns + [{"role": "assistant", "content": first}], part=-1) \
-            if template.marks_generation else None
+        end_of_turn = marked_end_of_turn(template, tok, turns + [{"role": "assistant", "content": first}])
     except ChatTemplateError as e:
         raise template_failure(e, name, f"the prompt {where} with an answer") from None
     if end_of_turn is None:

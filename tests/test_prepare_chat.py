@@ -170,16 +170,57 @@ def test_a_bad_record_ends_the_preparation_with_its_file_and_line(tmp_path):
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
-def test_mixed_formats_in_one_file_and_templates_without_marks_are_refused(tmp_path, chatml_tokenizer):
+def test_mixed_formats_in_one_file_are_refused(tmp_path):
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": CONVERSATIONS[0]},
                                                    {"instruction": "q", "output": "a"}])
     with pytest.raises(InputError, match=r"mixed.jsonl:2: a alpaca record in a file of messages records"):
         prepare_chat([mixed], str(tmp_path / "a"), "char")
+
+
+# Qwen 3's way: the last answer rendered after an empty thought, earlier ones without it
+THINKING_LAST = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}<|im_start|>assistant\n"
+                 "<think>\n\n</think>\n\n{{ m['content'] }}<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("train_on", ["all", "last"])
+def test_a_template_without_marks_trains_what_its_marked_twin_does(tmp_path, chatml_tokenizer, train_on):
+    """A Hub model's template marks no {% generation %}: each answer is what its turn adds after the prompt that asks
+    for it, less the trailing newline; ChatML without its marks prepares the marked built-in's ids and masks, byte
+    for byte, and records the same end of turn."""
     unmarked = tmp_path / "unmarked.jinja"
-    unmarked.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    good = write_jsonl(tmp_path / "good.jsonl", [{"messages": CONVERSATIONS[0]}])
-    with pytest.raises(InputError, match=r"marks no assistant part"):
-        prepare_chat([good], str(tmp_path / "b"), "char", str(unmarked))
+    unmarked.write_text(CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    inputs = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS * 4])
+    tokenizer = str(chatml_tokenizer / "tokenizer.json")
+    marked = prepare_chat([inputs], str(tmp_path / "marked"), tokenizer, "chatml", train_on, val_fraction=0.3)
+    found = prepare_chat([inputs], str(tmp_path / "found"), tokenizer, str(unmarked), train_on, val_fraction=0.3)
+    assert all_documents(tmp_path / "found") == all_documents(tmp_path / "marked")
+    assert found["chat"]["end_of_turn"] == marked["chat"]["end_of_turn"] == "<|im_end|>"
+
+
+def test_answers_a_template_renders_otherwise_once_later_turns_follow_are_found_last_only(tmp_path, chatml_tokenizer):
+    """Qwen 3's template drops an answer's thought once a later turn follows: its earlier answers cannot be found
+    without marks (refused, naming the fix), its last one can (--train_on last)."""
+    from tokenizers import Tokenizer
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_LAST)
+    inputs = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS * 4])
+    tokenizer = str(chatml_tokenizer / "tokenizer.json")
+    with pytest.raises(InputError) as refused:
+        prepare_chat([inputs], str(tmp_path / "all"), tokenizer, str(template), val_fraction=0.3)
+    assert str(refused.value) == (
+        f"the chat template {template} fails on the conversation {inputs}:2 (it renders turn 3, an answer, otherwise "
+        f"once its prompt or later turns follow, so its answers are not found without {{% generation %}} marks); fix: "
+        f"pass --train_on last (the last answer is found whatever comes before it), or a --chat_template FILE that "
+        f"marks each answer with {{% generation %}}")
+    prepare_chat([inputs], str(tmp_path / "last"), tokenizer, str(template), "last", val_fraction=0.5)
+    decode = Tokenizer.from_file(tokenizer).decode
+    answers = {decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+               for ids, mask in all_documents(tmp_path / "last")}
+    assert answers == {f"<think>\n\n</think>\n\n{last}<|im_end|>" for last in ("A man, sir.", "Anon.",
+                                                                                 " leading and trailing spaces  ")}
 
 
 def bad_chat_inputs(folder, tokenizer_json) -> None:
