@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import data.prepare
-from chats import CHATML, CONVERSATIONS, chatml_folder, documents, write_jsonl
+from chats import CHATML, CONVERSATIONS, chatml_folder, documents, reverse_tasks, write_jsonl
 from data.prepare_chat import prepare_chat
 from data.readers import InputError
 from data.tokenizers import HFTokenizer
@@ -184,17 +184,26 @@ THINKING_LAST = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# Qwen 2.5's layout: a newline after each <|im_end|>, outside the assistant's part
+QWEN = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}{{ '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.mark.parametrize("train_on", ["all", "last"])
-def test_a_template_without_marks_trains_what_its_marked_twin_does(tmp_path, chatml_tokenizer, train_on):
+@pytest.mark.parametrize("template", [CHATML, QWEN], ids=["chatml", "newline_after_each_turn"])
+def test_a_template_without_marks_trains_what_its_marked_twin_does(tmp_path, chatml_tokenizer, template, train_on):
     """A Hub model's template marks no {% generation %}: each answer is what its turn adds after the prompt that asks
-    for it, less the trailing newline; ChatML without its marks prepares the marked built-in's ids and masks, byte
+    for it, less the trailing newline; a template without its marks prepares the marked one's ids and masks, byte
     for byte, and records the same end of turn."""
+    (tmp_path / "marked.jinja").write_text(template)
     unmarked = tmp_path / "unmarked.jinja"
-    unmarked.write_text(CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
-    inputs = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS * 4])
+    unmarked.write_text(template.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    inputs = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS] + reverse_tasks(20))
     tokenizer = str(chatml_tokenizer / "tokenizer.json")
-    marked = prepare_chat([inputs], str(tmp_path / "marked"), tokenizer, "chatml", train_on, val_fraction=0.3)
-    found = prepare_chat([inputs], str(tmp_path / "found"), tokenizer, str(unmarked), train_on, val_fraction=0.3)
+    marked = prepare_chat([inputs], str(tmp_path / "marked"), tokenizer, str(tmp_path / "marked.jinja"), train_on,
+                          val_fraction=0.5)
+    found = prepare_chat([inputs], str(tmp_path / "found"), tokenizer, str(unmarked), train_on, val_fraction=0.5)
     assert all_documents(tmp_path / "found") == all_documents(tmp_path / "marked")
     assert found["chat"]["end_of_turn"] == marked["chat"]["end_of_turn"] == "<|im_end|>"
 
