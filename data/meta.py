@@ -41,4 +41,3 @@ def answer_ends(meta: dict, end: int | None) -> tuple:
     config names beside it (meta's "stop_ids": a Hugging Face folder's generation_config.json eos_token_id, such as
     Llama 3.1's <|eom_id|> and <|end_of_text|> beside its <|eot_id|>)."""
     return tuple(dict.fromkeys(i for i in (end, *meta.get("stop_ids", ())) if i is not None))
-

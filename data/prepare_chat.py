@@ -196,9 +196,9 @@ def prepare_chat(inputs: list[str], out_dir: str, tokenizer_spec="char", templat
     except ValueError as e:  # a character outside a given character vocabulary
         raise _untokenizable(e, lines[0], tokenizer_spec) from None
     if end_of_turn is None:
-        raise InputError(f"{template_label(name)} marks no token of the first assistant turn of {files[0]} (its "
-                         f"{{% generation %}} blocks render nothing there); fix: put the marks around each assistant "
-                         f"turn's content and end-of-turn")
+        raise InputError(f"{template_label(name)} renders no token of the last answer of the first conversation of "
+                         f"{files[0]} (its {{% generation %}} blocks, or the text the answer adds to its prompt); fix: "
+                         f"correct the template, or pass another --chat_template FILE")
     workspace = job_workspace(out_dir, job)
     prefix = os.path.join(workspace, "shards", "chat")
     encoded = (_tokenized(text, spans, tok, train_on, where, tokenizer_spec)

@@ -146,9 +146,8 @@ def _chat_record(template, name: str, tok, turns: list[dict], where: str, contex
     except ChatTemplateError as e:
         raise template_failure(e, name, f"the prompt {where} with an answer") from None
     if end_of_turn is None:
-        raise InputError(f"{template_label(name)} marks no assistant part ({{% generation %}} ... {{% endgeneration "
-                         f"%}}), so where an answer ends is unknown; fix: add the marks around each assistant turn's "
-                         f"content and end-of-turn")
+        raise InputError(f"{template_label(name)} renders no token of an answer to the prompt {where}, so where an "
+                         f"answer ends is unknown; fix: correct the template, or pass another --chat_template FILE")
     return {"template": name, "chat_template": template.source, "special_tokens": template.special_tokens,
             "context": context, "end_of_turn_id": end_of_turn,
             "end_of_turn": tok.decode([end_of_turn])}
