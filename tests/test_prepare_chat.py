@@ -389,3 +389,16 @@ def test_prepare_chat_refuses(chat_inputs, earlier, tmp_path, capsys, flags, mes
     base = {"--format": "chat", "--input": "{inputs}/good.jsonl", "--out_dir": str(out), "--force": True,
             "--val_fraction": "0.3"}
     assert_refused(data.prepare.main, command(base, flags, paths), message, paths, capsys, [chat_inputs, out])
+
+
+def test_a_template_that_renders_no_answer_is_refused(tmp_path):
+    silent = tmp_path / "silent.jinja"
+    silent.write_text("{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}\n{% endif %}"
+                      "{% endfor %}")
+    inputs = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CONVERSATIONS[0]}])
+    with pytest.raises(InputError) as refused:
+        prepare_chat([inputs], str(tmp_path / "out"), "char", str(silent))
+    assert str(refused.value) == (
+        f"the chat template {silent} renders no token of the last answer of the first conversation of {inputs} (its "
+        f"{{% generation %}} blocks, or the text the answer adds to its prompt); fix: correct the template, or pass "
+        f"another --chat_template FILE")
