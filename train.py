@@ -371,13 +371,14 @@ def finish(run: Run, rank: Rank, last_step: int) -> None:
     PHASE.now("sampling")
     vocab = (cfg.model.vocab_size, cfg.model.padded_vocab_size)
     decoder = rank.driver.decoder(run.layout.micro_batch, cfg.model.block_size, vocab, run.data.positions)
-    rank.print0(f"--- sample ---\n{sample(engine, decoder, cfg, run.tokenizer, run.prompt_ids)}\n--------------")
+    rank.print0(f"--- sample ---\n{sample(engine, decoder, cfg, run.tokenizer, run.prompt_ids, run.stop_ids)}\n"
+                f"--------------")
     leave_process_group()
 
 
 @torch.no_grad()
 @eager  # a growing sequence: every length would be a new graph
-def sample(engine, decoder, cfg: RunConfig, tokenizer, prompt_ids: list[int]) -> str:
+def sample(engine, decoder, cfg: RunConfig, tokenizer, prompt_ids: list[int], stop_ids: tuple = ()) -> str:
     """Every rank runs the same seeded generation: ZeRO-3 and pipelines need all of them to take part. The
     window is one document, as in every layout (a pipeline's stages and sequence ranks see no delimiters)."""
     generator = torch.Generator().manual_seed(cfg.sample.seed)
@@ -387,7 +388,7 @@ def sample(engine, decoder, cfg: RunConfig, tokenizer, prompt_ids: list[int]) ->
     # for each of them, which took the quickstart's sample twice as long as full fp32.
     with float32_matmul_precision("highest"):
         out = generate(decoder, prompt_ids, Sampling(settings.max_new_tokens, settings.temperature, settings.top_k,
-                                                     settings.top_p), generator)
+                                                     settings.top_p, stop_ids), generator)
     engine.train()
     return tokenizer.decode(prompt_ids + out)
 

@@ -245,6 +245,9 @@ def test_the_readme_example_answers_from_the_pretrained_llama(char_data, example
     assert (meta["chat"]["template"], meta["chat"]["end_of_turn"]) == ("lines", "\n")
     sft = example_sft["run"]
     assert f"initialized from {example_export}" in example_sft["stdout"]
+    # the run's own last sample, the preset's sample.chat: the template's prompt, the answer to its end of turn
+    assert f"--- sample ---\nUser: {EXAMPLE_PROMPT}\nAssistant: night crown king\n\n--------------" in \
+        example_sft["stdout"]
     first = next(m for m in metrics(sft) if "val_loss" in m)  # before any update: the pretrained weights' loss
     assert first["step"] == 0 and first["val_loss"] < 3.6  # from scratch: 4.8, about ln 128 (the padded vocabulary)
     capsys.readouterr()

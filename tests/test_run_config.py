@@ -156,6 +156,8 @@ BAD_SETTINGS = [
     (["train.init_from=/nonexistent"], "train.init_from='/nonexistent': must be a folder holding a Hugging Face "
                                        "checkpoint"),
     (["sample.prompt=''"], "sample.prompt='': must not be empty"),
+    (["sample.chat=' '"], "sample.chat=' ': must be a user message or null; fix: write a message in sample.chat, or "
+                          "leave it out"),
     (["sample.max_new_tokens=-1"], "sample.max_new_tokens=-1: must be >= 0"),
     (["sample.temperature=-0.5"], "sample.temperature=-0.5: must be >= 0 (0 takes the most likely token)"),
     (["sample.top_k=0"], "sample.top_k=0: must be >= 1"),

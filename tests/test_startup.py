@@ -36,13 +36,36 @@ def test_cli_malformed_override(char_data, tmp_path):
     assert_refused_at_start(proc, "override 'train.max_steps' is not key=value")
 
 
-def test_prompt_outside_the_vocabulary_is_refused_at_start():
+def prompted(prompt: str, tokenizer, chat: str | None = None, meta: dict | None = None) -> tuple:
     from training import startup
+    from training.config import SampleConfig
+
+    return startup.encode_prompt(SampleConfig(prompt=prompt, chat=chat), meta or {}, tokenizer)
+
+
+def test_prompt_outside_the_vocabulary_is_refused_at_start():
     tokenizer = CharTokenizer(list("\n abc"))
-    assert startup.encode_prompt("ab c", tokenizer) == ([2, 3, 1, 4], None)
+    assert prompted("ab c", tokenizer) == ([2, 3, 1, 4], (), None)
     with pytest.raises(ConfigError, match=r"sample.prompt='abé' does not encode with the dataset's char tokenizer: "
                                           r"character 'é' is not in this dataset's vocabulary; fix: use characters"):
-        startup.encode_prompt("abé", tokenizer)
+        prompted("abé", tokenizer)
+
+
+def test_a_chat_sample_is_rendered_by_the_datasets_template_and_stops_at_its_end_of_turn():
+    """sample.chat: the run's last sample answers a message as sample.py --chat does; a dataset of text has no
+    template, refused at start."""
+    from data.chat import BUILTIN_TEMPLATES, chat_prompt
+
+    tokenizer = CharTokenizer(list("\n :ABUacehinrstx"))
+    chat = {"template": "lines", "chat_template": BUILTIN_TEMPLATES["lines"], "context": 64,
+            "end_of_turn_id": 0, "end_of_turn": "\n"}
+    ids, stops, note = prompted("\n", tokenizer, chat="hi there", meta={"chat": chat})
+    expected = chat_prompt([{"role": "user", "content": "hi there"}], {"chat": chat}, tokenizer, "", "")[0]
+    assert (ids, stops, note) == (expected, (0,), None)
+    assert tokenizer.decode(ids) == "User: hi there\nAssistant: "
+    with pytest.raises(ConfigError, match=r"^sample.chat='hi' needs a model fine-tuned on conversations .* set "
+                                          r"sample.prompt instead$"):
+        prompted("\n", tokenizer, chat="hi")
 
 
 @pytest.mark.parametrize("delimiter", ["<|endoftext|>", "<s>"])
@@ -50,7 +73,6 @@ def test_a_prompt_that_encodes_to_nothing_starts_from_the_document_delimiter(del
     """A whitespace-splitting tokenizer encodes the default prompt, a newline, to no tokens: the sample starts from
     the token that separates documents, end-of-text or (a tokenizer with only that) begin-of-text."""
     from corpora import word_level_tokenizer
-    from training import startup
     tokenizer = word_level_tokenizer(["to be or not to be"])
     if delimiter == "<s>":  # the same words behind a begin-of-text token only, as Llama-2's tokenizer has
         from tokenizers import Tokenizer, models, pre_tokenizers
@@ -60,10 +82,10 @@ def test_a_prompt_that_encodes_to_nothing_starts_from_the_document_delimiter(del
         inner.pre_tokenizer = pre_tokenizers.Whitespace()
         tokenizer = HFTokenizer(inner, "tokenizer.json")
     start = tokenizer.tokenizer.token_to_id(delimiter)
-    assert startup.encode_prompt("\n", tokenizer) == ([start], f"the prompt '\\n' encodes to no tokens with the "
-                                                      f"dataset's tokenizer.json tokenizer: the sample starts from its "
-                                                      f"document delimiter {delimiter!r} (id {start})")
-    assert startup.encode_prompt("to be", tokenizer)[1] is None
+    assert prompted("\n", tokenizer) == ([start], (), f"the prompt '\\n' encodes to no tokens with the dataset's "
+                                                  f"tokenizer.json tokenizer: the sample starts from its document "
+                                                  f"delimiter {delimiter!r} (id {start})")
+    assert prompted("to be", tokenizer)[2] is None
 
 
 def test_errors_from_torchs_own_modules_become_config_errors(monkeypatch):

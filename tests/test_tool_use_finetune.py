@@ -36,7 +36,7 @@ def test_a_model_fine_tuned_on_tool_use_calls_the_tool_and_answers_from_its_resu
               f"train.out_dir={tmp_path / 'run'}", "model.n_layer=2", "model.n_embd=64", "model.ffn_hidden=128",
               "model.block_size=384", "train.epochs=null", "train.max_steps=400", "optim.lr=3e-3",
               "optim.min_lr=3e-4", "train.eval_interval=400", "train.eval_windows=4", "train.log_interval=50",
-              'sample.prompt="User: Weather in Rome?\\nAssistant: "', "sample.max_new_tokens=4", *FP32])
+              "sample.chat='Weather in Rome?'", "sample.max_new_tokens=4", *FP32])
     server = Server(str(tmp_path / "run"), source="--out_dir")
     try:
         client = server.client()

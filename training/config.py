@@ -263,6 +263,9 @@ class RLConfig:
 class SampleConfig:
     """Text printed at the end of training."""
     prompt: str = "\n"
+    # A user message: the run ends with the model's answer through its dataset's chat template instead (sample.py
+    # --chat's), up to its end of turn; a conversation dataset's alone.
+    chat: Optional[str] = None
     max_new_tokens: int = 300
     temperature: float = 0.8
     top_k: Optional[int] = 200
@@ -273,6 +276,8 @@ class SampleConfig:
         # Whether the prompt encodes with the dataset's tokenizer is checked once the data is open
         # (training/startup.py).
         c.not_empty("prompt")
+        c.that(self.chat is None or bool(self.chat.strip()), "chat", "be a user message or null",
+               "write a message in sample.chat, or leave it out")
         c.at_least("max_new_tokens", 0)
         c.at_least("temperature", 0, "0 takes the most likely token")
         c.at_least("top_k", 1)

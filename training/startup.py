@@ -16,7 +16,9 @@ from deepspeed.accelerator import get_accelerator
 from omegaconf import OmegaConf
 
 from common.checks import ConfigError
+from data.chat import chat_prompt
 from data.loader import open_data
+from data.meta import answer_ends
 from data.tasks import Task
 from data.token_data import KIND_WORDS, TokenData
 from data.tokenizers import sampling_start
@@ -204,6 +206,7 @@ class Run:
     data: TokenData
     tokenizer: object
     prompt_ids: list[int]
+    stop_ids: tuple  # where the end-of-run sample stops (sample.chat's end of turn), none for a text prompt
     tasks: list[Task]  # eval.tasks, read and tokenized
     notes: list[str]  # printed once the engine is built
     n_params: int
@@ -234,7 +237,7 @@ def check_run(argv=None) -> Run:
     cfg = with_vocabulary(cfg, data)  # the run record: resolved here and in configure, never changed after
     data.check_vocab(cfg.model.vocab_size)
     tokenizer = data.tokenizer()
-    prompt_ids, prompt_note = encode_prompt(cfg.sample.prompt, tokenizer)  # used at the end, checked now
+    prompt_ids, stop_ids, prompt_note = encode_prompt(cfg.sample, data.meta, tokenizer)  # used at the end
     tasks = open_tasks(cfg.eval.tasks, cfg.eval.data_dir, cfg.eval.limit, tokenizer, cfg.model.block_size)
     check_tiles(cfg.model, cfg.train.mlp_tiles)
     n_params = count_parameters(cfg)
@@ -265,8 +268,8 @@ def check_run(argv=None) -> Run:
                                masking_note(cfg, data, setup.device),
                                schedule_note(cfg), objective.describe()) if note]
     return Run(cfg, settings.ds, settings.layout, settings.pipe, settings.dtype,
-               setup.launcher, setup.device, data, tokenizer, prompt_ids, tasks, notes, n_params, specs, parts,
-               resume_dir, init_from, newer, objective, architecture(cfg.model).training_hooks(cfg.model))
+               setup.launcher, setup.device, data, tokenizer, prompt_ids, stop_ids, tasks, notes, n_params, specs,
+               parts, resume_dir, init_from, newer, objective, architecture(cfg.model).training_hooks(cfg.model))
 
 
 def check_memory(cfg: RunConfig, ds: dict, layout, device: torch.device) -> dict:
@@ -316,13 +319,23 @@ def masking_note(cfg: RunConfig, data: TokenData, device: torch.device) -> str |
     return f"document masking: attention within each document, positions from its start; kernel: {kernel}"
 
 
-def encode_prompt(prompt: str, tokenizer) -> tuple[list[int], str | None]:
-    """sample.prompt's ids, and a note when they are not the text's own (data.tokenizers.sampling_start)."""
+def encode_prompt(settings, meta: dict, tokenizer) -> tuple[list[int], tuple, str | None]:
+    """The end-of-run sample's prompt ids, the ids it stops at, and a note when a text prompt's ids are not the
+    text's own (data.tokenizers.sampling_start): sample.chat's message through the dataset's chat template where it
+    is set (sample.py --chat's), else sample.prompt."""
+    if settings.chat is not None:
+        try:
+            ids, end = chat_prompt([{"role": "user", "content": settings.chat}], meta, tokenizer,
+                                   f"sample.chat={settings.chat!r}", "set sample.prompt instead")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return ids, answer_ends(meta, end), None
     try:
-        return sampling_start(prompt, tokenizer)
+        ids, note = sampling_start(settings.prompt, tokenizer)
     except ValueError as e:
-        raise ConfigError(f"sample.prompt={prompt!r} does not encode with the dataset's {tokenizer.name} "
+        raise ConfigError(f"sample.prompt={settings.prompt!r} does not encode with the dataset's {tokenizer.name} "
                           f"tokenizer: {e}; fix: use characters of the training text in sample.prompt") from None
+    return ids, (), note
 
 
 def count_parameters(cfg: RunConfig) -> int:
