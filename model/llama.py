@@ -48,11 +48,16 @@ class Attention(nn.Module):
         # its own heads: model/parallelize.py sums its gradient over them)
         self.q_norm, self.k_norm = ((nn.RMSNorm(cfg.head_width, eps=cfg.norm_eps),
                                      nn.RMSNorm(cfg.head_width, eps=cfg.norm_eps)) if cfg.qk_norm else (None, None))
-        cos, sin = rope_buffers(cfg)
+        self.cfg = cfg
         # Derived from the config, never checkpointed. DeepSpeed's bf16 casts them as Hugging Face does.
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+        self.init_buffers()
         self.core = causal_attention  # model/sequence_parallel.py swaps it for the sequence-parallel one
+
+    def init_buffers(self) -> None:
+        """The rotary tables of the config's positions (their shapes alone on the meta device; build_empty)."""
+        self.cos, self.sin = rope_buffers(self.cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))

@@ -117,6 +117,10 @@ class BiasedGate(BalancingGate):
         # Not "expert_...": DeepSpeed's MoE checkpoint takes every state name with "expert" in it for an expert's.
         self.register_buffer("choice_bias", torch.zeros(gate.wg.out_features))
 
+    def init_buffers(self) -> None:
+        """No bias: the model as built, before training moves it (build_empty; a checkpoint's holds its own)."""
+        self.choice_bias.zero_()
+
     routes_per_token = property(lambda self: self.k)
 
     def route(self, input: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, sparse_routes: bool):

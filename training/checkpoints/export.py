@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from common.checks import ConfigError, existing_dir, existing_file, json_file, new_output
 from data.meta import check_meta, read_meta
 from data.tokenizers import tokenizer_from_meta
-from model import architecture, build_model, layer_names, model_layers
+from model import architecture, build_empty, build_model, layer_names, model_layers
 from model.config import ModelConfig, model_config
 from model.lora import merged
 from model.tensor_parallel import TensorParallel, merge_parameter, split_rule
@@ -299,26 +299,27 @@ def add_trained_arguments(parser, use: str) -> None:
 
 
 def load_trained(out_dir: str | None, tag: str | None = None, export_dir: str | None = None,
-                 head: str = "lm", context: int | None = None) -> tuple:
-    """(model config, model holding its weights on the CPU, tokenizer, its dataset's meta) of an export, of a
-    Hugging Face model's folder (training/checkpoints/hf_folder.py; `context` caps its rotary model's block_size), or
-    of a run's checkpoint (`tag`, or its newest) of any layout, its slices merged. `head`: the model.head the caller
-    uses (lm: sampling, serving, evaluation; score: a reward model's scores); another is refused."""
+                 head: str = "lm", context: int | None = None, dtype: torch.dtype = torch.float32) -> tuple:
+    """(model config, model holding its weights on the CPU at `dtype`, tokenizer, its dataset's meta) of an export, of
+    a Hugging Face model's folder (training/checkpoints/hf_folder.py; `context` caps its rotary model's block_size),
+    or of a run's checkpoint (`tag`, or its newest) of any layout, its slices merged. `head`: the model.head the
+    caller uses (lm: sampling, serving, evaluation; score: a reward model's scores); another is refused."""
     if is_hf_folder(export_dir):
-        cfg, model, tokenizer, meta = load_hf_folder(export_dir, context)
+        cfg, model, tokenizer, meta = load_hf_folder(export_dir, context, dtype)
         _check_head(cfg, head, export_dir)
         return cfg, model, tokenizer, meta
     if export_dir:
         cfg, state, meta = load_export(export_dir)
         _check_head(cfg, head, export_dir)
         fix = "an export's tokenizer stays beside its config.json; export the checkpoint again"
-        return *_with_weights(cfg, state, export_dir), tokenizer_from_meta(meta, export_dir, fix), meta
+        return *_with_weights(cfg, state, export_dir, dtype), tokenizer_from_meta(meta, export_dir, fix), meta
     tag_dir = checkpoint.find_checkpoint(out_dir, tag)
     run_state = checkpoint.read_run_state(tag_dir)
     meta, data_dir = run_dataset(tag_dir, run_state)
     cfg = run_model(tag_dir, run_state)
     _check_head(cfg, head, tag_dir)
-    return *_with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir), tokenizer_from_meta(meta, data_dir), meta
+    return (*_with_weights(cfg, consolidated_state_dict(tag_dir), tag_dir, dtype), tokenizer_from_meta(meta, data_dir),
+            meta)
 
 
 def _check_head(cfg: ModelConfig, head: str, source: str) -> None:
@@ -332,12 +333,12 @@ def _check_head(cfg: ModelConfig, head: str, source: str) -> None:
                       f"export of a train.objective=reward run (model.head=score)")
 
 
-def _with_weights(cfg: ModelConfig, state: dict, source: str) -> tuple[ModelConfig, torch.nn.Module]:
-    """The model of `cfg` holding `state`, the weights read from `source`, LoRA's adapters merged into the weights
+def _with_weights(cfg: ModelConfig, state: dict, source: str, dtype: torch.dtype) -> tuple:
+    """(config, model): the model of `cfg` holding `state` at `dtype`, the weights read from `source`, LoRA's adapters merged into the weights
     they adapt (sampling and serving run it as one model, its linear maps packed where oneDNN is faster); and its
     config."""
     cfg, state = merged(cfg, state)
-    model = build_model(cfg)
+    model = build_empty(cfg, dtype)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:  # names or shapes that another model's export would have

@@ -15,7 +15,7 @@ from data.out_dir import FORMAT
 from data.prepare_chat import tokenizer_config, tokenizer_template
 from data.readers import InputError
 from data.tokenizers import HF_FILE, HFTokenizer, TokenizerError, folder_tokenizer
-from model import ARCHITECTURES, architecture, build_model
+from model import ARCHITECTURES, architecture, build_empty, build_model
 from model.config import ModelConfig
 from training.checkpoints import hf
 
@@ -38,14 +38,14 @@ def is_hf_folder(folder: str | None) -> bool:
     return isinstance(record, dict) and "megalite" not in record and "model_type" in record
 
 
-def load_hf_folder(folder: str, context: int | None = None) -> tuple:
-    """(model config, model holding the folder's weights on the CPU, tokenizer, meta): load_trained's answer for a
-    Hugging Face folder. `context` caps a rotary model's block_size, the context it serves (a model whose positions
-    are a table keeps its rows)."""
+def load_hf_folder(folder: str, context: int | None = None, dtype: torch.dtype = torch.float32) -> tuple:
+    """(model config, model holding the folder's weights on the CPU at `dtype`, tokenizer, meta): load_trained's
+    answer for a Hugging Face folder. `context` caps a rotary model's block_size, the context it serves (a model whose
+    positions are a table keeps its rows)."""
     cfg = folder_model(folder, context)
     meta, tokenizer = folder_meta(folder, cfg)
-    model = build_model(cfg)
-    hf.load_into(model, folder, cfg)
+    model = build_empty(cfg, dtype)
+    hf.load_into(model, folder, cfg)  # every tensor: folder_model found each one the model holds there
     return cfg, model.eval(), tokenizer, meta
 
 
