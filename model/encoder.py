@@ -36,15 +36,16 @@ class EncoderEmbedding(nn.Module):
         super().__init__()
         self.embedding = TokenEmbedding(padded_vocab_size, d_model, uniform_init)
         self.scale = math.sqrt(d_model)
-        self.register_buffer("positions", torch.zeros(block_size, d_model), persistent=False)  # never checkpointed
+        self.register_buffer("positions", torch.empty(block_size, d_model), persistent=False)  # never checkpointed
         self.init_buffers()
         self.drop = nn.Dropout(dropout)
 
     def init_buffers(self) -> None:
-        """The sinusoidal table (its shape alone on the meta device: model/layers.py, init_weights; build_empty)."""
-        table = self.positions
+        """The sinusoidal table, in fp32 (its shape alone on the meta device: model/layers.py, init_weights;
+        build_empty)."""
+        block_size, d_model = self.positions.shape
+        self.positions = table = torch.zeros(block_size, d_model)
         if not table.is_meta:
-            block_size, d_model = table.shape
             position = torch.arange(block_size).unsqueeze(1)
             frequency = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
             table[:, 0::2] = torch.sin(position * frequency)

@@ -119,7 +119,7 @@ class BiasedGate(BalancingGate):
 
     def init_buffers(self) -> None:
         """No bias: the model as built, before training moves it (build_empty; a checkpoint's holds its own)."""
-        self.choice_bias.zero_()
+        self.choice_bias = torch.zeros(self.choice_bias.shape)
 
     routes_per_token = property(lambda self: self.k)
 

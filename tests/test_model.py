@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from common.checks import ConfigError
-from model import architecture, build_model
+from model import architecture, build_empty, build_model
 from model.config import ModelConfig, model_config
 from model.gpt import Block
 from model.layers import TokenEmbedding, causal_attention, gelu_tanh, lm_head
@@ -254,3 +254,23 @@ def test_eager_sets_compiled_graphs_aside():
     plus_one = torch.compile(lambda x: x + 1, backend=backend)
     assert eager(plus_one)(torch.ones(2)).tolist() == [2.0, 2.0] and graphs == []
     assert plus_one(torch.ones(2)).tolist() == [2.0, 2.0] and len(graphs) == 1
+
+
+@pytest.mark.parametrize("cfg", [SMALL_GPT, dataclasses.replace(preset("encoder_tiny"), vocab_size=65),
+                                 dataclasses.replace(preset("llama_quickstart"), vocab_size=65, block_size=64,
+                                                     rope_scale_factor=8.0, rope_original_context=16),
+                                 dataclasses.replace(preset("llama_quickstart_moe"), vocab_size=65,
+                                                     router_bias_rate=0.01)],
+                         ids=["gpt", "encoder", "llama3.1_rope", "moe_biased"])
+def test_an_empty_build_holds_the_buffers_and_shapes_of_a_built_model(cfg):
+    """What a checkpoint's weights are copied into (build_empty): the parameters of build_model's model, at the
+    dtype asked, and its buffers, which no checkpoint holds (rotary tables, sinusoidal positions) or a Hub folder
+    lacks (the router's choice bias)."""
+    built, empty = build_model(cfg), build_empty(cfg, torch.bfloat16)
+    assert {n: (p.shape, p.requires_grad) for n, p in empty.named_parameters()} == \
+        {n: (p.shape, p.requires_grad) for n, p in built.named_parameters()}
+    assert {p.dtype for p in empty.parameters()} == {torch.bfloat16}
+    buffers = dict(built.named_buffers())
+    assert buffers.keys() == dict(empty.named_buffers()).keys()
+    for name, buffer in empty.named_buffers():
+        assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name]), name
