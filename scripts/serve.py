@@ -31,7 +31,7 @@ from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.tokenizers import TokenizerError
 from serving.adapters import lora_module
-from serving.engine import DTYPES
+from serving.engine import DTYPES, serving_dtype
 from training.checkpoints.export import add_trained_arguments, load_trained
 
 KEY_VARIABLE = "MEGALITE_API_KEY"
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     name = args.name or os.path.basename(os.path.normpath(args.export or args.out_dir))
     metrics = Metrics(scheduler.stats, engine.prefix_cache, name)
     scheduler.observe = metrics.observe
-    weights = Weights(cfg, meta, engine.load, engine.prefix_cache)
+    weights = Weights(cfg, meta, engine.load, engine.prefix_cache, engine.dtype)
     adapters = Adapters(name, cfg, meta, engine.adapters, weights.check_model)
     try:
         for lora_name, path in args.lora_modules:
@@ -124,7 +124,9 @@ def checked_model(args) -> tuple:
         if not 1 <= args.port <= 65535:
             raise ConfigError(f"--port {args.port}: must be a TCP port, 1 to 65535; fix: e.g. --port 8000")
         check_port(args.host, args.port)
-        loaded = load_trained(args.out_dir, args.tag, args.export, context=args.max_model_len)
+        # read at the served dtype: an 8B model's bf16 weights take 16 GB of the host's memory on their way
+        loaded = load_trained(args.out_dir, args.tag, args.export, context=args.max_model_len,
+                              dtype=serving_dtype(args.device, args.dtype))
         if args.max_model_len and args.max_model_len > loaded[0].block_size:
             raise ConfigError(f"--max_model_len {args.max_model_len}: above the model's context of "
                               f"{loaded[0].block_size:,} tokens; fix: pass {loaded[0].block_size} or less, or leave it "

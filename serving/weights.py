@@ -5,6 +5,8 @@ weights)."""
 import dataclasses
 import os
 
+import torch
+
 from common.checks import ConfigError
 from data.documents import documents_seen
 from model.registry import read_settings
@@ -21,9 +23,10 @@ CHAT = ("chat_template", "special_tokens", "end_of_turn_id")
 
 
 class Weights:
-    def __init__(self, cfg, meta: dict, load, prefix_cache=None):
-        """load(state dict): puts weights into the served model (its load_state_dict, or model/onednn.py's)."""
-        self.cfg, self.meta, self.load, self.prefix_cache = cfg, meta, load, prefix_cache
+    def __init__(self, cfg, meta: dict, load, prefix_cache=None, dtype: torch.dtype = torch.float32):
+        """load(state dict): puts weights into the served model (its load_state_dict, or model/onednn.py's);
+        `dtype`: the served model's, at which new weights are read."""
+        self.cfg, self.meta, self.load, self.prefix_cache, self.dtype = cfg, meta, load, prefix_cache, dtype
 
     def read(self, path, tag=None) -> tuple[dict, str, int]:
         """(the state dict, where it was read, its training step) of `path`: an export (a folder with config.json)
@@ -36,8 +39,8 @@ class Weights:
         export = os.path.isfile(os.path.join(path, "config.json"))
         if tag is not None and (export or not isinstance(tag, str)):
             raise ConfigError("tag names a checkpoint of a run's out_dir (a string), not of an export")
-        cfg, model, _, meta = load_trained(None if export else path, tag, path if export else None,
-                                           context=self.cfg.block_size)  # a Hugging Face folder: at the served context
+        cfg, model, _, meta = load_trained(None if export else path, tag, path if export else None,  # a Hugging Face
+                                           context=self.cfg.block_size, dtype=self.dtype)  # folder: at its context
         source, step, _ = where(None if export else path, tag, path if export else None, None)
         self.check_model(path, cfg, meta)
         return model.state_dict(), source, step

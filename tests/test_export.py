@@ -11,7 +11,7 @@ import torch
 from harness import BF16, TINY, export, run, sample_py, train_py
 from hf_check import assert_export_matches_transformers
 from training.checkpoints import checkpoint
-from training.checkpoints.export import load_export
+from training.checkpoints.export import load_export, load_trained
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,15 @@ def test_bf16_export_loads_in_transformers_and_samples(bf16_run):
     assert_export_matches_transformers(folder, tokens=32)
     text = sample_py(["--export", folder, "--max_new_tokens", "20", "--prompt", "KING:"]).stdout
     assert any(line.startswith("KING:") and len(line) >= 20 for line in text.splitlines())
+
+
+def test_an_export_is_read_at_the_dtype_asked(bf16_run):
+    """The server's bf16 reads the export's fp32 masters rounded once, not widened copies of the module's weights."""
+    folder = str(bf16_run / "export" / "step_000004")
+    _, exported, _ = load_export(folder)
+    _, model, _, _ = load_trained(None, None, folder, dtype=torch.bfloat16)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, exported[name].bfloat16()), name
 
 
 class RunsCode:

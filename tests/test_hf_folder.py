@@ -316,6 +316,18 @@ def test_sample_answers_from_the_folder(qwen3):
     assert proc.stdout == reference.decode(expected, skip_special_tokens=True) + "\n"
 
 
+def test_a_folder_is_read_at_the_dtype_served(qwen3):
+    """The server reads a folder at its dtype (bf16 on a GPU), not in fp32 first: each weight the folder's, rounded,
+    and the rotary tables, which no folder holds, computed."""
+    folder, theirs = qwen3
+    _, full, _, _ = load_trained(None, None, str(folder))
+    _, half, _, _ = load_trained(None, None, str(folder), dtype=torch.bfloat16)
+    weights = dict(full.named_parameters())
+    assert {name: p.dtype for name, p in half.named_parameters()} == {name: torch.bfloat16 for name in weights}
+    assert all(torch.equal(p, weights[name].bfloat16()) for name, p in half.named_parameters())
+    assert all(torch.equal(b, dict(full.named_buffers())[name]) for name, b in half.named_buffers())
+
+
 def test_a_run_from_a_folder_trains_the_model_its_config_describes(tmp_path, tokenizer_files):
     """train.init_from's folder gives the run's model settings over the preset's (the quickstart's GPT here), less
     its context and head; the command line's still win (and the run's check of the folder refuses them where they
