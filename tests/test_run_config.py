@@ -333,6 +333,19 @@ def test_a_run_yaml_starts_from_its_base_preset(tmp_path):
     assert cfg.optim.warmup_steps == quickstart.optim.warmup_steps
 
 
+def test_a_later_sample_prompt_replaces_a_presets_sample_chat(tmp_path):
+    """The fine-tuning presets sample a chat message; a prompt given after them, on the command line or in a YAML
+    over one, is the one sampled, unless the same layer gives a message too."""
+    sft = os.path.join(REPO, "configs", "llama_quickstart_sft.yaml")
+    assert load_run_config(sft, []).sample.chat
+    given = load_run_config(sft, ["sample.prompt=ROMEO"]).sample
+    assert (given.prompt, given.chat) == ("ROMEO", None)
+    (tmp_path / "mine.yaml").write_text(f"base: {sft}\nsample:\n  prompt: ROMEO\n")
+    assert load_run_config(str(tmp_path / "mine.yaml"), []).sample.chat is None
+    assert load_run_config(sft, ["sample.prompt=ROMEO", "sample.chat=Hi"]).sample.chat == "Hi"
+    assert load_run_config(str(tmp_path / "mine.yaml"), ["sample.chat=Hi"]).sample.chat == "Hi"
+
+
 def test_missing_files_name_where_to_look():
     with pytest.raises(ConfigError, match=r"ds_config nope.json does not exist; fix: pass a DeepSpeed config JSON; "
                                           r"shipped ones: .*zero2.json"):

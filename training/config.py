@@ -21,7 +21,7 @@ from model.config import ModelConfig
 from model.registry import check_architecture
 from training.device import SDPA_BACKENDS
 from training.overrides import explain_omegaconf_error, read_overrides
-from training.presets import read_presets
+from training.presets import layered, read_presets
 
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "quickstart.yaml")
 # On a GPU, ZeRO-1: in bf16, ZeRO-0 steps through DeepSpeed's unfused optimizer, which checks every gradient
@@ -360,7 +360,7 @@ def _merged(layers: list) -> DictConfig:
     cfg = OmegaConf.structured(RunConfig)
     for source, layer in layers:
         try:
-            cfg = OmegaConf.merge(cfg, layer())
+            cfg = layered(cfg, layer())
         except OmegaConfBaseException as e:
             raise ConfigError(explain_omegaconf_error(e, source, RunConfig)) from None
     return cfg

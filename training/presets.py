@@ -9,6 +9,18 @@ from omegaconf import DictConfig, OmegaConf
 from common.checks import REPO_ROOT, ConfigError, existing_file
 
 BASE = "base"  # the key of a run YAML that names the preset it starts from
+# Settings that a later layer's setting of another replaces: a sample.prompt given over a preset's sample.chat is
+# the one sampled (sample.chat is sampled in its place wherever both are set).
+REPLACED_BY = {"sample.chat": "sample.prompt"}
+
+
+def layered(under: DictConfig, over: DictConfig) -> DictConfig:
+    """`over` merged over `under`, a setting of REPLACED_BY that `over` replaces (without setting it) cleared."""
+    merged = OmegaConf.merge(under, over)
+    for replaced, by in REPLACED_BY.items():
+        if OmegaConf.select(over, by) is not None and OmegaConf.select(over, replaced) is None:
+            OmegaConf.update(merged, replaced, None)
+    return merged
 
 
 def read_presets(path: str, sections: set[str], derived: tuple[str, ...] = ()) -> DictConfig:
@@ -32,7 +44,7 @@ def read_presets(path: str, sections: set[str], derived: tuple[str, ...] = ()) -
     if os.path.realpath(base_path) in chain:
         raise ConfigError(f"{path}: {BASE}: {base} leads back to {path}: the presets' bases go round in a circle; "
                           f"fix: remove one {BASE}")
-    return OmegaConf.merge(read_presets(base_path, sections, chain), layer)
+    return layered(read_presets(base_path, sections, chain), layer)
 
 
 def _read_yaml(path: str, sections: set[str]) -> DictConfig:
