@@ -272,6 +272,9 @@ BAD_TYPES = [
     ("eval.tasks=5", "bad setting 'eval.tasks' in the command line: 5 is not a list; fix: set it to a list, e.g. "
                      "eval.tasks=[a,b]"),
     ("model.n_layer=[1]", "bad setting 'model.n_layer' in the command line: [1] is not an integer"),
+    ("sample.prompt=KING:", "bad setting 'sample.prompt' in the command line: {'KING': None} is not a string: YAML "
+                            "read the value as a mapping; fix: quote it inside the override, e.g. "
+                            "'sample.prompt=\"text: more\"'"),
     ("model=3", "'model' in the command line is a section of settings, not a setting; fix: set one of its keys, e.g. "
                 "model.arch=..."),
 ]

@@ -8,7 +8,7 @@ import types
 import typing
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common.checks import ConfigError
@@ -44,8 +44,12 @@ def explain_omegaconf_error(e: OmegaConfBaseException, source: str, schema: type
     expected = _expected_type(schema, key)
     if expected:
         kind, example = expected
-        return (f"bad setting '{key}' in {source}: {getattr(e, 'value', None)!r} is not {kind}; fix: set it to "
-                f"{kind}, e.g. {key}={example}")
+        value = getattr(e, "value", None)
+        if kind == TYPE_WORDS[str][0] and isinstance(value, (dict, list, DictConfig, ListConfig)):  # KING: is a map
+            return (f"bad setting '{key}' in {source}: {value!r} is not a string: YAML read the value as a "
+                    f"{'list' if isinstance(value, (list, ListConfig)) else 'mapping'}; fix: quote it inside the "
+                    f"override, e.g. '{key}=\"text: more\"'")
+        return f"bad setting '{key}' in {source}: {value!r} is not {kind}; fix: set it to {kind}, e.g. {key}={example}"
     # OmegaConf appends its full_key, reference_type and object_type on lines of their own: the first line says it.
     return f"bad setting '{key}' in {source}: {str(getattr(e, 'msg', None) or e).splitlines()[0]}"
 
