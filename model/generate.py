@@ -282,16 +282,22 @@ def decoder_for(model: torch.nn.Module, block_size: int, vocab_size: int, slots:
 def generate(decoder: WindowDecoder, prompt: list[int], sampling: Sampling,
              generator: torch.Generator | None = None) -> list[int]:
     """The tokens drawn after `prompt`: max_new_tokens of them, or fewer up to and including a stop id."""
+    return list(generated(decoder, prompt, sampling, generator))
+
+
+def generated(decoder: WindowDecoder, prompt: list[int], sampling: Sampling,
+              generator: torch.Generator | None = None):
+    """generate's tokens one at a time, as each is drawn (a terminal chat prints them so)."""
     if sampling.max_new_tokens == 0:
-        return []
+        return
     slot, logits = decoder.start(prompt)
     out = []
     try:
         while len(out) < sampling.max_new_tokens:
             out.append(choose(logits, sampling, generator, prompt, out))
+            yield out[-1]
             if out[-1] in sampling.stop_ids or len(out) == sampling.max_new_tokens:
                 break
             logits = decoder.step({slot: [out[-1]]})[slot]
     finally:
         decoder.release(slot)
-    return out

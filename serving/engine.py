@@ -68,10 +68,11 @@ def check_cache(cfg, model: torch.nn.Module, slots: int, context: int, dtype: to
     if free is None or need <= free:
         return
     fits = max(0, free) * context // need
-    raise ConfigError(f"the key/value cache of --slots {slots} x {context:,} tokens (--max_model_len, the model's "
-                      f"context unless given) takes {need / 2**30:.1f} GiB at {str(dtype).removeprefix('torch.')}, "
-                      f"and {max(0, free) / 2**30:.1f} GiB are free on {device}; fix: pass --max_model_len {fits} "
-                      f"or less, or fewer --slots")
+    several, fewer = (f"--slots {slots} x ", ", or fewer --slots") if slots > 1 else ("", "")  # a server's slots
+    raise ConfigError(f"the key/value cache of {several}{context:,} tokens (--max_model_len, the model's context "
+                      f"unless given) takes {need / 2**30:.1f} GiB at {str(dtype).removeprefix('torch.')}, and "
+                      f"{max(0, free) / 2**30:.1f} GiB are free on {device}; fix: pass --max_model_len {fits} or "
+                      f"less{fewer}")
 
 
 def free_memory(device: str) -> int | None:

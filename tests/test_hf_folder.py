@@ -13,19 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from chats import CHATML, chatml_folder
 from common.checks import ConfigError
 from harness import REPO
-from hf_check import transformers_model
+from hub_folders import ENDS, IM_END, LLAMA, PADDING, QWEN3_TIED, decisive_qwen3, hub_folder, hub_tokenizer
 from model.config import ModelConfig
 from model.registry import read_settings
 from servers import Server
 from training.checkpoints.export import load_trained
 from training.checkpoints.hf_folder import folder_model
 
-# 512 embedding rows for the tokenizer's 500 ids, as a Qwen's 151,936 rows hold its 151,669
-LLAMA = ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=64, block_size=32,
-                    vocab_size=512, rope_theta=500.0, norm_eps=1e-5)
 MOE = dataclasses.replace(LLAMA, n_head=2, n_kv_head=2, n_experts=4, expert_hidden=48)
 CLASSES = {"gpt2": ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=512),
            "gpt2_exact_gelu": ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=512,
@@ -35,33 +31,18 @@ CLASSES = {"gpt2": ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vo
            "llama3.1_rope_scaling": dataclasses.replace(LLAMA, rope_scale_factor=8.0, rope_original_context=16),
            "llama_wide_heads": dataclasses.replace(LLAMA, head_dim=16),
            "qwen2": dataclasses.replace(LLAMA, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6),
-           "qwen3_tied": dataclasses.replace(LLAMA, qk_norm=True, head_dim=16, tie_embeddings=True, norm_eps=1e-6),
+           "qwen3_tied": QWEN3_TIED,
            "mixtral": MOE,
            "qwen3_moe": dataclasses.replace(MOE, qk_norm=True, moe_every=2),
            "qwen2_moe": dataclasses.replace(MOE, n_shared_experts=1),
            "qwen2_moe_biased": dataclasses.replace(MOE, n_shared_experts=1, qkv_bias=True)}
 # Settings a Mixtral's config.json cannot tell: the dense MLP's width, where every block has experts.
 UNTOLD = {"mixtral": ("ffn_hidden",)}
-IM_END = "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory, shakespeare_path):
-    """A Qwen-style tokenizer folder: a byte-level BPE with ChatML's tokens, CHATML in tokenizer_config.json, and
-    its eos_token the end of turn."""
-    folder = chatml_folder(tmp_path_factory.mktemp("tokenizer"), shakespeare_path)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": IM_END,
-                                                              "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return folder
-
-
-def hub_folder(folder, cfg: ModelConfig, tokenizer_files, seed: int = 7):
-    """A folder as a Hub download leaves it: transformers' model of `cfg` saved, the tokenizer's files beside it."""
-    theirs = transformers_model(cfg, folder, seed=seed)
-    (folder / "generation_config.json").unlink(missing_ok=True)  # GPT2Config's default ends: GPT-2's 50,256
-    for path in tokenizer_files.iterdir():
-        shutil.copy(path, folder / path.name)
-    return theirs
+    return hub_tokenizer(tmp_path_factory.mktemp("tokenizer"), shakespeare_path)
 
 
 @pytest.mark.parametrize("name", CLASSES)
@@ -215,34 +196,16 @@ def test_the_kv_cache_is_checked_against_the_free_memory():
         "128.0 GiB at bfloat16, and 24.0 GiB are free on cpu; fix: pass --max_model_len 24574 or less, or fewer "
         "--slots")
     check_cache(llama3_8b, None, 8, 24574, torch.bfloat16, "cpu", free=24 * 2**30)
+    with pytest.raises(ConfigError, match=r"^the key/value cache of 131,072 tokens .* fix: pass --max_model_len "
+                                          r"65532 or less$"):  # one sequence's (scripts.chat's): no slots to name
+        check_cache(llama3_8b, None, 1, 131072, torch.bfloat16, "cpu", free=8 * 2**30)
     with pytest.raises(ConfigError):
         check_cache(llama3_8b, None, 8, 24575, torch.bfloat16, "cpu", free=24 * 2**30)
 
 
-# The embedding rows past the tokenizer's 500 ids, which transformers' greedy answers would always pick here
-PADDING = list(range(500, 512))
-ENDS = [499, 1]  # the served Qwen3's generation_config.json's eos_token_id
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, tokenizer_files):
-    """A tied Qwen3 whose rows past the tokenizer's ids have the largest logits (1,000 times a hidden feature, of
-    either sign): drawn among all rows, an answer would be those."""
-    folder = tmp_path_factory.mktemp("Qwen3-tiny")
-    theirs = hub_folder(folder, dataclasses.replace(CLASSES["qwen3_tied"], block_size=64), tokenizer_files)
-    with torch.no_grad():
-        for p in theirs.parameters():  # weights far from transformers' small init: greedy answers of many tokens
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
-        rows = theirs.model.embed_tokens.weight[PADDING]
-        rows.zero_()
-        for i in range(len(PADDING)):
-            rows[i, i // 2] = 1000.0 * (-1) ** i
-        theirs.model.embed_tokens.weight[PADDING] = rows
-    theirs.save_pretrained(folder)
-    # more ends, as a Llama 3.1's generation config names its <|eom_id|> and <|end_of_text|> beside <|eot_id|>
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ENDS}))
-    return folder, theirs
+    return decisive_qwen3(tmp_path_factory.mktemp("Qwen3-tiny"), tokenizer_files)
 
 
 @torch.no_grad()

@@ -334,9 +334,9 @@ def _check_head(cfg: ModelConfig, head: str, source: str) -> None:
 
 
 def _with_weights(cfg: ModelConfig, state: dict, source: str, dtype: torch.dtype) -> tuple:
-    """(config, model): the model of `cfg` holding `state` at `dtype`, the weights read from `source`, LoRA's adapters merged into the weights
-    they adapt (sampling and serving run it as one model, its linear maps packed where oneDNN is faster); and its
-    config."""
+    """(config, model): the model of `cfg` holding `state` at `dtype`, the weights read from `source`, LoRA's
+    adapters merged into the weights they adapt (sampling and serving run it as one model, its linear maps packed
+    where oneDNN is faster)."""
     cfg, state = merged(cfg, state)
     model = build_empty(cfg, dtype)
     try:
