@@ -12,7 +12,6 @@ leave it less loses its earliest exchanges (the system message stays), and says 
 """
 import argparse
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -22,13 +21,12 @@ from data.chat import chat_prompt
 from data.documents import documents_seen
 from data.meta import answer_ends, drawn_vocabulary
 from data.tokenizers import TokenizerError
-from model.generate import Sampling, decoder_for, generated
+from model.generate import Sampling, decoder_for
 from model.prefix_cache import PrefixCache
+from serving.conversation import INSTEAD, WHAT, Conversation
 from serving.engine import DTYPES, check_cache, serving_dtype
-from serving.text import TextStream
 from training.checkpoints.export import add_trained_arguments, load_trained
 
-WHAT, INSTEAD = "python -m scripts.chat", "sample it with python sample.py --prompt"
 PREFIX_CACHE_MB = 256  # the conversation so far: a 0.6B Qwen's keys and values of about 1,100 tokens in fp32
 
 
@@ -54,8 +52,9 @@ def main(argv=None) -> int:
     decoder = decoder_for(model, context, drawn_vocabulary(cfg.vocab_size, meta),
                           documents=documents_seen(cfg.document_masking, meta),
                           prefix_cache=PrefixCache(PREFIX_CACHE_MB * 2**20))
-    chat = Chat(decoder, tokenizer, meta, system, context, sampling, answer_ends(meta, end), args.seed)
-    return chat.run(sys.stdin, sys.stdout)
+    conversation = Conversation(decoder, tokenizer, meta, system, context, sampling, answer_ends(meta, end),
+                                args.seed)
+    return conversation.run(sys.stdin, sys.stdout)
 
 
 def parse_args(argv):
@@ -72,70 +71,6 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on a GPU, fp32 on the CPU")
     return parser.parse_args(argv)
-
-
-class Chat:
-    """One conversation at a time: the messages so far, and how an answer to the next one is drawn."""
-
-    def __init__(self, decoder, tokenizer, meta: dict, system: list, context: int, sampling: Sampling,
-                 ends: list[int], seed: int):
-        self.decoder, self.tokenizer, self.meta, self.system = decoder, tokenizer, meta, system
-        self.context, self.sampling, self.ends = context, sampling, ends
-        self.room = min(sampling.max_new_tokens, context // 2)  # an answer's least room
-        self.generator = torch.Generator().manual_seed(seed)
-        self.history: list[dict] = []
-
-    def run(self, lines, out) -> int:
-        """Answers each line of `lines` (a command, or a user message) on `out` until /quit or their end."""
-        interactive = lines.isatty()
-        while True:
-            if interactive:
-                print("> ", end="", file=out, flush=True)
-            line = lines.readline()
-            if not line or line.strip() == "/quit":
-                return 0
-            message = line.rstrip("\n")
-            if message.strip() == "/reset":
-                self.history = []
-                print("(a new conversation)", file=sys.stderr, flush=True)
-            elif message.strip():
-                self.answer(message, out)
-
-    def answer(self, message: str, out) -> None:
-        """Prints the answer to `message` as it is drawn, and keeps both in the conversation."""
-        try:
-            prompt = self.prompt({"role": "user", "content": message})
-        except ValueError as e:  # a message the template refuses (its own raise_exception)
-            print(f"({e})", file=sys.stderr, flush=True)
-            return
-        if prompt is None:
-            return
-        stream = TextStream(self.tokenizer, [])
-        sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, self.context - len(prompt)),
-                           stop_ids=tuple(self.ends))
-        for token in generated(self.decoder, prompt, sampling, self.generator):
-            if token in self.ends:
-                break
-            print(stream.add(token)[0], end="", file=out, flush=True)
-        print(stream.rest(), file=out, flush=True)
-        self.history += [{"role": "user", "content": message}, {"role": "assistant", "content": stream.text}]
-
-    def prompt(self, turn: dict) -> list[int] | None:
-        """The ids of the conversation with `turn`, its earliest exchanges left out until an answer has its room;
-        None (said on stderr) where the message alone leaves none."""
-        alone, _ = chat_prompt([*self.system, turn], self.meta, self.tokenizer, WHAT, INSTEAD)
-        if len(alone) > self.context - self.room:  # the conversation so far kept for a shorter message
-            print(f"(this message takes {len(alone):,} tokens of the context's {self.context:,}, leaving an answer "
-                  f"less than {self.room}: write a shorter one, or pass a longer --max_model_len)", file=sys.stderr,
-                  flush=True)
-            return None
-        while True:
-            ids, _ = chat_prompt([*self.system, *self.history, turn], self.meta, self.tokenizer, WHAT, INSTEAD)
-            if len(ids) <= self.context - self.room:
-                return ids
-            self.history = self.history[2:]
-            print("(the conversation's earliest exchange left out: it no longer fits the context)", file=sys.stderr,
-                  flush=True)
 
 
 if __name__ == "__main__":

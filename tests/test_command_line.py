@@ -61,6 +61,8 @@ BAD_COMMAND_LINES = [
     ("-m data.prepare", ["--workers", "x"], "error: python -m data.prepare: argument --workers: invalid int value: "
                                             "'x'; fix: see python -m data.prepare --help"),
     ("-m scripts.export", [], "error: python -m scripts.export: the following arguments are required: --out_dir"),
+    ("-m scripts.chat", ["--export", "x", "--top_p", "0"], "error: --top_p=0.0: must be in (0, 1]"),
+    ("-m scripts.chat", ["--export", "x", "--max_model_len", "1"], "error: --max_model_len 1: must be at least 2"),
     ("-m scripts.convert_checkpoint", ["convert"], "error: python -m scripts.convert_checkpoint: argument command: "
                                                    "invalid choice"),
     ("-m scripts.plot", [], "error: python -m scripts.plot: the following arguments are required: RUN_DIR"),

@@ -19,7 +19,7 @@ def test_the_entry_points_import_and_build_on_the_meta_device_without_dynamo():
     """Importing train.py, the commands and the objectives, and building each architecture on the meta device (as
     the commands that count or lay out parameters do), leaves dynamo unloaded (scripts.export's 4.9 s took 3.8 with
     it gone; a training run loads it with torch.optim's first parameter group)."""
-    code = ("import torch, train, sample, preflight, scripts.export, scripts.serve, scripts.memory_plan, "
+    code = ("import torch, train, sample, preflight, scripts.chat, scripts.export, scripts.serve, scripts.memory_plan, "
             "training.objectives.rl, training.steps\n"
             "from model import build_model\n"
             "from training.config import load_run_config\n"
