@@ -18,7 +18,7 @@ from data.chat import chat_prompt
 from data.documents import documents_seen
 from data.meta import answer_ends, drawn_vocabulary
 from data.tokenizers import TokenizerError, sampling_start
-from model.generate import Sampling, decoder_for, generate
+from model.generate import DTYPES, Sampling, decoder_for, generate, generation_dtype
 from training.checkpoints.export import add_trained_arguments, load_trained
 
 
@@ -38,6 +38,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on a GPU, fp32 on the CPU")
     args = parser.parse_args(argv)
     try:
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, min_p=args.min_p,
@@ -45,7 +46,8 @@ def main(argv=None) -> None:
     except ValueError as e:
         exit_bad_input(f"--{e}")
     try:
-        cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export)
+        cfg, model, tokenizer, meta = load_trained(args.out_dir, args.tag, args.export,
+                                                   dtype=generation_dtype(args.device, args.dtype))
         stop_id = None
         if args.chat is not None:
             prompt_ids, stop_id = chat_prompt([{"role": "user", "content": args.chat}], meta, tokenizer,

@@ -16,6 +16,13 @@ import torch
 from model.kv_cache import KVCache, attention_modules
 from model.prefix_cache import PrefixCache
 
+DTYPES = ("auto", "fp32", "bf16")  # a command's --dtype
+
+
+def generation_dtype(device: str, dtype: str) -> torch.dtype:
+    """The weights' dtype of --dtype (one of DTYPES): auto is bf16 on a GPU, fp32 on the CPU."""
+    return torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device != "cpu") else torch.float32
+
 
 class SamplingError(ValueError):
     """A sampling setting out of range; `setting` names it."""

@@ -21,10 +21,10 @@ from data.chat import chat_prompt
 from data.documents import documents_seen
 from data.meta import answer_ends, drawn_vocabulary
 from data.tokenizers import TokenizerError
-from model.generate import Sampling, decoder_for
+from model.generate import DTYPES, Sampling, decoder_for, generation_dtype
 from model.prefix_cache import PrefixCache
 from serving.conversation import INSTEAD, WHAT, Conversation
-from serving.engine import DTYPES, check_cache, serving_dtype
+from serving.engine import check_cache
 from training.checkpoints.export import add_trained_arguments, load_trained
 
 PREFIX_CACHE_MB = 256  # the conversation so far: a 0.6B Qwen's keys and values of about 1,100 tokens in fp32
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         exit_bad_input(f"--{e}")
-    dtype = serving_dtype(args.device, args.dtype)
+    dtype = generation_dtype(args.device, args.dtype)
     system = [{"role": "system", "content": args.system}] if args.system else []
     try:
         if args.max_model_len is not None and args.max_model_len < 2:

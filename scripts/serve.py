@@ -30,8 +30,8 @@ import torch
 from common import freeze_imports
 from common.checks import ConfigError, ToolParser, exit_bad_input
 from data.tokenizers import TokenizerError
+from model.generate import DTYPES, generation_dtype
 from serving.adapters import lora_module
-from serving.engine import DTYPES, serving_dtype
 from training.checkpoints.export import add_trained_arguments, load_trained
 
 KEY_VARIABLE = "MEGALITE_API_KEY"
@@ -126,7 +126,7 @@ def checked_model(args) -> tuple:
         check_port(args.host, args.port)
         # read at the served dtype: an 8B model's bf16 weights take 16 GB of the host's memory on their way
         loaded = load_trained(args.out_dir, args.tag, args.export, context=args.max_model_len,
-                              dtype=serving_dtype(args.device, args.dtype))
+                              dtype=generation_dtype(args.device, args.dtype))
         if args.max_model_len and args.max_model_len > loaded[0].block_size:
             raise ConfigError(f"--max_model_len {args.max_model_len}: above the model's context of "
                               f"{loaded[0].block_size:,} tokens; fix: pass {loaded[0].block_size} or less, or leave it "

@@ -10,14 +10,12 @@ import torch
 from common.checks import ConfigError
 from data.documents import documents_seen
 from data.meta import drawn_vocabulary
-from model.generate import decoder_for
+from model.generate import decoder_for, generation_dtype
 from model.kv_cache import cache_bytes
 from model.lora_batch import BatchAdapters
 from model.onednn import PackedLinears, packable
 from model.prefix_cache import PrefixCache
 from serving.scheduler import Scheduler
-
-DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -36,7 +34,7 @@ def start_engine(cfg, model: torch.nn.Module, meta: dict, device: str, dtype: st
     built it (serving/scheduler.py says why); `dtype` one of DTYPES; a prefix cache of 0 MB is none; `context`: the
     tokens a sequence may hold (default: the model's block_size), each slot of the key/value cache that many. A cache
     that cannot fit where it would live is refused here (ConfigError), not at the first request that fills it."""
-    chosen = serving_dtype(device, dtype)
+    chosen = generation_dtype(device, dtype)
     context = context or cfg.block_size
     check_cache(cfg, model, slots, context, chosen, device)
     model = model.to(device, chosen).eval()
@@ -48,11 +46,6 @@ def start_engine(cfg, model: torch.nn.Module, meta: dict, device: str, dtype: st
                           documents_seen(cfg.document_masking, meta), prefix_cache=prefix_cache, adapters=adapters)
     return Engine(Scheduler(decoder, slots, max_queue, thread=thread), load, getattr(decoder, "prefix_cache", None),
                   adapters, parameters, chosen)
-
-
-def serving_dtype(device: str, dtype: str) -> torch.dtype:
-    """The weights' dtype of --dtype (one of DTYPES): auto is bf16 on a GPU, fp32 on the CPU."""
-    return torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device != "cpu") else torch.float32
 
 
 def check_cache(cfg, model: torch.nn.Module, slots: int, context: int, dtype: torch.dtype, device: str,
