@@ -108,7 +108,7 @@ def test_sample_chat_refuses_a_template_that_fails_on_the_prompt_in_one_line(mon
                 "{% if add_generation_prompt %}\n{{ assistant_prefix.strip() }}{% endif %}")
     meta = {"chat": {"chat_template": template, "template": "/models/t.jinja", "context": 64, "end_of_turn_id": 0,
                      "end_of_turn": "\n"}}
-    monkeypatch.setattr(sample, "load_trained", lambda *args: (None, None, CharTokenizer(list("hi\n")), meta))
+    monkeypatch.setattr(sample, "load_trained", lambda *args, **kwargs: (None, None, CharTokenizer(list("hi\n")), meta))
     assert_refused(sample.main, ["--out_dir", "run", "--chat", "hi"], "--chat 'hi': the model's chat template "
                    "(meta.json chat.chat_template, from /models/t.jinja) fails at line 2 on the messages "
                    "(UndefinedError: 'assistant_prefix' is undefined); fix: correct the template so it renders user "
