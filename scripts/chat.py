@@ -54,7 +54,11 @@ def main(argv=None) -> int:
                           prefix_cache=PrefixCache(PREFIX_CACHE_MB * 2**20))
     conversation = Conversation(decoder, tokenizer, meta, system, context, sampling, answer_ends(meta, end),
                                 args.seed)
-    return conversation.run(sys.stdin, sys.stdout)
+    try:
+        return conversation.run(sys.stdin, sys.stdout)
+    except KeyboardInterrupt:  # Ctrl-C: the conversation ends, without a traceback
+        print(file=sys.stderr)
+        return 130
 
 
 def parse_args(argv):
