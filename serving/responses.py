@@ -3,7 +3,8 @@ messages whose content is a string or text parts) after `instructions` (a system
 `max_output_tokens`, `temperature`, `top_p`, `text.format` (text, json_object, json_schema) and the sampling options
 chat completions take (vLLM's extras too); one output message of output_text, whole or as the Responses stream's
 events. Nothing is stored (`store` is false): a request that builds on a stored response or conversation, runs in
-the background, or brings tools or reasoning settings is refused."""
+the background, or brings reasoning settings is refused; an earlier response's reasoning items sent back reach the
+template as the turn's reasoning_content."""
 import json
 import time
 import uuid
@@ -68,18 +69,23 @@ def _chat_tool(tool, i: int) -> dict:
 
 def _messages(given) -> list[dict]:
     """Responses' input as chat messages: a string is one user turn; a list's messages each a turn, its
-    function_call items the calls of an assistant turn and its function_call_output items tool turns."""
+    function_call items the calls of an assistant turn, its function_call_output items tool turns, and its reasoning
+    items (an earlier response's output, sent back as clients do) the reasoning_content of the assistant turn that
+    follows them (a chat template renders it where it renders a turn's thought)."""
     if isinstance(given, str) and given:
         return [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise APIError(400, "input must be a non-empty string or list of messages", "input")
-    messages = []
+    messages, thought = [], None
     for i, item in enumerate(given):
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            thought = _reasoning(item, i)
+            continue
         if kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if not messages or messages[-1]["role"] != "assistant":
+            if not messages or messages[-1]["role"] != "assistant" or thought is not None:
                 messages.append({"role": "assistant", "content": None, "tool_calls": []})
             messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str) and \
@@ -89,8 +95,20 @@ def _messages(given) -> list[dict]:
             messages.append({"role": ROLES[item["role"]], "content": _content(item.get("content"), i)})
         else:
             raise APIError(400, f"input[{i}] must be a message of role user, assistant, system or developer, a "
-                                f"function_call or a function_call_output", "input")
+                                f"function_call, a function_call_output or a reasoning item", "input")
+        if thought is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = thought
+        thought = None  # a thought belongs to the assistant turn right after it, or to none
     return messages
+
+
+def _reasoning(item: dict, i: int) -> str:
+    """The text of a reasoning item's reasoning_text parts (its summary is not the thought, and is left out)."""
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "reasoning_text" and
+                                              isinstance(p.get("text"), str) for p in parts):
+        raise APIError(400, f"input[{i}]: a reasoning item's content must be reasoning_text parts", "input")
+    return "".join(p["text"] for p in parts)
 
 
 def _content(content, i: int):

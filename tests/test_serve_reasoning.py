@@ -161,6 +161,16 @@ def test_the_responses_api_gives_the_reasoning_an_item_before_the_message(server
     done = [e.item.id for e in events if e.type == "response.output_item.done"]
     assert done == [item.id for item in events[-1].response.output]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Rome is in Italy."
+    # the output sent back as the next request's input, as clients do: the reasoning is the turn's, as in chat
+    following = {**options, "input": [ASK[0], *[o.model_dump() for o in whole.output],
+                                      {"role": "user", "content": "Thanks."}], "max_output_tokens": 1}
+    history = [*ASK, {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Rome is in Italy."},
+               {"role": "user", "content": "Thanks."}]
+    chat = client.chat.completions.create(model="export", messages=history, max_tokens=1)
+    assert client.responses.create(**following).usage.input_tokens == chat.usage.prompt_tokens
+    bare = [history[0], {"role": "assistant", "content": "It is sunny."}, history[2]]
+    without = client.chat.completions.create(model="export", messages=bare, max_tokens=1)
+    assert without.usage.prompt_tokens < chat.usage.prompt_tokens
 
 
 # TEMPLATE, and DeepSeek-R1's way where a request asks (open_thought): the generation prompt opens the thought

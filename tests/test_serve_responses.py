@@ -92,8 +92,12 @@ def test_sampling_options_and_the_text_format_reach_the_sampler(server):
                                                                         "not render tools"),
     ({"input": MESSAGE, "tools": [{"type": "web_search"}]}, "tools[0] must be a function"),
     ({"input": MESSAGE, "include": ["message.output_text.logprobs"]}, "include is not supported"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0] must be a message of role user, assistant, system "
-                                                        "or developer, a function_call or a function_call_output"),
+    ({"input": [{"type": "file_search_call", "id": "fs_1"}]}, "input[0] must be a message of role user, assistant, "
+                                                              "system or developer, a function_call, a "
+                                                              "function_call_output or a reasoning item"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "summary_text", "text": "x"}]},
+                {"role": "user", "content": MESSAGE}]}, "input[0]: a reasoning item's content must be reasoning_text "
+                                                        "parts"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0]: only text content is supported"),
     ({"input": ""}, "input must be a non-empty string or list of messages"),
