@@ -2,8 +2,8 @@
 reasoning (`reasoning_content`), the rest the content, whole and streamed (every reasoning delta before the content),
 where the answer begins with <think> or the prompt opened one; the calls of tools read from the content alone;
 Qwen 3's enable_thinking false (the prompt closes an empty think) answers in content; an answer cut while thinking is
-all reasoning; the Responses API gives a reasoning item before the message, its events in order; earlier turns'
-reasoning_content reaches the template."""
+all reasoning; the Responses API gives a reasoning item before the message, its events in order, and takes it back
+as the next request's input; earlier turns' reasoning_content reaches the template."""
 import json
 import re
 from types import SimpleNamespace
